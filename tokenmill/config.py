@@ -1,0 +1,209 @@
+"""Engine configuration: frozen dataclasses grouped by concern, and all validation of engine options.
+
+`EngineConfig.create(model, **options)` is the one place where user options become a config:
+unknown options and out-of-range values raise `ValueError` naming the option. Configs are frozen;
+derive changed copies with `dataclasses.replace`. Model quirks (HF folder vs GGUF file, rope
+scaling, tied embeddings) are normalized in `ModelConfig` so models never look at file formats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tokenmill.utils import parse_size
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+# RoPE types whose frequencies do not depend on the sequence length (so a cos/sin table works).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A model's shape and where to load it from. `hf_config` is a transformers PretrainedConfig."""
+
+    path: str  # folder with config.json, or a .gguf file
+    hf_config: Any
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+    gguf_file: str | None = None  # set when weights come from a GGUF file
+
+    @staticmethod
+    def from_path(path: str | None, dtype: str = "auto",
+                  max_model_len: int | None = None) -> ModelConfig:
+        from tokenmill.model_loader.default_model import default_model_path
+        from tokenmill.model_loader.gguf_loader import find_gguf_file, gguf_hf_config
+
+        path = default_model_path() if path is None else os.path.expanduser(str(path))
+        gguf_file = find_gguf_file(path)
+        if gguf_file is not None:
+            hf_config = gguf_hf_config(gguf_file)
+        elif os.path.isfile(os.path.join(path, "config.json")):
+            from transformers import AutoConfig
+
+            try:
+                hf_config = AutoConfig.from_pretrained(path)
+            except Exception as e:  # transformers raises many types for a broken config
+                raise ValueError(f"cannot read {path}/config.json: {e}") from e
+        elif os.path.exists(path):
+            raise ValueError(
+                f"model path {path!r} has neither a config.json nor a .gguf file")
+        else:
+            raise ValueError(f"model path {path!r} does not exist")
+        return ModelConfig._build(path, hf_config, gguf_file, dtype, max_model_len)
+
+    @staticmethod
+    def _build(path: str, hf_config: Any, gguf_file: str | None, dtype: str,
+               max_model_len: int | None) -> ModelConfig:
+        archs = getattr(hf_config, "architectures", None) or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported model architecture {archs or hf_config.model_type!r} in {path}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        rope = getattr(hf_config, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported RoPE type {rope_type!r} in {path}; "
+                             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        if getattr(hf_config, "sliding_window", None) and getattr(
+                hf_config, "use_sliding_window", arch == "MistralForCausalLM"):
+            raise ValueError(f"sliding-window attention ({path}) is not supported")
+        ctx = int(hf_config.max_position_embeddings)
+        if max_model_len is None:
+            max_model_len = ctx
+        elif not 1 <= max_model_len <= ctx:
+            raise ValueError(f"max_model_len must be in [1, {ctx}] for this model, "
+                             f"got {max_model_len}")
+        return ModelConfig(path=path, hf_config=hf_config, architecture=arch,
+                           dtype=_resolve_dtype(dtype, hf_config), max_model_len=max_model_len,
+                           gguf_file=gguf_file)
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or \
+            self.hf_config.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        c = self.hf_config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, list | tuple) else [int(eos)]
+
+
+def _resolve_dtype(dtype: str | torch.dtype, hf_config: Any) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        # NOTE: float32 is the CPU fast path (bf16/fp16 GEMMs are 6-10x slower without AVX512);
+        # on GPUs the checkpoint's own half precision is what users expect.
+        if not torch.cuda.is_available():
+            return torch.float32
+        d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        return d if isinstance(d, torch.dtype) and d != torch.float32 else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int = 2 * 2**30  # bytes for K and V of all layers
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests, tuning)
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128], "
+                             f"got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 256  # requests running at once
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, "
+                             f"got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: str = "cpu"
+    seed: int = 0
+
+    @staticmethod
+    def create(model: str | None = None, **options: Any) -> EngineConfig:
+        """Build from a model path (None: the default model) and flat vLLM-style options."""
+        groups: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {},
+                                              "parallel": {}, "engine": {}}
+        owners = {"dtype": "model", "max_model_len": "model",
+                  "block_size": "cache", "kv_cache_memory": "cache", "num_kv_blocks": "cache",
+                  "max_num_batched_tokens": "scheduler", "max_num_seqs": "scheduler",
+                  "enable_chunked_prefill": "scheduler",
+                  "tensor_parallel_size": "parallel", "device": "engine", "seed": "engine"}
+        for name, value in options.items():
+            if name not in owners:
+                raise ValueError(f"unknown engine option {name!r}; known: "
+                                 f"{', '.join(sorted(owners))}")
+            if value is not None:
+                groups[owners[name]][name] = value
+        if "kv_cache_memory" in groups["cache"]:
+            groups["cache"]["kv_cache_memory"] = parse_size(groups["cache"]["kv_cache_memory"])
+        device = groups["engine"].get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+        model_cfg = ModelConfig.from_path(model, **groups["model"])
+        sched = SchedulerConfig(**groups["scheduler"])
+        if not sched.enable_chunked_prefill:
+            # Without chunking a whole prompt must fit in one step (vLLM's rule too).
+            if "max_num_batched_tokens" not in groups["scheduler"]:
+                sched = dataclasses.replace(sched, max_num_batched_tokens=max(
+                    model_cfg.max_model_len, sched.max_num_batched_tokens))
+            elif sched.max_num_batched_tokens < model_cfg.max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= "
+                    f"max_model_len ({model_cfg.max_model_len}) when chunked prefill is off")
+        return EngineConfig(model=model_cfg, cache=CacheConfig(**groups["cache"]),
+                            scheduler=sched, parallel=ParallelConfig(**groups["parallel"]),
+                            device=device, seed=int(groups["engine"].get("seed", 0)))

@@ -1,0 +1,51 @@
+"""The contract between the scheduler and the model runner.
+
+`Scheduler.schedule()` returns a `SchedulerOutput`; the runner executes it and returns a
+`ModelRunnerOutput`; `Scheduler.update_from_output(sched_out, runner_out)` applies it. The runner
+keeps no copy of the scheduler's state beyond per-request sampling state (seeded generators),
+which it drops when a request id appears in `finished_req_ids`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute `token_ids` at positions start_pos, start_pos+1, …"""
+
+    req_id: str
+    token_ids: list[int]  # the tokens to feed this step
+    start_pos: int  # num_computed_tokens before this step
+    block_ids: list[int]  # the request's whole block table after allocation
+    sample: bool  # True when this step reaches the request's last known token
+    sampling_params: SamplingParams
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    finished_req_ids: set[str] = field(default_factory=set)  # since the last step
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before fwd
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]  # parallel to req_ids; [] for a request that did not sample

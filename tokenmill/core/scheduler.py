@@ -1,0 +1,157 @@
+"""Scheduler: iteration-level continuous batching under a per-step token budget.
+
+Each step, running requests go first (in admission order), then waiting requests (FCFS) while
+budget, sequence slots and KV blocks last. A request is given
+`min(num_tokens - num_computed_tokens, budget left)` tokens, so prefill chunks, decodes and
+resumed requests are one case. When `allocate_slots` returns None the most recently admitted
+running request is preempted: its blocks are freed, `num_computed_tokens` drops to 0 and it
+goes back to the head of the queue to be recomputed; its generated tokens are kept, so its
+output does not change. No request is admitted in a step that preempted.
+
+Invariant: every block in the pool is free when no request is running or waiting.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.core.interface import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.stop import check_stop
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_since_last_step: set[str] = set()
+        self.num_preemptions = 0  # total, for stats and tests
+
+    # ---- queue management -------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finish a request as aborted and free its blocks; None if it is unknown or done."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request, n) is None:
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break  # it preempted itself: nobody after it can run either
+            scheduled.append((request, n))
+            budget -= n
+            i += 1
+
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            n = request.num_tokens - request.num_computed_tokens
+            if n > budget and not self.config.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if self.kv.allocate_slots(request, n) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, n))
+            budget -= n
+
+        return self._make_output(scheduled, preempted)
+
+    def _make_output(self, scheduled: list[tuple[Request, int]],
+                     preempted: list[Request]) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_since_last_step,
+                              blocks_to_copy=self.kv.take_pending_copies(),
+                              preempted_req_ids=[r.request_id for r in preempted])
+        self._finished_since_last_step = set()
+        for request, n in scheduled:
+            start = request.num_computed_tokens
+            out.scheduled.append(ScheduledRequest(
+                req_id=request.request_id,
+                token_ids=request.all_token_ids[start:start + n],
+                start_pos=start,
+                block_ids=self.kv.get_block_ids(request.request_id),
+                sample=start + n == request.num_tokens,
+                sampling_params=request.sampling_params,
+            ))
+            # NOTE: advanced here, not after the forward pass, so the next schedule() sees the
+            # tokens in flight; update_from_output only appends sampled tokens.
+            request.num_computed_tokens = start + n
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, sched_out: SchedulerOutput,
+                           runner_out: ModelRunnerOutput) -> list[Request]:
+        """Append sampled tokens, finish stopped requests; return the requests that progressed."""
+        progressed = []
+        for req_id, token_ids in zip(runner_out.req_ids, runner_out.sampled_token_ids,
+                                     strict=True):
+            request = self.requests.get(req_id)
+            if request is None or not token_ids:
+                continue  # aborted during the step, or a partial prefill chunk
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                status = check_stop(request, self.max_model_len)
+                if status is not None:
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    break
+            progressed.append(request)
+        return progressed
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_since_last_step.add(request.request_id)

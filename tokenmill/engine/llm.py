@@ -1,0 +1,108 @@
+"""LLM: the offline batch API, vLLM-compatible. It holds an LLMEngine (composition, not a
+subclass) and drives it until every submitted request has finished.
+
+    llm = LLM()                                   # default model: SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+    outs = llm.chat([{"role": "user", "content": "Hi"}])
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        self.engine = LLMEngine.from_options(model, **engine_options)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        request_ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, p)
+                request_ids.append(rid)
+        except Exception:
+            for rid in request_ids:  # leave the engine as we found it
+                self.engine.abort_request(rid)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.get_tokenizer()
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate()")
+        prompts = [tok.apply_chat_template(conv, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt,
+                                           **(chat_template_kwargs or {}))
+                   for conv in conversations]
+        # The template already holds the special tokens (BOS etc.): do not add them twice.
+        token_prompts = [{"prompt": text,
+                          "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+                         for text in prompts]
+        return self.generate(token_prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        order = {rid: i for i, rid in enumerate(request_ids)}
+        results: list[RequestOutput | None] = [None] * len(request_ids)
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in request_ids:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [r for r in results if r is not None]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single prompt given as token ids
+    return prompts
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None,
+                    n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling_params for {n} prompts; "
+                         "pass one, or one per prompt")
+    return params

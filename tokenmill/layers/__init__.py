@@ -1,0 +1,1 @@
+"""Model building blocks written for tensor parallelism (size 1 today)."""

@@ -1,0 +1,115 @@
+"""Linear layers sharded Megatron-style, each with a `weight_loader` that takes a full checkpoint
+tensor (or one shard of a packed one) and copies this rank's slice into the parameter.
+
+- ColumnParallelLinear: output features split across ranks; no communication.
+- MergedColumnParallelLinear: several column layers in one GEMM (gate_proj + up_proj).
+- QKVParallelLinear: q, k, v projections in one GEMM; heads split across ranks.
+- RowParallelLinear: input features split; partial outputs summed with all-reduce.
+
+Parameters are created with torch.empty: the loader fills every one of them or fails.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.distributed import ParallelState
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: ParallelState) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        _copy_checked(param.data, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"weight shape mismatch: checkpoint {tuple(src.shape)}, "
+                         f"model {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+class ColumnParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp: ParallelState = ParallelState()) -> None:
+        if output_size % tp.tp_size:
+            raise ValueError(f"output size {output_size} not divisible by tp {tp.tp_size}")
+        super().__init__(input_size, output_size // tp.tp_size, bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        n = param.shape[0]
+        _copy_checked(param.data, loaded.narrow(0, self.tp.tp_rank * n, n))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 tp: ParallelState = ParallelState()) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        assert isinstance(shard_id, int)
+        size = self.output_sizes[shard_id] // self.tp.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.tp_size
+        _copy_checked(param.data.narrow(0, offset, size),
+                      loaded.narrow(0, self.tp.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, tp: ParallelState = ParallelState()) -> None:
+        if num_heads % tp.tp_size or num_kv_heads % tp.tp_size:
+            raise ValueError(f"{num_heads} heads / {num_kv_heads} KV heads cannot be split "
+                             f"over tp={tp.tp_size}")
+        self.num_heads = num_heads // tp.tp_size
+        self.num_kv_heads = num_kv_heads // tp.tp_size
+        self.head_dim = head_dim
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size),
+                        "v": (q_size + kv_size, kv_size)}[shard_id]
+        _copy_checked(param.data.narrow(0, offset, size),
+                      loaded.narrow(0, self.tp.tp_rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp: ParallelState = ParallelState()) -> None:
+        if input_size % tp.tp_size:
+            raise ValueError(f"input size {input_size} not divisible by tp {tp.tp_size}")
+        super().__init__(input_size // tp.tp_size, output_size, bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        if param.dim() == 1:  # bias: added once, after the reduction
+            _copy_checked(param.data, loaded)
+            return
+        n = param.shape[1]
+        _copy_checked(param.data, loaded.narrow(1, self.tp.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,53 @@
+"""Vocabulary-parallel embedding and LM head.
+
+Each rank holds rows [rank * V/tp, (rank+1) * V/tp) of the table. The embedding zeroes ids
+outside its shard and all-reduces; the head computes logits for its shard and all-gathers.
+`compute_logits` takes explicit `logits_indices`: only the positions that sample pay for the
+vocab-sized GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.distributed import ParallelState
+from tokenmill.utils import cdiv
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int,
+                 tp: ParallelState = ParallelState()) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.shard_size = cdiv(vocab_size, tp.tp_size)
+        self.start = tp.tp_rank * self.shard_size
+        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        if loaded.shape[1] != param.shape[1] or loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"embedding shape mismatch: checkpoint {tuple(loaded.shape)}, "
+                             f"model ({self.vocab_size}, {param.shape[1]})")
+        shard = loaded[self.start:self.start + self.shard_size]
+        param.data.zero_()
+        param.data[:shard.shape[0]].copy_(shard)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        valid = (local >= 0) & (local < self.shard_size)
+        out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight)
+        return self.tp.all_reduce(out * valid.unsqueeze(-1))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """hidden (T, H), logits_indices (S,) → logits (S, vocab_size)."""
+        logits = F.linear(hidden[logits_indices], self.weight)  # (S, V / tp)
+        logits = self.tp.all_gather_last_dim(logits)
+        return logits[:, :self.vocab_size]

@@ -1,0 +1,134 @@
+"""GGUF files: the model config from metadata, and a streaming iterator of dequantized tensors
+under Hugging Face names.
+
+llama.cpp's converter permutes the rows of Llama q/k projections for its interleaved RoPE; we
+undo that so the weights match HF's rotate_half convention. Other architectures are stored
+unpermuted. The tokenizer and chat template also live in the metadata; transformers builds a
+fast tokenizer from them (see engine/tokenizer.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+
+_ARCH_TO_HF = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+               "qwen3": ("qwen3", "Qwen3ForCausalLM")}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                 "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+
+def find_gguf_file(path: str) -> str | None:
+    """The GGUF file `path` names: the file itself, or the single .gguf inside a folder."""
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"model file {path!r} is not a .gguf file; pass a GGUF file or a "
+                             "Hugging Face model folder")
+        return path
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        found = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(found) > 1:
+            raise ValueError(f"{path} holds several .gguf files ({', '.join(found)}); "
+                             "pass the one to load")
+        if found:
+            return os.path.join(path, found[0])
+    return None
+
+
+@lru_cache(maxsize=4)
+def _reader(path: str) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError, struct.error, ... for a broken file
+        raise ValueError(f"cannot read GGUF file {path}: {e}") from e
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_hf_config(path: str) -> Any:
+    """A transformers config built from the GGUF metadata."""
+    from transformers import AutoConfig
+
+    r = _reader(path)
+    arch = _field(r, "general.architecture")
+    if arch not in _ARCH_TO_HF:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}; "
+                         f"supported: {', '.join(_ARCH_TO_HF)}")
+    if "rope_freqs.weight" in {t.name for t in r.tensors}:
+        raise ValueError(f"{path} uses llama.cpp rope_freqs (Llama 3.1 RoPE scaling) which is "
+                         "not supported from GGUF yet; load the Hugging Face folder instead")
+    model_type, hf_arch = _ARCH_TO_HF[arch]
+    g = lambda key, default=None: _field(r, f"{arch}.{key}", default)
+    n_heads = g("attention.head_count")
+    hidden = g("embedding_length")
+    kwargs: dict[str, Any] = dict(
+        architectures=[hf_arch], vocab_size=g("vocab_size") or len(_field(r, "tokenizer.ggml.tokens")),
+        hidden_size=hidden, intermediate_size=g("feed_forward_length"),
+        num_hidden_layers=g("block_count"), num_attention_heads=n_heads,
+        num_key_value_heads=g("attention.head_count_kv", n_heads),
+        head_dim=g("attention.key_length", hidden // n_heads),
+        max_position_embeddings=g("context_length"),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_word_embeddings="output.weight" not in {t.name for t in r.tensors},
+        bos_token_id=_field(r, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(r, "tokenizer.ggml.eos_token_id"),
+        torch_dtype="float32",
+    )
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(g("rope.freq_base", 1e4))}
+    if g("rope.scaling.type") == "linear":
+        rope.update(rope_type="linear", factor=float(g("rope.scaling.factor")))
+    elif g("rope.scaling.type") not in (None, "none"):
+        raise ValueError(f"unsupported GGUF RoPE scaling {g('rope.scaling.type')!r} in {path}")
+    kwargs["rope_parameters"] = rope
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def iterate_gguf(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, float32 tensor) for every tensor of the file, dequantized."""
+    import gguf
+
+    r = _reader(path)
+    permute = _field(r, "general.architecture") == "llama"
+    for t in r.tensors:
+        name = _hf_name(t.name)
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+        data = np.require(data, np.float32, ["C", "W"])  # torch wants writable memory
+        if permute and (".q_proj." in name or ".k_proj." in name):
+            heads = (hf_config.num_attention_heads if ".q_proj." in name
+                     else hf_config.num_key_value_heads)
+            data = _unpermute_qk(data, heads)
+        yield name, torch.from_numpy(data)
+
+
+def _hf_name(name: str) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if not m or m.group(2) not in _LAYER_NAMES:
+        raise ValueError(f"unexpected GGUF tensor {name!r}")
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's (heads, 2, D/2) → (heads, D/2, 2) row interleave of q/k projections."""
+    rows = w.shape[0]
+    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))

@@ -1,0 +1,86 @@
+"""Build a model for a ModelConfig and fill every parameter from its checkpoint.
+
+Parameters are created uninitialised (torch.empty), then each checkpoint tensor goes through
+its parameter's `weight_loader`, with packed modules (qkv, gate_up) resolved through the
+model's `packed_modules_mapping`. A parameter left unfilled is an error, never random weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from tokenmill.config import ModelConfig
+from tokenmill.distributed import ParallelState
+from tokenmill.model_loader.gguf_loader import iterate_gguf
+from tokenmill.model_loader.safetensors_loader import iterate_safetensors
+from tokenmill.models import resolve_model_class
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def iterate_weights(config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    if config.gguf_file is not None:
+        return iterate_gguf(config.gguf_file, config.hf_config)
+    return iterate_safetensors(config.path)
+
+
+def load_model(config: ModelConfig, device: torch.device,
+               tp: ParallelState = ParallelState()) -> nn.Module:
+    cls = resolve_model_class(config.architecture)
+    with _default_dtype(config.dtype), torch.device(device):
+        model = cls(config.hf_config, tp)
+    params = dict(model.named_parameters())
+    mapping = getattr(cls, "packed_modules_mapping", {})
+    tied = getattr(model, "tie_word_embeddings", False)
+    loaded: set[str] = set()
+    for name, tensor in iterate_weights(config):
+        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+            continue
+        target, shard = name, None
+        for ckpt_name, (packed, shard_id) in mapping.items():
+            if f".{ckpt_name}." in name:
+                target, shard = name.replace(f".{ckpt_name}.", f".{packed}."), shard_id
+                break
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {cls.__name__}")
+        loader = getattr(param, "weight_loader", None)
+        with torch.no_grad():
+            if loader is not None:
+                loader(param, tensor.to(config.dtype), shard)
+            else:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"shape mismatch for {name}: checkpoint "
+                                     f"{tuple(tensor.shape)}, model {tuple(param.shape)}")
+                param.data.copy_(tensor)
+        loaded.add(target if shard is None else f"{target}:{shard}")
+    _check_complete(model, params, mapping, loaded)
+    return model.eval()
+
+
+def _check_complete(model: nn.Module, params: dict[str, nn.Parameter],
+                    mapping: dict[str, tuple[str, int | str]], loaded: set[str]) -> None:
+    shards_of: dict[str, list[int | str]] = {}
+    for packed, shard in mapping.values():
+        shards_of.setdefault(packed, []).append(shard)
+    missing = []
+    for name in params:
+        module = name.rsplit(".", 2)[-2]
+        expected = [f"{name}:{s}" for s in shards_of[module]] if module in shards_of else [name]
+        missing += [e for e in expected if e not in loaded]
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint is missing {len(missing)} weights of "
+                         f"{type(model).__name__}: {shown}")

@@ -1,0 +1,1 @@
+"""Turning a SchedulerOutput into tensors, running the model, sampling."""

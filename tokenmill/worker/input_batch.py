@@ -1,0 +1,69 @@
+"""InputBatch: one step's flat token batch, built from a SchedulerOutput with vectorised ops.
+
+For B scheduled sequences with query lengths q_i (T = sum q_i tokens):
+
+    input_ids      (T,)   the tokens fed this step, sequence after sequence
+    positions      (T,)   start_pos_i, ..., start_pos_i + q_i - 1 for each sequence
+    slot_mapping   (T,)   block_table[pos // block_size] * block_size + pos % block_size
+    block_tables   (B, max_blocks)  padded with the null block 0
+    query_start_loc (B+1,) prefix sums of q_i
+    seq_lens       (B,)   start_pos_i + q_i: the context each query sees
+    logits_indices (S,)   the last token of each sequence that samples this step
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.core.interface import SchedulerOutput
+
+
+@dataclass
+class InputBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens_t: torch.Tensor
+    logits_indices: torch.Tensor
+    query_lens: list[int]
+    query_start_locs: list[int]
+    seq_lens: list[int]
+    sample_rows: list[int]  # which scheduled sequences sample this step
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_locs[-1]
+
+    @staticmethod
+    def build(sched: SchedulerOutput, block_size: int, device: torch.device) -> InputBatch:
+        reqs = sched.scheduled
+        query_lens = [r.num_tokens for r in reqs]
+        starts = [r.start_pos for r in reqs]
+        seq_lens = [s + q for s, q in zip(starts, query_lens)]
+        query_start_locs = [0, *itertools.accumulate(query_lens)]
+        max_blocks = max(len(r.block_ids) for r in reqs)
+        tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in reqs]
+        sample_rows = [i for i, r in enumerate(reqs) if r.sample]
+
+        input_ids = torch.tensor(list(itertools.chain.from_iterable(r.token_ids for r in reqs)),
+                                 dtype=torch.long)
+        block_tables = torch.tensor(tables, dtype=torch.long)  # (B, max_blocks)
+        q_lens = torch.tensor(query_lens, dtype=torch.long)
+        qsl = torch.tensor(query_start_locs, dtype=torch.long)
+        row = torch.repeat_interleave(torch.arange(len(reqs)), q_lens)  # (T,) sequence of token
+        positions = (torch.arange(query_start_locs[-1]) - qsl[row]
+                     + torch.tensor(starts, dtype=torch.long)[row])
+        slots = block_tables[row, positions // block_size] * block_size + positions % block_size
+        logits_indices = qsl[1:][torch.tensor(sample_rows, dtype=torch.long)] - 1
+        to = lambda t: t.to(device, non_blocking=True)
+        return InputBatch(
+            input_ids=to(input_ids), positions=to(positions), slot_mapping=to(slots),
+            block_tables=to(block_tables), query_start_loc=to(qsl),
+            seq_lens_t=to(torch.tensor(seq_lens, dtype=torch.long)),
+            logits_indices=to(logits_indices), query_lens=query_lens,
+            query_start_locs=query_start_locs, seq_lens=seq_lens, sample_rows=sample_rows)

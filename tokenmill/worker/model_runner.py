@@ -1,0 +1,74 @@
+"""ModelRunner: owns the model, the KV cache and the sampler on one device, and executes steps.
+
+`execute(sched_out)` does, in order: block copies for copy-on-write, input tensors, attention
+metadata (once per step), the forward pass over the flat batch, logits only at
+`logits_indices`, sampling, and one host transfer of the sampled ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tokenmill.attention import get_attention_backend
+from tokenmill.attention.kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks
+from tokenmill.config import EngineConfig
+from tokenmill.core.interface import ModelRunnerOutput, SchedulerOutput
+from tokenmill.layers.sampler import Sampler
+from tokenmill.model_loader import load_model
+from tokenmill.worker.input_batch import InputBatch
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.cache.block_size
+        mc = config.model
+        t0 = time.perf_counter()
+        self.model = load_model(mc, self.device)
+        logger.info("loaded %s in %.1f s", mc.path, time.perf_counter() - t0)
+        self.num_kv_blocks = self._num_kv_blocks()
+        self.kv_cache = allocate_kv_cache(mc.num_layers, self.num_kv_blocks, self.block_size,
+                                          mc.num_kv_heads, mc.head_dim, mc.dtype, self.device)
+        self.backend = get_attention_backend("torch", self.block_size, self.device)
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.bind(self.kv_cache[i], self.backend)
+        self.sampler = Sampler(config.seed, self.device)
+
+    def _num_kv_blocks(self) -> int:
+        cache, mc = self.config.cache, self.config.model
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        per_block = bytes_per_block(mc.num_layers, self.block_size, mc.num_kv_heads,
+                                    mc.head_dim, mc.dtype)
+        n = cache.kv_cache_memory // per_block
+        if n < 2:
+            raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes holds {n} blocks; "
+                             f"one block of {self.block_size} tokens needs {per_block} bytes "
+                             "and at least 2 are required")
+        return n
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.sampler.forget(sched.finished_req_ids)
+        copy_blocks(self.kv_cache, sched.blocks_to_copy)
+        req_ids = [r.req_id for r in sched.scheduled]
+        if sched.is_empty:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        batch = InputBatch.build(sched, self.block_size, self.device)
+        meta = self.backend.build_metadata(batch)
+        hidden = self.model(batch.input_ids, batch.positions, meta)  # (T, hidden)
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        if batch.sample_rows:
+            logits = self.model.compute_logits(hidden, batch.logits_indices)  # (S, V)
+            rows = [sched.scheduled[i] for i in batch.sample_rows]
+            tokens = self.sampler(logits, [r.req_id for r in rows],
+                                  [r.sampling_params for r in rows]).tolist()
+            for i, t in zip(batch.sample_rows, tokens):
+                sampled[i] = [t]
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
