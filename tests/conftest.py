@@ -1,0 +1,105 @@
+"""Shared fixtures: tiny random-weight Llama/Qwen2/Qwen3 models saved as Hugging Face folders
+(with SmolLM2's real tokenizer), the SmolLM2 GGUF file, and a Hugging Face greedy reference."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# name → (config class name, extra config kwargs)
+TINY_MODELS = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    "llama-mqa-llama3rope": ("LlamaConfig", dict(
+        num_key_value_heads=1, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64})),
+    "llama-linear-rope": ("LlamaConfig", dict(
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
+}
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from tokenmill.model_loader.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str) -> Path:
+    """SmolLM2's tokenizer saved as tokenizer.json once, for the tiny models to share."""
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(smollm2_path)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    out = tmp_path_factory.mktemp("tokenizer")
+    tok.save_pretrained(out)
+    return out
+
+
+def build_tiny_model(kind: str, out: Path, tokenizer_dir: Path) -> torch.nn.Module:
+    """Save a seeded random-weight HF model of `kind` into `out`; return it (float32, eval)."""
+    import shutil
+
+    import transformers
+
+    cls_name, extra = TINY_MODELS[kind]
+    kwargs = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, initializer_range=0.2)
+    config = getattr(transformers, cls_name)(**(kwargs | extra))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    for f in os.listdir(tokenizer_dir):
+        shutil.copy(tokenizer_dir / f, out / f)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path):
+    """Factory: tiny_model(kind) → (folder, HF model); each kind is built once per session."""
+    cache: dict[str, tuple[str, torch.nn.Module]] = {}
+
+    def get(kind: str) -> tuple[str, torch.nn.Module]:
+        if kind not in cache:
+            out = tmp_path_factory.mktemp(kind)
+            cache[kind] = (str(out), build_tiny_model(kind, out, tokenizer_dir))
+        return cache[kind]
+
+    return get
+
+
+@torch.no_grad()
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation with Hugging Face's own forward and KV cache, ignoring EOS."""
+    out: list[int] = []
+    r = model(torch.tensor([prompt]), use_cache=True)
+    for _ in range(max_new_tokens):
+        tok = int(r.logits[0, -1].argmax())
+        out.append(tok)
+        if len(out) == max_new_tokens:
+            break
+        r = model(torch.tensor([[tok]]), past_key_values=r.past_key_values, use_cache=True)
+    return out
+
+
+def mixed_prompts(n: int, vocab: int, seed: int = 0, max_len: int = 300,
+                  max_new: int = 64) -> list[tuple[list[int], int]]:
+    """n (prompt token ids, max_tokens) pairs; lengths span 1..max_len, outputs up to max_new."""
+    rng = random.Random(seed)
+    lengths = [1, max_len, 17, 2, 130, 64, 250, 33, 5, 199, 90, 16][:n]
+    lengths += [rng.randint(1, max_len) for _ in range(n - len(lengths))]
+    return [([rng.randrange(3, vocab) for _ in range(length)],
+             max_new if i % 3 == 0 else rng.randint(1, max_new))
+            for i, length in enumerate(lengths)]

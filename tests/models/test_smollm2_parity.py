@@ -1,0 +1,78 @@
+"""SmolLM2-135M-Instruct loaded from its GGUF file: greedy output token-identical to Hugging Face
+transformers loading the same file (dequantized to float32), for a mixed-length batch, with
+chunked prefill forced, and under preemption; plus the known chat answer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.conftest import hf_greedy, mixed_prompts
+from tokenmill import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+TEXT_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village at the edge of a forest, there lived an old "
+    "clockmaker who",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2(smollm2_path):
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(smollm2_path)
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    return LLM(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def cases_and_expected(hf_smollm2, llm):
+    tok = llm.get_tokenizer()
+    cases = [(tok.encode(t), 48) for t in TEXT_PROMPTS]
+    cases += mixed_prompts(6, 49152, seed=3, max_len=300, max_new=40)
+    return cases, [hf_greedy(hf_smollm2, p, m) for p, m in cases]
+
+
+def _generate(llm: LLM, cases) -> list[list[int]]:
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in cases]
+    return [o.outputs[0].token_ids
+            for o in llm.generate([p for p, _ in cases], params, use_tqdm=False)]
+
+
+def _assert_no_leak(llm: LLM) -> None:
+    llm.engine.kv.check_integrity()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_usable_blocks
+
+
+def test_greedy_matches_hf(llm, cases_and_expected):
+    cases, expected = cases_and_expected
+    assert _generate(llm, cases) == expected
+    _assert_no_leak(llm)
+
+
+def test_chunked_prefill_and_preemption_match_hf(smollm2_path, cases_and_expected):
+    cases, expected = cases_and_expected
+    # 22 blocks of 16 hold the longest request (300 + 40 tokens), never the whole batch.
+    small = LLM(smollm2_path, max_num_batched_tokens=32, num_kv_blocks=23)
+    assert _generate(small, cases) == expected
+    assert small.engine.scheduler.num_preemptions > 0
+    _assert_no_leak(small)
+
+
+def test_chat_answers_capital_of_france(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
+    assert out.outputs[0].text == "The capital of France is Paris."
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].token_ids[-1] == 2  # <|im_end|> ended it
