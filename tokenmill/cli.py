@@ -1,0 +1,89 @@
+"""The `tokenmill` command.
+
+    tokenmill generate --prompt "What is the capital of France?" [--chat] [--model PATH]
+                       [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
+                       [engine options: --kv-cache-memory 1GiB --max-num-seqs ... ]
+
+With no --model it runs the default model, SmolLM2-135M-Instruct.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache size: bytes or e.g. 512MiB, 4GiB (default 2GiB)")
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
+                   action="store_false", default=None)
+    g.add_argument("--device", default=None)
+    g.add_argument("--seed", type=int, default=None)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    names = ["dtype", "max_model_len", "kv_cache_memory", "block_size", "max_num_seqs",
+             "max_num_batched_tokens", "enable_chunked_prefill", "device", "seed"]
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tokenmill import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
+    llm = LLM(args.model, **engine_options(args))
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params,
+                        use_tqdm=False)
+    else:
+        outs = llm.generate(args.prompt, params, use_tqdm=False)
+    for out in outs:
+        if len(outs) > 1:
+            print(f"--- {out.prompt!r}")
+        print(out.outputs[0].text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    gen.add_argument("--prompt", action="append", required=True,
+                     help="prompt text (repeat for a batch)")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap each prompt as a user message in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
