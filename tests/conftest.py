@@ -23,6 +23,7 @@ TINY_MODELS = {
                          "original_max_position_embeddings": 64})),
     "llama-linear-rope": ("LlamaConfig", dict(
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+    "mistral": ("MistralConfig", dict(sliding_window=None, tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
 }

@@ -1,4 +1,4 @@
-"""Engine configuration: frozen dataclasses grouped by concern, and all validation of engine options.
+"""Engine configuration: frozen dataclasses grouped by concern, and validation of engine options.
 
 `EngineConfig.create(model, **options)` is the one place where user options become a config:
 unknown options and out-of-range values raise `ValueError` naming the option. Configs are frozen;
@@ -74,15 +74,18 @@ class ModelConfig:
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported RoPE type {rope_type!r} in {path}; "
                              f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-        if getattr(hf_config, "sliding_window", None) and getattr(
-                hf_config, "use_sliding_window", arch == "MistralForCausalLM"):
-            raise ValueError(f"sliding-window attention ({path}) is not supported")
         ctx = int(hf_config.max_position_embeddings)
         if max_model_len is None:
             max_model_len = ctx
         elif not 1 <= max_model_len <= ctx:
             raise ValueError(f"max_model_len must be in [1, {ctx}] for this model, "
                              f"got {max_model_len}")
+        window = getattr(hf_config, "sliding_window", None)
+        uses_window = getattr(hf_config, "use_sliding_window", arch == "MistralForCausalLM")
+        if window and uses_window and window < max_model_len:
+            # A window at least as long as the context never drops a token: plain attention.
+            raise ValueError(f"sliding-window attention (window {window} < max_model_len "
+                             f"{max_model_len}) is not supported; pass max_model_len={window}")
         return ModelConfig(path=path, hf_config=hf_config, architecture=arch,
                            dtype=_resolve_dtype(dtype, hf_config), max_model_len=max_model_len,
                            gguf_file=gguf_file)

@@ -37,7 +37,7 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or >= 1, got {self.top_k!r}")
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):

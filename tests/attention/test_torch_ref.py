@@ -49,12 +49,12 @@ def test_paged_matches_dense_for_mixed_step():
                                                 SamplingParams()))
     batch = InputBatch.build(sched, BS, torch.device("cpu"))
     meta = backend.build_metadata(batch)
-    assert meta.decode is not None and len(meta.prefills) == 2
+    assert meta.decode_groups and len(meta.prefills) == 2
     q = torch.randn(batch.num_tokens, HQ, D)
-    k_new = torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs)])
-    v_new = torch.cat([v[c:] for v, (c, _) in zip(full_v, seqs)])
+    k_new = torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs, strict=True)])
+    v_new = torch.cat([v[c:] for v, (c, _) in zip(full_v, seqs, strict=True)])
     out = backend.forward(q, k_new, v_new, cache, meta, scale=D ** -0.5).view(-1, HQ, D)
-    for i, (cached, new) in enumerate(seqs):
+    for i in range(len(seqs)):
         s, e = batch.query_start_locs[i], batch.query_start_locs[i + 1]
         ref = dense_reference(q[s:e], full_k[i], full_v[i], D ** -0.5)
         torch.testing.assert_close(out[s:e], ref, atol=1e-5, rtol=1e-5)
@@ -71,3 +71,14 @@ def test_slot_mapping_follows_block_table():
     assert batch.slot_mapping.tolist() == [3 * 4 + 2, 3 * 4 + 3, 9 * 4, 5 * 4]
     assert batch.logits_indices.tolist() == [2, 3]
     assert batch.block_tables.tolist() == [[7, 3, 9], [5, 0, 0]]
+
+
+def test_copy_blocks_copies_every_layer():
+    from tokenmill.attention.kv_cache import copy_blocks
+
+    cache = torch.randn(3, 2, 6, BS, HKV, D)
+    before = cache.clone()
+    copy_blocks(cache, [(2, 5), (1, 4)])
+    torch.testing.assert_close(cache[:, :, 5], before[:, :, 2], rtol=0, atol=0)
+    torch.testing.assert_close(cache[:, :, 4], before[:, :, 1], rtol=0, atol=0)
+    torch.testing.assert_close(cache[:, :, :4], before[:, :, :4], rtol=0, atol=0)

@@ -99,3 +99,17 @@ def test_cli_generate_and_bad_input(tiny_model):
     r = subprocess.run(cmd[:-4] + ["--max-tokens", "0", "--prompt", "x"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "max_tokens must be an integer >= 1" in r.stderr
+
+
+def test_sliding_window_shorter_than_context_is_refused(tmp_path, tiny_model):
+    import shutil
+
+    path, _ = tiny_model("mistral")
+    win = tmp_path / "window"
+    shutil.copytree(path, win)
+    cfg = json.loads((win / "config.json").read_text())
+    cfg["sliding_window"] = 128
+    (win / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"sliding-window.*max_model_len=128"):
+        EngineConfig.create(str(win))
+    assert EngineConfig.create(str(win), max_model_len=128).model.max_model_len == 128

@@ -132,8 +132,10 @@ def test_random_requests_with_aborts_leak_nothing(llm):
     for i in range(40):
         rid = f"rand-{i}"
         engine.add_request(rid, [rng.randrange(3, 49152) for _ in range(rng.randint(1, 150))],
-                           SamplingParams(temperature=rng.choice([0, 0.8]), top_k=rng.choice([0, 20]),
-                                          max_tokens=rng.randint(1, 30), seed=rng.randrange(99)))
+                           SamplingParams(temperature=rng.choice([0, 0.8]),
+                                          top_k=rng.choice([0, 20]),
+                                          max_tokens=rng.randint(1, 30),
+                                          seed=rng.randrange(99)))
         live.append(rid)
         if rng.random() < 0.5:
             for out in engine.step():

@@ -1,8 +1,8 @@
 """AttentionMetadata: everything attention needs about one step, built once and passed explicitly.
 
 The step's tokens are one flat batch of T tokens (no padding) from B sequences. Sequences whose
-query is a single token (decode) are grouped for one batched attention call; the others
-(prefill chunks, possibly against cached context) are handled one sequence at a time.
+query is a single token (decode) are attended in a few batched calls (groups of similar
+length); the others (prefill chunks, possibly against cached context) one sequence at a time.
 """
 
 from __future__ import annotations
@@ -24,18 +24,22 @@ class PrefillSeq:
 
 
 @dataclass
-class DecodeBatch:
-    """Sequences with a single query token, attended in one batched call."""
+class DecodeGroup:
+    """Decode sequences of similar length, attended in one batched call.
 
-    token_indices: torch.Tensor  # (Bd,) long: positions of their queries in the flat batch
-    block_tables: torch.Tensor  # (Bd, max_blocks) long, padded with the null block 0
-    mask: torch.Tensor  # (Bd, 1, 1, max_blocks * block_size) bool, True = attend
-    all_tokens: bool  # True when every token of the step is a decode token (no index_select)
+    Sequences are sorted by length and split into groups so that padding every row to its
+    group's longest context wastes little gather work.
+    """
+
+    token_indices: torch.Tensor  # (Bg,) long: positions of their queries in the flat batch
+    block_ids: torch.Tensor  # (Bg * max_blocks,) long: block tables, row-major, null-padded
+    max_blocks: int
+    mask: torch.Tensor  # (Bg, 1, 1, max_blocks * block_size) bool, True = attend
 
 
 @dataclass
 class AttentionMetadata:
     num_tokens: int
     slot_mapping: torch.Tensor  # (T,) long: the cache slot each new token's K/V is written to
-    decode: DecodeBatch | None = None
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSeq] = field(default_factory=list)

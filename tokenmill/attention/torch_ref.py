@@ -1,9 +1,13 @@
 """Pure-PyTorch paged attention: the CPU path and the oracle for any GPU kernel.
 
-Decode sequences (one query each) are attended in one batched SDPA call over K/V gathered
-through their block tables and masked past each sequence's length. Prefill sequences are done
-one at a time: with no cached prefix straight from this step's k/v (causal), otherwise over the
-gathered cached context with an offset causal mask.
+Decode sequences (one query each) are sorted by context length and split into a few groups;
+each group gathers its K/V through the block tables into a reused buffer and runs one batched
+SDPA call masked past each sequence's length. Prefill sequences are done one at a time: with no
+cached prefix straight from this step's k/v (causal), otherwise over the gathered cached
+context with an offset causal mask.
+
+NOTE: the gather buffer is kept across layers and steps because a fresh ~100 MB tensor per
+layer costs as much in page faults as the copy itself on CPU.
 """
 
 from __future__ import annotations
@@ -13,35 +17,52 @@ import torch.nn.functional as F
 
 from tokenmill.attention.base import AttentionBackend
 from tokenmill.attention.kv_cache import store_kv
-from tokenmill.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSeq
+from tokenmill.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSeq
 from tokenmill.worker.input_batch import InputBatch
+
+# A decode group stops growing when the next (shorter) context would be padded by more than
+# this fraction of the group's longest one.
+_MAX_PAD_FRACTION = 0.25
+_MAX_DECODE_GROUPS = 8
 
 
 class TorchPagedAttention(AttentionBackend):
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        super().__init__(block_size, device)
+        self._buffer = torch.empty(0, device=device)
+
+    # ---- metadata ---------------------------------------------------------------------------
     def build_metadata(self, batch: InputBatch) -> AttentionMetadata:
-        q_lens = batch.query_lens  # python ints, one per sequence
-        is_decode = [n == 1 for n in q_lens]
         meta = AttentionMetadata(num_tokens=batch.num_tokens, slot_mapping=batch.slot_mapping)
-        dec_rows = [i for i, d in enumerate(is_decode) if d]
-        if dec_rows:
-            meta.decode = self._decode_batch(batch, dec_rows)
-        for i, decode in enumerate(is_decode):
-            if not decode:
+        decode_rows = [i for i, n in enumerate(batch.query_lens) if n == 1]
+        for rows in self._group_by_length(decode_rows, batch.seq_lens):
+            meta.decode_groups.append(self._decode_group(batch, rows))
+        for i, n in enumerate(batch.query_lens):
+            if n > 1:
                 meta.prefills.append(self._prefill_seq(batch, i))
         return meta
 
-    def _decode_batch(self, batch: InputBatch, rows: list[int]) -> DecodeBatch:
-        all_rows = len(rows) == len(batch.query_lens)
+    @staticmethod
+    def _group_by_length(rows: list[int], seq_lens: list[int]) -> list[list[int]]:
+        rows = sorted(rows, key=lambda i: -seq_lens[i])
+        groups: list[list[int]] = []
+        for i in rows:
+            if (groups and len(groups) >= _MAX_DECODE_GROUPS) or (
+                    groups and seq_lens[i] >= (1 - _MAX_PAD_FRACTION) * seq_lens[groups[-1][0]]):
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        return groups
+
+    def _decode_group(self, batch: InputBatch, rows: list[int]) -> DecodeGroup:
         rows_t = torch.tensor(rows, device=self.device)
-        seq_lens = batch.seq_lens_t if all_rows else batch.seq_lens_t[rows_t]
-        max_blocks = -(-int(seq_lens.max()) // self.block_size)
-        tables = batch.block_tables if all_rows else batch.block_tables[rows_t]
-        tables = tables[:, :max_blocks]
+        seq_lens = batch.seq_lens_t[rows_t]  # (Bg,)
+        max_blocks = -(-batch.seq_lens[rows[0]] // self.block_size)  # rows[0] is the longest
+        block_ids = batch.block_tables[rows_t, :max_blocks].reshape(-1)
         key_pos = torch.arange(max_blocks * self.block_size, device=self.device)
         mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]
-        token_idx = batch.query_start_loc[:-1][rows_t] if not all_rows else rows_t
-        return DecodeBatch(token_indices=token_idx, block_tables=tables, mask=mask,
-                           all_tokens=all_rows)
+        return DecodeGroup(token_indices=batch.query_start_loc[rows_t], block_ids=block_ids,
+                           max_blocks=max_blocks, mask=mask)
 
     def _prefill_seq(self, batch: InputBatch, i: int) -> PrefillSeq:
         q_start, q_end = batch.query_start_locs[i], batch.query_start_locs[i + 1]
@@ -55,34 +76,36 @@ class TorchPagedAttention(AttentionBackend):
         return PrefillSeq(q_start, q_end, ctx, block_ids=batch.block_tables[i, :num_blocks],
                           mask=mask)
 
+    # ---- forward ----------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         store_kv(kv_cache, k, v, meta.slot_mapping)
         T, Hq, D = q.shape
         out = torch.empty_like(q)
-        if meta.decode is not None:
-            dec = meta.decode
-            q_dec = q if dec.all_tokens else q[dec.token_indices]
-            out_dec = self._decode(q_dec, kv_cache, dec, scale)  # (Bd, Hq, D)
-            if dec.all_tokens:
-                return out_dec.reshape(T, Hq * D)
-            out[dec.token_indices] = out_dec
+        for group in meta.decode_groups:
+            out[group.token_indices] = self._decode(q[group.token_indices], kv_cache, group,
+                                                    scale)
         for p in meta.prefills:
             out[p.q_start:p.q_end] = self._prefill(q, k, v, kv_cache, p, scale)
         return out.view(T, Hq * D)
 
-    @staticmethod
-    def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        """(2, *block_ids.shape, block_size, Hkv, D) → K/V of those blocks, tokens flattened."""
-        kv = kv_cache[:, block_ids]  # (2, ..., nb, bs, Hkv, D)
-        return kv.flatten(-4, -3)  # (2, ..., nb * bs, Hkv, D)
+    def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """K/V of `block_ids` (n,) from (2, num_blocks, bs, Hkv, D) → (2, n, bs, Hkv, D)."""
+        shape = (2, block_ids.numel(), *kv_cache.shape[2:])
+        numel = shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
+        if self._buffer.numel() < numel or self._buffer.dtype != kv_cache.dtype:
+            self._buffer = torch.empty(numel, dtype=kv_cache.dtype, device=kv_cache.device)
+        out = self._buffer[:numel].view(shape)
+        return torch.index_select(kv_cache, 1, block_ids, out=out)
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, dec: DecodeBatch,
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup,
                 scale: float) -> torch.Tensor:
-        kv = self._gather(kv_cache, dec.block_tables)  # (2, Bd, L, Hkv, D)
-        key, value = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # (Bd, Hkv, L, D)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), key, value, attn_mask=dec.mask,
-                                           scale=scale, enable_gqa=True)  # (Bd, Hq, 1, D)
+        Bg = q.shape[0]
+        kv = self._gather(kv_cache, group.block_ids)  # (2, Bg * nb, bs, Hkv, D)
+        kv = kv.view(2, Bg, -1, *kv.shape[-2:])  # (2, Bg, L, Hkv, D)
+        key, value = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # (Bg, Hkv, L, D)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), key, value, attn_mask=group.mask,
+                                           scale=scale, enable_gqa=True)  # (Bg, Hq, 1, D)
         return o.squeeze(2)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -94,7 +117,7 @@ class TorchPagedAttention(AttentionBackend):
             o = F.scaled_dot_product_attention(qs, key, value, is_causal=True, scale=scale,
                                                enable_gqa=True)
         else:
-            kv = self._gather(kv_cache, p.block_ids)[:, :p.context_len]  # (2, ctx, Hkv, D)
+            kv = self._gather(kv_cache, p.block_ids).flatten(1, 2)[:, :p.context_len]
             key = kv[0].transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
             value = kv[1].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, key, value, attn_mask=p.mask, scale=scale,

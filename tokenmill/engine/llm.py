@@ -37,7 +37,7 @@ class LLM:
         params = _as_params_list(sampling_params, len(prompts))
         request_ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p in zip(prompts, params, strict=True):
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, prompt, p)
                 request_ids.append(rid)

@@ -1,4 +1,4 @@
-"""Loading the tokenizer (and its chat template) of a model folder or GGUF file with transformers."""
+"""Loading the tokenizer (and chat template) of a model folder or GGUF file with transformers."""
 
 from __future__ import annotations
 

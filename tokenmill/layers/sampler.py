@@ -43,8 +43,8 @@ class Sampler:
         if all(greedy):
             return logits.argmax(dim=-1)
         logits = logits.float()
-        temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
-                             device=logits.device)
+        temps = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
+        temps = torch.tensor(temps, device=logits.device)
         probs = _apply_top_k_top_p(logits / temps[:, None], params).softmax(dim=-1)
         noise = self._exponential_noise(probs, req_ids, params, greedy)
         sampled = (probs / noise).argmax(dim=-1)

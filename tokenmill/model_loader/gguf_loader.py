@@ -80,7 +80,8 @@ def gguf_hf_config(path: str) -> Any:
     n_heads = g("attention.head_count")
     hidden = g("embedding_length")
     kwargs: dict[str, Any] = dict(
-        architectures=[hf_arch], vocab_size=g("vocab_size") or len(_field(r, "tokenizer.ggml.tokens")),
+        architectures=[hf_arch],
+        vocab_size=g("vocab_size") or len(_field(r, "tokenizer.ggml.tokens")),
         hidden_size=hidden, intermediate_size=g("feed_forward_length"),
         num_hidden_layers=g("block_count"), num_attention_heads=n_heads,
         num_key_value_heads=g("attention.head_count_kv", n_heads),

@@ -18,8 +18,7 @@ from tokenmill.distributed import ParallelState
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.layernorm import RMSNorm
-from tokenmill.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                     RowParallelLinear)
+from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 

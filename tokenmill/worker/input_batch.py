@@ -44,7 +44,7 @@ class InputBatch:
         reqs = sched.scheduled
         query_lens = [r.num_tokens for r in reqs]
         starts = [r.start_pos for r in reqs]
-        seq_lens = [s + q for s, q in zip(starts, query_lens)]
+        seq_lens = [s + q for s, q in zip(starts, query_lens, strict=True)]
         query_start_locs = [0, *itertools.accumulate(query_lens)]
         max_blocks = max(len(r.block_ids) for r in reqs)
         tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in reqs]

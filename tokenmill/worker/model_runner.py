@@ -69,6 +69,6 @@ class ModelRunner:
             rows = [sched.scheduled[i] for i in batch.sample_rows]
             tokens = self.sampler(logits, [r.req_id for r in rows],
                                   [r.sampling_params for r in rows]).tolist()
-            for i, t in zip(batch.sample_rows, tokens):
+            for i, t in zip(batch.sample_rows, tokens, strict=True):
                 sampled[i] = [t]
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
