@@ -104,3 +104,19 @@ def mixed_prompts(n: int, vocab: int, seed: int = 0, max_len: int = 300,
     return [([rng.randrange(3, vocab) for _ in range(length)],
              max_new if i % 3 == 0 else rng.randint(1, max_new))
             for i, length in enumerate(lengths)]
+
+
+def generate_greedy(llm, cases: list[tuple[list[int], int]]) -> list[list[int]]:
+    """Greedy token ids from the engine for (prompt ids, max_tokens) cases, ignoring EOS."""
+    from tokenmill import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in cases]
+    outs = llm.generate([p for p, _ in cases], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_kv_all_free(engine) -> None:
+    """Nothing running or waiting, every KV block back in the pool, accounting consistent."""
+    engine.kv.check_integrity()
+    assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks
+    assert not engine.has_unfinished_requests()

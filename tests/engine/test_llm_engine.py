@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from tokenmill import LLM, LLMEngine, SamplingParams
+from tests.conftest import assert_kv_all_free
+from tokenmill import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -16,12 +17,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 def llm(tiny_model):
     path, _ = tiny_model("llama")
     return LLM(path, max_model_len=256, num_kv_blocks=64)
-
-
-def assert_all_free(engine: LLMEngine) -> None:
-    engine.kv.check_integrity()
-    assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks
-    assert not engine.has_unfinished_requests()
 
 
 def test_outputs_in_input_order_with_fields(llm):
@@ -39,7 +34,7 @@ def test_outputs_in_input_order_with_fields(llm):
     # the same prompt alone gives the same tokens as inside the batch
     alone = llm.generate(prompts[3], GREEDY, use_tqdm=False)[0]
     assert alone.outputs[0].token_ids == outs[3].outputs[0].token_ids
-    assert_all_free(llm.engine)
+    assert_kv_all_free(llm.engine)
 
 
 def test_stop_token_ids_and_eos(llm):
@@ -81,7 +76,7 @@ def test_abort_mid_run_frees_blocks_and_spares_others(llm):
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
     assert done == {"keep-0": expected[0], "keep-1": expected[1]}
-    assert_all_free(engine)
+    assert_kv_all_free(engine)
 
 
 def test_abort_while_waiting(llm):
@@ -89,7 +84,7 @@ def test_abort_while_waiting(llm):
     engine.add_request("w", [3] * 10, GREEDY)
     assert engine.abort_request("w")
     assert engine.step() == []
-    assert_all_free(engine)
+    assert_kv_all_free(engine)
 
 
 @pytest.mark.parametrize("prompt, params, match", [
@@ -103,7 +98,7 @@ def test_abort_while_waiting(llm):
 def test_bad_requests_are_refused_and_engine_keeps_serving(llm, prompt, params, match):
     with pytest.raises(ValueError, match=match):
         llm.generate([[5, 6], prompt], params, use_tqdm=False)
-    assert_all_free(llm.engine)
+    assert_kv_all_free(llm.engine)
     out = llm.generate([[5, 6]], GREEDY, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 12
 
@@ -146,7 +141,7 @@ def test_random_requests_with_aborts_leak_nothing(llm):
         engine.kv.check_integrity()
     while engine.has_unfinished_requests():
         engine.step()
-    assert_all_free(engine)
+    assert_kv_all_free(engine)
 
 
 def test_chat_uses_template(llm):

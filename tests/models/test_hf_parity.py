@@ -6,20 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import TINY_MODELS, hf_greedy, mixed_prompts
-from tokenmill import LLM, SamplingParams
-
-
-def _run(llm: LLM, cases: list[tuple[list[int], int]]) -> list[list[int]]:
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in cases]
-    outs = llm.generate([p for p, _ in cases], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _assert_no_leak(llm: LLM) -> None:
-    kv = llm.engine.kv
-    kv.check_integrity()
-    assert kv.num_free_blocks == kv.num_usable_blocks
+from tests.conftest import (
+    TINY_MODELS,
+    assert_kv_all_free,
+    generate_greedy,
+    hf_greedy,
+    mixed_prompts,
+)
+from tokenmill import LLM
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +34,16 @@ def references(tiny_model):
 def test_greedy_matches_hf(references, kind):
     path, cases, expected = references(kind)
     llm = LLM(path)
-    assert _run(llm, cases) == expected
-    _assert_no_leak(llm)
+    assert generate_greedy(llm, cases) == expected
+    assert_kv_all_free(llm.engine)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_chunked_prefill_matches_hf(references, kind):
     path, cases, expected = references(kind)
     llm = LLM(path, max_num_batched_tokens=32)
-    assert _run(llm, cases) == expected
-    _assert_no_leak(llm)
+    assert generate_greedy(llm, cases) == expected
+    assert_kv_all_free(llm.engine)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -57,14 +51,14 @@ def test_preemption_keeps_outputs(references, kind):
     path, cases, expected = references(kind)
     # The longest request needs 364 tokens = 23 blocks: the pool holds it, never the batch.
     llm = LLM(path, num_kv_blocks=24, block_size=16)
-    assert _run(llm, cases) == expected
+    assert generate_greedy(llm, cases) == expected
     assert llm.engine.scheduler.num_preemptions > 0
-    _assert_no_leak(llm)
+    assert_kv_all_free(llm.engine)
 
 
 def test_chunked_prefill_and_preemption_together(references):
     path, cases, expected = references("llama")
     llm = LLM(path, num_kv_blocks=48, max_num_batched_tokens=48, block_size=8)
-    assert _run(llm, cases) == expected
+    assert generate_greedy(llm, cases) == expected
     assert llm.engine.scheduler.num_preemptions > 0
-    _assert_no_leak(llm)
+    assert_kv_all_free(llm.engine)

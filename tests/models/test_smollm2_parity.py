@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from tests.conftest import hf_greedy, mixed_prompts
+from tests.conftest import assert_kv_all_free, generate_greedy, hf_greedy, mixed_prompts
 from tokenmill import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -44,30 +44,19 @@ def cases_and_expected(hf_smollm2, llm):
     return cases, [hf_greedy(hf_smollm2, p, m) for p, m in cases]
 
 
-def _generate(llm: LLM, cases) -> list[list[int]]:
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in cases]
-    return [o.outputs[0].token_ids
-            for o in llm.generate([p for p, _ in cases], params, use_tqdm=False)]
-
-
-def _assert_no_leak(llm: LLM) -> None:
-    llm.engine.kv.check_integrity()
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_usable_blocks
-
-
 def test_greedy_matches_hf(llm, cases_and_expected):
     cases, expected = cases_and_expected
-    assert _generate(llm, cases) == expected
-    _assert_no_leak(llm)
+    assert generate_greedy(llm, cases) == expected
+    assert_kv_all_free(llm.engine)
 
 
 def test_chunked_prefill_and_preemption_match_hf(smollm2_path, cases_and_expected):
     cases, expected = cases_and_expected
     # 22 blocks of 16 hold the longest request (300 + 40 tokens), never the whole batch.
     small = LLM(smollm2_path, max_num_batched_tokens=32, num_kv_blocks=23)
-    assert _generate(small, cases) == expected
+    assert generate_greedy(small, cases) == expected
     assert small.engine.scheduler.num_preemptions > 0
-    _assert_no_leak(small)
+    assert_kv_all_free(small.engine)
 
 
 def test_chat_answers_capital_of_france(llm):
