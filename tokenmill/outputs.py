@@ -1,14 +1,27 @@
 """What the engine hands back to users: `RequestOutput` holding one `CompletionOutput` per sample.
 
-Field names follow vLLM (`prompt`, `prompt_token_ids`, `outputs[i].text`, `.token_ids`,
-`.finish_reason`), so code written against vLLM reads these unchanged. `finish_reason` is None
-while a request is running, then "stop" (EOS, a stop token) or "length" (max_tokens or the
-context length); "abort" marks a request the caller aborted.
+Field names follow vLLM (`prompt`, `prompt_token_ids`, `prompt_logprobs`, `outputs[i].text`,
+`.token_ids`, `.logprobs`, `.cumulative_logprob`, `.finish_reason`, `.stop_reason`), so code
+written against vLLM reads these unchanged. `finish_reason` is None while a sample is running,
+then "stop" (EOS, a stop token or string) or "length" (max_tokens or the context length);
+"abort" marks a request the caller aborted. `stop_reason` is the stop token id or string that
+ended it (None for EOS or length).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# One position: token id → Logprob, the chosen token first, then the top-k alternatives.
+PositionLogprobDict = dict[int, Logprob]
 
 
 @dataclass
@@ -18,6 +31,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobDict] | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -31,4 +46,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    prompt_logprobs: list[PositionLogprobDict | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)

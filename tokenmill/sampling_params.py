@@ -1,16 +1,21 @@
-"""SamplingParams: what a request asks of the sampler and of the stop checker.
+"""SamplingParams: what a request asks of the sampler, the stop checker and the detokenizer.
 
-Names and meanings follow vLLM's `SamplingParams` so user code moves over unchanged. Every field
+Names and meanings follow vLLM's `SamplingParams`, so user code moves over unchanged. Every field
 is validated in `__post_init__` with a `ValueError` that names the field and its limit; nothing is
 silently clamped. Greedy decoding is `temperature == 0`.
+
+Order of logit processing (as in vLLM): logit_bias and the min_tokens ban, then repetition /
+frequency / presence penalties, then (random sampling only) temperature, min_p, top-k, top-p.
+Logprobs are those of the raw model output (log_softmax of the logits, before any processing).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Below this temperature we sample greedily, as vLLM does, to avoid dividing by ~0.
 _GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20  # the OpenAI API's cap on top_logprobs
 
 
 @dataclass
@@ -19,36 +24,119 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 disables top-k
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
-    max_tokens: int | None = 16  # None: up to the model's context length
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    logprobs: int | None = None  # top alternatives per generated token (0: the chosen one only)
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.n != 1:
-            raise ValueError("n > 1 (parallel sampling) is not supported yet; use n=1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        self._check_int("n", self.n, 1)
+        _check_range("temperature", self.temperature, 0.0, None)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == -1:
             self.top_k = 0
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None:
+            self._check_int("max_tokens", self.max_tokens, 1)
+        self._check_int("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
+                             f"({self.max_tokens})")
+        if self.seed is not None:
+            self._check_int("seed", self.seed, -(2**63))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
+        self.logit_bias = _normalize_logit_bias(self.logit_bias)
+
+    @staticmethod
+    def _check_int(name: str, value: object, low: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def stop_buffer_length(self) -> int:
+        """Characters held back from streamed text, in case they begin a stop string."""
+        return max((len(s) for s in self.stop), default=1) - 1 if self.stop else 0
+
+
+def _check_range(name: str, value: float, low: float | None, high: float | None) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
+
+
+def _normalize_stop(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {s!r}")
+    return stops
+
+
+def _normalize_logit_bias(bias: dict | None) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)  # the OpenAI API sends token ids as JSON string keys
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        if token < 0:
+            raise ValueError(f"logit_bias keys must be token ids >= 0, got {token}")
+        if not isinstance(value, int | float) or not -100.0 <= value <= 100.0:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r}")
+        out[token] = float(value)
+    return out
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search as in vLLM's `LLM.beam_search` and Hugging Face's `num_beams` generation."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        SamplingParams._check_int("beam_width", self.beam_width, 1)
+        SamplingParams._check_int("max_tokens", self.max_tokens, 1)
+        if 2 * self.beam_width > MAX_LOGPROBS:
+            raise ValueError(f"beam_width must be <= {MAX_LOGPROBS // 2}, got {self.beam_width}")
+        _check_range("length_penalty", self.length_penalty, None, None)

@@ -4,6 +4,10 @@
 `ModelRunnerOutput`; `Scheduler.update_from_output(sched_out, runner_out)` applies it. The runner
 keeps no copy of the scheduler's state beyond per-request sampling state (seeded generators),
 which it drops when a request id appears in `finished_req_ids`.
+
+NOTE: `prompt_token_ids` / `output_token_ids` are the request's own lists, passed by reference
+(read-only for the runner) so that penalties cost no copy per step in-process; a multi-process
+executor pickles them, which copies.
 """
 
 from __future__ import annotations
@@ -23,10 +27,21 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table after allocation
     sample: bool  # True when this step reaches the request's last known token
     sampling_params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    banned_token_ids: list[int] = field(default_factory=list)  # min_tokens: EOS/stop ids
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """Positions of this step whose next token is a prompt token (for prompt_logprobs)."""
+        if self.sampling_params.prompt_logprobs is None:
+            return range(0)
+        end = min(self.start_pos + self.num_tokens, len(self.prompt_token_ids) - 1)
+        return range(self.start_pos, max(self.start_pos, end))
 
 
 @dataclass
@@ -46,6 +61,18 @@ class SchedulerOutput:
 
 
 @dataclass
+class PositionLogprobs:
+    """Logprobs at consecutive positions; entry i holds the chosen token then the top-k."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[list[int]]  # 1 = most likely
+
+
+@dataclass
 class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]  # parallel to req_ids; [] for a request that did not sample
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)  # sampled tokens
+    # req_id → (index of the first prompt token covered, its logprobs)
+    prompt_logprobs: dict[str, tuple[int, PositionLogprobs]] = field(default_factory=dict)

@@ -77,11 +77,15 @@ class KVCacheManager:
         new_ids.extend(b.block_id for b in new_blocks)
         return new_ids
 
-    def fork(self, parent: Request, child: Request) -> None:
-        """Let `child` share every block of `parent` (the child must have none yet)."""
+    def fork(self, parent: Request, child: Request, num_tokens: int | None = None) -> None:
+        """Let `child` share the blocks holding the parent's first `num_tokens` tokens (all of
+        its blocks when None). The child must hold no blocks yet."""
         if self.req_to_blocks.get(child.request_id):
             raise ValueError(f"request {child.request_id!r} already holds blocks")
-        blocks = list(self.req_to_blocks.get(parent.request_id, []))
+        blocks = self.req_to_blocks.get(parent.request_id, [])
+        if num_tokens is not None:
+            blocks = blocks[:cdiv(num_tokens, self.block_size)]
+        blocks = list(blocks)
         self.pool.incr_ref(blocks)
         self.req_to_blocks[child.request_id] = blocks
 

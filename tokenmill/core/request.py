@@ -74,6 +74,14 @@ class Request:
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
 
+    def banned_token_ids(self) -> list[int]:
+        """Tokens the sampler must not pick now: EOS and stop ids until min_tokens are out."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            return []
+        eos = [] if params.ignore_eos else sorted(self.eos_token_ids)
+        return eos + params.stop_token_ids
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

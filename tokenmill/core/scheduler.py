@@ -8,6 +8,11 @@ running request is preempted: its blocks are freed, `num_computed_tokens` drops 
 goes back to the head of the queue to be recomputed; its generated tokens are kept, so its
 output does not change. No request is admitted in a step that preempted.
 
+Parallel sampling (n > 1): the first sample (the leader) is queued alone; the others
+(followers) wait beside it. Once the leader has computed all but the last prompt token, each
+follower forks those blocks (shared, reference-counted) and computes only the last prompt token
+itself, so it samples its own first token; the partly filled last block is copied on write.
+
 Invariant: every block in the pool is free when no request is running or waiting.
 """
 
@@ -31,29 +36,44 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_since_last_step: set[str] = set()
+        self._followers: dict[str, list[Request]] = {}  # leader id → samples waiting to fork
+        self._leader_of: dict[str, str] = {}  # follower id → leader id
         self.num_preemptions = 0  # total, for stats and tests
 
     # ---- queue management -------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+    def add_request(self, request: Request, followers: list[Request] | None = None) -> None:
+        """Queue a request; `followers` are further samples of the same prompt (n > 1)."""
+        for r in [request, *(followers or [])]:
+            if r.request_id in self.requests:
+                raise ValueError(f"request id {r.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if followers:
+            self._followers[request.request_id] = list(followers)
+            for f in followers:
+                self.requests[f.request_id] = f
+                self._leader_of[f.request_id] = request.request_id
 
     def abort_request(self, request_id: str) -> Request | None:
         """Finish a request as aborted and free its blocks; None if it is unknown or done."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request from outside a step (abort, stop string); None if unknown or done."""
         request = self.requests.get(request_id)
         if request is None:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request_id in self._leader_of:
+            self._followers[self._leader_of.pop(request_id)].remove(request)
         else:
             self.waiting.remove(request)
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self._finish(request, status)
         return request
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._followers)
 
     @property
     def num_waiting(self) -> int:
@@ -117,11 +137,40 @@ class Scheduler:
                 block_ids=self.kv.get_block_ids(request.request_id),
                 sample=start + n == request.num_tokens,
                 sampling_params=request.sampling_params,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+                banned_token_ids=request.banned_token_ids(),
             ))
             # NOTE: advanced here, not after the forward pass, so the next schedule() sees the
             # tokens in flight; update_from_output only appends sampled tokens.
             request.num_computed_tokens = start + n
+            if request.request_id in self._followers:
+                self._maybe_fork(request)
         return out
+
+    def _maybe_fork(self, leader: Request) -> None:
+        """Once this step writes the leader's prompt[:-1], its followers share those blocks.
+
+        They queue at the head and run from the next step on, each computing the last prompt
+        token itself. NOTE: sharing blocks whose K/V this very step writes is safe because the
+        followers are not scheduled before this step's forward pass has run.
+        """
+        shared = leader.num_prompt_tokens - 1
+        if leader.num_computed_tokens < shared:
+            return
+        followers = self._followers.pop(leader.request_id)
+        for f in followers:
+            del self._leader_of[f.request_id]
+            self.kv.fork(leader, f, num_tokens=shared)
+            f.num_computed_tokens = shared
+        self.waiting.extendleft(reversed(followers))
+
+    def _release_followers(self, leader: Request) -> None:
+        """A leader that ends before forking lets its followers run on their own."""
+        followers = self._followers.pop(leader.request_id, [])
+        for f in followers:
+            del self._leader_of[f.request_id]
+        self.waiting.extendleft(reversed(followers))
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -151,6 +200,7 @@ class Scheduler:
         return progressed
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        self._release_followers(request)
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]

@@ -15,6 +15,8 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     """
     last = request.output_token_ids[-1]
     params = request.sampling_params
+    if request.num_output_tokens < params.min_tokens:
+        return None  # the sampler bans EOS and stop ids until then; max_tokens >= min_tokens
     if not params.ignore_eos and last in request.eos_token_ids:
         return RequestStatus.FINISHED_STOPPED
     if last in params.stop_token_ids:

@@ -10,16 +10,16 @@ One step is `schedule → execute → update_from_output`. A bad request is refu
 
 from __future__ import annotations
 
-import time
+import dataclasses
 from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.tokenizer import load_tokenizer
-from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.utils import cdiv
 from tokenmill.worker.model_runner import ModelRunner
@@ -36,8 +36,7 @@ class LLMEngine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
-        self._prompts: dict[str, str | None] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.outputs = OutputProcessor(self.tokenizer)
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> LLMEngine:
@@ -47,16 +46,32 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int] | dict[str, Any],
                     params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
-        """Queue a prompt given as text, token ids, or {"prompt": …, "prompt_token_ids": …}."""
+        """Queue a prompt given as text, token ids, or {"prompt": …, "prompt_token_ids": …}.
+
+        With n > 1 the request runs as n samples that share the prompt's KV blocks; sample i
+        has seed `seed + i` when a seed is set (as in vLLM).
+        """
         params = params or SamplingParams()
+        if request_id in self.outputs.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, token_ids = self._split_prompt(prompt)
         max_tokens = self._validate(token_ids, params)
-        request = Request(request_id, token_ids, params, self.eos_token_ids, max_tokens,
-                          arrival_time)
-        self.scheduler.add_request(request)
-        self._prompts[request_id] = prompt_text
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids,
-                                                         params.skip_special_tokens)
+        children = [Request(self._child_id(request_id, i, params.n), token_ids,
+                            self._child_params(params, i), self.eos_token_ids, max_tokens,
+                            arrival_time) for i in range(params.n)]
+        self.scheduler.add_request(children[0], children[1:])
+        self.outputs.add(request_id, prompt_text, token_ids, children)
+
+    @staticmethod
+    def _child_id(request_id: str, index: int, n: int) -> str:
+        return request_id if n == 1 else f"{index}_{request_id}"
+
+    @staticmethod
+    def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+        if params.n == 1:
+            return params
+        seed = None if params.seed is None else params.seed + index
+        return dataclasses.replace(params, n=1, seed=seed)
 
     def _split_prompt(self, prompt: str | list[int] | dict[str, Any]
                       ) -> tuple[str | None, list[int]]:
@@ -84,6 +99,9 @@ class LLMEngine:
         vocab = self.config.model.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        bad_bias = [t for t in params.logit_bias if t >= vocab]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids must be < vocab size {vocab}, got {bad_bias}")
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - n
         if n + max_tokens > max_len:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = "
@@ -100,10 +118,11 @@ class LLMEngine:
         return max_tokens
 
     def abort_request(self, request_id: str) -> bool:
-        """Abort a request (waiting or running); returns False if it was unknown or done."""
-        self._prompts.pop(request_id, None)
-        self._detok.pop(request_id, None)
-        return self.scheduler.abort_request(request_id) is not None
+        """Abort a request (all its samples); returns False if it was unknown or done."""
+        children = self.outputs.child_ids(request_id)
+        self.outputs.remove(request_id)
+        aborted = [self.scheduler.abort_request(cid) for cid in children]
+        return any(r is not None for r in aborted)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -113,23 +132,7 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         runner_out = self.runner.execute(sched_out)
         progressed = self.scheduler.update_from_output(sched_out, runner_out)
-        return [self._make_output(r) for r in progressed]
-
-    def _make_output(self, request: Request) -> RequestOutput:
-        rid = request.request_id
-        detok = self._detok[rid]
-        detok.add_tokens(request.output_token_ids[detok.num_output_tokens:])
-        finished = request.is_finished
-        completion = CompletionOutput(
-            index=0, text=detok.text, token_ids=list(request.output_token_ids),
-            finish_reason=RequestStatus.finish_reason(request.status),
-            stop_reason=request.stop_reason)
-        out = RequestOutput(request_id=rid, prompt=self._prompts[rid],
-                            prompt_token_ids=request.prompt_token_ids, outputs=[completion],
-                            finished=finished,
-                            metrics={"arrival_time": request.arrival_time,
-                                     "now": time.monotonic(),
-                                     "num_preemptions": request.num_preemptions})
-        if finished:
-            del self._prompts[rid], self._detok[rid]
-        return out
+        outputs, stopped = self.outputs.process(progressed, runner_out)
+        for rid in stopped:  # a stop string ended it: free its blocks now
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+        return outputs

@@ -1,5 +1,10 @@
 """Sampler: one vectorised pass turning a batch of logits into next tokens, each row with its own
-parameters (greedy, temperature, top-k, top-p) and, when seeded, its own random generator.
+parameters, plus the logprobs users asked for.
+
+Per step (vLLM's order): raw logprobs → logit_bias and min_tokens bans → repetition, frequency
+and presence penalties → greedy rows take the argmax; random rows apply temperature, min_p,
+top-k and top-p, then draw. Python loops run over requests only to build small parameter
+tensors (or seeded noise rows), never over vocabulary entries.
 
 Random draws use the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks index i with
 probability p_i. The noise for a seeded request comes from that request's generator alone, so
@@ -9,11 +14,10 @@ never win the race.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.core.interface import PositionLogprobs, ScheduledRequest
+from tokenmill.layers.sampling_batch import SamplingBatch
 
 
 class Sampler:
@@ -28,56 +32,49 @@ class Sampler:
         for r in req_ids:
             self._generators.pop(r, None)
 
-    def _generator(self, req_id: str, seed: int) -> torch.Generator:
-        g = self._generators.get(req_id)
-        if g is None:
-            g = torch.Generator(device=self.device)
-            g.manual_seed(seed)
-            self._generators[req_id] = g
-        return g
-
-    def __call__(self, logits: torch.Tensor, req_ids: Sequence[str],
-                 params: Sequence[SamplingParams]) -> torch.Tensor:
-        """logits (S, V) float → sampled token ids (S,) long."""
-        greedy = [p.is_greedy for p in params]
-        if all(greedy):
-            return logits.argmax(dim=-1)
+    def __call__(self, logits: torch.Tensor, rows: list[ScheduledRequest]
+                 ) -> tuple[torch.Tensor, PositionLogprobs | None]:
+        """logits (S, V) → sampled ids (S,) and, if any row asked, their logprobs."""
+        b = SamplingBatch.build(rows, logits.shape[-1], logits.device)
         logits = logits.float()
-        temps = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
-        temps = torch.tensor(temps, device=logits.device)
-        probs = _apply_top_k_top_p(logits / temps[:, None], params).softmax(dim=-1)
-        noise = self._exponential_noise(probs, req_ids, params, greedy)
+        logprobs = None
+        if b.max_logprobs is not None:
+            raw = logits.log_softmax(dim=-1)
+        logits = b.apply_bias_and_bans(logits)
+        logits = b.apply_penalties(logits)
+        sampled = logits.argmax(dim=-1) if b.all_greedy else self._sample(logits, b, rows)
+        if b.max_logprobs is not None:
+            logprobs = gather_logprobs(raw, sampled, b.max_logprobs)
+        return sampled, logprobs
+
+    def _sample(self, logits: torch.Tensor, b: SamplingBatch,
+                rows: list[ScheduledRequest]) -> torch.Tensor:
+        greedy_ids = logits.argmax(dim=-1) if b.any_greedy else None
+        probs = b.apply_top_k_top_p(b.apply_min_p(logits / b.temperature[:, None]))
+        probs = probs.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=self._global)
+        for i in b.seeded_rows:
+            r = rows[i]
+            g = self._generators.get(r.req_id)
+            if g is None:
+                g = self._generators[r.req_id] = torch.Generator(device=self.device)
+                g.manual_seed(r.sampling_params.seed)
+            noise[i].exponential_(generator=g)
         sampled = (probs / noise).argmax(dim=-1)
-        if any(greedy):
-            is_greedy = torch.tensor(greedy, device=logits.device)
-            sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+        if greedy_ids is not None:
+            sampled = torch.where(b.is_greedy, greedy_ids, sampled)
         return sampled
 
-    def _exponential_noise(self, probs: torch.Tensor, req_ids: Sequence[str],
-                           params: Sequence[SamplingParams], greedy: list[bool]) -> torch.Tensor:
-        noise = torch.empty_like(probs)
-        seeded = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
-        noise.exponential_(generator=self._global)
-        for i in seeded:
-            noise[i].exponential_(generator=self._generator(req_ids[i], params[i].seed))
-        return noise
 
-
-def _apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Set logits outside each row's top-k and top-p nucleus to -inf. logits (S, V)."""
-    top_k = [p.top_k for p in params]
-    top_p = [p.top_p for p in params]
-    if not any(top_k) and all(p >= 1.0 for p in top_p):
-        return logits
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (S, V)
-    ranks = torch.arange(vocab, device=logits.device)
-    k = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
-    remove = ranks[None, :] >= k[:, None]
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    # Keep a token when the mass strictly before it is below top_p (the first always stays).
-    before = probs.cumsum(dim=-1) - probs
-    p = torch.tensor(top_p, device=logits.device)
-    sorted_logits = sorted_logits.masked_fill(before >= p[:, None], float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> PositionLogprobs:
+    """Chosen token's logprob and rank plus the top-k, for each row of logprobs (N, V)."""
+    chosen_lp = logprobs.gather(-1, chosen[:, None])  # (N, 1)
+    ranks = (logprobs > chosen_lp).sum(dim=-1, keepdim=True) + 1  # (N, 1)
+    ids, lps = chosen[:, None], chosen_lp
+    if k > 0:
+        top_lp, top_ids = logprobs.topk(k, dim=-1)  # (N, k), sorted
+        ids = torch.cat([ids, top_ids], dim=-1)
+        lps = torch.cat([lps, top_lp], dim=-1)
+        top_ranks = torch.arange(1, k + 1, device=logprobs.device).expand(len(chosen), k)
+        ranks = torch.cat([ranks, top_ranks], dim=-1)
+    return PositionLogprobs(ids.tolist(), lps.tolist(), ranks.tolist())

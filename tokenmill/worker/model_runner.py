@@ -15,8 +15,8 @@ import torch
 from tokenmill.attention import get_attention_backend
 from tokenmill.attention.kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks
 from tokenmill.config import EngineConfig
-from tokenmill.core.interface import ModelRunnerOutput, SchedulerOutput
-from tokenmill.layers.sampler import Sampler
+from tokenmill.core.interface import ModelRunnerOutput, PositionLogprobs, SchedulerOutput
+from tokenmill.layers.sampler import Sampler, gather_logprobs
 from tokenmill.model_loader import load_model
 from tokenmill.worker.input_batch import InputBatch
 
@@ -58,17 +58,41 @@ class ModelRunner:
         self.sampler.forget(sched.finished_req_ids)
         copy_blocks(self.kv_cache, sched.blocks_to_copy)
         req_ids = [r.req_id for r in sched.scheduled]
+        out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         if sched.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return out
         batch = InputBatch.build(sched, self.block_size, self.device)
         meta = self.backend.build_metadata(batch)
         hidden = self.model(batch.input_ids, batch.positions, meta)  # (T, hidden)
-        sampled: list[list[int]] = [[] for _ in req_ids]
         if batch.sample_rows:
             logits = self.model.compute_logits(hidden, batch.logits_indices)  # (S, V)
             rows = [sched.scheduled[i] for i in batch.sample_rows]
-            tokens = self.sampler(logits, [r.req_id for r in rows],
-                                  [r.sampling_params for r in rows]).tolist()
-            for i, t in zip(batch.sample_rows, tokens, strict=True):
-                sampled[i] = [t]
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+            tokens, logprobs = self.sampler(logits, rows)
+            for j, (i, t) in enumerate(zip(batch.sample_rows, tokens.tolist(), strict=True)):
+                out.sampled_token_ids[i] = [t]
+                k = rows[j].sampling_params.logprobs
+                if logprobs is not None and k is not None:
+                    out.logprobs[req_ids[i]] = _select(logprobs, j, 1 + k)
+        self._prompt_logprobs(sched, batch, hidden, out)
+        return out
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, batch: InputBatch, hidden: torch.Tensor,
+                         out: ModelRunnerOutput) -> None:
+        """Logprobs of prompt tokens covered by this step, for requests that asked for them."""
+        for i, r in enumerate(sched.scheduled):
+            positions = r.prompt_logprob_positions
+            if not positions:
+                continue
+            first = batch.query_start_locs[i] + positions.start - r.start_pos
+            idx = torch.arange(first, first + len(positions), device=self.device)
+            logprobs = self.model.compute_logits(hidden, idx).float().log_softmax(dim=-1)
+            targets = torch.tensor(r.prompt_token_ids[positions.start + 1:positions.stop + 1],
+                                   device=self.device)
+            out.prompt_logprobs[r.req_id] = (positions.start + 1, gather_logprobs(
+                logprobs, targets, r.sampling_params.prompt_logprobs))
+
+
+def _select(lp: PositionLogprobs, row: int, width: int) -> PositionLogprobs:
+    """One row of a batch's logprobs, cut to the request's own top-k."""
+    return PositionLogprobs([lp.token_ids[row][:width]], [lp.logprobs[row][:width]],
+                            [lp.ranks[row][:width]])

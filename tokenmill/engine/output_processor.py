@@ -1,0 +1,168 @@
+"""OutputProcessor: turns each step's sampled tokens into user-facing RequestOutputs.
+
+It owns, per sample: incremental detokenization, stop-string search, logprobs converted to
+vLLM's dict form with decoded tokens; per user request: the n samples and prompt logprobs.
+Stop strings are found here (they need text) and reported back so the engine can finish those
+requests in the scheduler and free their blocks at once.
+
+While a sample with stop strings is running, its visible text holds back the last
+(longest stop string - 1) characters, which could still turn out to begin a stop string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.core.interface import ModelRunnerOutput, PositionLogprobs
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.outputs import CompletionOutput, Logprob, PositionLogprobDict, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleState:
+    parent: ParentState
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobDict] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    arrival_time: float
+    samples: list[SampleState] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobDict | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.samples: dict[str, SampleState] = {}  # scheduler request id → sample
+        self._token_text: dict[int, str] = {}
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+            children: list[Request]) -> None:
+        parent = ParentState(request_id, prompt, prompt_token_ids, children[0].arrival_time)
+        params = children[0].sampling_params
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None] * len(prompt_token_ids)
+        for i, child in enumerate(children):
+            p = child.sampling_params
+            sample = SampleState(parent, i, p, IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, p.skip_special_tokens,
+                p.spaces_between_special_tokens))
+            if p.logprobs is not None:
+                sample.logprobs, sample.cumulative_logprob = [], 0.0
+            parent.samples.append(sample)
+            self.samples[child.request_id] = sample
+        self.parents[request_id] = parent
+
+    def child_ids(self, request_id: str) -> list[str]:
+        return [cid for cid, s in self.samples.items() if s.parent.request_id == request_id]
+
+    def remove(self, request_id: str) -> None:
+        for cid in self.child_ids(request_id):
+            del self.samples[cid]
+        self.parents.pop(request_id, None)
+
+    def process(self, progressed: list[Request], runner_out: ModelRunnerOutput
+                ) -> tuple[list[RequestOutput], list[str]]:
+        """Outputs of the requests that moved, and sample ids that hit a stop string."""
+        touched: dict[str, ParentState] = {}
+        for rid, (start, lps) in runner_out.prompt_logprobs.items():
+            parent = self.samples[rid].parent
+            for j in range(len(lps.token_ids)):
+                parent.prompt_logprobs[start + j] = self._to_dict(lps, j)
+        stopped = []
+        for request in progressed:
+            sample = self.samples[request.request_id]
+            if self._update_sample(sample, request, runner_out.logprobs.get(request.request_id)):
+                stopped.append(request.request_id)
+            touched[sample.parent.request_id] = sample.parent
+        outputs = [self._make_output(p) for p in touched.values()]
+        for p in touched.values():
+            if p.finished:
+                self.remove(p.request_id)
+        return outputs, stopped
+
+    def _update_sample(self, s: SampleState, request: Request,
+                       lps: PositionLogprobs | None) -> bool:
+        new_ids = request.output_token_ids[len(s.token_ids):]
+        s.token_ids.extend(new_ids)
+        if lps is not None and s.logprobs is not None:
+            for j in range(len(lps.token_ids)):
+                s.logprobs.append(self._to_dict(lps, j))
+                s.cumulative_logprob += lps.logprobs[j][0]
+        if request.is_finished:
+            s.finish_reason = RequestStatus.finish_reason(request.status)
+            s.stop_reason = request.stop_reason
+        delta = s.detok.add_tokens(new_ids)
+        if not (delta and s.params.stop) or len(s.token_ids) < s.params.min_tokens:
+            return False
+        hit = _find_stop(s.detok.text, len(delta), s.params)
+        if hit is None:
+            return False
+        cut, stop = hit
+        s.detok.text = s.detok.text[:cut]
+        stopped_before = s.finish_reason is None
+        s.finish_reason, s.stop_reason = "stop", stop
+        return stopped_before
+
+    def _make_output(self, parent: ParentState) -> RequestOutput:
+        completions = []
+        for s in parent.samples:
+            text = s.detok.text
+            if s.finish_reason is None and s.params.stop:
+                text = text[:max(0, len(text) - s.params.stop_buffer_length)]
+            completions.append(CompletionOutput(
+                index=s.index, text=text, token_ids=list(s.token_ids),
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                cumulative_logprob=s.cumulative_logprob))
+        return RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids, outputs=completions,
+            finished=parent.finished, prompt_logprobs=parent.prompt_logprobs,
+            metrics={"arrival_time": parent.arrival_time})
+
+    def _to_dict(self, lps: PositionLogprobs, j: int) -> PositionLogprobDict:
+        out: PositionLogprobDict = {}
+        for tid, lp, rank in zip(lps.token_ids[j], lps.logprobs[j], lps.ranks[j], strict=True):
+            if tid not in out:
+                out[tid] = Logprob(lp, rank, self._decode_token(tid))
+        return out
+
+    def _decode_token(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def _find_stop(text: str, delta_len: int, params: SamplingParams) -> tuple[int, str] | None:
+    """(where the text ends, the stop string) for the earliest stop string ending in the new
+    text; the text is cut before it, or after it with include_stop_str_in_output."""
+    best: tuple[int, str] | None = None
+    for stop in params.stop:
+        start = text.find(stop, max(0, len(text) - delta_len - len(stop) + 1))
+        if start != -1 and (best is None or start < best[0]):
+            best = (start, stop)
+    if best is None:
+        return None
+    start, stop = best
+    return (start + len(stop) if params.include_stop_str_in_output else start), stop

@@ -1,0 +1,123 @@
+"""SamplingBatch: the per-row sampling parameters of one step as tensors, and the logit
+transformations that use them. Built once per step from the rows that sample; every transform
+is a whole-batch tensor op and is skipped when no row needs it.
+
+Penalties (vLLM and HF semantics): repetition divides positive logits and multiplies negative
+ones by the penalty for every token seen in the prompt or output; frequency subtracts
+penalty * count and presence subtracts penalty once, for tokens seen in the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.core.interface import ScheduledRequest
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # (S,) float, 1.0 for greedy rows
+    is_greedy: torch.Tensor  # (S,) bool
+    all_greedy: bool
+    any_greedy: bool
+    seeded_rows: list[int]
+    rows: list[ScheduledRequest]
+    vocab_size: int
+    max_logprobs: int | None
+
+    @staticmethod
+    def build(rows: list[ScheduledRequest], vocab_size: int,
+              device: torch.device) -> SamplingBatch:
+        params = [r.sampling_params for r in rows]
+        greedy = [p.is_greedy for p in params]
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingBatch(
+            temperature=torch.tensor([1.0 if g else p.temperature
+                                      for g, p in zip(greedy, params, strict=True)],
+                                     device=device),
+            is_greedy=torch.tensor(greedy, device=device),
+            all_greedy=all(greedy), any_greedy=any(greedy),
+            seeded_rows=[i for i, p in enumerate(params) if p.seed is not None and not greedy[i]],
+            rows=rows, vocab_size=vocab_size, max_logprobs=max(wanted) if wanted else None)
+
+    def _param(self, name: str, logits: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([getattr(r.sampling_params, name) for r in self.rows],
+                            dtype=logits.dtype, device=logits.device)
+
+    def apply_bias_and_bans(self, logits: torch.Tensor) -> torch.Tensor:
+        rows, cols, vals = [], [], []
+        ban_rows, ban_cols = [], []
+        for i, r in enumerate(self.rows):
+            for token, bias in r.sampling_params.logit_bias.items():
+                if token < self.vocab_size:
+                    rows.append(i)
+                    cols.append(token)
+                    vals.append(bias)
+            ban_rows += [i] * len(r.banned_token_ids)
+            ban_cols += r.banned_token_ids
+        if rows:
+            idx = (torch.tensor(rows, device=logits.device),
+                   torch.tensor(cols, device=logits.device))
+            logits = logits.index_put(idx, torch.tensor(vals, dtype=logits.dtype,
+                                                        device=logits.device), accumulate=True)
+        if ban_rows:
+            idx = (torch.tensor(ban_rows, device=logits.device),
+                   torch.tensor(ban_cols, device=logits.device))
+            logits = logits.index_put(idx, torch.tensor(float("-inf"), dtype=logits.dtype,
+                                                        device=logits.device))
+        return logits
+
+    def apply_penalties(self, logits: torch.Tensor) -> torch.Tensor:
+        if not any(r.sampling_params.has_penalties for r in self.rows):
+            return logits
+        S, V = logits.shape
+        output_counts = _token_counts([r.output_token_ids for r in self.rows], S, V, logits)
+        rep = self._param("repetition_penalty", logits)
+        if bool((rep != 1.0).any()):
+            seen = _token_counts([r.prompt_token_ids for r in self.rows], S, V, logits) > 0
+            seen |= output_counts > 0
+            penalized = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
+            logits = torch.where(seen, penalized, logits)
+        logits = logits - self._param("frequency_penalty", logits)[:, None] * output_counts
+        presence = self._param("presence_penalty", logits)[:, None]
+        return logits - presence * (output_counts > 0).to(logits.dtype)
+
+    def apply_min_p(self, logits: torch.Tensor) -> torch.Tensor:
+        """Drop tokens whose probability is below min_p times the most likely token's."""
+        if not any(r.sampling_params.min_p > 0 for r in self.rows):
+            return logits
+        probs = logits.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * self._param("min_p", logits)[:, None]
+        return logits.masked_fill(probs < threshold, float("-inf"))
+
+    def apply_top_k_top_p(self, logits: torch.Tensor) -> torch.Tensor:
+        """Set logits outside each row's top-k and top-p nucleus to -inf. logits (S, V)."""
+        top_k = [r.sampling_params.top_k for r in self.rows]
+        top_p = [r.sampling_params.top_p for r in self.rows]
+        if not any(top_k) and all(p >= 1.0 for p in top_p):
+            return logits
+        vocab = logits.shape[-1]
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (S, V)
+        ranks = torch.arange(vocab, device=logits.device)
+        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        # Keep a token when the mass strictly before it is below top_p (the first always stays).
+        before = probs.cumsum(dim=-1) - probs
+        p = torch.tensor(top_p, dtype=probs.dtype, device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(before >= p[:, None], float("-inf"))
+        return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _token_counts(token_lists: list[list[int]], S: int, V: int,
+                  like: torch.Tensor) -> torch.Tensor:
+    """(S, V) counts of each token id in each row's list, via one bincount over offset ids."""
+    lengths = torch.tensor([len(t) for t in token_lists])
+    flat = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long)
+    if flat.numel() == 0:
+        return torch.zeros(S, V, dtype=like.dtype, device=like.device)
+    offsets = torch.repeat_interleave(torch.arange(S) * V, lengths)
+    counts = torch.bincount(flat + offsets, minlength=S * V)
+    return counts.view(S, V).to(device=like.device, dtype=like.dtype)
