@@ -4,11 +4,13 @@
 """
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.beam_search import BeamSearchOutput, BeamSearchSequence
 from tokenmill.engine.llm import LLM
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput",
+__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
+           "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob", "RequestOutput",
            "SamplingParams", "__version__"]

@@ -65,3 +65,22 @@ def test_chat_answers_capital_of_france(llm):
     assert out.outputs[0].text == "The capital of France is Paris."
     assert out.outputs[0].finish_reason == "stop"
     assert out.outputs[0].token_ids[-1] == 2  # <|im_end|> ended it
+
+
+def test_chat_n4_seeded_sampling_is_reproducible(llm, smollm2_path):
+    chat = [{"role": "user", "content": "Write one sentence about the sea."}]
+    params = SamplingParams(n=4, temperature=0.8, seed=1234, max_tokens=24)
+    first = [c.text for c in llm.chat(chat, params, use_tqdm=False)[0].outputs]
+    assert len(set(first)) > 1  # four different samples, not one repeated
+    again = [c.text for c in llm.chat(chat, params, use_tqdm=False)[0].outputs]
+    assert again == first
+    # the same request inside a batch of other chats, some sampled unseeded
+    others = [[{"role": "user", "content": q}] for q in ("Hi!", "Count to five.", "Name a fruit.")]
+    batch = llm.chat([others[0], chat, others[1], others[2]],
+                     [SamplingParams(temperature=1.0, max_tokens=16), params,
+                      SamplingParams(temperature=0, max_tokens=40),
+                      SamplingParams(n=2, temperature=0.7, max_tokens=8)], use_tqdm=False)
+    assert [c.text for c in batch[1].outputs] == first
+    # and on a differently configured engine (small chunks, preemption-sized pool)
+    small = LLM(smollm2_path, max_num_batched_tokens=16, num_kv_blocks=12)
+    assert [c.text for c in small.chat(chat, params, use_tqdm=False)[0].outputs] == first

@@ -14,9 +14,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from tokenmill.engine.beam_search import BeamSearchOutput, beam_search
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -65,6 +66,24 @@ class LLM:
                           "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
                          for text in prompts]
         return self.generate(token_prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search with Hugging Face's rules; sequences come back best first."""
+        prompts = _as_prompt_list(prompts)
+        token_prompts = [self.engine._split_prompt(p)[1] for p in prompts]
+        for p in token_prompts:
+            self.engine._validate(p, SamplingParams(max_tokens=params.max_tokens))
+        outputs = beam_search(lambda ps, sp: self.generate(ps, sp, use_tqdm=False),
+                              token_prompts, params, self.engine.eos_token_ids)
+        tok = self.get_tokenizer()
+        for out, prompt in zip(outputs, token_prompts, strict=True):
+            for seq in out.sequences:
+                seq.text = tok.decode(seq.tokens[len(prompt):], skip_special_tokens=True)
+                ended_on_eos = (not params.ignore_eos and len(seq.tokens) > len(prompt)
+                                and seq.tokens[-1] in self.engine.eos_token_ids)
+                seq.finish_reason = "stop" if ended_on_eos else "length"
+        return outputs
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         order = {rid: i for i, rid in enumerate(request_ids)}
