@@ -240,3 +240,13 @@ def test_logit_bias_token_out_of_vocab_is_refused(llama):
     with pytest.raises(ValueError, match="logit_bias token ids must be < vocab size 49152"):
         llm.generate(["x"], SamplingParams(logit_bias={60000: 1.0}), use_tqdm=False)
     assert_kv_all_free(llm.engine)
+
+
+def test_skip_special_tokens(llama):
+    llm, _ = llama
+    forced = dict(temperature=0, max_tokens=3, logit_bias={1: 100.0})  # <|im_start|>, special
+    shown = llm.generate(["x"], SamplingParams(skip_special_tokens=False, **forced),
+                         use_tqdm=False)[0].outputs[0]
+    hidden = llm.generate(["x"], SamplingParams(**forced), use_tqdm=False)[0].outputs[0]
+    assert shown.token_ids == hidden.token_ids == [1, 1, 1]
+    assert shown.text == "<|im_start|>" * 3 and hidden.text == ""
