@@ -1,10 +1,12 @@
 """The `tokenmill` command.
 
+    tokenmill serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+                    [--served-model-name NAME] [engine options]
     tokenmill generate --prompt "What is the capital of France?" [--chat] [--model PATH]
                        [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
                        [engine options: --kv-cache-memory 1GiB --max-num-seqs ... ]
 
-With no --model it runs the default model, SmolLM2-135M-Instruct.
+With no model it runs the default model, SmolLM2-135M-Instruct.
 """
 
 from __future__ import annotations
@@ -56,6 +58,15 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.server.api_server import run_server
+
+    model = args.model_pos if args.model_pos is not None else args.model
+    engine = LLMEngine.from_options(model, **engine_options(args))
+    return run_server(engine, args.host, args.port, args.api_key, args.served_model_name)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,6 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
+                       help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer KEY` on /v1 routes")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients use (default: the model file's name)")
+    add_engine_args(serve)
+    serve.set_defaults(func=_serve)
     return parser
 
 

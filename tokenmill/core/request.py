@@ -57,6 +57,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None  # for the queue-time metric
 
     @property
     def num_tokens(self) -> int:

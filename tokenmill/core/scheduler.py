@@ -18,6 +18,7 @@ Invariant: every block in the pool is free when no request is running or waiting
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from tokenmill.config import SchedulerConfig
@@ -115,6 +116,8 @@ class Scheduler:
             if self.kv.allocate_slots(request, n) is None:
                 break
             self.waiting.popleft()
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append((request, n))

@@ -11,6 +11,8 @@ One step is `schedule → execute → update_from_output`. A bad request is refu
 from __future__ import annotations
 
 import dataclasses
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineConfig
@@ -19,10 +21,23 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.tokenizer import load_tokenizer
+from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.utils import cdiv
 from tokenmill.worker.model_runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated, tokenized request, ready for `LLMEngine.add_prepared`."""
+
+    request_id: str
+    prompt: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    arrival_time: float
 
 
 class LLMEngine:
@@ -51,16 +66,26 @@ class LLMEngine:
         With n > 1 the request runs as n samples that share the prompt's KV blocks; sample i
         has seed `seed + i` when a seed is set (as in vLLM).
         """
+        self.add_prepared(self.prepare_request(request_id, prompt, params, arrival_time))
+
+    def prepare_request(self, request_id: str, prompt: str | list[int] | dict[str, Any],
+                        params: SamplingParams | None = None,
+                        arrival_time: float | None = None) -> PreparedRequest:
+        """Tokenize and validate without touching the scheduler (safe off the engine thread)."""
         params = params or SamplingParams()
-        if request_id in self.outputs.parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, token_ids = self._split_prompt(prompt)
         max_tokens = self._validate(token_ids, params)
-        children = [Request(self._child_id(request_id, i, params.n), token_ids,
-                            self._child_params(params, i), self.eos_token_ids, max_tokens,
-                            arrival_time) for i in range(params.n)]
+        return PreparedRequest(request_id, prompt_text, token_ids, params, max_tokens,
+                               time.monotonic() if arrival_time is None else arrival_time)
+
+    def add_prepared(self, p: PreparedRequest) -> None:
+        if p.request_id in self.outputs.parents:
+            raise ValueError(f"request id {p.request_id!r} is already in use")
+        children = [Request(self._child_id(p.request_id, i, p.params.n), p.token_ids,
+                            self._child_params(p.params, i), self.eos_token_ids, p.max_tokens,
+                            p.arrival_time) for i in range(p.params.n)]
         self.scheduler.add_request(children[0], children[1:])
-        self.outputs.add(request_id, prompt_text, token_ids, children)
+        self.outputs.add(p.request_id, p.prompt, p.token_ids, children)
 
     @staticmethod
     def _child_id(request_id: str, index: int, n: int) -> str:
@@ -126,6 +151,12 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(num_running=self.scheduler.num_running,
+                              num_waiting=self.scheduler.num_waiting,
+                              kv_cache_usage=self.kv.usage,
+                              num_preemptions=self.scheduler.num_preemptions)
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

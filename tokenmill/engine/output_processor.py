@@ -39,7 +39,7 @@ class ParentState:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    arrival_time: float
+    leader: Request  # its first_scheduled_time is the request's
     samples: list[SampleState] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobDict | None] | None = None
 
@@ -57,7 +57,7 @@ class OutputProcessor:
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
             children: list[Request]) -> None:
-        parent = ParentState(request_id, prompt, prompt_token_ids, children[0].arrival_time)
+        parent = ParentState(request_id, prompt, prompt_token_ids, children[0])
         params = children[0].sampling_params
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None] * len(prompt_token_ids)
@@ -138,7 +138,8 @@ class OutputProcessor:
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, outputs=completions,
             finished=parent.finished, prompt_logprobs=parent.prompt_logprobs,
-            metrics={"arrival_time": parent.arrival_time})
+            metrics={"arrival_time": parent.leader.arrival_time,
+                     "first_scheduled_time": parent.leader.first_scheduled_time})
 
     def _to_dict(self, lps: PositionLogprobs, j: int) -> PositionLogprobDict:
         out: PositionLogprobDict = {}

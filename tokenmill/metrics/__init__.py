@@ -1,0 +1,1 @@
+"""Engine and request statistics, and their Prometheus exporters."""

@@ -1,0 +1,61 @@
+"""Prometheus metrics named like vLLM's, under the `tokenmill:` prefix.
+
+Each server owns its own CollectorRegistry (no process-global state), so several engines can
+live in one process, as they do in tests.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tokenmill.metrics.stats import SchedulerStats, StepTimings
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class PrometheusMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(f"tokenmill:{name}", doc, labels, registry=r,
+                             buckets=_LATENCY_BUCKETS).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"tokenmill:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"tokenmill:{name}", doc, labels, registry=r).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token")
+        self.itl = hist("inter_token_latency_seconds", "Time between steps producing tokens")
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish")
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled")
+        self.running = gauge("num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of started requests")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self.preemptions = counter("num_preemptions", "Requests preempted")
+        self.finished = counter("request_success", "Requests finished")
+        self._preemptions_seen = 0
+
+    def record(self, stats: SchedulerStats, step: StepTimings) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        if stats.num_preemptions > self._preemptions_seen:
+            self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = stats.num_preemptions
+        for hist, values in ((self.ttft, step.ttft), (self.itl, step.inter_token),
+                             (self.e2e, step.e2e), (self.queue, step.queue)):
+            for v in values:
+                hist.observe(v)
+        self.prompt_tokens.inc(step.prompt_tokens)
+        self.generation_tokens.inc(step.generation_tokens)
+        self.finished.inc(step.finished)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,79 @@
+"""Statistics the engine reports: a snapshot of the scheduler after a step, and per-request
+timings (TTFT, inter-token latency, end-to-end latency, queue time) derived from outputs.
+
+All times are `time.monotonic()` seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.outputs import RequestOutput
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks in use
+    num_preemptions: int  # total since start
+
+
+@dataclass
+class RequestTimer:
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_tokens: int = 0
+
+
+@dataclass
+class StepTimings:
+    """What one step's outputs add to the request metrics."""
+
+    ttft: list[float] = field(default_factory=list)
+    inter_token: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    queue: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: int = 0
+
+
+class RequestTimings:
+    """Follows each request's outputs and turns them into latency observations."""
+
+    def __init__(self) -> None:
+        self._timers: dict[str, RequestTimer] = {}
+
+    def observe(self, outputs: list[RequestOutput], now: float | None = None) -> StepTimings:
+        now = time.monotonic() if now is None else now
+        step = StepTimings()
+        for out in outputs:
+            t = self._timers.get(out.request_id)
+            if t is None:
+                t = self._timers[out.request_id] = RequestTimer(out.metrics["arrival_time"])
+            n = sum(len(c.token_ids) for c in out.outputs)
+            new = n - t.num_tokens
+            if new > 0:
+                if t.first_token_time is None:
+                    t.first_token_time = now
+                    step.ttft.append(now - t.arrival_time)
+                    step.prompt_tokens += len(out.prompt_token_ids)
+                    scheduled = out.metrics.get("first_scheduled_time")
+                    if scheduled is not None:
+                        step.queue.append(scheduled - t.arrival_time)
+                else:  # as in vLLM v1: one observation per step that produced tokens
+                    step.inter_token.append(now - t.last_token_time)
+                t.last_token_time = now
+                t.num_tokens = n
+                step.generation_tokens += new
+            if out.finished:
+                step.e2e.append(now - t.arrival_time)
+                step.finished += 1
+                del self._timers[out.request_id]
+        return step
+
+    def forget(self, request_id: str) -> None:
+        self._timers.pop(request_id, None)

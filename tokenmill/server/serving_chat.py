@@ -1,0 +1,103 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template, n samples,
+streamed as `chat.completion.chunk` events (a role delta first, then content deltas, then the
+finish reason) or returned whole."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tokenmill.engine.async_engine import AsyncLLM
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, random_id
+from tokenmill.server.serving_common import add_all, collect, merge, sse, usage
+
+
+def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The prompt dict (text and token ids) for a conversation; ValueError if unusable."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template; use /v1/completions")
+    if not messages:
+        raise ValueError("messages must not be empty")
+    conversation = [m.model_dump(exclude_none=True) for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             **(chat_template_kwargs or {}))
+    except Exception as e:  # jinja errors for malformed conversations
+        raise ValueError(f"messages cannot be rendered with the chat template: {e}") from e
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
+def chat_logprobs(c: CompletionOutput, top_k: int, start: int = 0) -> dict[str, Any] | None:
+    """OpenAI chat logprobs for tokens [start:]: the chosen token and the top_k alternatives
+    (the entries ranked 1..top_k; the chosen token is among them only if it ranks there)."""
+    if c.logprobs is None:
+        return None
+    content = []
+    for tid, entry in zip(c.token_ids[start:], c.logprobs[start:], strict=True):
+        chosen = entry[tid]
+        top = sorted((lp for lp in entry.values() if lp.rank <= top_k), key=lambda lp: lp.rank)
+        content.append({"token": chosen.decoded_token, "logprob": chosen.logprob,
+                        "bytes": list((chosen.decoded_token or "").encode()),
+                        "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob,
+                                          "bytes": list((lp.decoded_token or "").encode())}
+                                         for lp in top]})
+    return {"content": content}
+
+
+class OpenAIServingChat:
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Any:
+        params = req.to_sampling_params()
+        prompt = render_chat(self.engine.engine.tokenizer, req.messages,
+                             req.add_generation_prompt, req.chat_template_kwargs)
+        request_id = random_id("chatcmpl")
+        (gen,) = await add_all(self.engine, request_id, [prompt], params)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._stream(request_id, gen, params.n, params.logprobs or 0,
+                                                  include_usage),
+                                     media_type="text/event-stream")
+        (final,) = await collect([gen], raw)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": chat_logprobs(c, params.logprobs or 0),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason} for c in final.outputs]
+        return JSONResponse({"id": request_id, "object": "chat.completion",
+                             "created": int(time.time()), "model": self.model_name,
+                             "choices": choices, "usage": usage([final]).model_dump()})
+
+    async def _stream(self, request_id: str, gen: AsyncIterator[RequestOutput], n: int,
+                      top_k: int, include_usage: bool) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            return sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                        "model": self.model_name, "choices": choices, **extra})
+
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                      "logprobs": None, "finish_reason": None} for i in range(n)])
+        sent_text, sent_tokens = [0] * n, [0] * n
+        final = None
+        async for _, out in merge([gen]):
+            final = out
+            for c in out.outputs:
+                t0, k0 = sent_text[c.index], sent_tokens[c.index]
+                if len(c.text) == t0 and len(c.token_ids) == k0 and c.finish_reason is None:
+                    continue
+                sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                delta = {"content": c.text[t0:]} if len(c.text) > t0 else {}
+                yield chunk([{"index": c.index, "delta": delta,
+                              "logprobs": chat_logprobs(c, top_k, k0),
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+        if include_usage and final is not None:
+            yield chunk([], usage=usage([final]).model_dump())
+        yield sse("[DONE]")
