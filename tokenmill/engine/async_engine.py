@@ -35,6 +35,47 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class RequestStream:
+    """The outputs of one request. Cancelled while waiting, closed, or garbage-collected before
+    its last output, it aborts the request (so its KV blocks are freed), even if it was never
+    iterated: an async generator that never started would run no `finally` at all."""
+
+    def __init__(self, owner: AsyncLLM, request_id: str) -> None:
+        self.owner, self.request_id = owner, request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            out = await self.queue.get()
+        except BaseException:  # cancelled: the consumer went away
+            self.close()
+            raise
+        if isinstance(out, BaseException):
+            self.close()
+            raise out
+        if out.finished:
+            self._done = True
+            self.owner._streams.pop(self.request_id, None)
+        return out
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self.owner.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine, on_step: Any = None) -> None:
         """`on_step(SchedulerStats, StepTimings)` is called on the engine thread after each step."""
@@ -63,36 +104,21 @@ class AsyncLLM:
 
     # ---- requests ---------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams
-                          ) -> AsyncIterator[RequestOutput]:
+                          ) -> RequestStream:
         """Validate and queue a request (ValueError for a bad one); return its output stream.
 
-        Iterating the stream to the end, closing it, or cancelling its consumer ends the
-        request; a caller that never iterates it must call `abort(request_id)`.
+        Iterating the stream to the end, closing it, cancelling its consumer or dropping it
+        unfinished ends the request.
         """
         if not self.is_running:
             raise EngineDeadError("the engine is shutting down")
         loop = asyncio.get_running_loop()
         prepared = await loop.run_in_executor(None, self.engine.prepare_request, request_id,
                                               prompt, params)
-        outputs: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (loop, outputs)
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = (loop, stream.queue)
         self._send("add", prepared)
-        return self._stream(request_id, outputs)
-
-    async def _stream(self, request_id: str, outputs: asyncio.Queue
-                      ) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while not finished:
-                out = await outputs.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
-                yield out
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+        return stream
 
     async def generate(self, request_id: str, prompt: Any, params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:

@@ -16,7 +16,7 @@ import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 GRACEFUL_SHUTDOWN_S = 10
 
 
+class Unauthorized(Exception):
+    pass
+
+
 def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
     metrics = PrometheusMetrics(served_model_name)
     async_llm = AsyncLLM(engine, on_step=metrics.record)
@@ -55,12 +59,17 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan)
     app.state.async_llm = async_llm
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next: Any) -> Response:
-        if (api_key and request.url.path.startswith("/v1")
-                and request.headers.get("authorization") != f"Bearer {api_key}"):
-            return error_response(401, "invalid or missing API key")
-        return await call_next(request)
+    async def check_api_key(request: Request) -> None:
+        # NOTE: a dependency, not BaseHTTPMiddleware, which hides client disconnects from
+        # streaming responses.
+        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise Unauthorized
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @app.exception_handler(Unauthorized)
+    async def on_unauthorized(_: Request, exc: Unauthorized) -> JSONResponse:
+        return error_response(401, "invalid or missing API key")
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -96,16 +105,16 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def models() -> dict[str, Any]:
         card = ModelCard(id=served_model_name, max_model_len=engine.config.model.max_model_len)
         return {"object": "list", "data": [card.model_dump()]}
 
-    @app.post("/v1/completions")
+    @v1.post("/completions")
     async def create_completion(req: CompletionRequest, raw: Request) -> Any:
         return unknown_model(req.model) or await completions.create(req, raw)
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Any:
         return unknown_model(req.model) or await chat.create(req, raw)
 
@@ -136,6 +145,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    app.include_router(v1)
     return app
 
 

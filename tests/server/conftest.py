@@ -1,0 +1,67 @@
+"""A real tokenmill server on 127.0.0.1 (free port) in a background thread, per test module."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import uvicorn
+
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.server.api_server import build_app
+
+
+@dataclass
+class RunningServer:
+    base_url: str
+    engine: LLMEngine
+    model: str
+
+    def wait_idle(self, timeout: float = 20.0) -> None:
+        """Wait until nothing runs and every KV block is back in the pool."""
+        deadline = time.monotonic() + timeout
+        kv = self.engine.kv
+        while time.monotonic() < deadline:
+            if (not self.engine.has_unfinished_requests()
+                    and kv.num_free_blocks == kv.num_usable_blocks):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"server not idle: {kv.num_free_blocks}/{kv.num_usable_blocks} "
+                             f"blocks free, unfinished={self.engine.has_unfinished_requests()}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(engine: LLMEngine, model: str, api_key: str | None = None
+                 ) -> Iterator[RunningServer]:
+    port = free_port()
+    app = build_app(engine, model, api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("test server did not start")
+        time.sleep(0.05)
+    try:
+        yield RunningServer(f"http://127.0.0.1:{port}", engine, model)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model) -> Iterator[RunningServer]:
+    path, _ = tiny_model("llama")
+    engine = LLMEngine.from_options(path, max_model_len=512, num_kv_blocks=400)
+    yield from start_server(engine, "tiny-llama")

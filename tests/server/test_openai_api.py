@@ -1,0 +1,299 @@
+"""The OpenAI-compatible server, driven by the official `openai` client against a real server
+on 127.0.0.1: completions and chat, streaming and not, n > 1, stop, logprobs, usage; every error
+status; 64 concurrent streams equal to offline output; disconnects free every KV block; metrics
+move; tokenize / detokenize / health / version."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import start_server
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.llm_engine import LLMEngine
+
+PROMPTS = ["Hello, my name is", "The quick brown fox", "1, 2, 3,", "Why is the sky blue?"]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model) -> LLM:
+    path, _ = tiny_model("llama")
+    return LLM(path, max_model_len=512)
+
+
+def greedy(offline: LLM, prompt, max_tokens: int, **kw):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+    return offline.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+
+
+def test_models_health_version(client, tiny_server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny-llama"]
+    assert httpx.get(f"{tiny_server.base_url}/health").status_code == 200
+    assert httpx.get(f"{tiny_server.base_url}/version").json()["version"]
+
+
+def test_completion_matches_offline(client, offline):
+    r = client.completions.create(model="tiny-llama", prompt=PROMPTS, max_tokens=12,
+                                  temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for prompt, choice in zip(PROMPTS, r.choices, strict=True):
+        ref = greedy(offline, prompt, 12)
+        assert choice.text == ref.text and choice.finish_reason == ref.finish_reason
+    tok = offline.get_tokenizer()
+    assert r.usage.prompt_tokens == sum(len(tok.encode(p)) for p in PROMPTS)
+    assert r.usage.completion_tokens == sum(
+        len(greedy(offline, p, 12).token_ids) for p in PROMPTS)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.id.startswith("cmpl-") and r.created > 0 and r.model == "tiny-llama"
+
+
+def test_token_id_prompt(client, offline):
+    r = client.completions.create(model="tiny-llama", prompt=[5, 6, 7, 8], max_tokens=6,
+                                  temperature=0)
+    assert r.choices[0].text == greedy(offline, [5, 6, 7, 8], 6).text
+
+
+def test_chat_matches_offline(client, offline):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    r = client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=10,
+                                       temperature=0)
+    ref = offline.chat(msgs, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.outputs[0].text
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    r = client.chat.completions.create(model="tiny-llama", messages=msgs,
+                                       max_completion_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+
+def test_streaming_completion(client, offline):
+    stream = client.completions.create(model="tiny-llama", prompt=PROMPTS[:2], max_tokens=10,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    texts, finish, usage = {0: "", 1: ""}, {}, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    for i, p in enumerate(PROMPTS[:2]):
+        assert texts[i] == greedy(offline, p, 10).text
+    assert finish == {0: "length", 1: "length"} and usage.completion_tokens == 20
+
+
+def test_streaming_chat_with_n_and_usage(client):
+    stream = client.chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "Tell me a story"}],
+        max_tokens=8, temperature=0.9, seed=3, n=2, stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    first = chunks[0]
+    assert {c.delta.role for c in first.choices} == {"assistant"}
+    texts = {0: "", 1: ""}
+    for chunk in chunks[1:]:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    whole = client.chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "Tell me a story"}],
+        max_tokens=8, temperature=0.9, seed=3, n=2)
+    assert [texts[0], texts[1]] == [c.message.content for c in whole.choices]
+    assert chunks[-1].usage.completion_tokens == 16 and chunks[-1].choices == []
+
+
+def test_stop_and_logprobs(client, offline):
+    ref = greedy(offline, PROMPTS[0], 16)
+    stop = ref.text[len(ref.text) // 2:len(ref.text) // 2 + 3]
+    r = client.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=16,
+                                  temperature=0, stop=[stop], logprobs=3)
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and c.text == ref.text[:ref.text.index(stop)]
+    ref_lp = greedy(offline, PROMPTS[0], 4, logprobs=3)
+    assert c.logprobs.token_logprobs[:4] == pytest.approx(
+        [e[t].logprob for t, e in zip(ref_lp.token_ids, ref_lp.logprobs, strict=True)], abs=1e-5)
+    assert all(len(top) >= 3 for top in c.logprobs.top_logprobs)
+    chat = client.chat.completions.create(model="tiny-llama", temperature=0, max_tokens=4,
+                                          messages=[{"role": "user", "content": "Hi"}],
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
+    (dict(top_p=2), "top_p"), (dict(n=0), "n"), (dict(max_tokens=600), None),
+    (dict(extra_body={"min_p": 3}), "min_p"), (dict(logit_bias={"99999": 1}), None),
+])
+def test_bad_parameters_are_400(client, tiny_server, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-llama", prompt="hi", **kwargs)
+    body = e.value.body
+    assert e.value.status_code == 400 and body["code"] == 400 and body["message"]
+    assert body["type"] == "BadRequestError" and body["param"] == param
+    tiny_server.wait_idle()
+
+
+def test_prompt_over_context_is_400(client, tiny_server):
+    with pytest.raises(openai.BadRequestError, match="max_model_len=512"):
+        client.completions.create(model="tiny-llama", prompt=[7] * 510, max_tokens=5)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model="tiny-llama", messages=[])
+    tiny_server.wait_idle()
+
+
+def test_malformed_json_and_unknown_model(client, tiny_server):
+    r = httpx.post(f"{tiny_server.base_url}/v1/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", json={"messages": "nope"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-9", prompt="hi")
+    assert e.value.status_code == 404 and "gpt-9" in e.value.body["message"]
+
+
+def test_api_key(tiny_model):
+    path, _ = tiny_model("llama")
+    engine = LLMEngine.from_options(path, max_model_len=128, num_kv_blocks=32)
+    for srv in start_server(engine, "keyed", api_key="s3cret"):
+        bad = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as e:
+            bad.models.list()
+        assert e.value.status_code == 401
+        assert httpx.get(f"{srv.base_url}/v1/models").status_code == 401  # no key at all
+        good = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="s3cret", max_retries=0)
+        assert good.completions.create(model="keyed", prompt="a", max_tokens=2).choices
+        assert httpx.get(f"{srv.base_url}/health").status_code == 200  # not under /v1
+
+
+def test_64_concurrent_streams_match_offline(tiny_server, offline):
+    prompts = [f"Request {i}: " + "word " * (i % 17) for i in range(64)]
+    lengths = [4 + i % 13 for i in range(64)]
+
+    async def one(client: openai.AsyncOpenAI, prompt: str, n: int) -> str:
+        text = ""
+        stream = await client.completions.create(model="tiny-llama", prompt=prompt,
+                                                 max_tokens=n, temperature=0, stream=True)
+        async for chunk in stream:
+            text += "".join(c.text for c in chunk.choices)
+        return text
+
+    async def all_of_them() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="x",
+                                      max_retries=0) as client:
+            return await asyncio.gather(*(one(client, p, n)
+                                          for p, n in zip(prompts, lengths, strict=True)))
+
+    texts = asyncio.run(all_of_them())
+    outs = offline.generate(prompts, [SamplingParams(temperature=0, max_tokens=n)
+                                      for n in lengths], use_tqdm=False)
+    assert texts == [o.outputs[0].text for o in outs]
+    tiny_server.wait_idle()
+
+
+def test_disconnect_mid_stream_frees_blocks(tiny_server):
+    body = {"model": "tiny-llama", "prompt": "x " * 200, "max_tokens": 300, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{tiny_server.base_url}/v1/completions", json=body,
+                      timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(3)]
+        assert any(line.startswith("data: ") for line in got)
+        assert tiny_server.engine.kv.num_free_blocks < tiny_server.engine.kv.num_usable_blocks
+    tiny_server.wait_idle()
+
+
+def generated_tokens(base_url: str) -> float:
+    for line in httpx.get(f"{base_url}/metrics").text.splitlines():
+        if line.startswith("tokenmill:generation_tokens_total"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no generation counter")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_before_first_token_aborts(tiny_server, stream):
+    """The client sends its request and hangs up at once: the request is aborted early (far
+    fewer tokens generated than asked) and every block comes back."""
+    host, port = tiny_server.base_url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "tiny-llama", "prompt": "z", "max_tokens": 500,
+                       "temperature": 0, "ignore_eos": True, "stream": stream}).encode()
+    before = generated_tokens(tiny_server.base_url)
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
+                  b"Content-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    tiny_server.wait_idle()
+    assert generated_tokens(tiny_server.base_url) - before < 250
+
+
+def test_metrics_move(client, tiny_server):
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{tiny_server.base_url}/metrics").text
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("tokenmill:") and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name.split("{")[0]] = float(value)
+        return out
+
+    before = scrape()
+    client.completions.create(model="tiny-llama", prompt=PROMPTS, max_tokens=5, temperature=0)
+    time.sleep(0.2)
+    after = scrape()
+    assert after["tokenmill:generation_tokens_total"] - before[
+        "tokenmill:generation_tokens_total"] == 20
+    for name in ("tokenmill:prompt_tokens_total", "tokenmill:time_to_first_token_seconds_count",
+                 "tokenmill:e2e_request_latency_seconds_count",
+                 "tokenmill:request_queue_time_seconds_count",
+                 "tokenmill:inter_token_latency_seconds_count",
+                 "tokenmill:request_success_total"):
+        assert after[name] > before.get(name, 0), name
+    for gauge in ("tokenmill:num_requests_running", "tokenmill:num_requests_waiting",
+                  "tokenmill:kv_cache_usage_perc", "tokenmill:num_preemptions_total"):
+        assert gauge in after
+
+
+def test_tokenize_detokenize(tiny_server, offline):
+    base = tiny_server.base_url
+    r = httpx.post(f"{base}/tokenize", json={"prompt": "Hello world"}).json()
+    assert r["tokens"] == offline.get_tokenizer().encode("Hello world") and r["count"] == 2
+    chat = httpx.post(f"{base}/tokenize",
+                      json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["tokens"][0] == 1
+    assert httpx.post(f"{base}/detokenize", json={"tokens": r["tokens"]}).json() == {
+        "prompt": "Hello world"}
+    bad = httpx.post(f"{base}/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and json.loads(bad.text)["error"]["code"] == 400
+
+
+@pytest.mark.slow
+def test_smollm2_server_answers(smollm2_path):
+    engine = LLMEngine.from_options(smollm2_path, kv_cache_memory="256MiB")
+    for srv in start_server(engine, "smollm2"):
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(
+            model="smollm2", temperature=0, max_tokens=32,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert r.choices[0].message.content == "The capital of France is Paris."
+        assert r.choices[0].finish_reason == "stop"
+        stream = client.chat.completions.create(
+            model="smollm2", temperature=0, max_tokens=32, stream=True,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "".join(c.choices[0].delta.content or "" for c in stream
+                       if c.choices) == "The capital of France is Paris."
+        srv.wait_idle()
