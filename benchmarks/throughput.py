@@ -21,8 +21,8 @@ import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.workloads import BenchRequest, make_workload  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.bench.workloads import BenchRequest, make_workload  # noqa: E402
 from tokenmill.model_loader.default_model import default_model_path  # noqa: E402
 
 

@@ -2,6 +2,7 @@
 
     tokenmill serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
                     [--served-model-name NAME] [engine options]
+    tokenmill bench serve [--launch | --base-url URL] [--request-rate R | --concurrency C]
     tokenmill generate --prompt "What is the capital of France?" [--chat] [--model PATH]
                        [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
                        [engine options: --kv-cache-memory 1GiB --max-num-seqs ... ]
@@ -83,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server")
+    from tokenmill.bench import serve_command
+
+    serve_command.add_arguments(bench_serve)
+    bench_serve.set_defaults(func=serve_command.run)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
