@@ -26,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV cache size: bytes or e.g. 512MiB, 4GiB (default 2GiB)")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="exact number of KV blocks (overrides --kv-cache-memory)")
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -36,7 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    names = ["dtype", "max_model_len", "kv_cache_memory", "block_size", "max_num_seqs",
+    names = ["dtype", "max_model_len", "kv_cache_memory", "num_kv_blocks", "block_size",
+             "max_num_seqs",
              "max_num_batched_tokens", "enable_chunked_prefill", "device", "seed"]
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 

@@ -116,6 +116,18 @@ def test_sampling_params_validation(kwargs, match):
         SamplingParams(**kwargs)
 
 
+def test_default_max_tokens_fits_the_cache(tiny_model):
+    path, _ = tiny_model("llama")
+    small = LLM(path, max_model_len=512, num_kv_blocks=9)  # 8 usable blocks: 128 tokens
+    out = small.generate([[5] * 100], SamplingParams(temperature=0, max_tokens=None,
+                                                     ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 28 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="need 9 KV blocks but the cache has 8"):
+        small.generate([[5] * 100], SamplingParams(max_tokens=29), use_tqdm=False)
+    with pytest.raises(ValueError, match="KV cache of 128 tokens"):
+        small.generate([[5] * 128], SamplingParams(max_tokens=None), use_tqdm=False)
+
+
 def test_mismatched_params_list(llm):
     with pytest.raises(ValueError, match="2 sampling_params for 3 prompts"):
         llm.generate(["a", "b", "c"], [GREEDY, GREEDY], use_tqdm=False)

@@ -297,3 +297,49 @@ def test_smollm2_server_answers(smollm2_path):
         assert "".join(c.choices[0].delta.content or "" for c in stream
                        if c.choices) == "The capital of France is Paris."
         srv.wait_idle()
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_graceful_shutdown(tiny_model, sig):
+    """`tokenmill serve` on a signal: the request in flight still gets its whole answer, new
+    connections are refused, and the process exits 0."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from tests.server.conftest import free_port
+
+    path, _ = tiny_model("llama")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tokenmill", "serve", path, "--port",
+                             str(port), "--max-model-len", "512", "--num-kv-blocks", "64"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        result = {}
+
+        def long_request() -> None:
+            result["r"] = httpx.post(f"{base}/v1/completions", timeout=60, json={
+                "prompt": "a", "max_tokens": 400, "temperature": 0, "ignore_eos": True})
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        time.sleep(0.3)  # the request is in flight
+        proc.send_signal(getattr(signal, sig))
+        t.join(timeout=60)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+        r = result["r"]
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 400
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{base}/health", timeout=1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

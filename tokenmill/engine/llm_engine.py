@@ -127,14 +127,18 @@ class LLMEngine:
         bad_bias = [t for t in params.logit_bias if t >= vocab]
         if bad_bias:
             raise ValueError(f"logit_bias token ids must be < vocab size {vocab}, got {bad_bias}")
-        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - n
+        # No max_tokens given: up to the context length, or as much as the KV cache can hold
+        # for one request if that is less (a request must fit the cache to make progress).
+        capacity = self.kv.num_usable_blocks * self.kv.block_size
+        max_tokens = (params.max_tokens if params.max_tokens is not None
+                      else min(max_len, capacity) - n)
         if n + max_tokens > max_len:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = "
                              f"{n + max_tokens} exceeds the context length "
                              f"max_model_len={max_len}")
         if max_tokens < 1:
             raise ValueError(f"prompt ({n} tokens) leaves no room to generate within "
-                             f"max_model_len={max_len}")
+                             f"max_model_len={max_len} and a KV cache of {capacity} tokens")
         need = cdiv(n + max_tokens, self.kv.block_size)
         if need > self.kv.num_usable_blocks:
             raise ValueError(f"prompt + max_tokens = {n + max_tokens} tokens need {need} KV "
