@@ -33,6 +33,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
                    action="store_false", default=None)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false", default=None)
+    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
+    g.add_argument("--swap-space", default=None, help="CPU memory for swapped KV, e.g. 1GiB")
     g.add_argument("--device", default=None)
     g.add_argument("--seed", type=int, default=None)
 
@@ -40,7 +44,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     names = ["dtype", "max_model_len", "kv_cache_memory", "num_kv_blocks", "block_size",
              "max_num_seqs",
-             "max_num_batched_tokens", "enable_chunked_prefill", "device", "seed"]
+             "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
+             "preemption_mode", "swap_space", "device", "seed"]
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 

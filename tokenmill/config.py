@@ -136,6 +136,8 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int = 2 * 2**30  # bytes for K and V of all layers
     num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests, tuning)
+    enable_prefix_caching: bool = True
+    swap_space: int = 2**30  # bytes of CPU memory for swapped-out KV (preemption_mode="swap")
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -150,8 +152,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step
     max_num_seqs: int = 256  # requests running at once
     enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # or "swap": copy the KV to CPU memory and back
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', "
+                             f"got {self.preemption_mode!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, "
                              f"got {self.max_num_batched_tokens}")
@@ -184,8 +190,9 @@ class EngineConfig:
                                               "parallel": {}, "engine": {}}
         owners = {"dtype": "model", "max_model_len": "model",
                   "block_size": "cache", "kv_cache_memory": "cache", "num_kv_blocks": "cache",
+                  "enable_prefix_caching": "cache", "swap_space": "cache",
                   "max_num_batched_tokens": "scheduler", "max_num_seqs": "scheduler",
-                  "enable_chunked_prefill": "scheduler",
+                  "enable_chunked_prefill": "scheduler", "preemption_mode": "scheduler",
                   "tensor_parallel_size": "parallel", "device": "engine", "seed": "engine"}
         for name, value in options.items():
             if name not in owners:
@@ -193,8 +200,9 @@ class EngineConfig:
                                  f"{', '.join(sorted(owners))}")
             if value is not None:
                 groups[owners[name]][name] = value
-        if "kv_cache_memory" in groups["cache"]:
-            groups["cache"]["kv_cache_memory"] = parse_size(groups["cache"]["kv_cache_memory"])
+        for size in ("kv_cache_memory", "swap_space"):
+            if size in groups["cache"]:
+                groups["cache"][size] = parse_size(groups["cache"][size])
         device = groups["engine"].get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
         model_cfg = ModelConfig.from_path(model, **groups["model"])
         sched = SchedulerConfig(**groups["scheduler"])

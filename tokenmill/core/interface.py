@@ -49,6 +49,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)  # since the last step
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before fwd
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     preempted_req_ids: list[str] = field(default_factory=list)
 
     @property

@@ -1,10 +1,18 @@
 """KVCacheManager: the scheduler's only view of KV memory.
 
-The scheduler calls `get_computed_blocks`, `allocate_slots` (None means "no room: preempt
-someone and retry"), `fork` and `free`. Inside, each request owns a list of blocks (its block
-table); blocks may be shared between requests (forks share their prefix) and are then
-copied on write: before a request writes into a shared, partly filled block it gets a private
-copy, and the (src, dst) pair is queued for the model runner to copy before the forward pass.
+The scheduler calls `get_computed_blocks` (prefix-cache hit), `allocate_slots` (None means
+"no room: preempt someone and retry"), `fork`, `swap_out` / `swap_in` and `free`.
+
+Reference counts: each request holds one reference on every block of its block table, and the
+radix tree holds one on every block it caches. A request's full blocks are offered to the tree
+as soon as the step that fills them is scheduled (the K/V of a step is written before any
+attention reads it, so a request admitted in the same step may already share them). The tree
+node path covering a request's cached blocks is locked while the request lives, so evictable
+(unlocked) tree blocks are exactly those no request holds: they count as free, and
+`allocate_slots` evicts them LRU when the pool runs dry.
+
+Copy-on-write: before a request writes into a shared, partly filled block (after `fork`) it
+gets a private copy; the (src, dst) pair is queued for the runner to copy before the forward.
 
 Slot arithmetic for one request, block_size = 4, 6 tokens computed, 3 new tokens:
 
@@ -15,54 +23,135 @@ Slot arithmetic for one request, block_size = 4, 6 tokens computed, 3 new tokens
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from tokenmill.core.block_pool import BlockPool, KVBlock
+from tokenmill.core.radix_cache import RadixCache, RadixNode
 from tokenmill.core.request import Request
+from tokenmill.core.swap_space import SwapSpace
 from tokenmill.utils import cdiv
 
 
+@dataclass
+class ComputedBlocks:
+    """A prefix-cache hit: blocks holding the first `num_tokens` tokens of a request."""
+
+    blocks: list[KVBlock] = field(default_factory=list)
+    num_tokens: int = 0
+    handle: RadixNode | None = None
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 num_swap_blocks: int = 0) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.tree = RadixCache(block_size) if enable_prefix_caching else None
+        self.swap = SwapSpace(num_swap_blocks)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self._handles: dict[str, RadixNode] = {}  # the locked tree node of each request
+        self._num_offered: dict[str, int] = {}  # leading blocks already offered to the tree
         self._pending_copies: list[tuple[int, int]] = []
+        self.prefix_queries = 0  # prompt tokens of admitted requests
+        self.prefix_hits = 0  # of which found in the cache
 
-    @property
-    def usage(self) -> float:
-        return self.pool.usage
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
+    # ---- capacity ---------------------------------------------------------------------------
     @property
     def num_usable_blocks(self) -> int:
         return self.pool.num_blocks - 1
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """Blocks already holding a prefix of the request's tokens, and how many tokens that is.
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a request could get now: free ones plus cached ones nobody uses."""
+        evictable = self.tree.num_evictable_blocks if self.tree else 0
+        return self.pool.num_free_blocks + evictable
 
-        Without a prefix cache nothing is ever computed ahead of time.
-        """
-        return [], 0
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Make room for `num_new_tokens` more tokens after `request.num_computed_tokens`.
+    def _make_room(self, n: int) -> bool:
+        short = n - self.pool.num_free_blocks
+        if short > 0 and self.tree is not None:
+            freed = self.tree.evict(short)
+            self.pool.free_blocks(self.pool.blocks[b] for b in freed)
+        return n <= self.pool.num_free_blocks
+
+    # ---- prefix cache -----------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """The longest cached prefix of the request, in whole blocks. At least one token is
+        left to compute: its logits are what the request samples from next."""
+        if self.tree is None or request.request_id in self.req_to_blocks:
+            return ComputedBlocks()
+        match = self.tree.match_prefix(request.all_token_ids[:request.num_tokens - 1])
+        blocks = [self.pool.blocks[b] for b in match.block_ids]
+        return ComputedBlocks(blocks, len(blocks) * self.block_size, match.handle)
+
+    def _offer_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Insert the request's blocks that are full once `num_tokens` are computed."""
+        rid, bs = request.request_id, self.block_size
+        num_full = num_tokens // bs
+        if self.tree is None or num_full <= self._num_offered.get(rid, 0):
+            return
+        blocks = self.req_to_blocks[rid]
+        tokens = request.all_token_ids[:num_full * bs]
+        ids = [b.block_id for b in blocks[:num_full]]
+        result = self.tree.insert_prefix(tokens, ids)
+        self.pool.incr_ref(blocks[result.cached_len // bs:num_full])  # the tree's references
+        handle = result.handle
+        if result.cached_len == len(tokens):
+            # NOTE: nothing adopted. If the tree held some of these tokens under other blocks
+            # (computed by another request), lock only as deep as the blocks we really share,
+            # so we do not pin cached blocks we never use.
+            tree_ids = self.tree.match_prefix(tokens).block_ids
+            shared = next((i for i, (a, b) in enumerate(zip(tree_ids, ids, strict=True))
+                           if a != b), len(ids))
+            if shared < len(ids):
+                handle = self.tree.match_prefix(tokens[:shared * bs]).handle if shared else None
+        self._lock(rid, handle)
+        self._num_offered[rid] = num_full
+
+    def _lock(self, rid: str, handle: RadixNode | None) -> None:
+        """Make `handle` the request's locked node (lock the new before unlocking the old);
+        None (or the root) leaves it locking nothing."""
+        if self.tree is None:
+            return
+        if handle is not None and handle is not self.tree.root:
+            self.tree.lock_handle(handle)
+        old = self._handles.pop(rid, None)
+        if old is not None:
+            self.tree.lock_handle(old, unlock=True)
+        if handle is not None and handle is not self.tree.root:
+            self._handles[rid] = handle
+
+    # ---- allocation -------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed: ComputedBlocks | None = None) -> list[int] | None:
+        """Make room for `num_new_tokens` after the computed ones (the request's own, or the
+        cache hit `computed` for a request that holds no blocks yet).
 
         Returns the ids of newly allocated blocks (possibly empty), or None when the pool
         cannot supply them, in which case nothing changed.
         """
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        rid = request.request_id
+        is_new = rid not in self.req_to_blocks
+        blocks = self.req_to_blocks.setdefault(rid, [])
         num_computed = request.num_computed_tokens
+        if is_new and computed is not None and computed.blocks:
+            self._lock(rid, computed.handle)  # first, so eviction below cannot take them
+            self.pool.incr_ref(computed.blocks)
+            blocks.extend(computed.blocks)
+            self._num_offered[rid] = len(computed.blocks)
+            num_computed = computed.num_tokens
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = max(0, num_required - len(blocks))
         # Copy-on-write: the block receiving the next token is shared and partly filled.
         cow_index = num_computed // self.block_size
         needs_cow = (num_new_tokens > 0 and num_computed % self.block_size != 0
                      and cow_index < len(blocks) and blocks[cow_index].ref_cnt > 1)
-        if num_new_blocks + int(needs_cow) > self.pool.num_free_blocks:
-            if not blocks:
-                del self.req_to_blocks[request.request_id]
+        if not self._make_room(num_new_blocks + int(needs_cow)):
+            if is_new:
+                self.free(request)
             return None
         new_ids = []
         if needs_cow:
@@ -75,6 +164,10 @@ class KVCacheManager:
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
         new_ids.extend(b.block_id for b in new_blocks)
+        if is_new and request.num_computed_tokens == 0 and request.num_preemptions == 0:
+            self.prefix_queries += request.num_prompt_tokens
+            self.prefix_hits += min(num_computed, request.num_prompt_tokens)
+        self._offer_full_blocks(request, num_computed + num_new_tokens)
         return new_ids
 
     def fork(self, parent: Request, child: Request, num_tokens: int | None = None) -> None:
@@ -88,12 +181,53 @@ class KVCacheManager:
         blocks = list(blocks)
         self.pool.incr_ref(blocks)
         self.req_to_blocks[child.request_id] = blocks
+        self._lock(child.request_id, self._handles.get(parent.request_id))
+        full = len(blocks) if num_tokens is None else num_tokens // self.block_size
+        self._num_offered[child.request_id] = min(
+            self._num_offered.get(parent.request_id, 0), full)
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks (tail first, so they are reused first)."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.pool.free_blocks(reversed(blocks))
+        """Release the request's GPU blocks (tail first, so they are reused first) and swap
+        blocks; blocks the prefix cache holds stay cached."""
+        rid = request.request_id
+        handle = self._handles.pop(rid, None)
+        if handle is not None:
+            self.tree.lock_handle(handle, unlock=True)
+        self.pool.free_blocks(reversed(self.req_to_blocks.pop(rid, [])))
+        self._num_offered.pop(rid, None)
+        self.swap.free(rid)
 
+    # ---- swapping ---------------------------------------------------------------------------
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's KV to swap space: (gpu, cpu) copies to do before the next
+        forward pass, or None if the swap space cannot hold it (nothing changed)."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        cpu = self.swap.allocate(request.request_id, len(blocks))
+        if cpu is None:
+            return None
+        mapping = [(b.block_id, c) for b, c in zip(blocks, cpu, strict=True)]
+        handle = self._handles.pop(request.request_id, None)
+        if handle is not None:
+            self.tree.lock_handle(handle, unlock=True)
+        self.pool.free_blocks(reversed(self.req_to_blocks.pop(request.request_id)))
+        self._num_offered.pop(request.request_id, None)
+        return mapping
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back with room for `num_new_tokens`: (cpu, gpu) copies,
+        or None if the pool has no room now (nothing changed)."""
+        cpu = self.swap.req_to_blocks[request.request_id]
+        need = max(len(cpu), cdiv(request.num_computed_tokens + num_new_tokens,
+                                  self.block_size))
+        if not self._make_room(need):
+            return None
+        blocks = self.pool.get_new_blocks(len(cpu))
+        self.req_to_blocks[request.request_id] = blocks
+        self.swap.free(request.request_id)
+        self.allocate_slots(request, num_new_tokens)  # fits: room was made for `need`
+        return [(c, b.block_id) for c, b in zip(cpu, blocks, strict=True)]
+
+    # ---- queries ----------------------------------------------------------------------------
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
@@ -104,14 +238,19 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
+        self.swap.check_integrity()
         refs: dict[int, int] = {}
         for blocks in self.req_to_blocks.values():
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
-        for block_id, n in refs.items():
-            if self.pool.blocks[block_id].ref_cnt != n:
-                raise AssertionError(f"block {block_id} has ref_cnt "
-                                     f"{self.pool.blocks[block_id].ref_cnt}, held {n} times")
-        in_use = sum(1 for b in self.pool.blocks[1:] if b.ref_cnt > 0)
-        if in_use != len(refs):
-            raise AssertionError(f"{in_use} blocks in use but {len(refs)} held by requests")
+        if self.tree is not None:
+            self.tree.check_integrity()
+            for b in self.tree.cached_block_ids():
+                refs[b] = refs.get(b, 0) + 1
+        for block in self.pool.blocks[1:]:
+            if block.ref_cnt != refs.get(block.block_id, 0):
+                raise AssertionError(f"block {block.block_id} has ref_cnt {block.ref_cnt}, "
+                                     f"held {refs.get(block.block_id, 0)} times")
+        if self.num_free_blocks > self.num_usable_blocks:
+            raise AssertionError("more free blocks than exist: a cached block is counted "
+                                 "evictable while a request holds it")

@@ -18,7 +18,8 @@ from tokenmill.sampling_params import SamplingParams
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
-    PREEMPTED = enum.auto()
+    SWAPPED = enum.auto()  # preempted with its KV copied to CPU swap space
+    PREEMPTED = enum.auto()  # preempted for recomputation
     # Everything after this point is finished.
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()

@@ -5,8 +5,10 @@ budget, sequence slots and KV blocks last. A request is given
 `min(num_tokens - num_computed_tokens, budget left)` tokens, so prefill chunks, decodes and
 resumed requests are one case. When `allocate_slots` returns None the most recently admitted
 running request is preempted: its blocks are freed, `num_computed_tokens` drops to 0 and it
-goes back to the head of the queue to be recomputed; its generated tokens are kept, so its
-output does not change. No request is admitted in a step that preempted.
+goes back to the head of the queue to be recomputed (only past its cached prefix, when prefix
+caching is on), or with preemption_mode="swap" its KV is copied to CPU swap space and back;
+its generated tokens are kept, so its output does not change. No request is admitted in a step
+that preempted, so swap-outs and swap-ins never meet in one step.
 
 Parallel sampling (n > 1): the first sample (the leader) is queued alone; the others
 (followers) wait beside it. Once the leader has computed all but the last prompt token, each
@@ -40,6 +42,9 @@ class Scheduler:
         self._followers: dict[str, list[Request]] = {}  # leader id → samples waiting to fork
         self._leader_of: dict[str, str] = {}  # follower id → leader id
         self.num_preemptions = 0  # total, for stats and tests
+        self.num_prompt_tokens_computed = 0  # prefill work done (cache hits are not counted)
+        self._swap_out: list[tuple[int, int]] = []  # (gpu, cpu) block copies for the runner
+        self._swap_in: list[tuple[int, int]] = []  # (cpu, gpu)
 
     # ---- queue management -------------------------------------------------------------------
     def add_request(self, request: Request, followers: list[Request] | None = None) -> None:
@@ -109,11 +114,8 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            n = request.num_tokens - request.num_computed_tokens
-            if n > budget and not self.config.enable_chunked_prefill:
-                break
-            n = min(n, budget)
-            if self.kv.allocate_slots(request, n) is None:
+            n = self._admit(request, budget)
+            if n is None:
                 break
             self.waiting.popleft()
             if request.first_scheduled_time is None:
@@ -125,14 +127,39 @@ class Scheduler:
 
         return self._make_output(scheduled, preempted)
 
+    def _admit(self, request: Request, budget: int) -> int | None:
+        """Give a waiting request its blocks (a cache hit, swap-in or new ones); the number of
+        tokens it computes this step, or None if it cannot start now."""
+        if request.status == RequestStatus.SWAPPED:
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            copies = self.kv.swap_in(request, n)
+            if copies is None:
+                return None
+            self._swap_in += copies
+            return n
+        computed = (self.kv.get_computed_blocks(request) if request.num_computed_tokens == 0
+                    else None)
+        start = max(request.num_computed_tokens, computed.num_tokens if computed else 0)
+        n = request.num_tokens - start
+        if n > budget and not self.config.enable_chunked_prefill:
+            return None
+        n = min(n, budget)
+        if self.kv.allocate_slots(request, n, computed) is None:
+            return None
+        request.num_computed_tokens = start
+        return n
+
     def _make_output(self, scheduled: list[tuple[Request, int]],
                      preempted: list[Request]) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_since_last_step,
                               blocks_to_copy=self.kv.take_pending_copies(),
+                              blocks_to_swap_out=self._swap_out, blocks_to_swap_in=self._swap_in,
                               preempted_req_ids=[r.request_id for r in preempted])
-        self._finished_since_last_step = set()
+        self._finished_since_last_step, self._swap_out, self._swap_in = set(), [], []
         for request, n in scheduled:
             start = request.num_computed_tokens
+            self.num_prompt_tokens_computed += max(0, min(start + n, request.num_prompt_tokens)
+                                                   - start)
             out.scheduled.append(ScheduledRequest(
                 req_id=request.request_id,
                 token_ids=request.all_token_ids[start:start + n],
@@ -176,12 +203,19 @@ class Scheduler:
         self.waiting.extendleft(reversed(followers))
 
     def _preempt(self, request: Request) -> None:
-        self.kv.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        """Swap the request out if configured and there is swap space, else recompute later."""
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        if self.config.preemption_mode == "swap":
+            copies = self.kv.swap_out(request)
+            if copies is not None:
+                self._swap_out += copies
+                request.status = RequestStatus.SWAPPED
+                return
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
 
     def update_from_output(self, sched_out: SchedulerOutput,
                            runner_out: ModelRunnerOutput) -> list[Request]:

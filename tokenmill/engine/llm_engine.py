@@ -45,7 +45,9 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
         self.runner = ModelRunner(config)
-        self.kv = KVCacheManager(self.runner.num_kv_blocks, config.cache.block_size)
+        self.kv = KVCacheManager(self.runner.num_kv_blocks, config.cache.block_size,
+                                 enable_prefix_caching=config.cache.enable_prefix_caching,
+                                 num_swap_blocks=self.runner.num_swap_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len)
         eos = set(config.model.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
@@ -160,7 +162,10 @@ class LLMEngine:
         return SchedulerStats(num_running=self.scheduler.num_running,
                               num_waiting=self.scheduler.num_waiting,
                               kv_cache_usage=self.kv.usage,
-                              num_preemptions=self.scheduler.num_preemptions)
+                              num_preemptions=self.scheduler.num_preemptions,
+                              prefix_cache_queries=self.kv.prefix_queries,
+                              prefix_cache_hits=self.kv.prefix_hits,
+                              num_prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed)
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -40,7 +40,11 @@ class PrometheusMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.preemptions = counter("num_preemptions", "Requests preempted")
         self.finished = counter("request_success", "Requests finished")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the cache")
+        self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prefix cache hits / queries")
         self._preemptions_seen = 0
+        self._prefix_seen = (0, 0)
 
     def record(self, stats: SchedulerStats, step: StepTimings) -> None:
         self.running.set(stats.num_running)
@@ -53,6 +57,11 @@ class PrometheusMetrics:
                              (self.e2e, step.e2e), (self.queue, step.queue)):
             for v in values:
                 hist.observe(v)
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        self.prefix_queries.inc(queries - self._prefix_seen[0])
+        self.prefix_hits.inc(hits - self._prefix_seen[1])
+        self._prefix_seen = (queries, hits)
+        self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
         self.prompt_tokens.inc(step.prompt_tokens)
         self.generation_tokens.inc(step.generation_tokens)
         self.finished.inc(step.finished)

@@ -18,6 +18,14 @@ class SchedulerStats:
     num_waiting: int
     kv_cache_usage: float  # fraction of KV blocks in use
     num_preemptions: int  # total since start
+    prefix_cache_queries: int = 0  # prompt tokens of admitted requests, total
+    prefix_cache_hits: int = 0  # of which served from the prefix cache
+    num_prompt_tokens_computed: int = 0  # prefill work actually done, total
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries \
+            else 0.0
 
 
 @dataclass

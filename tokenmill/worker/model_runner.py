@@ -35,6 +35,7 @@ class ModelRunner:
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_cache = allocate_kv_cache(mc.num_layers, self.num_kv_blocks, self.block_size,
                                           mc.num_kv_heads, mc.head_dim, mc.dtype, self.device)
+        self.num_swap_blocks, self.swap_cache = self._allocate_swap()
         self.backend = get_attention_backend("torch", self.block_size, self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.bind(self.kv_cache[i], self.backend)
@@ -53,9 +54,32 @@ class ModelRunner:
                              "and at least 2 are required")
         return n
 
+    def _allocate_swap(self) -> tuple[int, torch.Tensor | None]:
+        """CPU memory for swapped-out KV (pinned on CUDA for fast copies); only in swap mode."""
+        cfg = self.config
+        if cfg.scheduler.preemption_mode != "swap":
+            return 0, None
+        mc = cfg.model
+        per_block = bytes_per_block(mc.num_layers, self.block_size, mc.num_kv_heads,
+                                    mc.head_dim, mc.dtype)
+        n = cfg.cache.swap_space // per_block
+        swap = torch.zeros(mc.num_layers, 2, n, self.block_size, mc.num_kv_heads, mc.head_dim,
+                           dtype=mc.dtype, pin_memory=self.device.type == "cuda")
+        return n, swap
+
+    def _swap(self, sched: SchedulerOutput) -> None:
+        # NOTE: before the forward pass: swapped-out blocks may be reused by this very step.
+        if sched.blocks_to_swap_out:
+            gpu, cpu = zip(*sched.blocks_to_swap_out, strict=True)
+            self.swap_cache[:, :, list(cpu)] = self.kv_cache[:, :, list(gpu)].to("cpu")
+        if sched.blocks_to_swap_in:
+            cpu, gpu = zip(*sched.blocks_to_swap_in, strict=True)
+            self.kv_cache[:, :, list(gpu)] = self.swap_cache[:, :, list(cpu)].to(self.device)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.forget(sched.finished_req_ids)
+        self._swap(sched)
         copy_blocks(self.kv_cache, sched.blocks_to_copy)
         req_ids = [r.req_id for r in sched.scheduled]
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
