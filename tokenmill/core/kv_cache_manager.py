@@ -209,7 +209,7 @@ class KVCacheManager:
         handle = self._handles.pop(request.request_id, None)
         if handle is not None:
             self.tree.lock_handle(handle, unlock=True)
-        self.pool.free_blocks(reversed(self.req_to_blocks.pop(request.request_id)))
+        self.pool.free_blocks(reversed(self.req_to_blocks.pop(request.request_id, [])))
         self._num_offered.pop(request.request_id, None)
         return mapping
 
@@ -222,10 +222,11 @@ class KVCacheManager:
         if not self._make_room(need):
             return None
         blocks = self.pool.get_new_blocks(len(cpu))
+        copies = [(c, b.block_id) for c, b in zip(cpu, blocks, strict=True)]
         self.req_to_blocks[request.request_id] = blocks
         self.swap.free(request.request_id)
         self.allocate_slots(request, num_new_tokens)  # fits: room was made for `need`
-        return [(c, b.block_id) for c, b in zip(cpu, blocks, strict=True)]
+        return copies
 
     # ---- queries ----------------------------------------------------------------------------
     def get_block_ids(self, request_id: str) -> list[int]:
