@@ -82,3 +82,42 @@ def test_copy_blocks_copies_every_layer():
     torch.testing.assert_close(cache[:, :, 5], before[:, :, 2], rtol=0, atol=0)
     torch.testing.assert_close(cache[:, :, 4], before[:, :, 1], rtol=0, atol=0)
     torch.testing.assert_close(cache[:, :, :4], before[:, :, :4], rtol=0, atol=0)
+
+
+def test_cascade_decode_over_a_shared_prefix_matches_dense():
+    """Decode rows sharing their leading blocks (a cached prefix) take the cascade path."""
+    torch.manual_seed(3)
+    num_blocks = 60
+    cache = allocate_kv_cache(1, num_blocks, BS, HKV, D, torch.float32, torch.device("cpu"))[0]
+    backend = TorchPagedAttention(BS, torch.device("cpu"))
+    shared = [7, 3, 11, 20, 5]  # 5 blocks = 20 tokens shared by every row
+    lens = [30, 29, 25, 31, 27, 26]  # one length group of 6
+    flat = cache.view(2, -1, HKV, D)
+    free = [b for b in range(1, num_blocks) if b not in shared]
+    sched, full_k, full_v = SchedulerOutput(), [], []
+    shared_k, shared_v = torch.randn(20, HKV, D), torch.randn(20, HKV, D)
+    for pos in range(20):
+        slot = shared[pos // BS] * BS + pos % BS
+        flat[0, slot], flat[1, slot] = shared_k[pos], shared_v[pos]
+    for i, n in enumerate(lens):
+        blocks = shared + [free.pop() for _ in range(-(-n // BS) - len(shared))]
+        k = torch.cat([shared_k, torch.randn(n - 20, HKV, D)])
+        v = torch.cat([shared_v, torch.randn(n - 20, HKV, D)])
+        for pos in range(20, n - 1):
+            slot = blocks[pos // BS] * BS + pos % BS
+            flat[0, slot], flat[1, slot] = k[pos], v[pos]
+        full_k.append(k)
+        full_v.append(v)
+        sched.scheduled.append(ScheduledRequest(str(i), [0], n - 1, blocks, True,
+                                                SamplingParams()))
+    batch = InputBatch.build(sched, BS, torch.device("cpu"))
+    meta = backend.build_metadata(batch)
+    assert [g.shared_block_ids.tolist() for g in meta.decode_groups
+            if g.shared_block_ids is not None] != []
+    q = torch.randn(len(lens), HQ, D)
+    out = backend.forward(q, torch.stack([k[-1] for k in full_k]),
+                          torch.stack([v[-1] for v in full_v]), cache, meta,
+                          scale=D ** -0.5).view(-1, HQ, D)
+    for i in range(len(lens)):
+        ref = dense_reference(q[i:i + 1], full_k[i], full_v[i], D ** -0.5)
+        torch.testing.assert_close(out[i:i + 1], ref, atol=1e-5, rtol=1e-5)

@@ -84,3 +84,19 @@ def test_chat_n4_seeded_sampling_is_reproducible(llm, smollm2_path):
     # and on a differently configured engine (small chunks, preemption-sized pool)
     small = LLM(smollm2_path, max_num_batched_tokens=16, num_kv_blocks=12)
     assert [c.text for c in small.chat(chat, params, use_tqdm=False)[0].outputs] == first
+
+
+def test_prefix_cache_on_off_identical_on_shared_prefix_chats(llm, smollm2_path):
+    system = {"role": "system", "content": "You are a terse assistant. Answer in one line. "
+              "Never use lists. Prefer facts over opinions. " * 3}
+    chats = [[system, {"role": "user", "content": q}] for q in
+             ("Name a planet.", "What is 2+2?", "Name a color.", "Say hi.")]
+    params = SamplingParams(temperature=0, max_tokens=16)
+    off = LLM(smollm2_path, enable_prefix_caching=False)
+    want = [o.outputs[0].token_ids for o in off.chat(chats, params, use_tqdm=False)]
+    before = llm.engine.stats()
+    got = [o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)]
+    after = llm.engine.stats()
+    assert got == want
+    assert after.prefix_cache_hits - before.prefix_cache_hits >= 3 * 48  # the system prompt
+    assert_kv_all_free(llm.engine)

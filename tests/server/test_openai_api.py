@@ -266,6 +266,13 @@ def test_metrics_move(client, tiny_server):
     for gauge in ("tokenmill:num_requests_running", "tokenmill:num_requests_waiting",
                   "tokenmill:kv_cache_usage_perc", "tokenmill:num_preemptions_total"):
         assert gauge in after
+    # the same prompts again: served from the prefix cache
+    client.completions.create(model="tiny-llama", prompt=["x " * 40] * 2, max_tokens=2)
+    time.sleep(0.2)
+    final = scrape()
+    assert final["tokenmill:prefix_cache_hits_total"] > after.get(
+        "tokenmill:prefix_cache_hits_total", 0)
+    assert 0 < final["tokenmill:prefix_cache_hit_rate"] <= 1
 
 
 def test_tokenize_detokenize(tiny_server, offline):

@@ -35,6 +35,9 @@ class DecodeGroup:
     block_ids: torch.Tensor  # (Bg * max_blocks,) long: block tables, row-major, null-padded
     max_blocks: int
     mask: torch.Tensor  # (Bg, 1, 1, max_blocks * block_size) bool, True = attend
+    # Cascade: leading blocks every sequence of the group shares (a cached prefix). When set,
+    # block_ids / max_blocks / mask describe only the blocks after them.
+    shared_block_ids: torch.Tensor | None = None  # (k,) long
 
 
 @dataclass

@@ -24,6 +24,18 @@ from tokenmill.worker.input_batch import InputBatch
 # this fraction of the group's longest one.
 _MAX_PAD_FRACTION = 0.25
 _MAX_DECODE_GROUPS = 8
+# Cascade attention pays off once a group shares this much (blocks) among this many sequences.
+_CASCADE_MIN_BLOCKS = 4
+_CASCADE_MIN_SEQS = 4
+
+
+def _softmax_attend(scores: torch.Tensor, values: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(scores) @ values and the log-sum-exp of scores (…, 1). scores (…, L)."""
+    m = scores.amax(dim=-1, keepdim=True)
+    p = torch.exp(scores - m)
+    total = p.sum(dim=-1, keepdim=True)
+    return torch.matmul(p, values) / total, m + torch.log(total)
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -58,11 +70,26 @@ class TorchPagedAttention(AttentionBackend):
         rows_t = torch.tensor(rows, device=self.device)
         seq_lens = batch.seq_lens_t[rows_t]  # (Bg,)
         max_blocks = -(-batch.seq_lens[rows[0]] // self.block_size)  # rows[0] is the longest
-        block_ids = batch.block_tables[rows_t, :max_blocks].reshape(-1)
-        key_pos = torch.arange(max_blocks * self.block_size, device=self.device)
+        tables = batch.block_tables[rows_t, :max_blocks]  # (Bg, max_blocks)
+        k = self._shared_prefix_blocks(tables, min(batch.seq_lens[i] for i in rows))
+        key_pos = torch.arange(k * self.block_size, max_blocks * self.block_size,
+                               device=self.device)
         mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]
-        return DecodeGroup(token_indices=batch.query_start_loc[rows_t], block_ids=block_ids,
-                           max_blocks=max_blocks, mask=mask)
+        return DecodeGroup(token_indices=batch.query_start_loc[rows_t],
+                           block_ids=tables[:, k:].reshape(-1), max_blocks=max_blocks - k,
+                           mask=mask, shared_block_ids=tables[0, :k] if k else None)
+
+    def _shared_prefix_blocks(self, tables: torch.Tensor, min_len: int) -> int:
+        """Leading blocks common to every row, worth attending once (cascade attention).
+
+        NOTE: capped so that every row still has its own current token after them: the
+        shared part then lies wholly inside every row's context, and no row's suffix is empty.
+        """
+        if tables.shape[0] < _CASCADE_MIN_SEQS:
+            return 0
+        same = (tables == tables[:1]).all(dim=0).int().cumprod(dim=0)
+        k = min(int(same.sum()), (min_len - 1) // self.block_size)
+        return k if k >= _CASCADE_MIN_BLOCKS else 0
 
     def _prefill_seq(self, batch: InputBatch, i: int) -> PrefillSeq:
         q_start, q_end = batch.query_start_locs[i], batch.query_start_locs[i + 1]
@@ -100,6 +127,8 @@ class TorchPagedAttention(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup,
                 scale: float) -> torch.Tensor:
+        if group.shared_block_ids is not None:
+            return self._decode_cascade(q, kv_cache, group, scale)
         Bg = q.shape[0]
         kv = self._gather(kv_cache, group.block_ids)  # (2, Bg * nb, bs, Hkv, D)
         kv = kv.view(2, Bg, -1, *kv.shape[-2:])  # (2, Bg, L, Hkv, D)
@@ -107,6 +136,28 @@ class TorchPagedAttention(AttentionBackend):
         o = F.scaled_dot_product_attention(q.unsqueeze(2), key, value, attn_mask=group.mask,
                                            scale=scale, enable_gqa=True)  # (Bg, Hq, 1, D)
         return o.squeeze(2)
+
+    def _decode_cascade(self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup,
+                        scale: float) -> torch.Tensor:
+        """Attention over a shared prefix (gathered once, all queries in one GEMM) and over each
+        row's own suffix, merged by their log-sum-exps. q (Bg, Hq, D) → (Bg, Hq, D)."""
+        Bg, Hq, D = q.shape
+        Hkv = kv_cache.shape[-2]
+        G = Hq // Hkv
+        qg = q.view(Bg, Hkv, G, D)
+        prefix = kv_cache[:, group.shared_block_ids].flatten(1, 2)  # (2, Lp, Hkv, D)
+        q_flat = qg.permute(1, 0, 2, 3).reshape(Hkv, Bg * G, D)  # (Hkv, Bg*G, D)
+        s_p = torch.matmul(q_flat, prefix[0].permute(1, 2, 0)) * scale  # (Hkv, Bg*G, Lp)
+        out_p, lse_p = _softmax_attend(s_p, prefix[1].transpose(0, 1))  # (Hkv, Bg*G, D)
+        out_p = out_p.view(Hkv, Bg, G, D).permute(1, 0, 2, 3)  # (Bg, Hkv, G, D)
+        lse_p = lse_p.view(Hkv, Bg, G, 1).permute(1, 0, 2, 3)
+        kv = self._gather(kv_cache, group.block_ids).view(2, Bg, -1, Hkv, D)  # (2, Bg, Ls, ..)
+        s_s = torch.matmul(qg, kv[0].permute(0, 2, 3, 1)) * scale  # (Bg, Hkv, G, Ls)
+        s_s = s_s.masked_fill(~group.mask, float("-inf"))
+        out_s, lse_s = _softmax_attend(s_s, kv[1].transpose(1, 2))  # (Bg, Hkv, G, D)
+        m = torch.maximum(lse_p, lse_s)
+        w_p, w_s = torch.exp(lse_p - m), torch.exp(lse_s - m)
+        return ((out_p * w_p + out_s * w_s) / (w_p + w_s)).reshape(Bg, Hq, D)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, p: PrefillSeq, scale: float) -> torch.Tensor:
