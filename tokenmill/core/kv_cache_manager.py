@@ -189,13 +189,15 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's GPU blocks (tail first, so they are reused first) and swap
         blocks; blocks the prefix cache holds stay cached."""
-        rid = request.request_id
+        self._release_gpu_blocks(request.request_id)
+        self.swap.free(request.request_id)
+
+    def _release_gpu_blocks(self, rid: str) -> None:
         handle = self._handles.pop(rid, None)
         if handle is not None:
             self.tree.lock_handle(handle, unlock=True)
         self.pool.free_blocks(reversed(self.req_to_blocks.pop(rid, [])))
         self._num_offered.pop(rid, None)
-        self.swap.free(rid)
 
     # ---- swapping ---------------------------------------------------------------------------
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
@@ -206,11 +208,7 @@ class KVCacheManager:
         if cpu is None:
             return None
         mapping = [(b.block_id, c) for b, c in zip(blocks, cpu, strict=True)]
-        handle = self._handles.pop(request.request_id, None)
-        if handle is not None:
-            self.tree.lock_handle(handle, unlock=True)
-        self.pool.free_blocks(reversed(self.req_to_blocks.pop(request.request_id, [])))
-        self._num_offered.pop(request.request_id, None)
+        self._release_gpu_blocks(request.request_id)
         return mapping
 
     def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
