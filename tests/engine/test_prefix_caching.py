@@ -123,3 +123,15 @@ def test_bad_preemption_mode():
 
     with pytest.raises(ValueError, match="preemption_mode"):
         SchedulerConfig(preemption_mode="drop")
+
+
+def test_prompt_logprobs_bypass_the_cache(tiny_model):
+    path, _ = tiny_model("llama")
+    llm = LLM(path)
+    prompt = list(range(600, 660))
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    first, again = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
+    assert all(e is not None for e in again.prompt_logprobs[1:])
+    assert [e[t].logprob for e, t in zip(again.prompt_logprobs[1:], prompt[1:], strict=True)] \
+        == [e[t].logprob for e, t in zip(first.prompt_logprobs[1:], prompt[1:], strict=True)]
+    assert llm.engine.stats().prefix_cache_hits == 0

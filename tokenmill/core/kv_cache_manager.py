@@ -81,8 +81,9 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """The longest cached prefix of the request, in whole blocks. At least one token is
         left to compute: its logits are what the request samples from next."""
-        if self.tree is None or request.request_id in self.req_to_blocks:
-            return ComputedBlocks()
+        if (self.tree is None or request.request_id in self.req_to_blocks
+                or request.sampling_params.prompt_logprobs is not None):
+            return ComputedBlocks()  # prompt logprobs need every prompt position computed
         match = self.tree.match_prefix(request.all_token_ids[:request.num_tokens - 1])
         blocks = [self.pool.blocks[b] for b in match.block_ids]
         return ComputedBlocks(blocks, len(blocks) * self.block_size, match.handle)
