@@ -71,9 +71,9 @@ class LLM:
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search with Hugging Face's rules; sequences come back best first."""
         prompts = _as_prompt_list(prompts)
-        token_prompts = [self.engine._split_prompt(p)[1] for p in prompts]
-        for p in token_prompts:
-            self.engine._validate(p, SamplingParams(max_tokens=params.max_tokens))
+        check = SamplingParams(max_tokens=params.max_tokens)  # tokenizes and validates
+        token_prompts = [self.engine.prepare_request("beam", p, check).token_ids
+                         for p in prompts]
         outputs = beam_search(lambda ps, sp: self.generate(ps, sp, use_tqdm=False),
                               token_prompts, params, self.engine.eos_token_ids)
         tok = self.get_tokenizer()

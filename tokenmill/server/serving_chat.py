@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, random_id
-from tokenmill.server.serving_common import add_all, collect, merge, sse, usage
+from tokenmill.server.serving_common import DeltaTracker, add_all, collect, merge, sse, usage
 
 
 def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool = True,
@@ -85,15 +85,14 @@ class OpenAIServingChat:
 
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                       "logprobs": None, "finish_reason": None} for i in range(n)])
-        sent_text, sent_tokens = [0] * n, [0] * n
+        sent = DeltaTracker()
         final = None
         async for _, out in merge([gen]):
             final = out
             for c in out.outputs:
-                t0, k0 = sent_text[c.index], sent_tokens[c.index]
-                if len(c.text) == t0 and len(c.token_ids) == k0 and c.finish_reason is None:
+                if (before := sent.advance(c.index, c)) is None:
                     continue
-                sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                t0, k0 = before
                 delta = {"content": c.text[t0:]} if len(c.text) > t0 else {}
                 yield chunk([{"index": c.index, "delta": delta,
                               "logprobs": chat_logprobs(c, top_k, k0),

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from tokenmill.engine.async_engine import AsyncLLM
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.protocol import ErrorBody, ErrorResponse, UsageInfo
 
@@ -38,6 +38,21 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 def sse(payload: dict[str, Any] | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n"
+
+
+class DeltaTracker:
+    """How much of each streamed choice the client has already been sent."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, tuple[int, int]] = {}  # choice index → (chars, tokens)
+
+    def advance(self, index: int, c: CompletionOutput) -> tuple[int, int] | None:
+        """(chars, tokens) sent before, and marks everything sent; None if nothing is new."""
+        t0, k0 = self._sent.get(index, (0, 0))
+        if len(c.text) == t0 and len(c.token_ids) == k0 and c.finish_reason is None:
+            return None
+        self._sent[index] = (len(c.text), len(c.token_ids))
+        return t0, k0
 
 
 def usage(outputs: list[RequestOutput]) -> UsageInfo:

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.server.protocol import CompletionRequest, random_id
-from tokenmill.server.serving_common import add_all, collect, merge, sse, usage
+from tokenmill.server.serving_common import DeltaTracker, add_all, collect, merge, sse, usage
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
@@ -72,17 +72,15 @@ class OpenAIServingCompletion:
     async def _stream(self, request_id: str, gens: list[AsyncIterator[RequestOutput]], n: int,
                       include_usage: bool) -> AsyncIterator[str]:
         created = int(time.time())
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
+        sent = DeltaTracker()
         finals: dict[int, RequestOutput] = {}
         async for i, out in merge(gens):
             finals[i] = out
             for c in out.outputs:
                 idx = i * n + c.index
-                t0, k0 = sent_text.get(idx, 0), sent_tokens.get(idx, 0)
-                if len(c.text) == t0 and len(c.token_ids) == k0 and c.finish_reason is None:
+                if (before := sent.advance(idx, c)) is None:
                     continue
-                sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
+                t0, k0 = before
                 yield sse({"id": request_id, "object": "text_completion", "created": created,
                            "model": self.model_name,
                            "choices": [{"index": idx, "text": c.text[t0:],
