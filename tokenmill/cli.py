@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
     g.add_argument("--swap-space", default=None, help="CPU memory for swapped KV, e.g. 1GiB")
     g.add_argument("--device", default=None)
+    g.add_argument("--attention-backend", default=None, choices=["auto", "torch", "cpu"])
+    g.add_argument("--no-prepack-weights", dest="prepack_weights", action="store_false",
+                   default=None, help="CPU: keep plain weights instead of oneDNN-packed ones")
     g.add_argument("--seed", type=int, default=None)
 
 
@@ -45,7 +48,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     names = ["dtype", "max_model_len", "kv_cache_memory", "num_kv_blocks", "block_size",
              "max_num_seqs",
              "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
-             "preemption_mode", "swap_space", "device", "seed"]
+             "preemption_mode", "swap_space", "device", "seed", "prepack_weights",
+             "attention_backend"]
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 

@@ -182,6 +182,15 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "cpu"
     seed: int = 0
+    # CPU float32: reorder weights once into oneDNN's blocked layout (layers/cpu_gemm.py).
+    prepack_weights: bool = True
+    # auto: the C++ paged kernel for float32 on CPU, else the PyTorch backend (attention/).
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "torch", "cpu"):
+            raise ValueError(f"attention_backend must be auto, torch or cpu, got "
+                             f"{self.attention_backend!r}")
 
     @staticmethod
     def create(model: str | None = None, **options: Any) -> EngineConfig:
@@ -193,7 +202,8 @@ class EngineConfig:
                   "enable_prefix_caching": "cache", "swap_space": "cache",
                   "max_num_batched_tokens": "scheduler", "max_num_seqs": "scheduler",
                   "enable_chunked_prefill": "scheduler", "preemption_mode": "scheduler",
-                  "tensor_parallel_size": "parallel", "device": "engine", "seed": "engine"}
+                  "tensor_parallel_size": "parallel", "device": "engine", "seed": "engine",
+                  "prepack_weights": "engine", "attention_backend": "engine"}
         for name, value in options.items():
             if name not in owners:
                 raise ValueError(f"unknown engine option {name!r}; known: "
@@ -217,4 +227,6 @@ class EngineConfig:
                     f"max_model_len ({model_cfg.max_model_len}) when chunked prefill is off")
         return EngineConfig(model=model_cfg, cache=CacheConfig(**groups["cache"]),
                             scheduler=sched, parallel=ParallelConfig(**groups["parallel"]),
-                            device=device, seed=int(groups["engine"].get("seed", 0)))
+                            device=device, seed=int(groups["engine"].get("seed", 0)),
+                            prepack_weights=bool(groups["engine"].get("prepack_weights", True)),
+                            attention_backend=groups["engine"].get("attention_backend", "auto"))

@@ -1,11 +1,11 @@
-"""Paged attention (pure PyTorch) against dense causal attention over each sequence's full K/V,
-for a step mixing decodes, a fresh prefill and a prefill chunk over a cached prefix, with
-blocks scattered through the pool. Tolerance: 1e-5 absolute (float32)."""
+"""Input batch layout (slot mapping, block tables) and block copies; the attention math of both
+backends is tested in test_paged_backends.py."""
 
 from __future__ import annotations
 
 import torch
 
+from tests.attention.test_paged_backends import dense_reference
 from tokenmill.attention.kv_cache import allocate_kv_cache
 from tokenmill.attention.torch_ref import TorchPagedAttention
 from tokenmill.core.interface import ScheduledRequest, SchedulerOutput
@@ -13,51 +13,6 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.input_batch import InputBatch
 
 BS, HQ, HKV, D = 4, 6, 2, 8
-
-
-def dense_reference(q, k, v, scale):
-    """q (Lq, Hq, D) are the last Lq positions of a sequence whose full K/V are k, v (L, Hkv, D)."""
-    L, Lq = k.shape[0], q.shape[0]
-    k = k.repeat_interleave(HQ // HKV, dim=1)
-    v = v.repeat_interleave(HQ // HKV, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    q_pos = torch.arange(L - Lq, L)[:, None]
-    scores = scores.masked_fill(torch.arange(L)[None, :] > q_pos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-
-
-def test_paged_matches_dense_for_mixed_step():
-    torch.manual_seed(0)
-    num_blocks = 40
-    cache = allocate_kv_cache(1, num_blocks, BS, HKV, D, torch.float32, torch.device("cpu"))[0]
-    backend = TorchPagedAttention(BS, torch.device("cpu"))
-    perm = torch.randperm(num_blocks - 1).add(1).tolist()  # scattered block ids, never 0
-    # (context already cached, new tokens this step)
-    seqs = [(9, 1), (0, 7), (13, 6), (3, 1), (0, 1), (30, 1)]
-    full_k, full_v, sched = [], [], SchedulerOutput()
-    for i, (cached, new) in enumerate(seqs):
-        total = cached + new
-        blocks = [perm.pop() for _ in range(-(-total // BS))]
-        k, v = torch.randn(total, HKV, D), torch.randn(total, HKV, D)
-        full_k.append(k)
-        full_v.append(v)
-        flat = cache.view(2, -1, HKV, D)
-        for pos in range(cached):  # pretend earlier steps wrote the prefix
-            slot = blocks[pos // BS] * BS + pos % BS
-            flat[0, slot], flat[1, slot] = k[pos], v[pos]
-        sched.scheduled.append(ScheduledRequest(str(i), [0] * new, cached, blocks, True,
-                                                SamplingParams()))
-    batch = InputBatch.build(sched, BS, torch.device("cpu"))
-    meta = backend.build_metadata(batch)
-    assert meta.decode_groups and len(meta.prefills) == 2
-    q = torch.randn(batch.num_tokens, HQ, D)
-    k_new = torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs, strict=True)])
-    v_new = torch.cat([v[c:] for v, (c, _) in zip(full_v, seqs, strict=True)])
-    out = backend.forward(q, k_new, v_new, cache, meta, scale=D ** -0.5).view(-1, HQ, D)
-    for i in range(len(seqs)):
-        s, e = batch.query_start_locs[i], batch.query_start_locs[i + 1]
-        ref = dense_reference(q[s:e], full_k[i], full_v[i], D ** -0.5)
-        torch.testing.assert_close(out[s:e], ref, atol=1e-5, rtol=1e-5)
 
 
 def test_slot_mapping_follows_block_table():

@@ -36,11 +36,22 @@ class AttentionBackend(ABC):
         """q (T, Hq, D); k, v (T, Hkv, D); kv_cache (2, num_blocks, block_size, Hkv, D)."""
 
 
-_REGISTRY = {"torch": ("tokenmill.attention.torch_ref", "TorchPagedAttention")}
+_REGISTRY = {"torch": ("tokenmill.attention.torch_ref", "TorchPagedAttention"),
+             "cpu": ("tokenmill.attention.cpu_paged", "CPUPagedAttention")}
+BACKEND_NAMES = ("auto", *_REGISTRY)
 
 
-def get_attention_backend(name: str, block_size: int, device: torch.device) -> AttentionBackend:
+def get_attention_backend(name: str, block_size: int, device: torch.device,
+                          dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    """`auto`: the C++ kernel backend for float32 on CPU when it builds, else PyTorch."""
+    if name == "auto":
+        name = "torch"
+        if device.type == "cpu" and dtype == torch.float32:
+            from tokenmill.attention.cpu_kernels import paged_attention_op
+
+            name = "cpu" if paged_attention_op() is not None else "torch"
     if name not in _REGISTRY:
-        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(_REGISTRY)}")
+        raise ValueError(f"unknown attention backend {name!r}; known: "
+                         f"{', '.join(BACKEND_NAMES)}")
     module, cls = _REGISTRY[name]
     return getattr(importlib.import_module(module), cls)(block_size, device)

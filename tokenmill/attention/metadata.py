@@ -32,6 +32,7 @@ class DecodeGroup:
     """
 
     token_indices: torch.Tensor  # (Bg,) long: positions of their queries in the flat batch
+    rows: torch.Tensor  # (Bg,) long: their rows in the batch's block tables
     block_ids: torch.Tensor  # (Bg * max_blocks,) long: block tables, row-major, null-padded
     max_blocks: int
     mask: torch.Tensor  # (Bg, 1, 1, max_blocks * block_size) bool, True = attend
@@ -41,8 +42,19 @@ class DecodeGroup:
 
 
 @dataclass
+class PagedQueries:
+    """Queries attended straight from the paged cache by a kernel (no gathered copy)."""
+
+    token_indices: torch.Tensor  # (N,) long: positions of the queries in the flat batch
+    seq_rows: torch.Tensor  # (N,) long: each query's row in block_tables
+    ctx_lens: torch.Tensor  # (N,) long: how many cached tokens each query attends
+    block_tables: torch.Tensor  # (B, max_blocks) long
+
+
+@dataclass
 class AttentionMetadata:
     num_tokens: int
     slot_mapping: torch.Tensor  # (T,) long: the cache slot each new token's K/V is written to
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSeq] = field(default_factory=list)
+    paged: PagedQueries | None = None  # only backends with a paged kernel set this

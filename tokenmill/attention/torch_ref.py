@@ -75,7 +75,7 @@ class TorchPagedAttention(AttentionBackend):
         key_pos = torch.arange(k * self.block_size, max_blocks * self.block_size,
                                device=self.device)
         mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]
-        return DecodeGroup(token_indices=batch.query_start_loc[rows_t],
+        return DecodeGroup(token_indices=batch.query_start_loc[rows_t], rows=rows_t,
                            block_ids=tables[:, k:].reshape(-1), max_blocks=max_blocks - k,
                            mask=mask, shared_block_ids=tables[0, :k] if k else None)
 

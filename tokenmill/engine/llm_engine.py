@@ -25,6 +25,7 @@ from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.utils import cdiv
+from tokenmill.utils.profiling import scope
 from tokenmill.worker.model_runner import ModelRunner
 
 
@@ -169,10 +170,13 @@ class LLMEngine:
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched_out = self.scheduler.schedule()
+        # profiler scopes name the parts of a step (benchmarks/profile_step.py)
+        with scope("schedule"):
+            sched_out = self.scheduler.schedule()
         runner_out = self.runner.execute(sched_out)
-        progressed = self.scheduler.update_from_output(sched_out, runner_out)
-        outputs, stopped = self.outputs.process(progressed, runner_out)
+        with scope("process_outputs"):
+            progressed = self.scheduler.update_from_output(sched_out, runner_out)
+            outputs, stopped = self.outputs.process(progressed, runner_out)
         for rid in stopped:  # a stop string ended it: free its blocks now
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
         return outputs

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention import AttentionBackend, AttentionMetadata
+from tokenmill.utils.profiling import scope
 
 
 class Attention(nn.Module):
@@ -28,4 +29,5 @@ class Attention(nn.Module):
         """q (T, Hq, D); k, v (T, Hkv, D) → (T, Hq * D)."""
         if self.backend is None or self.kv_cache is None:
             raise RuntimeError("attention layer used before its KV cache was bound")
-        return self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
+        with scope("attention"):
+            return self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)

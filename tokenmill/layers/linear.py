@@ -6,7 +6,9 @@ tensor (or one shard of a packed one) and copies this rank's slice into the para
 - QKVParallelLinear: q, k, v projections in one GEMM; heads split across ranks.
 - RowParallelLinear: input features split; partial outputs summed with all-reduce.
 
-Parameters are created with torch.empty: the loader fills every one of them or fails.
+Parameters are created with torch.empty: the loader fills every one of them or fails. After
+loading, `prepack()` may swap the dense weight for a oneDNN-packed one (layers/cpu_gemm.py);
+the loaders must not run after that.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import ParallelState
+from tokenmill.layers.cpu_gemm import packed_linear, prepack
 
 
 class LinearBase(nn.Module):
@@ -30,13 +33,26 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.packed_weight: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        """Replace the dense weight by a oneDNN-packed copy (CPU float32 only)."""
+        if self.packed_weight is None:
+            packed = prepack(self.weight)
+            del self.weight  # the dense copy is no longer read: free it
+            self.packed_weight = packed
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, bias)
+        return F.linear(x, self.weight, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
         _copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -111,5 +127,5 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param.data, loaded.narrow(1, self.tp.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self._matmul(x, None))
         return y if self.bias is None else y + self.bias

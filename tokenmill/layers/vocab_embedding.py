@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import ParallelState
+from tokenmill.layers.cpu_gemm import packed_linear, prepack
 from tokenmill.utils import cdiv
 
 
@@ -46,8 +47,23 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    packed_weight: torch.Tensor | None = None
+    tied = False  # set by the model when the head shares the input embedding's table
+
+    def prepack(self) -> None:
+        """Swap in a oneDNN-packed copy for the logits GEMM. A tied head keeps the dense
+        table: it is also the input embedding."""
+        if self.packed_weight is None:
+            self.packed_weight = prepack(self.weight)
+            if not self.tied:
+                del self.weight
+
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """hidden (T, H), logits_indices (S,) → logits (S, vocab_size)."""
-        logits = F.linear(hidden[logits_indices], self.weight)  # (S, V / tp)
+        selected = hidden[logits_indices]  # (S, H)
+        if self.packed_weight is not None:
+            logits = packed_linear(selected, self.packed_weight)  # (S, V / tp)
+        else:
+            logits = F.linear(selected, self.weight)
         logits = self.tp.all_gather_last_dim(logits)
         return logits[:, :self.vocab_size]

@@ -123,6 +123,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tied = True
 
     def _attention_flags(self, config: Any) -> dict[str, bool]:
         bias = bool(getattr(config, "attention_bias", False))

@@ -16,8 +16,10 @@ from tokenmill.attention import get_attention_backend
 from tokenmill.attention.kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks
 from tokenmill.config import EngineConfig
 from tokenmill.core.interface import ModelRunnerOutput, PositionLogprobs, SchedulerOutput
+from tokenmill.layers.cpu_gemm import onednn_available, prepack_model
 from tokenmill.layers.sampler import Sampler, gather_logprobs
 from tokenmill.model_loader import load_model
+from tokenmill.utils.profiling import scope
 from tokenmill.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -31,12 +33,15 @@ class ModelRunner:
         mc = config.model
         t0 = time.perf_counter()
         self.model = load_model(mc, self.device)
+        if config.prepack_weights and onednn_available(self.device, mc.dtype):
+            prepack_model(self.model)
         logger.info("loaded %s in %.1f s", mc.path, time.perf_counter() - t0)
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_cache = allocate_kv_cache(mc.num_layers, self.num_kv_blocks, self.block_size,
                                           mc.num_kv_heads, mc.head_dim, mc.dtype, self.device)
         self.num_swap_blocks, self.swap_cache = self._allocate_swap()
-        self.backend = get_attention_backend("torch", self.block_size, self.device)
+        self.backend = get_attention_backend(config.attention_backend, self.block_size,
+                                             self.device, mc.dtype)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.bind(self.kv_cache[i], self.backend)
         self.sampler = Sampler(config.seed, self.device)
@@ -78,21 +83,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self.sampler.forget(sched.finished_req_ids)
-        self._swap(sched)
-        copy_blocks(self.kv_cache, sched.blocks_to_copy)
         req_ids = [r.req_id for r in sched.scheduled]
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
-        if sched.is_empty:
-            return out
-        batch = InputBatch.build(sched, self.block_size, self.device)
-        meta = self.backend.build_metadata(batch)
-        hidden = self.model(batch.input_ids, batch.positions, meta)  # (T, hidden)
+        with scope("prepare_inputs"):
+            self.sampler.forget(sched.finished_req_ids)
+            self._swap(sched)
+            copy_blocks(self.kv_cache, sched.blocks_to_copy)
+            if sched.is_empty:
+                return out
+            batch = InputBatch.build(sched, self.block_size, self.device)
+            meta = self.backend.build_metadata(batch)
+        with scope("forward"):
+            hidden = self.model(batch.input_ids, batch.positions, meta)  # (T, hidden)
         if batch.sample_rows:
-            logits = self.model.compute_logits(hidden, batch.logits_indices)  # (S, V)
-            rows = [sched.scheduled[i] for i in batch.sample_rows]
-            tokens, logprobs = self.sampler(logits, rows)
-            for j, (i, t) in enumerate(zip(batch.sample_rows, tokens.tolist(), strict=True)):
+            with scope("logits"):
+                logits = self.model.compute_logits(hidden, batch.logits_indices)  # (S, V)
+            with scope("sample"):
+                rows = [sched.scheduled[i] for i in batch.sample_rows]
+                tokens, logprobs = self.sampler(logits, rows)
+                tokens = tokens.tolist()  # the step's one host sync
+            for j, (i, t) in enumerate(zip(batch.sample_rows, tokens, strict=True)):
                 out.sampled_token_ids[i] = [t]
                 k = rows[j].sampling_params.logprobs
                 if logprobs is not None and k is not None:

@@ -1,0 +1,138 @@
+"""Where an engine step's time goes: a torch.profiler breakdown of decode and mixed steps.
+
+    python benchmarks/profile_step.py [--scenario single|decode64|mixed|all] [--steps 10]
+                                      [--no-prepack-weights] [--json out.json]
+
+Scenarios (SmolLM2 float32 unless --model):
+- single:   one request, 128 prompt tokens, decode steps (batch 1);
+- decode64: 64 requests of 256 prompt tokens (the `uniform` workload), decode steps at batch 64;
+- mixed:    the `mixed` workload (128 requests at once), steps 8.. of the run, where prefill
+            chunks and decodes share the step.
+
+Each scenario first times --steps steps without the profiler (the honest wall time), then
+profiles the same number of steps and splits them into the engine's named scopes (schedule,
+prepare_inputs, forward, logits, sample, process_outputs) and, inside forward, into GEMMs,
+attention and the rest (norms, RoPE, activations, copies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.bench.workloads import make_workload  # noqa: E402
+
+GEMM_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"}
+SCOPES = ["schedule", "prepare_inputs", "forward", "logits", "sample", "process_outputs"]
+
+
+def _inside(event, name: str) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == name:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def breakdown(prof, steps: int) -> dict[str, float]:
+    """ms per step for each scope, and forward split into gemm / attention / other."""
+    ms = dict.fromkeys([*SCOPES, "forward.gemm", "forward.attention", "forward.other"], 0.0)
+    for e in prof.events():
+        if e.name in SCOPES:
+            ms[e.name] += e.cpu_time_total / 1e3
+        elif e.name == "attention" and _inside(e, "forward"):
+            ms["forward.attention"] += e.cpu_time_total / 1e3
+        elif e.name in GEMM_OPS and _inside(e, "forward") and not _inside(e, "attention"):
+            ms["forward.gemm"] += e.self_cpu_time_total / 1e3
+    ms["forward.other"] = ms["forward"] - ms["forward.gemm"] - ms["forward.attention"]
+    return {k: v / steps for k, v in ms.items()}
+
+
+def _submit(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> None:
+    for i, (p, n) in enumerate(zip(prompts, outputs, strict=True)):
+        llm.engine.add_request(f"p{time.monotonic_ns()}-{i}", p,
+                               SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+
+
+def _drain(llm: LLM) -> None:
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+
+
+def run_scenario(llm: LLM, name: str, steps: int, vocab: int, special: set[int]) -> dict:
+    if name == "single":
+        reqs = make_workload("single-stream", vocab, special)
+        warmup = 4
+    elif name == "decode64":
+        reqs = make_workload("uniform", vocab, special)
+        warmup = 0
+    else:
+        reqs = make_workload("mixed", vocab, special)
+        warmup = 8
+    _submit(llm, [r.prompt_token_ids for r in reqs], [r.output_len for r in reqs])
+    if name == "decode64":  # step until every request has left prefill
+        while any(r.num_computed_tokens < r.num_prompt_tokens
+                  for r in llm.engine.scheduler.running + list(llm.engine.scheduler.waiting)):
+            llm.engine.step()
+    for _ in range(warmup):
+        llm.engine.step()
+    sizes = []
+    start = time.perf_counter()
+    for _ in range(steps):
+        sizes.append(len(llm.engine.step()))
+    wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            llm.engine.step()
+    _drain(llm)
+    result = {"scenario": name, "wall_ms_per_step": wall_ms,
+              "profiled_ms_per_step": breakdown(prof, steps)}
+    return result
+
+
+def print_result(r: dict) -> None:
+    b = r["profiled_ms_per_step"]
+    total = sum(b[s] for s in SCOPES)
+    print(f"\n{r['scenario']}: {r['wall_ms_per_step']:.1f} ms a step without the profiler; "
+          f"profiled scopes {total:.1f} ms")
+    for key in ["schedule", "prepare_inputs", "forward", "forward.gemm", "forward.attention",
+                "forward.other", "logits", "sample", "process_outputs"]:
+        indent = "    " if key.startswith("forward.") else "  "
+        print(f"{indent}{key:<22}{b[key]:>9.1f} ms {100 * b[key] / total:>6.1f}%")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--scenario", default="all", choices=["single", "decode64", "mixed", "all"])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--no-prepack-weights", dest="prepack", action="store_false")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    llm = LLM(args.model, prepack_weights=args.prepack)
+    tok = llm.get_tokenizer()
+    vocab = llm.engine.config.model.vocab_size
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"prepack_weights={args.prepack}")
+    names = ["single", "decode64", "mixed"] if args.scenario == "all" else [args.scenario]
+    results = []
+    for name in names:
+        results.append(run_scenario(llm, name, args.steps, vocab, set(tok.all_special_ids)))
+        print_result(results[-1])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

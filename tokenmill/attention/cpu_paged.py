@@ -1,0 +1,83 @@
+"""CPUPagedAttention: decode attended straight from the paged KV cache by a C++ kernel.
+
+Which path each query takes in a step:
+- decode queries and short chunks (at most `_KERNEL_MAX_QUERY` tokens: speculative verification,
+  a prompt's tail) go to the kernel (csrc/paged_attention_cpu.cpp), one call for all of them:
+  it reads each sequence's cached K/V once, in place, instead of gathering a padded copy;
+- decode groups that share a long cached prefix keep the PyTorch cascade path (the prefix is
+  read once for the whole group, which beats reading it once per sequence);
+- longer prefill chunks keep the PyTorch path: they are GEMM-bound, and gathering their cached
+  context once costs little next to q_len x context attention math.
+
+Same contract and results as TorchPagedAttention (its oracle), float32 only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.attention.cpu_kernels import paged_attention_op
+from tokenmill.attention.metadata import AttentionMetadata, PagedQueries
+from tokenmill.attention.torch_ref import TorchPagedAttention
+from tokenmill.worker.input_batch import InputBatch
+
+_KERNEL_MAX_QUERY = 8
+
+
+class CPUPagedAttention(TorchPagedAttention):
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        super().__init__(block_size, device)
+        op = paged_attention_op()
+        if op is None:
+            raise RuntimeError("the CPU paged-attention kernel is not available "
+                               "(see the warning above); use attention_backend='torch'")
+        self._op = op
+
+    def build_metadata(self, batch: InputBatch) -> AttentionMetadata:
+        meta = AttentionMetadata(num_tokens=batch.num_tokens, slot_mapping=batch.slot_mapping)
+        tokens: list[int] = []
+        rows: list[int] = []
+        ctx_lens: list[int] = []
+        decode_rows = [i for i, n in enumerate(batch.query_lens) if n == 1]
+        for group_rows in self._group_by_length(decode_rows, batch.seq_lens):
+            group = self._decode_group(batch, group_rows)
+            if group.shared_block_ids is not None:
+                meta.decode_groups.append(group)
+                continue
+            for i in group_rows:
+                tokens.append(batch.query_start_locs[i])
+                rows.append(i)
+                ctx_lens.append(batch.seq_lens[i])
+        for i, n in enumerate(batch.query_lens):
+            if n == 1:
+                continue
+            if n > _KERNEL_MAX_QUERY:
+                meta.prefills.append(self._prefill_seq(batch, i))
+                continue
+            first_ctx = batch.seq_lens[i] - n + 1  # query j sees the cache up to itself
+            tokens += range(batch.query_start_locs[i], batch.query_start_locs[i + 1])
+            rows += [i] * n
+            ctx_lens += range(first_ctx, first_ctx + n)
+        if tokens:
+            # In flat-batch order: when every query of the step is here, they are exactly
+            # tokens 0..T-1 and forward passes q through without a gather.
+            tokens, rows, ctx_lens = map(list, zip(*sorted(zip(tokens, rows, ctx_lens,
+                                                               strict=True)), strict=True))
+            as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
+            meta.paged = PagedQueries(token_indices=as_long(tokens), seq_rows=as_long(rows),
+                                      ctx_lens=as_long(ctx_lens),
+                                      block_tables=batch.block_tables)
+        return meta
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = super().forward(q, k, v, kv_cache, meta, scale)  # stores k/v; (T, Hq * D)
+        p = meta.paged
+        if p is not None:
+            if p.token_indices.numel() == q.shape[0]:  # every query: no gather / scatter
+                return self._op(q, kv_cache[0], kv_cache[1], p.block_tables, p.seq_rows,
+                                p.ctx_lens, scale).view_as(out)
+            out.view_as(q)[p.token_indices] = self._op(
+                q[p.token_indices], kv_cache[0], kv_cache[1], p.block_tables, p.seq_rows,
+                p.ctx_lens, scale)
+        return out
