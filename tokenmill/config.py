@@ -35,17 +35,26 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     gguf_file: str | None = None  # set when weights come from a GGUF file
+    # A GGUF model's converted copy (model_loader/gguf_cache.py): tokenizer and weights are
+    # read from here when set, the GGUF file itself otherwise.
+    converted_dir: str | None = None
 
     @staticmethod
     def from_path(path: str | None, dtype: str = "auto",
                   max_model_len: int | None = None) -> ModelConfig:
         from tokenmill.model_loader.default_model import default_model_path
+        from tokenmill.model_loader.gguf_cache import converted_folder, load_full_config
         from tokenmill.model_loader.gguf_loader import find_gguf_file, gguf_hf_config
 
         path = default_model_path() if path is None else os.path.expanduser(str(path))
         gguf_file = find_gguf_file(path)
+        converted = None
         if gguf_file is not None:
-            hf_config = gguf_hf_config(gguf_file)
+            converted = converted_folder(gguf_file)
+            if converted is not None:
+                hf_config = load_full_config(converted)
+            else:
+                hf_config = gguf_hf_config(gguf_file)
         elif os.path.isfile(os.path.join(path, "config.json")):
             from transformers import AutoConfig
 
@@ -58,11 +67,11 @@ class ModelConfig:
                 f"model path {path!r} has neither a config.json nor a .gguf file")
         else:
             raise ValueError(f"model path {path!r} does not exist")
-        return ModelConfig._build(path, hf_config, gguf_file, dtype, max_model_len)
+        return ModelConfig._build(path, hf_config, gguf_file, dtype, max_model_len, converted)
 
     @staticmethod
     def _build(path: str, hf_config: Any, gguf_file: str | None, dtype: str,
-               max_model_len: int | None) -> ModelConfig:
+               max_model_len: int | None, converted_dir: str | None = None) -> ModelConfig:
         archs = getattr(hf_config, "architectures", None) or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -88,7 +97,7 @@ class ModelConfig:
                              f"{max_model_len}) is not supported; pass max_model_len={window}")
         return ModelConfig(path=path, hf_config=hf_config, architecture=arch,
                            dtype=_resolve_dtype(dtype, hf_config), max_model_len=max_model_len,
-                           gguf_file=gguf_file)
+                           gguf_file=gguf_file, converted_dir=converted_dir)
 
     @property
     def num_layers(self) -> int:

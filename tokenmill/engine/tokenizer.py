@@ -12,6 +12,8 @@ def load_tokenizer(config: ModelConfig) -> Any:
     from transformers import AutoTokenizer
 
     try:
+        if config.converted_dir is not None:
+            return AutoTokenizer.from_pretrained(config.converted_dir)
         if config.gguf_file is not None:
             folder, name = os.path.split(config.gguf_file)
             return AutoTokenizer.from_pretrained(folder, gguf_file=name)

@@ -31,6 +31,8 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def iterate_weights(config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    if config.converted_dir is not None:
+        return iterate_safetensors(config.converted_dir)
     if config.gguf_file is not None:
         return iterate_gguf(config.gguf_file, config.hf_config)
     return iterate_safetensors(config.path)

@@ -1,0 +1,67 @@
+"""The converted copy of a GGUF model: made once, read instead of the GGUF file afterwards, equal
+to what the GGUF file gives (config, tokenizer, chat template, every weight), keyed on the
+file's identity, and optional: off, or unwritable, the GGUF file is read directly."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import torch
+
+from tokenmill.config import ModelConfig
+from tokenmill.engine.tokenizer import load_tokenizer
+from tokenmill.model_loader.gguf_loader import gguf_hf_config, iterate_gguf
+from tokenmill.model_loader.loader import iterate_weights
+
+
+def test_converted_copy_equals_the_gguf_file(smollm2_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    first = ModelConfig.from_path(smollm2_path)
+    assert first.converted_dir is not None and first.converted_dir.startswith(str(tmp_path))
+    assert first.gguf_file == smollm2_path
+    mtime = os.path.getmtime(os.path.join(first.converted_dir, "model.safetensors"))
+    again = ModelConfig.from_path(smollm2_path)  # reuses the folder, does not rewrite it
+    assert again.converted_dir == first.converted_dir
+    assert os.path.getmtime(os.path.join(first.converted_dir, "model.safetensors")) == mtime
+
+    direct = gguf_hf_config(smollm2_path)
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps",
+                "rope_parameters", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+                "max_position_embeddings", "architectures"):
+        assert getattr(again.hf_config, key) == getattr(direct, key), key
+
+    monkeypatch.setenv("TOKENMILL_GGUF_CACHE", "0")
+    plain = ModelConfig.from_path(smollm2_path)
+    assert plain.converted_dir is None
+    tok_cached, tok_plain = load_tokenizer(again), load_tokenizer(plain)
+    text = "Hello, world! Grüße 👋 <|im_end|>"
+    assert tok_cached.encode(text) == tok_plain.encode(text)
+    assert tok_cached.chat_template == tok_plain.chat_template
+    assert tok_cached.all_special_ids == tok_plain.all_special_ids
+
+    cached = dict(iterate_weights(again))
+    n = 0
+    for name, tensor in iterate_gguf(smollm2_path, direct):
+        assert torch.equal(cached.pop(name), tensor), name
+        n += 1
+    assert n > 200 and not cached  # every tensor, nothing extra
+
+
+def test_cache_is_keyed_on_the_file_and_optional(smollm2_path, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    copy = tmp_path / "model.gguf"
+    shutil.copyfile(smollm2_path, copy)
+    a = ModelConfig.from_path(str(copy)).converted_dir
+    os.utime(copy, ns=(0, 10**18))  # the file "changed": a new conversion
+    b = ModelConfig.from_path(str(copy)).converted_dir
+    assert a is not None and b is not None and a != b
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(blocker / "sub"))
+    with caplog.at_level(logging.WARNING):
+        cfg = ModelConfig.from_path(str(copy))
+    assert cfg.converted_dir is None and "cannot cache" in caplog.text

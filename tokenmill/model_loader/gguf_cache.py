@@ -1,0 +1,105 @@
+"""A converted copy of each GGUF model, so that only the first start pays for the conversion.
+
+Reading a GGUF file costs seconds that have nothing to do with serving: the gguf package parses
+every metadata array in Python (the 49k-token vocabulary and merges, twice: once for the config,
+once inside transformers for the tokenizer), transformers converts that vocabulary into a fast
+tokenizer, and every tensor is dequantized in numpy. The first load therefore writes what it
+built into a folder that reads like a Hugging Face model: config.json, the tokenizer files
+(with the chat template) and float32 weights in model.safetensors; later loads read that.
+
+Layout: $TOKENMILL_CACHE_DIR (default ~/.cache/tokenmill)/gguf/<key>/ where the key hashes the
+file's absolute path, size and modification time and the format version, so an edited or
+replaced file is converted again. The folder is written under a temporary name and renamed
+when complete: a crashed or concurrent first start never leaves a half folder in use.
+TOKENMILL_GGUF_CACHE=0 turns the cache off; models whose float32 weights would exceed
+_MAX_CACHED_BYTES are never cached (the copy would cost more disk than it saves time).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_FORMAT_VERSION = 1
+_FULL_CONFIG = "tokenmill_full_config.json"
+_MAX_CACHED_BYTES = 4 << 30
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TOKENMILL_CACHE_DIR",
+                               os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")))
+
+
+def _folder_for(gguf_path: str) -> Path:
+    st = os.stat(gguf_path)
+    key = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{_FORMAT_VERSION}"
+    name = Path(gguf_path).stem + "-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / name
+
+
+def converted_folder(gguf_path: str) -> str | None:
+    """The converted folder of `gguf_path`, creating it on first use; None if disabled or the
+    conversion could not be written (the caller then reads the GGUF file directly)."""
+    if os.environ.get("TOKENMILL_GGUF_CACHE", "1") == "0":
+        return None
+    folder = _folder_for(gguf_path)
+    if (folder / "model.safetensors").is_file() and (folder / _FULL_CONFIG).is_file():
+        return str(folder)
+    try:
+        return _convert(gguf_path, folder)
+    except OSError as e:  # read-only or full disk: serving still works from the GGUF file
+        logger.warning("cannot cache the converted GGUF model in %s (%s)", folder, e)
+        return None
+
+
+def load_full_config(folder: str) -> Any:
+    """The converted model's transformers config, without importing its architecture class."""
+    from transformers.configuration_utils import PretrainedConfig
+
+    with open(os.path.join(folder, _FULL_CONFIG)) as f:
+        return PretrainedConfig(**json.load(f))
+
+
+def _convert(gguf_path: str, folder: Path) -> str | None:
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from tokenmill.model_loader.gguf_loader import gguf_hf_config, iterate_gguf
+
+    hf_config = gguf_hf_config(gguf_path)
+    c = hf_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    params = c.num_hidden_layers * (
+        c.hidden_size * head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+        + 3 * c.hidden_size * c.intermediate_size) + 2 * c.vocab_size * c.hidden_size
+    if 4 * params > _MAX_CACHED_BYTES:
+        return None
+    logger.info("converting %s once into %s", gguf_path, folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
+    try:
+        hf_config.save_pretrained(tmp)  # config.json for other tools; tokenmill reads the
+        # full dump below (every attribute, defaults included) as a plain PretrainedConfig,
+        # which skips importing the architecture's config class (about 1.4 s of imports).
+        src_dir, name = os.path.split(gguf_path)
+        AutoTokenizer.from_pretrained(src_dir, gguf_file=name).save_pretrained(tmp)
+        weights = {n: t.contiguous() for n, t in iterate_gguf(gguf_path, hf_config)}
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"source": gguf_path})
+        with open(tmp / _FULL_CONFIG, "w") as f:  # written last: it marks the folder complete
+            json.dump(hf_config.to_dict(), f, indent=1)
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process finished first: use its copy
+            if not (folder / _FULL_CONFIG).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(folder)
