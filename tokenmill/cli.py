@@ -3,6 +3,8 @@
     tokenmill serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
                     [--served-model-name NAME] [engine options]
     tokenmill bench serve [--launch | --base-url URL] [--request-rate R | --concurrency C]
+    tokenmill bench throughput [--workload mixed|uniform] [--compare-hf] [--json F] [--png F]
+    tokenmill bench latency [--repeats 3] [--llama-cpp] [--json F] [--png F]
     tokenmill generate --prompt "What is the capital of France?" [--chat] [--model PATH]
                        [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
                        [engine options: --kv-cache-memory 1GiB --max-num-seqs ... ]
@@ -100,10 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bench_serve = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server")
-    from tokenmill.bench import serve_command
+    from tokenmill.bench import latency, serve_command, throughput
 
     serve_command.add_arguments(bench_serve)
     bench_serve.set_defaults(func=serve_command.run)
+    bench_tp = bench_sub.add_parser("throughput", help="offline throughput on a standard "
+                                    "workload (optionally against Hugging Face)")
+    throughput.add_arguments(bench_tp)
+    bench_tp.set_defaults(func=throughput.run)
+    bench_lat = bench_sub.add_parser("latency", help="single-stream time to first token and "
+                                     "decode speed (optionally against llama.cpp)")
+    latency.add_arguments(bench_lat)
+    bench_lat.set_defaults(func=latency.run)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,

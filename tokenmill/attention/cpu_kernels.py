@@ -48,6 +48,7 @@ def _load() -> object | None:
 
 def paged_attention_op() -> Callable[..., torch.Tensor] | None:
     """paged_attention(q (N,Hq,D), k_cache, v_cache (nb,bs,Hkv,D), block_tables (B,max_blocks),
-    seq_rows (N,), ctx_lens (N,), scale) -> (N, Hq, D), or None if unavailable."""
+    seq_rows (N,), start_lens (N,), ctx_lens (N,), scale) -> [out (N,Hq,D), lse (N,Hq)]: query n
+    attends cached tokens [start_lens[n], ctx_lens[n]); None if the kernel is unavailable."""
     module = _load()
     return None if module is None else module.paged_attention

@@ -4,8 +4,9 @@ Which path each query takes in a step:
 - decode queries and short chunks (at most `_KERNEL_MAX_QUERY` tokens: speculative verification,
   a prompt's tail) go to the kernel (csrc/paged_attention_cpu.cpp), one call for all of them:
   it reads each sequence's cached K/V once, in place, instead of gathering a padded copy;
-- decode groups that share a long cached prefix keep the PyTorch cascade path (the prefix is
-  read once for the whole group, which beats reading it once per sequence);
+- decode groups that share a long cached prefix use cascade attention: the prefix once for
+  the whole group as a GEMM (PyTorch), each row's own suffix by the kernel, merged through
+  their log-sum-exps (reading the prefix once per sequence would cost far more);
 - longer prefill chunks keep the PyTorch path: they are GEMM-bound, and gathering their cached
   context once costs little next to q_len x context attention math.
 
@@ -14,14 +15,25 @@ Same contract and results as TorchPagedAttention (its oracle), float32 only.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tokenmill.attention.cpu_kernels import paged_attention_op
-from tokenmill.attention.metadata import AttentionMetadata, PagedQueries
+from tokenmill.attention.metadata import AttentionMetadata, DecodeGroup, PagedQueries
 from tokenmill.attention.torch_ref import TorchPagedAttention
 from tokenmill.worker.input_batch import InputBatch
 
 _KERNEL_MAX_QUERY = 8
+
+
+@dataclass
+class KernelCascadeGroup(DecodeGroup):
+    """A cascade decode group whose suffix part the kernel reads in place."""
+
+    block_tables: torch.Tensor | None = None  # (B, max_blocks) long: the whole batch's
+    start_lens: torch.Tensor | None = None  # (Bg,) long: the shared prefix's length
+    ctx_lens: torch.Tensor | None = None  # (Bg,) long: each row's context length
 
 
 class CPUPagedAttention(TorchPagedAttention):
@@ -42,7 +54,11 @@ class CPUPagedAttention(TorchPagedAttention):
         for group_rows in self._group_by_length(decode_rows, batch.seq_lens):
             group = self._decode_group(batch, group_rows)
             if group.shared_block_ids is not None:
-                meta.decode_groups.append(group)
+                prefix_len = group.shared_block_ids.numel() * self.block_size
+                meta.decode_groups.append(KernelCascadeGroup(
+                    **vars(group), block_tables=batch.block_tables,
+                    start_lens=torch.full_like(group.rows, prefix_len),
+                    ctx_lens=batch.seq_lens_t[group.rows]))
                 continue
             for i in group_rows:
                 tokens.append(batch.query_start_locs[i])
@@ -65,6 +81,8 @@ class CPUPagedAttention(TorchPagedAttention):
                                                                strict=True)), strict=True))
             as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
             meta.paged = PagedQueries(token_indices=as_long(tokens), seq_rows=as_long(rows),
+                                      start_lens=torch.zeros(len(tokens), dtype=torch.long,
+                                                             device=self.device),
                                       ctx_lens=as_long(ctx_lens),
                                       block_tables=batch.block_tables)
         return meta
@@ -76,8 +94,16 @@ class CPUPagedAttention(TorchPagedAttention):
         if p is not None:
             if p.token_indices.numel() == q.shape[0]:  # every query: no gather / scatter
                 return self._op(q, kv_cache[0], kv_cache[1], p.block_tables, p.seq_rows,
-                                p.ctx_lens, scale).view_as(out)
+                                p.start_lens, p.ctx_lens, scale)[0].view_as(out)
             out.view_as(q)[p.token_indices] = self._op(
                 q[p.token_indices], kv_cache[0], kv_cache[1], p.block_tables, p.seq_rows,
-                p.ctx_lens, scale)
+                p.start_lens, p.ctx_lens, scale)[0]
         return out
+
+    def _cascade_suffix(self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(group, KernelCascadeGroup):
+            return super()._cascade_suffix(q, kv_cache, group, scale)
+        out, lse = self._op(q, kv_cache[0], kv_cache[1], group.block_tables, group.rows,
+                            group.start_lens, group.ctx_lens, scale)
+        return out, lse.unsqueeze(-1)  # (Bg, Hq, D), (Bg, Hq, 1)

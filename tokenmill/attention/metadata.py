@@ -47,7 +47,8 @@ class PagedQueries:
 
     token_indices: torch.Tensor  # (N,) long: positions of the queries in the flat batch
     seq_rows: torch.Tensor  # (N,) long: each query's row in block_tables
-    ctx_lens: torch.Tensor  # (N,) long: how many cached tokens each query attends
+    start_lens: torch.Tensor  # (N,) long: the first cached token each query attends (0)
+    ctx_lens: torch.Tensor  # (N,) long: tokens [start, ctx) of the cache are attended
     block_tables: torch.Tensor  # (B, max_blocks) long
 
 

@@ -141,23 +141,37 @@ class TorchPagedAttention(AttentionBackend):
                         scale: float) -> torch.Tensor:
         """Attention over a shared prefix (gathered once, all queries in one GEMM) and over each
         row's own suffix, merged by their log-sum-exps. q (Bg, Hq, D) → (Bg, Hq, D)."""
+        out_p, lse_p = self._cascade_prefix(q, kv_cache, group, scale)
+        out_s, lse_s = self._cascade_suffix(q, kv_cache, group, scale)
+        m = torch.maximum(lse_p, lse_s)
+        w_p, w_s = torch.exp(lse_p - m), torch.exp(lse_s - m)
+        return (out_p * w_p + out_s * w_s) / (w_p + w_s)
+
+    def _cascade_prefix(self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared prefix part: out (Bg, Hq, D) and log-sum-exp (Bg, Hq, 1)."""
         Bg, Hq, D = q.shape
         Hkv = kv_cache.shape[-2]
         G = Hq // Hkv
-        qg = q.view(Bg, Hkv, G, D)
         prefix = kv_cache[:, group.shared_block_ids].flatten(1, 2)  # (2, Lp, Hkv, D)
-        q_flat = qg.permute(1, 0, 2, 3).reshape(Hkv, Bg * G, D)  # (Hkv, Bg*G, D)
+        q_flat = q.view(Bg, Hkv, G, D).permute(1, 0, 2, 3).reshape(Hkv, Bg * G, D)
         s_p = torch.matmul(q_flat, prefix[0].permute(1, 2, 0)) * scale  # (Hkv, Bg*G, Lp)
         out_p, lse_p = _softmax_attend(s_p, prefix[1].transpose(0, 1))  # (Hkv, Bg*G, D)
-        out_p = out_p.view(Hkv, Bg, G, D).permute(1, 0, 2, 3)  # (Bg, Hkv, G, D)
-        lse_p = lse_p.view(Hkv, Bg, G, 1).permute(1, 0, 2, 3)
+        out_p = out_p.view(Hkv, Bg, G, D).permute(1, 0, 2, 3).reshape(Bg, Hq, D)
+        lse_p = lse_p.view(Hkv, Bg, G).permute(1, 0, 2).reshape(Bg, Hq, 1)
+        return out_p, lse_p
+
+    def _cascade_suffix(self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's blocks after the shared prefix: out (Bg, Hq, D), log-sum-exp (Bg, Hq, 1)."""
+        Bg, Hq, D = q.shape
+        Hkv = kv_cache.shape[-2]
+        qg = q.view(Bg, Hkv, Hq // Hkv, D)
         kv = self._gather(kv_cache, group.block_ids).view(2, Bg, -1, Hkv, D)  # (2, Bg, Ls, ..)
         s_s = torch.matmul(qg, kv[0].permute(0, 2, 3, 1)) * scale  # (Bg, Hkv, G, Ls)
         s_s = s_s.masked_fill(~group.mask, float("-inf"))
         out_s, lse_s = _softmax_attend(s_s, kv[1].transpose(1, 2))  # (Bg, Hkv, G, D)
-        m = torch.maximum(lse_p, lse_s)
-        w_p, w_s = torch.exp(lse_p - m), torch.exp(lse_s - m)
-        return ((out_p * w_p + out_s * w_s) / (w_p + w_s)).reshape(Bg, Hq, D)
+        return out_s.reshape(Bg, Hq, D), lse_s.reshape(Bg, Hq, 1)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, p: PrefillSeq, scale: float) -> torch.Tensor:

@@ -30,3 +30,14 @@ def make_workload(name: str, vocab_size: int, special_ids: set[int], seed: int =
     if name == "single-stream":
         return [BenchRequest(draw(128), 256)]
     raise ValueError(f"unknown workload {name!r}; known: uniform, mixed, single-stream")
+
+
+def load_workload(model: str | None, name: str, seed: int = 0,
+                  num_requests: int | None = None) -> list[BenchRequest]:
+    """`make_workload` over a model's vocabulary, special tokens excluded."""
+    from tokenmill.config import ModelConfig
+    from tokenmill.engine.tokenizer import load_tokenizer
+
+    mc = ModelConfig.from_path(model)
+    special = set(load_tokenizer(mc).all_special_ids)
+    return make_workload(name, mc.vocab_size, special, seed, num_requests)

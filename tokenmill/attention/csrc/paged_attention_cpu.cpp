@@ -1,14 +1,15 @@
 // Paged attention on CPU straight from the block-paged KV cache (no gathered copy).
 //
-// Every query row n attends the first ctx_lens[n] tokens of sequence row seq_rows[n], whose
-// cache blocks are block_tables[seq_rows[n], :]. One work item is one (query, KV head) pair:
+// Every query row n attends tokens [start_lens[n], ctx_lens[n]) of sequence row seq_rows[n],
+// whose cache blocks are block_tables[seq_rows[n], :] (start_lens > 0: cascade attention, where
+// a shared prefix is attended separately and merged through the returned log-sum-exp). One work item is one (query, KV head) pair:
 // it reads the keys and values once, block by block, scores the G = Hq / Hkv query heads of
 // each KV head against them (GQA without expanding K/V), then a softmax and a weighted sum of
 // V. Work items run in parallel on torch's intra-op thread pool.
 //
 // Shapes: q (N, Hq, D) float32; k_cache, v_cache (num_blocks, block_size, Hkv, D) float32,
-// contiguous; block_tables (B, max_blocks) int64; seq_rows, ctx_lens (N,) int64.
-// Returns (N, Hq, D). Accumulation is float32 throughout.
+// contiguous; block_tables (B, max_blocks) int64; seq_rows, start_lens, ctx_lens (N,) int64.
+// Returns out (N, Hq, D) and the scores' log-sum-exp (N, Hq). Accumulation is float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -85,9 +86,10 @@ static inline float exp_minus_max(float* s, float m, int64_t n) {
   return sum;
 }
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_tables, torch::Tensor seq_rows,
-                              torch::Tensor ctx_lens, double scale) {
+std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cache,
+                                           torch::Tensor v_cache, torch::Tensor block_tables,
+                                           torch::Tensor seq_rows, torch::Tensor start_lens,
+                                           torch::Tensor ctx_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be (N, Hq, D) float32");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32, "cache must be float32");
@@ -95,11 +97,15 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   auto tables = block_tables.to(torch::kInt64).contiguous();
   auto rows = seq_rows.to(torch::kInt64).contiguous();
   auto lens = ctx_lens.to(torch::kInt64).contiguous();
+  auto starts = start_lens.to(torch::kInt64).contiguous();
   const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "head shapes do not match");
   const int64_t G = Hq / Hkv, max_blocks = tables.size(1);
   auto out = torch::empty_like(q);
+  auto lse = torch::empty({N, Hq}, q.options());
+  float* lsep = lse.data_ptr<float>();
+  const int64_t* sp = starts.data_ptr<int64_t>();
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
@@ -123,28 +129,34 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
       const int64_t n = item / items_per_row;
       const int64_t h0 = (item % items_per_row) * heads_per_item;
       const int64_t rows_q = heads_per_item * G;  // query heads of this item
-      const int64_t ctx = lp[n];
+      const int64_t first = sp[n];
+      const int64_t ctx = lp[n] - first;  // tokens attended
       const int64_t* table = tp + rp[n] * max_blocks;
-      TORCH_CHECK(ctx > 0 && ctx <= max_blocks * bs, "context length out of range");
+      TORCH_CHECK(first >= 0 && ctx > 0 && lp[n] <= max_blocks * bs,
+                  "context range out of bounds");
       const float* qn = qp + (n * Hq + h0 * G) * D;
       scores.resize(rows_q * ctx);
-      for (int64_t t = 0; t < ctx; ++t) {
+      for (int64_t i = 0; i < ctx; ++i) {
+        const int64_t t = first + i;
         const float* k = kp + table[t / bs] * block_stride + (t % bs) * token_stride + h0 * D;
         for (int64_t h = 0; h < heads_per_item; ++h)
-          scores_for_key(qn + h * G * D, k + h * D, G, D, sc, scores.data() + h * G * ctx + t,
+          scores_for_key(qn + h * G * D, k + h * D, G, D, sc, scores.data() + h * G * ctx + i,
                          ctx);
       }
       for (int64_t r = 0; r < rows_q; ++r) {
         float* s = scores.data() + r * ctx;
         float m = s[0];
         for (int64_t t = 1; t < ctx; ++t) m = std::max(m, s[t]);
-        inv_sum[r] = 1.f / exp_minus_max(s, m, ctx);
+        const float total = exp_minus_max(s, m, ctx);
+        inv_sum[r] = 1.f / total;
+        lsep[n * Hq + h0 * G + r] = m + std::log(total);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < ctx; ++t) {
+      for (int64_t i = 0; i < ctx; ++i) {
+        const int64_t t = first + i;
         const float* v = vp + table[t / bs] * block_stride + (t % bs) * token_stride + h0 * D;
         for (int64_t r = 0; r < rows_q; ++r)
-          axpy(scores[r * ctx + t], v + (r / G) * D, acc.data() + r * D, D);
+          axpy(scores[r * ctx + i], v + (r / G) * D, acc.data() + r * D, D);
       }
       for (int64_t r = 0; r < rows_q; ++r) {
         float* o = op + (n * Hq + h0 * G + r) * D;
@@ -152,7 +164,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
       }
     }
   });
-  return out;
+  return {out, lse};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

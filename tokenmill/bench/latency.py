@@ -1,0 +1,153 @@
+"""`tokenmill bench latency`: the `single-stream` workload (one request, 128 prompt tokens, 256
+output tokens): time to first token, decode tokens/s and inter-token latency percentiles.
+
+Each repeat is one request through the offline engine, timed token by token as the engine
+emits it (after --warmup untimed repeats). With --llama-cpp, the same prompt tokens run through
+llama-cpp-python on the same GGUF file in the same process (an optional peer: skipped with a
+note when the package is not installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from tokenmill.bench.workloads import load_workload
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tokenmill.cli import add_engine_args
+
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--llama-cpp", action="store_true",
+                   help="also run llama-cpp-python (if installed) on the same GGUF file")
+    p.add_argument("--llama-cpp-threads", type=int, default=None)
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--png", default=None, help="plot inter-token latency by position here")
+    add_engine_args(p)
+
+
+def _summarise(ttft: float, token_times: list[float], start: float) -> dict:
+    """token_times: the wall clock at which each output token was available."""
+    gaps = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]
+    decode_s = token_times[-1] - token_times[0]
+    return {"ttft_s": ttft, "decode_tokens_per_s": len(gaps) / decode_s if decode_s else 0.0,
+            "itl_ms": [g * 1e3 for g in gaps], "e2e_s": token_times[-1] - start}
+
+
+def run_tokenmill_once(llm, prompt: list[int], output_len: int) -> dict:
+    from tokenmill import SamplingParams
+
+    engine = llm.engine
+    rid = f"lat-{time.monotonic_ns()}"
+    start = time.perf_counter()
+    engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=output_len,
+                                                   ignore_eos=True))
+    times: list[float] = []
+    seen = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            n = len(out.outputs[0].token_ids)
+            now = time.perf_counter()
+            times += [now] * (n - seen)
+            seen = n
+    return _summarise(times[0] - start, times, start)
+
+
+def run_llama_cpp_once(llm, prompt: list[int], output_len: int) -> dict:
+    llm.reset()
+    start = time.perf_counter()
+    times: list[float] = []
+    for _ in llm.generate(prompt, temp=0.0, reset=True):
+        times.append(time.perf_counter())
+        if len(times) == output_len:
+            break
+    return _summarise(times[0] - start, times, start)
+
+
+def _aggregate(runs: list[dict]) -> dict:
+    itl = sorted(x for r in runs for x in r["itl_ms"])
+    pct = lambda p: itl[min(len(itl) - 1, int(p / 100 * len(itl)))]
+    return {"runs": len(runs),
+            "ttft_s": statistics.median(r["ttft_s"] for r in runs),
+            "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in runs),
+            "itl_p50_ms": pct(50), "itl_p90_ms": pct(90), "itl_p99_ms": pct(99),
+            "e2e_s": statistics.median(r["e2e_s"] for r in runs),
+            "itl_ms_first_run": runs[0]["itl_ms"]}
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from tokenmill import LLM
+    from tokenmill.cli import engine_options
+    from tokenmill.model_loader.default_model import default_model_path
+
+    model = args.model or default_model_path()
+    (req,) = load_workload(model, "single-stream", args.workload_seed)
+    prompt, n_out = req.prompt_token_ids, args.output_len
+    print(f"single-stream: {len(prompt)} prompt tokens, {n_out} output tokens; "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    results = {}
+    llm = LLM(model, **engine_options(args))
+    for _ in range(args.warmup):
+        run_tokenmill_once(llm, prompt, n_out)
+    results["tokenmill"] = _aggregate([run_tokenmill_once(llm, prompt, n_out)
+                                       for _ in tqdm(range(args.repeats), desc="tokenmill")])
+    if args.llama_cpp:
+        peer = _llama_cpp(model, args.llama_cpp_threads or torch.get_num_threads())
+        if peer is not None:
+            for _ in range(args.warmup):
+                run_llama_cpp_once(peer, prompt, n_out)
+            results["llama.cpp (llama-cpp-python)"] = _aggregate(
+                [run_llama_cpp_once(peer, prompt, n_out)
+                 for _ in tqdm(range(args.repeats), desc="llama.cpp")])
+
+    print(f"\n{'engine':<30}{'TTFT s':>8}{'decode tok/s':>14}{'ITL p50/p90/p99 ms':>22}"
+          f"{'E2E s':>8}")
+    for name, r in results.items():
+        itl = f"{r['itl_p50_ms']:.1f}/{r['itl_p90_ms']:.1f}/{r['itl_p99_ms']:.1f}"
+        print(f"{name:<30}{r['ttft_s']:>8.3f}{r['decode_tokens_per_s']:>14.1f}{itl:>22}"
+              f"{r['e2e_s']:>8.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    if args.png:
+        _plot(results, args.png)
+    return 0
+
+
+def _llama_cpp(model: str, threads: int):
+    if not model.endswith(".gguf"):
+        print("note: --llama-cpp needs a .gguf model; skipped")
+        return None
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        print("note: llama-cpp-python is not installed (pip install llama-cpp-python); skipped")
+        return None
+    return Llama(model, n_ctx=1024, n_threads=threads, n_batch=512, verbose=False)
+
+
+def _plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for name, r in results.items():
+        ax.plot(r["itl_ms_first_run"], label=name, linewidth=0.8)
+    ax.set_xlabel("output token")
+    ax.set_ylabel("inter-token latency (ms)")
+    ax.set_title("single-stream decode")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
