@@ -1,7 +1,8 @@
 """Where an engine step's time goes: a torch.profiler breakdown of decode and mixed steps.
 
     python benchmarks/profile_step.py [--scenario single|decode64|mixed|all] [--steps 10]
-                                      [--no-prepack-weights] [--json out.json]
+                                      [--no-prepack-weights] [--attention-backend torch]
+                                      [--json out.json]
 
 Scenarios (SmolLM2 float32 unless --model):
 - single:   one request, 128 prompt tokens, decode steps (batch 1);
@@ -10,7 +11,8 @@ Scenarios (SmolLM2 float32 unless --model):
             chunks and decodes share the step.
 
 Each scenario first times --steps steps without the profiler (the honest wall time), then
-profiles the same number of steps and splits them into the engine's named scopes (schedule,
+replays the same steps under the profiler (prefix caching off, so the replay does the same
+work) and splits them into the engine's named scopes (schedule,
 prepare_inputs, forward, logits, sample, process_outputs) and, inside forward, into GEMMs,
 attention and the rest (norms, RoPE, activations, copies).
 """
@@ -68,35 +70,36 @@ def _drain(llm: LLM) -> None:
         llm.engine.step()
 
 
-def run_scenario(llm: LLM, name: str, steps: int, vocab: int, special: set[int]) -> dict:
-    if name == "single":
-        reqs = make_workload("single-stream", vocab, special)
-        warmup = 4
-    elif name == "decode64":
-        reqs = make_workload("uniform", vocab, special)
-        warmup = 0
-    else:
-        reqs = make_workload("mixed", vocab, special)
-        warmup = 8
+def _advance(llm: LLM, name: str, vocab: int, special: set[int]) -> None:
+    """Submit the scenario's requests and step to where the measured steps start."""
+    workload = {"single": "single-stream", "decode64": "uniform", "mixed": "mixed"}[name]
+    reqs = make_workload(workload, vocab, special)
     _submit(llm, [r.prompt_token_ids for r in reqs], [r.output_len for r in reqs])
     if name == "decode64":  # step until every request has left prefill
+        sched = llm.engine.scheduler
         while any(r.num_computed_tokens < r.num_prompt_tokens
-                  for r in llm.engine.scheduler.running + list(llm.engine.scheduler.waiting)):
+                  for r in sched.running + list(sched.waiting)):
             llm.engine.step()
-    for _ in range(warmup):
+    for _ in range({"single": 4, "decode64": 0, "mixed": 8}[name]):
         llm.engine.step()
-    sizes = []
+
+
+def run_scenario(llm: LLM, name: str, steps: int, vocab: int, special: set[int]) -> dict:
+    """The same steps twice (the prefix cache is off, so both runs do the same work): timed
+    without the profiler, then profiled."""
+    _advance(llm, name, vocab, special)
     start = time.perf_counter()
     for _ in range(steps):
-        sizes.append(len(llm.engine.step()))
+        llm.engine.step()
     wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    _drain(llm)
+    _advance(llm, name, vocab, special)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             llm.engine.step()
     _drain(llm)
-    result = {"scenario": name, "wall_ms_per_step": wall_ms,
-              "profiled_ms_per_step": breakdown(prof, steps)}
-    return result
+    return {"scenario": name, "wall_ms_per_step": wall_ms,
+            "profiled_ms_per_step": breakdown(prof, steps)}
 
 
 def print_result(r: dict) -> None:
@@ -117,13 +120,15 @@ def main() -> None:
     ap.add_argument("--scenario", default="all", choices=["single", "decode64", "mixed", "all"])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-prepack-weights", dest="prepack", action="store_false")
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    llm = LLM(args.model, prepack_weights=args.prepack)
+    llm = LLM(args.model, prepack_weights=args.prepack, attention_backend=args.attention_backend,
+              enable_prefix_caching=False)
     tok = llm.get_tokenizer()
     vocab = llm.engine.config.model.vocab_size
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"prepack_weights={args.prepack}")
+          f"prepack_weights={args.prepack}, attention_backend={args.attention_backend}")
     names = ["single", "decode64", "mixed"] if args.scenario == "all" else [args.scenario]
     results = []
     for name in names:

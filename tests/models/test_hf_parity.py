@@ -62,3 +62,13 @@ def test_chunked_prefill_and_preemption_together(references):
     assert generate_greedy(llm, cases) == expected
     assert llm.engine.scheduler.num_preemptions > 0
     assert_kv_all_free(llm.engine)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_reference_paths_match_hf(references, kind):
+    """The PyTorch attention backend (the kernels' oracle) and plain F.linear weights, end to end
+    with chunked prefill."""
+    path, cases, expected = references(kind)
+    llm = LLM(path, attention_backend="torch", prepack_weights=False, max_num_batched_tokens=64)
+    assert generate_greedy(llm, cases) == expected
+    assert_kv_all_free(llm.engine)

@@ -1,9 +1,11 @@
-"""RMSNorm as Hugging Face computes it (variance in float32, weight applied after the cast back),
-with an optional fused residual add: `norm(x, residual)` returns (normed, x + residual)."""
+"""RMSNorm as Hugging Face computes it (variance in float32, weight applied after the cast back;
+float32 input takes torch's fused kernel), with an optional fused residual add:
+`norm(x, residual)` returns (normed, x + residual)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -14,6 +16,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused kernel; the same math as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
