@@ -21,6 +21,8 @@ from typing import Any
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from tokenmill.attention.base import BACKEND_NAMES
+
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -40,7 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
     g.add_argument("--swap-space", default=None, help="CPU memory for swapped KV, e.g. 1GiB")
     g.add_argument("--device", default=None)
-    g.add_argument("--attention-backend", default=None, choices=["auto", "torch", "cpu"])
+    g.add_argument("--attention-backend", default=None, choices=BACKEND_NAMES)
     g.add_argument("--no-prepack-weights", dest="prepack_weights", action="store_false",
                    default=None, help="CPU: keep plain weights instead of oneDNN-packed ones")
     g.add_argument("--seed", type=int, default=None)

@@ -197,9 +197,11 @@ class EngineConfig:
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ("auto", "torch", "cpu"):
-            raise ValueError(f"attention_backend must be auto, torch or cpu, got "
-                             f"{self.attention_backend!r}")
+        from tokenmill.attention.base import BACKEND_NAMES
+
+        if self.attention_backend not in BACKEND_NAMES:
+            raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, "
+                             f"got {self.attention_backend!r}")
 
     @staticmethod
     def create(model: str | None = None, **options: Any) -> EngineConfig:

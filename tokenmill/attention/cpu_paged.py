@@ -47,25 +47,24 @@ class CPUPagedAttention(TorchPagedAttention):
 
     def build_metadata(self, batch: InputBatch) -> AttentionMetadata:
         meta = AttentionMetadata(num_tokens=batch.num_tokens, slot_mapping=batch.slot_mapping)
+        cascade_rows: set[int] = set()
+        decode_rows = [i for i, n in enumerate(batch.query_lens) if n == 1]
+        for group_rows in self._group_by_length(decode_rows, batch.seq_lens):
+            rows_t, tables, k = self._group_tables(batch, group_rows)
+            if k:
+                group = self._make_decode_group(batch, rows_t, tables, k)
+                meta.decode_groups.append(KernelCascadeGroup(
+                    **vars(group), block_tables=batch.block_tables,
+                    start_lens=torch.full_like(rows_t, k * self.block_size),
+                    ctx_lens=batch.seq_lens_t[rows_t]))
+                cascade_rows.update(group_rows)
+        # Everything else, in flat-batch order: when every query of the step goes to the
+        # kernel they are exactly tokens 0..T-1, and forward passes q through without a gather.
         tokens: list[int] = []
         rows: list[int] = []
         ctx_lens: list[int] = []
-        decode_rows = [i for i, n in enumerate(batch.query_lens) if n == 1]
-        for group_rows in self._group_by_length(decode_rows, batch.seq_lens):
-            group = self._decode_group(batch, group_rows)
-            if group.shared_block_ids is not None:
-                prefix_len = group.shared_block_ids.numel() * self.block_size
-                meta.decode_groups.append(KernelCascadeGroup(
-                    **vars(group), block_tables=batch.block_tables,
-                    start_lens=torch.full_like(group.rows, prefix_len),
-                    ctx_lens=batch.seq_lens_t[group.rows]))
-                continue
-            for i in group_rows:
-                tokens.append(batch.query_start_locs[i])
-                rows.append(i)
-                ctx_lens.append(batch.seq_lens[i])
         for i, n in enumerate(batch.query_lens):
-            if n == 1:
+            if i in cascade_rows:
                 continue
             if n > _KERNEL_MAX_QUERY:
                 meta.prefills.append(self._prefill_seq(batch, i))
@@ -75,10 +74,6 @@ class CPUPagedAttention(TorchPagedAttention):
             rows += [i] * n
             ctx_lens += range(first_ctx, first_ctx + n)
         if tokens:
-            # In flat-batch order: when every query of the step is here, they are exactly
-            # tokens 0..T-1 and forward passes q through without a gather.
-            tokens, rows, ctx_lens = map(list, zip(*sorted(zip(tokens, rows, ctx_lens,
-                                                               strict=True)), strict=True))
             as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
             meta.paged = PagedQueries(token_indices=as_long(tokens), seq_rows=as_long(rows),
                                       start_lens=torch.zeros(len(tokens), dtype=torch.long,

@@ -67,11 +67,22 @@ class TorchPagedAttention(AttentionBackend):
         return groups
 
     def _decode_group(self, batch: InputBatch, rows: list[int]) -> DecodeGroup:
+        return self._make_decode_group(batch, *self._group_tables(batch, rows))
+
+    def _group_tables(self, batch: InputBatch, rows: list[int]
+                      ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """rows as a tensor (Bg,), their block tables cut to the longest context
+        (Bg, max_blocks), and how many leading blocks they all share (0: no cascade)."""
         rows_t = torch.tensor(rows, device=self.device)
-        seq_lens = batch.seq_lens_t[rows_t]  # (Bg,)
         max_blocks = -(-batch.seq_lens[rows[0]] // self.block_size)  # rows[0] is the longest
-        tables = batch.block_tables[rows_t, :max_blocks]  # (Bg, max_blocks)
+        tables = batch.block_tables[rows_t, :max_blocks]
         k = self._shared_prefix_blocks(tables, min(batch.seq_lens[i] for i in rows))
+        return rows_t, tables, k
+
+    def _make_decode_group(self, batch: InputBatch, rows_t: torch.Tensor, tables: torch.Tensor,
+                           k: int) -> DecodeGroup:
+        seq_lens = batch.seq_lens_t[rows_t]  # (Bg,)
+        max_blocks = tables.shape[1]
         key_pos = torch.arange(k * self.block_size, max_blocks * self.block_size,
                                device=self.device)
         mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]

@@ -72,16 +72,15 @@ def _convert(gguf_path: str, folder: Path) -> str | None:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from tokenmill.model_loader.gguf_loader import gguf_hf_config, iterate_gguf
+    from tokenmill.model_loader.gguf_loader import (
+        gguf_hf_config,
+        gguf_num_elements,
+        iterate_gguf,
+    )
 
-    hf_config = gguf_hf_config(gguf_path)
-    c = hf_config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    params = c.num_hidden_layers * (
-        c.hidden_size * head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
-        + 3 * c.hidden_size * c.intermediate_size) + 2 * c.vocab_size * c.hidden_size
-    if 4 * params > _MAX_CACHED_BYTES:
+    if 4 * gguf_num_elements(gguf_path) > _MAX_CACHED_BYTES:  # float32 once converted
         return None
+    hf_config = gguf_hf_config(gguf_path)
     logger.info("converting %s once into %s", gguf_path, folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))

@@ -102,6 +102,11 @@ def gguf_hf_config(path: str) -> Any:
     return AutoConfig.for_model(model_type, **kwargs)
 
 
+def gguf_num_elements(path: str) -> int:
+    """How many weights the file holds (every tensor, as stored)."""
+    return sum(int(t.n_elements) for t in _reader(path).tensors)
+
+
 def iterate_gguf(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor) for every tensor of the file, dequantized."""
     import gguf

@@ -46,12 +46,17 @@ class ModelRunner:
             attn.bind(self.kv_cache[i], self.backend)
         self.sampler = Sampler(config.seed, self.device)
 
+    def _block_bytes(self) -> int:
+        """Bytes of one KV block across all layers (the unit of both GPU cache and swap)."""
+        mc = self.config.model
+        return bytes_per_block(mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim,
+                               mc.dtype)
+
     def _num_kv_blocks(self) -> int:
-        cache, mc = self.config.cache, self.config.model
+        cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        per_block = bytes_per_block(mc.num_layers, self.block_size, mc.num_kv_heads,
-                                    mc.head_dim, mc.dtype)
+        per_block = self._block_bytes()
         n = cache.kv_cache_memory // per_block
         if n < 2:
             raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes holds {n} blocks; "
@@ -65,9 +70,7 @@ class ModelRunner:
         if cfg.scheduler.preemption_mode != "swap":
             return 0, None
         mc = cfg.model
-        per_block = bytes_per_block(mc.num_layers, self.block_size, mc.num_kv_heads,
-                                    mc.head_dim, mc.dtype)
-        n = cfg.cache.swap_space // per_block
+        n = cfg.cache.swap_space // self._block_bytes()
         swap = torch.zeros(mc.num_layers, 2, n, self.block_size, mc.num_kv_heads, mc.head_dim,
                            dtype=mc.dtype, pin_memory=self.device.type == "cuda")
         return n, swap

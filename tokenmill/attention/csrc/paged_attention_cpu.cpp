@@ -2,10 +2,11 @@
 //
 // Every query row n attends tokens [start_lens[n], ctx_lens[n]) of sequence row seq_rows[n],
 // whose cache blocks are block_tables[seq_rows[n], :] (start_lens > 0: cascade attention, where
-// a shared prefix is attended separately and merged through the returned log-sum-exp). One work item is one (query, KV head) pair:
-// it reads the keys and values once, block by block, scores the G = Hq / Hkv query heads of
-// each KV head against them (GQA without expanding K/V), then a softmax and a weighted sum of
-// V. Work items run in parallel on torch's intra-op thread pool.
+// a shared prefix is attended separately and merged through the returned log-sum-exp). A work
+// item (one query row and a range of its KV heads, see below) reads the keys and values once,
+// block by block, scores the G = Hq / Hkv query heads of each KV head against them (GQA
+// without expanding K/V), then a softmax and a weighted sum of V. Work items run in parallel
+// on torch's intra-op thread pool.
 //
 // Shapes: q (N, Hq, D) float32; k_cache, v_cache (num_blocks, block_size, Hkv, D) float32,
 // contiguous; block_tables (B, max_blocks) int64; seq_rows, start_lens, ctx_lens (N,) int64.
