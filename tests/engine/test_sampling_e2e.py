@@ -51,7 +51,11 @@ def test_logprobs_and_prompt_logprobs_match_hf(tiny_model, kind, options):
         for i in range(1, P):
             entry, tok = out.prompt_logprobs[i], out.prompt_token_ids[i]
             assert abs(entry[tok].logprob - float(ref[i - 1, tok])) < 1e-4
-            assert entry[tok].rank == int((ref[i - 1] > ref[i - 1, tok]).sum()) + 1
+            # A token deep in a random model's distribution has neighbours within float32
+            # noise of it: the rank must lie between those of its logprob -/+ the tolerance.
+            want = float(ref[i - 1, tok])
+            assert (int((ref[i - 1] > want + 1e-4).sum()) + 1 <= entry[tok].rank
+                    <= int((ref[i - 1] > want - 1e-4).sum()) + 1)
             assert len(entry) <= 4 and entry[tok].decoded_token is not None
     assert_kv_all_free(llm.engine)
 

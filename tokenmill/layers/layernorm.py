@@ -1,12 +1,15 @@
 """RMSNorm as Hugging Face computes it (variance in float32, weight applied after the cast back;
 float32 input takes torch's fused kernel), with an optional fused residual add:
-`norm(x, residual)` returns (normed, x + residual)."""
+`norm(x, residual)` returns (normed, x + residual); on CPU float32 that is one C++ pass
+(layers/cpu_ops.py)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tokenmill.layers import cpu_ops
 
 
 class RMSNorm(nn.Module):
@@ -27,5 +30,7 @@ class RMSNorm(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return self._norm(x)
+        if cpu_ops.fused(x):
+            return cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
         x = x + residual
         return self._norm(x), x

@@ -7,8 +7,11 @@ tensor (or one shard of a packed one) and copies this rank's slice into the para
 - RowParallelLinear: input features split; partial outputs summed with all-reduce.
 
 Parameters are created with torch.empty: the loader fills every one of them or fails. After
-loading, `prepack()` may swap the dense weight for a oneDNN-packed one (layers/cpu_gemm.py);
-the loaders must not run after that.
+loading, `prepack()` may add a oneDNN-packed copy of the weight (layers/cpu_gemm.py) for GEMMs;
+the loaders must not run after that. On CPU float32 a step of at most SMALL_M tokens (a decode
+of a few sequences) reads the dense weight through `cpu_ops.linear_small_m` instead, which
+streams it at close to memory bandwidth: the dense copy is kept for it when the C++ ops are
+available (the price is the weights' memory twice), and freed otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import ParallelState
+from tokenmill.layers import cpu_ops
 from tokenmill.layers.cpu_gemm import packed_linear, prepack
 
 
@@ -36,13 +40,18 @@ class LinearBase(nn.Module):
         self.packed_weight: torch.Tensor | None = None
 
     def prepack(self) -> None:
-        """Replace the dense weight by a oneDNN-packed copy (CPU float32 only)."""
+        """Add a oneDNN-packed copy of the weight for GEMMs (CPU float32 only)."""
         if self.packed_weight is None:
             packed = prepack(self.weight)
-            del self.weight  # the dense copy is no longer read: free it
+            if not cpu_ops.ops_available():
+                del self.weight  # the small-M kernel will not read the dense copy: free it
             self.packed_weight = packed
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        weight = getattr(self, "weight", None)
+        if weight is not None and x.dim() == 2 and 0 < x.shape[0] <= cpu_ops.SMALL_M \
+                and cpu_ops.fused(x):
+            return cpu_ops.linear_small_m(x, weight, bias)
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, bias)
         return F.linear(x, self.weight, bias)

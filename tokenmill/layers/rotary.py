@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.layers import cpu_ops
+
 
 def _inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     rope = getattr(hf_config, "rope_parameters", None) or {}
@@ -47,7 +49,12 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (T, Hq, D), k (T, Hkv, D), cos / sin (T, 1, D) → rotated q, k."""
+    """q (T, Hq, D), k (T, Hkv, D), cos / sin (T, 1, D) → rotated q, k.
+
+    On CPU float32 q and k (views of the fused qkv output) are rotated in place."""
+    if cpu_ops.fused(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+        cpu_ops.rotary_(q, k, cos, sin)
+        return q, k
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

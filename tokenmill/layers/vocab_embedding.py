@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import ParallelState
+from tokenmill.layers import cpu_ops
 from tokenmill.layers.cpu_gemm import packed_linear, prepack
 from tokenmill.utils import cdiv
 
@@ -51,17 +52,21 @@ class ParallelLMHead(VocabParallelEmbedding):
     tied = False  # set by the model when the head shares the input embedding's table
 
     def prepack(self) -> None:
-        """Swap in a oneDNN-packed copy for the logits GEMM. A tied head keeps the dense
-        table: it is also the input embedding."""
+        """Add a oneDNN-packed copy for the logits GEMM. The dense table stays when the head
+        is tied (it is also the input embedding) or the small-M kernel reads it (decode)."""
         if self.packed_weight is None:
             self.packed_weight = prepack(self.weight)
-            if not self.tied:
+            if not self.tied and not cpu_ops.ops_available():
                 del self.weight
 
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """hidden (T, H), logits_indices (S,) → logits (S, vocab_size)."""
         selected = hidden[logits_indices]  # (S, H)
-        if self.packed_weight is not None:
+        weight = getattr(self, "weight", None)
+        if weight is not None and 0 < selected.shape[0] <= cpu_ops.SMALL_M \
+                and cpu_ops.fused(selected):
+            logits = cpu_ops.linear_small_m(selected, weight)  # (S, V / tp)
+        elif self.packed_weight is not None:
             logits = packed_linear(selected, self.packed_weight)  # (S, V / tp)
         else:
             logits = F.linear(selected, self.weight)

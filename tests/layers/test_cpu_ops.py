@@ -1,0 +1,88 @@
+"""The fused C++ CPU ops (layers/cpu_ops.py) against the PyTorch code they replace, and the
+layers' choice of path: float32 results equal up to summation order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.layers import cpu_ops
+from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.layers.linear import MergedColumnParallelLinear
+from tokenmill.layers.rotary import _rotate_half, apply_rotary
+from tokenmill.layers.vocab_embedding import ParallelLMHead
+
+pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 67), (13, 5)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_small_m_matches_f_linear(m, k, n, bias):
+    torch.manual_seed(m * 1000 + k + n)
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    torch.testing.assert_close(cpu_ops.linear_small_m(x, w, b), F.linear(x, w, b),
+                               atol=2e-4, rtol=1e-5)
+
+
+def test_linear_small_m_rejects_more_rows():
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        cpu_ops.linear_small_m(torch.randn(5, 8), torch.randn(3, 8))
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 33])
+def test_linear_layer_takes_small_m_path_and_agrees(rows):
+    torch.manual_seed(rows)
+    layer = MergedColumnParallelLinear(40, [24, 24], bias=True)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    x = torch.randn(rows, 40)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias),
+                               atol=1e-4, rtol=1e-5)
+
+
+def test_lm_head_decode_logits():
+    head = ParallelLMHead(1000, 32)
+    torch.nn.init.normal_(head.weight)
+    hidden = torch.randn(6, 32)
+    for idx in (torch.tensor([5]), torch.tensor([4, 0, 2, 1]), torch.arange(6)):
+        torch.testing.assert_close(head.compute_logits(hidden, idx), hidden[idx] @ head.weight.T,
+                                   atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (7, 64), (3, 2, 37)])
+def test_add_rms_norm(shape):
+    torch.manual_seed(len(shape))
+    norm = RMSNorm(shape[-1], eps=1e-5)
+    torch.nn.init.normal_(norm.weight)
+    x, res = torch.randn(shape), torch.randn(shape)
+    out, summed = norm(x, res)
+    torch.testing.assert_close(summed, x + res, atol=0, rtol=0)
+    ref = norm.weight * ((x + res) * torch.rsqrt((x + res).pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 2 * 1536), (5, 2 * 13), (2, 3, 2 * 40)])
+def test_silu_and_mul(shape):
+    x = torch.randn(shape) * 4
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(SiluAndMul()(x), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 12])
+def test_rotary_in_place_on_fused_qkv_views(head_dim):
+    """q and k are strided views of one qkv row, as the attention layer passes them."""
+    T, Hq, Hkv, D = 5, 6, 2, head_dim
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D)
+    q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    q, k = q.view(T, Hq, D), k.view(T, Hkv, D)
+    cos, sin = torch.randn(T, 1, D), torch.randn(T, 1, D)
+    want_q, want_k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    v_before = v.clone()
+    got_q, got_k = apply_rotary(q, k, cos, sin)
+    torch.testing.assert_close(got_q, want_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_k, want_k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(v, v_before)  # the op touched q and k only

@@ -1,0 +1,59 @@
+"""Fused float32 CPU ops for the layers (csrc/cpu_ops.cpp), with their PyTorch fallbacks.
+
+`fused(x)` says whether a tensor can take the C++ path (float32 on CPU, kernels built); the
+layers call the op when it can and their plain PyTorch code otherwise, which is also what the
+ops are tested against (tests/layers/test_cpu_ops.py). The ops cut the small per-layer work
+of a decode step (norm + residual add, SiLU-and-multiply, RoPE: one pass each instead of
+several tensor ops) and stream the weights of a small-batch GEMM (M <= 4) at close to the
+machine's memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from tokenmill.utils.cpp_extension import load_cpu_extension
+
+# Up to this many rows, a linear layer reads its weight through `linear_small_m` (bound by
+# streaming the weight once); beyond it, the GEMM libraries are faster.
+SMALL_M = 4
+
+
+@functools.cache
+def _ops() -> Any | None:
+    return load_cpu_extension("cpu_ops")
+
+
+def ops_available() -> bool:
+    return _ops() is not None
+
+
+def fused(x: torch.Tensor) -> bool:
+    """True when x may take the fused C++ ops: float32 on CPU, with the kernels built."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and _ops() is not None
+
+
+def linear_small_m(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) @ weight (N, K)^T + bias → (M, N), for 1 <= M <= SMALL_M."""
+    return _ops().linear_small_m(x, weight, bias)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) * weight, x + residual), both (…, H)."""
+    out, summed = _ops().add_rms_norm(x, residual, weight, eps)
+    return out, summed
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[gate | up] (…, 2I) → silu(gate) * up (…, I)."""
+    return _ops().silu_and_mul(x)
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """rotate_half RoPE in place: q (T, Hq, D), k (T, Hkv, D), cos / sin (T, 1, D)."""
+    _ops().rotary_(q, k, cos, sin)
