@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention.cpu_kernels import paged_attention_op
+from tokenmill.attention.kv_cache import store_kv
 from tokenmill.attention.metadata import AttentionMetadata, DecodeGroup, PagedQueries
 from tokenmill.attention.torch_ref import TorchPagedAttention
 from tokenmill.worker.input_batch import InputBatch
@@ -84,12 +85,16 @@ class CPUPagedAttention(TorchPagedAttention):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        out = super().forward(q, k, v, kv_cache, meta, scale)  # stores k/v; (T, Hq * D)
         p = meta.paged
+        if p is not None and p.token_indices.numel() == q.shape[0]:
+            # Every query goes to the kernel (a plain decode step): no gather / scatter, and
+            # none of the PyTorch backend's per-group work.
+            store_kv(kv_cache, k, v, meta.slot_mapping)
+            T, Hq, D = q.shape
+            return self._op(q, kv_cache[0], kv_cache[1], p.block_tables, p.seq_rows,
+                            p.start_lens, p.ctx_lens, scale)[0].view(T, Hq * D)
+        out = super().forward(q, k, v, kv_cache, meta, scale)  # stores k/v; (T, Hq * D)
         if p is not None:
-            if p.token_indices.numel() == q.shape[0]:  # every query: no gather / scatter
-                return self._op(q, kv_cache[0], kv_cache[1], p.block_tables, p.seq_rows,
-                                p.start_lens, p.ctx_lens, scale)[0].view_as(out)
             out.view_as(q)[p.token_indices] = self._op(
                 q[p.token_indices], kv_cache[0], kv_cache[1], p.block_tables, p.seq_rows,
                 p.start_lens, p.ctx_lens, scale)[0]

@@ -3,10 +3,10 @@
 // Every query row n attends tokens [start_lens[n], ctx_lens[n]) of sequence row seq_rows[n],
 // whose cache blocks are block_tables[seq_rows[n], :] (start_lens > 0: cascade attention, where
 // a shared prefix is attended separately and merged through the returned log-sum-exp). A work
-// item (one query row and a range of its KV heads, see below) reads the keys and values once,
-// block by block, scores the G = Hq / Hkv query heads of each KV head against them (GQA
-// without expanding K/V), then a softmax and a weighted sum of V. Work items run in parallel
-// on torch's intra-op thread pool.
+// item (one query row, a range of its KV heads and of its keys, see below) reads the keys and
+// values once, block by block, scores the G = Hq / Hkv query heads of each KV head against them
+// (GQA without expanding K/V), then a softmax and a weighted sum of V. Work items run in
+// parallel on torch's intra-op thread pool.
 //
 // Shapes: q (N, Hq, D) float32; k_cache, v_cache (num_blocks, block_size, Hkv, D) float32,
 // contiguous; block_tables (B, max_blocks) int64; seq_rows, start_lens, ctx_lens (N,) int64.
@@ -16,6 +16,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include "vec_utils.h"
 #include <cmath>
+#include <limits>
 #include <vector>
 
 static inline float dot(const float* a, const float* b, int64_t d) {
@@ -28,22 +29,41 @@ static inline float dot(const float* a, const float* b, int64_t d) {
   return s;
 }
 
-// scores[g * stride] = scale * <q_g, k> for the G query heads: k is loaded once for all of them.
-static inline void scores_for_key(const float* q, const float* k, int64_t G, int64_t D,
-                                  float scale, float* scores, int64_t stride) {
-  constexpr int64_t kMaxG = 16;
-  if (G > kMaxG || D % Vec::size() != 0) {
-    for (int64_t g = 0; g < G; ++g) scores[g * stride] = dot(q + g * D, k, D) * scale;
-    return;
+// scores[g * keys + i] = scale * <q_g, k_i> for the G query heads sharing one KV head: each key
+// row is loaded once for all of them. G is a template parameter so that the G accumulators
+// live in registers (a runtime-sized array went through the stack and cost 5x).
+template <int G>
+static void score_keys(const float* q, const float* const* krows, int64_t koff, int64_t keys,
+                       int64_t D, float scale, float* scores) {
+  for (int64_t i = 0; i < keys; ++i) {
+    const float* k = krows[i] + koff;
+    Vec acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = Vec(0.f);
+    for (int64_t d = 0; d < D; d += Vec::size()) {
+      const Vec kv = Vec::loadu(k + d);
+      for (int g = 0; g < G; ++g) acc[g] = at::vec::fmadd(Vec::loadu(q + g * D + d), kv, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) scores[g * keys + i] = scale * hsum(acc[g]);
   }
-  Vec acc[kMaxG];
-  for (int64_t g = 0; g < G; ++g) acc[g] = Vec(0.f);
-  for (int64_t i = 0; i < D; i += Vec::size()) {
-    Vec kv = Vec::loadu(k + i);
-    for (int64_t g = 0; g < G; ++g) acc[g] = at::vec::fmadd(Vec::loadu(q + g * D + i), kv, acc[g]);
+}
+
+static void score_keys_any(const float* q, const float* const* krows, int64_t koff,
+                           int64_t keys, int64_t G, int64_t D, float scale, float* scores) {
+  if (D % Vec::size() == 0) {
+    switch (G) {
+      case 1: return score_keys<1>(q, krows, koff, keys, D, scale, scores);
+      case 2: return score_keys<2>(q, krows, koff, keys, D, scale, scores);
+      case 3: return score_keys<3>(q, krows, koff, keys, D, scale, scores);
+      case 4: return score_keys<4>(q, krows, koff, keys, D, scale, scores);
+      case 5: return score_keys<5>(q, krows, koff, keys, D, scale, scores);
+      case 6: return score_keys<6>(q, krows, koff, keys, D, scale, scores);
+      case 7: return score_keys<7>(q, krows, koff, keys, D, scale, scores);
+      case 8: return score_keys<8>(q, krows, koff, keys, D, scale, scores);
+      default: break;
+    }
   }
-  for (int64_t g = 0; g < G; ++g)
-    scores[g * stride] = scale * hsum(acc[g]);
+  for (int64_t i = 0; i < keys; ++i)
+    for (int64_t g = 0; g < G; ++g) scores[g * keys + i] = scale * dot(q + g * D, krows[i] + koff, D);
 }
 
 static inline void axpy(float w, const float* x, float* y, int64_t d) {
@@ -68,6 +88,27 @@ static inline float exp_minus_max(float* s, float m, int64_t n) {
   return sum;
 }
 
+// acc (D) = sum_i p[i] * v_i over the rows v_i = vrows[i] + offset. D = 64 (the common head
+// size) keeps the accumulator in registers; other sizes go through memory.
+static inline void weighted_sum(const float* p, const float* const* vrows, int64_t offset,
+                                int64_t n, int64_t D, float* acc) {
+  constexpr int64_t kRegs = 64 / Vec::size();
+  if (D == 64 && kRegs <= 16) {
+    Vec a[kRegs];
+    for (int64_t j = 0; j < kRegs; ++j) a[j] = Vec(0.f);
+    for (int64_t i = 0; i < n; ++i) {
+      const Vec w(p[i]);
+      const float* v = vrows[i] + offset;
+      for (int64_t j = 0; j < kRegs; ++j)
+        a[j] = at::vec::fmadd(w, Vec::loadu(v + j * Vec::size()), a[j]);
+    }
+    for (int64_t j = 0; j < kRegs; ++j) a[j].store(acc + j * Vec::size());
+    return;
+  }
+  std::fill(acc, acc + D, 0.f);
+  for (int64_t i = 0; i < n; ++i) axpy(p[i], vrows[i] + offset, acc, D);
+}
+
 std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cache,
                                            torch::Tensor v_cache, torch::Tensor block_tables,
                                            torch::Tensor seq_rows, torch::Tensor start_lens,
@@ -86,7 +127,6 @@ std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cach
   const int64_t G = Hq / Hkv, max_blocks = tables.size(1);
   auto out = torch::empty_like(q);
   auto lse = torch::empty({N, Hq}, q.options());
-  float* lsep = lse.data_ptr<float>();
   const int64_t* sp = starts.data_ptr<int64_t>();
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
@@ -94,58 +134,106 @@ std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cach
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const int64_t token_stride = Hkv * D, block_stride = bs * Hkv * D;
+  int64_t longest = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(sp[n] >= 0 && lp[n] > sp[n] && lp[n] <= max_blocks * bs,
+                "context range out of bounds");
+    longest = std::max(longest, lp[n] - sp[n]);
+  }
 
-  // A work item is one query row and a range of KV heads. With enough rows every item takes
-  // all heads, so each cached token's K (and V) row of Hkv * D floats is read once,
-  // sequentially; with few rows (batch-1 decode) items split by head to use every core.
-  const int64_t heads_per_item = N >= 4 * at::get_num_threads() ? Hkv : 1;
+  // A work item is one query row, a range of its KV heads and a range of its keys. With enough
+  // rows every item takes all heads and keys, so each cached token's K (and V) row of Hkv * D
+  // floats is read once, sequentially. With few rows (batch-1 decode) items split by head and
+  // then the keys into `splits` chunks (flash-decoding), whose partial results are merged
+  // through their maxima and sums below: every core gets an equal share.
+  const int64_t threads = at::get_num_threads();
+  const int64_t heads_per_item = N >= 4 * threads ? Hkv : 1;
   const int64_t items_per_row = Hkv / heads_per_item;
-  at::parallel_for(0, N * items_per_row, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;  // (heads_per_item * G, ctx)
-    std::vector<float> acc(heads_per_item * G * D);
-    std::vector<float> inv_sum(heads_per_item * G);
+  constexpr int64_t kMinKeysPerSplit = 64;
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(
+      (8 * threads + N * items_per_row - 1) / (N * items_per_row), longest / kMinKeysPerSplit));
+  // Per (row, split, query head): unnormalised output (D), running max and sum.
+  std::vector<float> part_acc(splits > 1 ? N * splits * Hq * D : 0);
+  std::vector<float> part_max(N * splits * Hq), part_sum(N * splits * Hq);
+  float* op = out.data_ptr<float>();
+  float* lsep = lse.data_ptr<float>();
+
+  at::parallel_for(0, N * items_per_row * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;  // (heads_per_item * G, keys)
+    std::vector<const float*> krows, vrows;
+    std::vector<float> acc(D);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t n = item / items_per_row;
-      const int64_t h0 = (item % items_per_row) * heads_per_item;
+      const int64_t c = item % splits;
+      const int64_t n = item / splits / items_per_row;
+      const int64_t h0 = (item / splits % items_per_row) * heads_per_item;
       const int64_t rows_q = heads_per_item * G;  // query heads of this item
-      const int64_t first = sp[n];
-      const int64_t ctx = lp[n] - first;  // tokens attended
+      const int64_t span = lp[n] - sp[n];
+      const int64_t k0 = sp[n] + span * c / splits, k1 = sp[n] + span * (c + 1) / splits;
+      const int64_t keys = k1 - k0;
       const int64_t* table = tp + rp[n] * max_blocks;
-      TORCH_CHECK(first >= 0 && ctx > 0 && lp[n] <= max_blocks * bs,
-                  "context range out of bounds");
+      const int64_t slot = (n * splits + c) * Hq + h0 * G;  // first (row, split, head) entry
+      if (keys == 0) {  // a short row's empty chunk: contributes nothing to the merge
+        for (int64_t r = 0; r < rows_q; ++r) {
+          part_max[slot + r] = -std::numeric_limits<float>::infinity();
+          part_sum[slot + r] = 0.f;
+          if (splits > 1) std::fill_n(&part_acc[(slot + r) * D], D, 0.f);
+        }
+        continue;
+      }
+      krows.resize(keys);
+      vrows.resize(keys);
+      for (int64_t i = 0; i < keys; ++i) {
+        const int64_t t = k0 + i;
+        const int64_t off = table[t / bs] * block_stride + (t % bs) * token_stride + h0 * D;
+        krows[i] = kp + off;
+        vrows[i] = vp + off;
+      }
       const float* qn = qp + (n * Hq + h0 * G) * D;
-      scores.resize(rows_q * ctx);
-      for (int64_t i = 0; i < ctx; ++i) {
-        const int64_t t = first + i;
-        const float* k = kp + table[t / bs] * block_stride + (t % bs) * token_stride + h0 * D;
-        for (int64_t h = 0; h < heads_per_item; ++h)
-          scores_for_key(qn + h * G * D, k + h * D, G, D, sc, scores.data() + h * G * ctx + i,
-                         ctx);
-      }
+      scores.resize(rows_q * keys);
+      for (int64_t h = 0; h < heads_per_item; ++h)
+        score_keys_any(qn + h * G * D, krows.data(), h * D, keys, G, D, sc,
+                       scores.data() + h * G * keys);
       for (int64_t r = 0; r < rows_q; ++r) {
-        float* s = scores.data() + r * ctx;
+        float* s = scores.data() + r * keys;
         float m = s[0];
-        for (int64_t t = 1; t < ctx; ++t) m = std::max(m, s[t]);
-        const float total = exp_minus_max(s, m, ctx);
-        inv_sum[r] = 1.f / total;
-        lsep[n * Hq + h0 * G + r] = m + std::log(total);
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t i = 0; i < ctx; ++i) {
-        const int64_t t = first + i;
-        const float* v = vp + table[t / bs] * block_stride + (t % bs) * token_stride + h0 * D;
-        for (int64_t r = 0; r < rows_q; ++r)
-          axpy(scores[r * ctx + i], v + (r / G) * D, acc.data() + r * D, D);
-      }
-      for (int64_t r = 0; r < rows_q; ++r) {
-        float* o = op + (n * Hq + h0 * G + r) * D;
-        for (int64_t i = 0; i < D; ++i) o[i] = acc[r * D + i] * inv_sum[r];
+        for (int64_t t = 1; t < keys; ++t) m = std::max(m, s[t]);
+        const float total = exp_minus_max(s, m, keys);
+        part_max[slot + r] = m;
+        part_sum[slot + r] = total;
+        float* dst = splits > 1 ? &part_acc[(slot + r) * D] : acc.data();
+        weighted_sum(s, vrows.data(), (r / G) * D, keys, D, dst);
+        if (splits == 1) {
+          float* o = op + (n * Hq + h0 * G + r) * D;
+          const float inv = 1.f / total;
+          for (int64_t i = 0; i < D; ++i) o[i] = acc[i] * inv;
+          lsep[n * Hq + h0 * G + r] = m + std::log(total);
+        }
       }
     }
   });
+  if (splits > 1) {  // merge the chunks of every (row, query head)
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t h = 0; h < Hq; ++h) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < splits; ++c) m = std::max(m, part_max[(n * splits + c) * Hq + h]);
+        float total = 0.f;
+        float* o = op + (n * Hq + h) * D;
+        std::fill_n(o, D, 0.f);
+        for (int64_t c = 0; c < splits; ++c) {
+          const int64_t e = (n * splits + c) * Hq + h;
+          if (part_sum[e] == 0.f) continue;
+          const float w = std::exp(part_max[e] - m);
+          total += part_sum[e] * w;
+          axpy(w, &part_acc[e * D], o, D);
+        }
+        const float inv = 1.f / total;
+        for (int64_t i = 0; i < D; ++i) o[i] *= inv;
+        lsep[n * Hq + h] = m + std::log(total);
+      }
+    }
+  }
   return {out, lse};
 }
 
