@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.bench.workloads import make_workload  # noqa: E402
 
-GEMM_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"}
+GEMM_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm",
+            "tokenmill::linear_small_m"}
 SCOPES = ["schedule", "prepare_inputs", "forward", "logits", "sample", "process_outputs"]
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tokenmill.utils.cpp_extension import load_cpu_extension
+from tokenmill.utils.profiling import scope
 
 # Up to this many rows, a linear layer reads its weight through `linear_small_m` (bound by
 # streaming the weight once); beyond it, the GEMM libraries are faster.
@@ -39,7 +40,8 @@ def fused(x: torch.Tensor) -> bool:
 def linear_small_m(x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) @ weight (N, K)^T + bias → (M, N), for 1 <= M <= SMALL_M."""
-    return _ops().linear_small_m(x, weight, bias)
+    with scope("tokenmill::linear_small_m"):  # a GEMM in benchmarks/profile_step.py
+        return _ops().linear_small_m(x, weight, bias)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
