@@ -135,3 +135,17 @@ def test_pure_decode_step_in_shuffled_length_order(backend):
     for i in range(len(seqs)):
         ref = dense_reference(q[i:i + 1], full_k[i], full_v[i], d ** -0.5)
         torch.testing.assert_close(out[i:i + 1], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cached", [[1000], [700, 0], [900, 1, 50]])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_few_long_decodes_split_keys_across_threads(backend, cached):
+    """With few rows the kernel splits each row's keys into chunks merged by log-sum-exp;
+    a short row next to a long one gets empty chunks, which must contribute nothing."""
+    bs, hq, hkv, d = 16, 9, 3, 64
+    seqs = [(n, 1) for n in cached]
+    cache, batch, q, k_new, v_new, full_k, full_v = build_step(bs, hq, hkv, d, seqs, seed=3)
+    _, out = run(backend, bs, cache, batch, q, k_new, v_new)
+    for i in range(len(seqs)):
+        ref = dense_reference(q[i:i + 1], full_k[i], full_v[i], d ** -0.5)
+        torch.testing.assert_close(out[i:i + 1], ref, atol=1e-5, rtol=1e-5)

@@ -34,14 +34,18 @@ def test_linear_small_m_rejects_more_rows():
 
 
 @pytest.mark.parametrize("rows", [1, 4, 5, 33])
-def test_linear_layer_takes_small_m_path_and_agrees(rows):
+def test_linear_layer_takes_small_m_path_and_agrees(rows, monkeypatch):
     torch.manual_seed(rows)
     layer = MergedColumnParallelLinear(40, [24, 24], bias=True)
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)
+    calls = []
+    real = cpu_ops.linear_small_m
+    monkeypatch.setattr(cpu_ops, "linear_small_m", lambda *a: calls.append(1) or real(*a))
     x = torch.randn(rows, 40)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias),
                                atol=1e-4, rtol=1e-5)
+    assert len(calls) == (1 if rows <= cpu_ops.SMALL_M else 0)
 
 
 def test_lm_head_decode_logits():
