@@ -3,8 +3,8 @@
     python benchmarks/startup.py [--model PATH] [--repeats 3] [--cold] [--port 8123]
 
 Each measurement is a fresh Python process (imports included), timed from its launch. Starts
-normally find the converted GGUF copy (model_loader/gguf_cache.py) and the compiled CPU kernel
-(attention/cpu_kernels.py) in their caches; --cold first measures one start with both caches
+normally find the converted GGUF copy (model_loader/gguf_cache.py) and the compiled CPU kernels
+(utils/cpp_extension.py) in their caches; --cold first measures one start with both caches
 empty (temporary TOKENMILL_CACHE_DIR and TORCH_EXTENSIONS_DIR), what a new machine pays once.
 """
 
