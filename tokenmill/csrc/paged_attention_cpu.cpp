@@ -154,9 +154,9 @@ std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cach
   constexpr int64_t kMinKeysPerSplit = 64;
   const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(
       (8 * threads + N * items_per_row - 1) / (N * items_per_row), longest / kMinKeysPerSplit));
-  // Per (row, split, query head): unnormalised output (D), running max and sum.
-  std::vector<float> part_acc(splits > 1 ? N * splits * Hq * D : 0);
-  std::vector<float> part_max(N * splits * Hq), part_sum(N * splits * Hq);
+  // Only with splits > 1, per (row, split, query head): unnormalised output (D), max and sum.
+  const int64_t parts = splits > 1 ? N * splits * Hq : 0;
+  std::vector<float> part_acc(parts * D), part_max(parts), part_sum(parts);
   float* op = out.data_ptr<float>();
   float* lsep = lse.data_ptr<float>();
 
@@ -174,12 +174,8 @@ std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cach
       const int64_t keys = k1 - k0;
       const int64_t* table = tp + rp[n] * max_blocks;
       const int64_t slot = (n * splits + c) * Hq + h0 * G;  // first (row, split, head) entry
-      if (keys == 0) {  // a short row's empty chunk: contributes nothing to the merge
-        for (int64_t r = 0; r < rows_q; ++r) {
-          part_max[slot + r] = -std::numeric_limits<float>::infinity();
-          part_sum[slot + r] = 0.f;
-          if (splits > 1) std::fill_n(&part_acc[(slot + r) * D], D, 0.f);
-        }
+      if (keys == 0) {  // a short row's empty chunk (splits > 1): nothing to merge
+        std::fill_n(&part_sum[slot], rows_q, 0.f);
         continue;
       }
       krows.resize(keys);
@@ -200,16 +196,17 @@ std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cach
         float m = s[0];
         for (int64_t t = 1; t < keys; ++t) m = std::max(m, s[t]);
         const float total = exp_minus_max(s, m, keys);
-        part_max[slot + r] = m;
-        part_sum[slot + r] = total;
-        float* dst = splits > 1 ? &part_acc[(slot + r) * D] : acc.data();
-        weighted_sum(s, vrows.data(), (r / G) * D, keys, D, dst);
-        if (splits == 1) {
-          float* o = op + (n * Hq + h0 * G + r) * D;
-          const float inv = 1.f / total;
-          for (int64_t i = 0; i < D; ++i) o[i] = acc[i] * inv;
-          lsep[n * Hq + h0 * G + r] = m + std::log(total);
+        if (splits > 1) {  // kept for the merge below
+          part_max[slot + r] = m;
+          part_sum[slot + r] = total;
+          weighted_sum(s, vrows.data(), (r / G) * D, keys, D, &part_acc[(slot + r) * D]);
+          continue;
         }
+        weighted_sum(s, vrows.data(), (r / G) * D, keys, D, acc.data());
+        float* o = op + (n * Hq + h0 * G + r) * D;
+        const float inv = 1.f / total;
+        for (int64_t i = 0; i < D; ++i) o[i] = acc[i] * inv;
+        lsep[n * Hq + h0 * G + r] = m + std::log(total);
       }
     }
   });
@@ -217,7 +214,10 @@ std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cach
     for (int64_t n = 0; n < N; ++n) {
       for (int64_t h = 0; h < Hq; ++h) {
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t c = 0; c < splits; ++c) m = std::max(m, part_max[(n * splits + c) * Hq + h]);
+        for (int64_t c = 0; c < splits; ++c) {  // empty chunks (sum 0) have no max
+          const int64_t e = (n * splits + c) * Hq + h;
+          if (part_sum[e] > 0.f) m = std::max(m, part_max[e]);
+        }
         float total = 0.f;
         float* o = op + (n * Hq + h) * D;
         std::fill_n(o, D, 0.f);

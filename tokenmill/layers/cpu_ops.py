@@ -37,6 +37,12 @@ def fused(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu" and _ops() is not None
 
 
+def takes_small_m(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """True when `x @ weight^T` should go through `linear_small_m`: x is (M, K) with
+    1 <= M <= SMALL_M, fused ops apply, and the layer kept its dense weight (None: freed)."""
+    return weight is not None and x.dim() == 2 and 0 < x.shape[0] <= SMALL_M and fused(x)
+
+
 def linear_small_m(x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) @ weight (N, K)^T + bias → (M, N), for 1 <= M <= SMALL_M."""

@@ -48,9 +48,8 @@ class LinearBase(nn.Module):
             self.packed_weight = packed
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        weight = getattr(self, "weight", None)
-        if weight is not None and x.dim() == 2 and 0 < x.shape[0] <= cpu_ops.SMALL_M \
-                and cpu_ops.fused(x):
+        weight = getattr(self, "weight", None)  # None once prepack() freed it
+        if cpu_ops.takes_small_m(x, weight):
             return cpu_ops.linear_small_m(x, weight, bias)
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, bias)

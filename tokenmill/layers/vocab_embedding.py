@@ -62,9 +62,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """hidden (T, H), logits_indices (S,) → logits (S, vocab_size)."""
         selected = hidden[logits_indices]  # (S, H)
-        weight = getattr(self, "weight", None)
-        if weight is not None and 0 < selected.shape[0] <= cpu_ops.SMALL_M \
-                and cpu_ops.fused(selected):
+        weight = getattr(self, "weight", None)  # None once prepack() freed it
+        if cpu_ops.takes_small_m(selected, weight):
             logits = cpu_ops.linear_small_m(selected, weight)  # (S, V / tp)
         elif self.packed_weight is not None:
             logits = packed_linear(selected, self.packed_weight)  # (S, V / tp)
