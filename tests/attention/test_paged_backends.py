@@ -36,15 +36,21 @@ def dense_reference(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def build_step(bs, hq, hkv, d, seqs, shared_prefix=0, seed=0):
-    """seqs: (context already cached, new tokens). The last 5 decodes share `shared_prefix`
-    cached tokens (same blocks), as prefix caching would leave them."""
+def build_step(bs, hq, hkv, d, seqs, shared_prefix=0, seed=0, consecutive_shared=False):
+    """seqs: (context already cached, new tokens). The last 5 sequences share `shared_prefix`
+    cached tokens (same blocks), as prefix caching would leave them: scattered block ids, or
+    consecutive ones (a fresh pool's order)."""
     torch.manual_seed(seed)
     num_blocks = sum(-(-(c + n) // bs) for c, n in seqs) + 2
     cache = allocate_kv_cache(1, num_blocks, bs, hkv, d, torch.float32, torch.device("cpu"))[0]
     flat = cache.view(2, -1, hkv, d)
     perm = torch.randperm(num_blocks - 1).add(1).tolist()  # scattered block ids, never 0
     shared_blocks = [perm.pop() for _ in range(shared_prefix // bs)]
+    if consecutive_shared:
+        n = len(shared_blocks)
+        perm += shared_blocks
+        shared_blocks = list(range(3, 3 + n))
+        perm = [b for b in perm if b not in shared_blocks]
     shared_k = torch.randn(shared_prefix, hkv, d)
     shared_v = torch.randn(shared_prefix, hkv, d)
     full_k, full_v, sched = [], [], SchedulerOutput()
@@ -90,6 +96,7 @@ def test_paged_matches_dense_for_mixed_step(backend, shape):
     meta, out = run(backend, bs, cache, batch, q, k_new, v_new)
     if backend == "cpu":  # decodes and short chunks go to the kernel, long chunks do not
         assert meta.paged is not None and len(meta.prefills) == 1  # only (40, 20)
+        assert not meta.prefix_cascades  # no two sequences share blocks
     for i in range(len(MIXED)):
         s, e = batch.query_start_locs[i], batch.query_start_locs[i + 1]
         ref = dense_reference(q[s:e], full_k[i], full_v[i], d ** -0.5)
@@ -98,24 +105,37 @@ def test_paged_matches_dense_for_mixed_step(backend, shape):
 
 @needs_kernel
 @pytest.mark.parametrize("num_decodes", [1, 3, 64])  # batch 1 splits work by head
-def test_kernel_matches_torch_backend_with_cascade_group(num_decodes):
+@pytest.mark.parametrize("consecutive", [False, True])  # prefix gathered / read as a view
+@pytest.mark.parametrize("members", ["decodes", "decodes+chunks"])
+def test_kernel_matches_torch_backend_with_prefix_cascade(num_decodes, consecutive, members):
     bs, hq, hkv, d = 16, 9, 3, 64
-    # Decodes in shuffled length order (the backend groups them by length), then 5 longer ones
-    # sharing a cached prefix.
+    # Decodes in shuffled length order, then 5 sequences sharing a 480-token cached prefix:
+    # decodes only, or decodes with prefill chunks that start right after the prefix (480, 64),
+    # later (520, 30), and one whose own part is too big for the kernel (500, 300): it stays
+    # a PyTorch prefill outside the cascade.
     lens = [30 + 3 * i for i in range(num_decodes)]
     lens = lens[::2] + lens[1::2]
-    seqs = [(n, 1) for n in lens] + [(600 + i, 1) for i in range(5)]
-    step = build_step(bs, hq, hkv, d, seqs, shared_prefix=480, seed=num_decodes)
+    sharing = ([(600 + i, 1) for i in range(5)] if members == "decodes"
+               else [(600, 1), (480, 64), (601, 1), (520, 30), (500, 300)])
+    seqs = [(n, 1) for n in lens] + sharing
+    step = build_step(bs, hq, hkv, d, seqs, shared_prefix=480, seed=num_decodes,
+                      consecutive_shared=consecutive)
     cache, batch, q, k_new, v_new, full_k, full_v = step
-    meta_t, out_t = run("torch", bs, cache, batch, q, k_new, v_new)
+    _, out_t = run("torch", bs, cache, batch, q, k_new, v_new)
     meta_c, out_c = run("cpu", bs, cache, batch, q, k_new, v_new)
-    assert any(g.shared_block_ids is not None for g in meta_c.decode_groups)  # cascade kept
+    assert len(meta_c.prefix_cascades) == 1
+    cascade = meta_c.prefix_cascades[0]
+    assert cascade.shared_block_ids.numel() == 480 // bs
+    assert (cascade.shared_first_block is not None) == consecutive
+    in_cascade = sharing if members == "decodes" else sharing[:4]
+    assert cascade.queries.token_indices.numel() == sum(n for _, n in in_cascade)
+    assert len(meta_c.prefills) == (0 if members == "decodes" else 1)
     assert meta_c.paged is not None
     torch.testing.assert_close(out_c, out_t, atol=1e-5, rtol=1e-5)
     for i in range(len(seqs)):
-        s = batch.query_start_locs[i]
-        ref = dense_reference(q[s:s + 1], full_k[i], full_v[i], d ** -0.5)
-        torch.testing.assert_close(out_c[s:s + 1], ref, atol=1e-5, rtol=1e-5)
+        s, e = batch.query_start_locs[i], batch.query_start_locs[i + 1]
+        ref = dense_reference(q[s:e], full_k[i], full_v[i], d ** -0.5)
+        torch.testing.assert_close(out_c[s:e], ref, atol=1e-5, rtol=1e-5)
 
 
 def test_unknown_backend_is_rejected():

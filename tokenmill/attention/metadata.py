@@ -47,9 +47,24 @@ class PagedQueries:
 
     token_indices: torch.Tensor  # (N,) long: positions of the queries in the flat batch
     seq_rows: torch.Tensor  # (N,) long: each query's row in block_tables
-    start_lens: torch.Tensor  # (N,) long: the first cached token each query attends (0)
+    start_lens: torch.Tensor  # (N,) long: the first cached token each query attends
     ctx_lens: torch.Tensor  # (N,) long: tokens [start, ctx) of the cache are attended
     block_tables: torch.Tensor  # (B, max_blocks) long
+
+
+@dataclass
+class PrefixCascade:
+    """Queries of several sequences whose cached context starts with the same blocks.
+
+    The shared prefix is attended once for all of them (one long query sequence against the
+    prefix's keys, no mask) and each query's own part after it by the paged kernel; the two
+    are merged through their log-sum-exps. Every shared block lies before each member's first
+    query, so no query's own part is empty.
+    """
+
+    shared_block_ids: torch.Tensor  # (k,) long
+    shared_first_block: int | None  # shared_block_ids[0] when they are consecutive ids
+    queries: PagedQueries  # start_lens = k * block_size: each query's part after the prefix
 
 
 @dataclass
@@ -59,3 +74,4 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSeq] = field(default_factory=list)
     paged: PagedQueries | None = None  # only backends with a paged kernel set this
+    prefix_cascades: list[PrefixCascade] = field(default_factory=list)  # likewise
