@@ -4,7 +4,8 @@ output tokens): time to first token, decode tokens/s and inter-token latency per
 Each repeat is one request through the offline engine, timed token by token as the engine
 emits it (after --warmup untimed repeats). With --llama-cpp, the same prompt tokens run through
 llama-cpp-python on the same GGUF file in the same process (an optional peer: skipped with a
-note when the package is not installed).
+note when the package is not installed); --llama-cpp-f32 gives it an F32 copy of the file
+instead (bench/gguf_f32.py), the float32 weights tokenmill itself computes with.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--llama-cpp", action="store_true",
                    help="also run llama-cpp-python (if installed) on the same GGUF file")
+    p.add_argument("--llama-cpp-f32", action="store_true",
+                   help="with --llama-cpp: run llama.cpp on an F32 copy of the GGUF file (the "
+                        "float32 weights tokenmill uses) as well as on the file as it is")
     p.add_argument("--llama-cpp-threads", type=int, default=None)
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--png", default=None, help="plot inter-token latency by position here")
@@ -102,19 +106,23 @@ def run(args: argparse.Namespace) -> int:
     results["tokenmill"] = _aggregate([run_tokenmill_once(llm, prompt, n_out)
                                        for _ in tqdm(range(args.repeats), desc="tokenmill")])
     if args.llama_cpp:
-        peer = _llama_cpp(model, args.llama_cpp_threads or torch.get_num_threads())
-        if peer is not None:
+        threads = args.llama_cpp_threads or torch.get_num_threads()
+        for label, f32 in [("", False)] + [(" F32", True)] * args.llama_cpp_f32:
+            peer = _llama_cpp(model, threads, f32)
+            if peer is None:
+                break
             for _ in range(args.warmup):
                 run_llama_cpp_once(peer, prompt, n_out)
-            results["llama.cpp (llama-cpp-python)"] = _aggregate(
+            results[f"llama.cpp{label} (llama-cpp-python)"] = _aggregate(
                 [run_llama_cpp_once(peer, prompt, n_out)
-                 for _ in tqdm(range(args.repeats), desc="llama.cpp")])
+                 for _ in tqdm(range(args.repeats), desc=f"llama.cpp{label}")])
+            del peer
 
-    print(f"\n{'engine':<30}{'TTFT s':>8}{'decode tok/s':>14}{'ITL p50/p90/p99 ms':>22}"
+    print(f"\n{'engine':<36}{'TTFT s':>8}{'decode tok/s':>14}{'ITL p50/p90/p99 ms':>22}"
           f"{'E2E s':>8}")
     for name, r in results.items():
         itl = f"{r['itl_p50_ms']:.1f}/{r['itl_p90_ms']:.1f}/{r['itl_p99_ms']:.1f}"
-        print(f"{name:<30}{r['ttft_s']:>8.3f}{r['decode_tokens_per_s']:>14.1f}{itl:>22}"
+        print(f"{name:<36}{r['ttft_s']:>8.3f}{r['decode_tokens_per_s']:>14.1f}{itl:>22}"
               f"{r['e2e_s']:>8.2f}")
     if args.json:
         with open(args.json, "w") as f:
@@ -124,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _llama_cpp(model: str, threads: int):
+def _llama_cpp(model: str, threads: int, f32: bool):
     if not model.endswith(".gguf"):
         print("note: --llama-cpp needs a .gguf model; skipped")
         return None
@@ -133,6 +141,10 @@ def _llama_cpp(model: str, threads: int):
     except ImportError:
         print("note: llama-cpp-python is not installed (pip install llama-cpp-python); skipped")
         return None
+    if f32:
+        from tokenmill.bench.gguf_f32 import f32_copy
+
+        model = f32_copy(model)
     return Llama(model, n_ctx=1024, n_threads=threads, n_batch=512, verbose=False)
 
 
