@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
 
-def _cflags() -> list[str]:
+def cflags() -> list[str]:
+    """Compiler flags for the CPU kernels on this machine."""
     flags = ["-O3", "-fopenmp"]  # -fopenmp: at::parallel_for runs on torch's OpenMP pool
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         # Select ATen's AVX2 Vectorized<float> (the header otherwise falls back to scalar).
@@ -44,7 +45,7 @@ def load_cpu_extension(name: str) -> object | None:
     try:
         from torch.utils.cpp_extension import load
 
-        return load(f"tokenmill_{name}", [str(CSRC / f"{name}.cpp")], extra_cflags=_cflags(),
+        return load(f"tokenmill_{name}", [str(CSRC / f"{name}.cpp")], extra_cflags=cflags(),
                     extra_include_paths=[str(CSRC)], extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no headers: the PyTorch paths still work
         logger.warning("C++ kernels %s unavailable (%s); using PyTorch ops", name, e)
