@@ -90,3 +90,24 @@ def test_rotary_in_place_on_fused_qkv_views(head_dim):
     torch.testing.assert_close(got_q, want_q, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_k, want_k, atol=1e-5, rtol=1e-5)
     assert torch.equal(v, v_before)  # the op touched q and k only
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 300])  # 300: several threads' ranges
+def test_store_kv_writes_exactly_the_slots_of_qkv_views(tokens):
+    from tokenmill.attention.kv_cache import store_kv
+
+    torch.manual_seed(tokens)
+    nb, bs, hkv, d, hq = 40, 16, 3, 8, 9
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(tokens, hkv, d)  # strided rows, as in the layer
+    v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
+    slots = torch.randperm(nb * bs)[:tokens]
+    cache = torch.full((2, nb, bs, hkv, d), 7.0)
+    expected = cache.clone()
+    flat = expected.view(2, -1, hkv, d)
+    flat[0].index_copy_(0, slots, k)
+    flat[1].index_copy_(0, slots, v)
+    store_kv(cache, k, v, slots)  # takes the C++ op
+    assert torch.equal(cache, expected)  # the slots written, nothing else touched
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_ops.store_kv_(cache[0], cache[1], k, v, torch.full((tokens,), nb * bs))

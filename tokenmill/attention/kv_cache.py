@@ -13,6 +13,8 @@ import math
 import numpy as np
 import torch
 
+from tokenmill.layers import cpu_ops
+
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                     dtype: torch.dtype) -> int:
@@ -34,6 +36,10 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
 def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write k, v (T, Hkv, D) of this step into one layer's cache (2, nb, bs, Hkv, D)."""
+    if (kv_cache.dtype == torch.float32 and cpu_ops.fused(k) and k.stride(1) == k.shape[2]
+            and v.stride(1) == v.shape[2] and k.stride(2) == v.stride(2) == 1):
+        cpu_ops.store_kv_(kv_cache[0], kv_cache[1], k, v, slot_mapping)  # one pass, one call
+        return
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])  # (2, num_slots, Hkv, D)
     flat[0].index_copy_(0, slot_mapping, k)
     flat[1].index_copy_(0, slot_mapping, v)

@@ -34,7 +34,8 @@ def ops_available() -> bool:
 
 def fused(x: torch.Tensor) -> bool:
     """True when x may take the fused C++ ops: float32 on CPU, with the kernels built."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and _ops() is not None
+    # Called several times per layer in a decode step: cheapest checks first.
+    return x.dtype is torch.float32 and x.is_cpu and _ops() is not None
 
 
 def takes_small_m(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
@@ -60,6 +61,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[gate | up] (…, 2I) → silu(gate) * up (…, I)."""
     return _ops().silu_and_mul(x)
+
+
+def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+    """k_cache / v_cache (num_blocks, bs, Hkv, D) at slot_mapping (T,) <- k, v (T, Hkv, D)."""
+    _ops().store_kv_(k_cache, v_cache, k, v, slot_mapping)
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
