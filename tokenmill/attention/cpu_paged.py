@@ -26,7 +26,7 @@ import torch
 from tokenmill.attention.cpu_kernels import paged_attention_op
 from tokenmill.attention.kv_cache import store_kv
 from tokenmill.attention.metadata import AttentionMetadata, PagedQueries, PrefixCascade
-from tokenmill.attention.torch_ref import TorchPagedAttention
+from tokenmill.attention.torch_ref import TorchPagedAttention, merge_by_lse
 from tokenmill.worker.input_batch import InputBatch
 
 _KERNEL_MAX_QUERY = 8
@@ -144,10 +144,7 @@ class CPUPagedAttention(TorchPagedAttention):
         """q (N, Hq, D) → (N, Hq, D): the shared prefix and each query's own part, merged."""
         out_p, lse_p = self._attend_prefix(q, kv_cache, c, scale)
         out_s, lse_s = self._paged(q, kv_cache, c.queries, scale)
-        lse_s = lse_s.unsqueeze(-1)
-        m = torch.maximum(lse_p, lse_s)
-        w_p, w_s = torch.exp(lse_p - m), torch.exp(lse_s - m)
-        return (out_p * w_p + out_s * w_s) / (w_p + w_s)
+        return merge_by_lse(out_p, lse_p, out_s, lse_s.unsqueeze(-1))
 
     def _attend_prefix(self, q: torch.Tensor, kv_cache: torch.Tensor, c: PrefixCascade,
                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:

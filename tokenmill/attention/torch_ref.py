@@ -38,6 +38,14 @@ def _softmax_attend(scores: torch.Tensor, values: torch.Tensor
     return torch.matmul(p, values) / total, m + torch.log(total)
 
 
+def merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                 lse_b: torch.Tensor) -> torch.Tensor:
+    """Attention over keys A ∪ B from the parts over A and over B: out (…, D), lse (…, 1)."""
+    m = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    return (out_a * w_a + out_b * w_b) / (w_a + w_b)
+
+
 class TorchPagedAttention(AttentionBackend):
     def __init__(self, block_size: int, device: torch.device) -> None:
         super().__init__(block_size, device)
@@ -154,9 +162,7 @@ class TorchPagedAttention(AttentionBackend):
         row's own suffix, merged by their log-sum-exps. q (Bg, Hq, D) → (Bg, Hq, D)."""
         out_p, lse_p = self._cascade_prefix(q, kv_cache, group, scale)
         out_s, lse_s = self._cascade_suffix(q, kv_cache, group, scale)
-        m = torch.maximum(lse_p, lse_s)
-        w_p, w_s = torch.exp(lse_p - m), torch.exp(lse_s - m)
-        return (out_p * w_p + out_s * w_s) / (w_p + w_s)
+        return merge_by_lse(out_p, lse_p, out_s, lse_s)
 
     def _cascade_prefix(self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup,
                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
