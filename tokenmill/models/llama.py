@@ -21,6 +21,7 @@ from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from tokenmill.models.cpu_decode import SmallBatchDecode
 
 
 class LlamaAttention(nn.Module):
@@ -99,13 +100,18 @@ class LlamaModel(nn.Module):
             config.hidden_size // config.num_attention_heads
         # One cos/sin table for all layers, gathered once per step.
         self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, config)
+        # The same layers for a CPU decode step of a few tokens, without module dispatch.
+        self.small_batch_decode = SmallBatchDecode(self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None  # (T, hidden)
         position_embeddings = self.rotary_emb(positions, hidden.dtype)  # cos, sin (T, 1, D)
-        for layer in self.layers:
-            hidden, residual = layer(position_embeddings, hidden, residual, meta)
+        if self.small_batch_decode.applies(hidden, meta):
+            hidden, residual = self.small_batch_decode.run(hidden, *position_embeddings, meta)
+        else:
+            for layer in self.layers:
+                hidden, residual = layer(position_embeddings, hidden, residual, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

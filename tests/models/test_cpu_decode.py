@@ -1,0 +1,68 @@
+"""The small-batch CPU decode path (models/cpu_decode.py) against the modules' own forward:
+the same greedy tokens and bitwise the same logprobs, taken exactly where it applies."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.conftest import assert_kv_all_free, hf_greedy
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers import cpu_ops
+from tokenmill.models.cpu_decode import SmallBatchDecode
+
+pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
+
+
+def run(path: str, prompts: list[list[int]]):
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
+    llm = LLM(path)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert_kv_all_free(llm.engine)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def with_random_norms_and_biases(folder: str, out) -> str:
+    """A copy of a tiny model whose norm weights and biases are random, not ones and zeros
+    (which would hide a path that swaps norms or drops biases)."""
+    shutil.copytree(folder, out)
+    weights = load_file(out / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    for name, t in weights.items():
+        if "norm" in name or name.endswith("bias"):
+            weights[name] = t + 0.5 * torch.randn(t.shape, generator=gen)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return str(out)
+
+
+# qwen2: q/k/v biases; qwen3: per-head q/k norm, which the path does not take.
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_same_outputs_as_module_path(kind, tiny_model, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    path = with_random_norms_and_biases(tiny_model(kind)[0], tmp_path / kind)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rng = random.Random(1)
+    # 3 prompts: decode steps of 3, then fewer; one alone (batch 1).
+    batch = [[rng.randrange(3, 49152) for _ in range(n)] for n in (5, 17, 40)]
+    single = [[rng.randrange(3, 49152) for _ in range(23)]]
+    taken: list[int] = []
+    real_run = SmallBatchDecode.run
+
+    def counting_run(self, hidden, *args):
+        taken.append(hidden.shape[0])
+        return real_run(self, hidden, *args)
+
+    monkeypatch.setattr(SmallBatchDecode, "run", counting_run)
+    fast = run(path, batch) + run(path, single)
+    if kind == "qwen3":
+        assert not taken
+    else:
+        assert set(taken) >= {1, 3}  # batch-1 and batch-3 decode steps took the path
+    monkeypatch.setattr(SmallBatchDecode, "applies", lambda self, hidden, meta: False)
+    assert run(path, batch) + run(path, single) == fast  # tokens and logprobs, exactly
+    assert [t for t, _ in fast] == [hf_greedy(hf, p, 10) for p in batch + single]
