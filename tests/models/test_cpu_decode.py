@@ -63,6 +63,6 @@ def test_same_outputs_as_module_path(kind, tiny_model, tmp_path, monkeypatch):
         assert not taken
     else:
         assert set(taken) >= {1, 3}  # batch-1 and batch-3 decode steps took the path
-    monkeypatch.setattr(SmallBatchDecode, "applies", lambda self, hidden, meta: False)
+    monkeypatch.setattr(SmallBatchDecode, "applies", lambda self, hidden: False)
     assert run(path, batch) + run(path, single) == fast  # tokens and logprobs, exactly
     assert [t for t, _ in fast] == [hf_greedy(hf, p, 10) for p in batch + single]

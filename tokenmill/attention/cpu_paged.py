@@ -120,7 +120,7 @@ class CPUPagedAttention(TorchPagedAttention):
             # none of the PyTorch backend's per-group work.
             store_kv(kv_cache, k, v, meta.slot_mapping)
             return self._paged(q, kv_cache, p, scale)[0].view(T, Hq * D)
-        if meta.prefills or meta.decode_groups:
+        if meta.prefills:  # (this backend makes no decode groups: cascades replace them)
             out = super().forward(q, k, v, kv_cache, meta, scale)  # stores k/v; (T, Hq * D)
         else:
             store_kv(kv_cache, k, v, meta.slot_mapping)

@@ -8,23 +8,19 @@ into tokenmill's cache folder, keyed on the source file like the converted GGUF 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
-from pathlib import Path
 
 import numpy as np
 
-from tokenmill.model_loader.gguf_cache import cache_root
+from tokenmill.model_loader.gguf_cache import cache_root, keyed_name
 
 
 def f32_copy(gguf_path: str) -> str:
     """Path of an F32 copy of `gguf_path`, writing it on first use."""
     import gguf
 
-    st = os.stat(gguf_path)
-    key = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}"
-    name = Path(gguf_path).stem + "-" + hashlib.sha256(key.encode()).hexdigest()[:16] + ".F32.gguf"
+    name = keyed_name(gguf_path) + ".F32.gguf"
     out = cache_root() / "gguf-f32" / name
     if out.is_file():
         return str(out)

@@ -38,11 +38,16 @@ def cache_root() -> Path:
                                os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")))
 
 
-def _folder_for(gguf_path: str) -> Path:
+def keyed_name(gguf_path: str, *extra: object) -> str:
+    """`<stem>-<hash>`: a cache name that changes when the file (path, size, mtime) or any of
+    `extra` (a format version) changes."""
     st = os.stat(gguf_path)
-    key = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{_FORMAT_VERSION}"
-    name = Path(gguf_path).stem + "-" + hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_root() / "gguf" / name
+    key = "|".join(map(str, (os.path.abspath(gguf_path), st.st_size, st.st_mtime_ns, *extra)))
+    return Path(gguf_path).stem + "-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _folder_for(gguf_path: str) -> Path:
+    return cache_root() / "gguf" / keyed_name(gguf_path, _FORMAT_VERSION)
 
 
 def converted_folder(gguf_path: str) -> str | None:

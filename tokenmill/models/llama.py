@@ -107,7 +107,7 @@ class LlamaModel(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None  # (T, hidden)
         position_embeddings = self.rotary_emb(positions, hidden.dtype)  # cos, sin (T, 1, D)
-        if self.small_batch_decode.applies(hidden, meta):
+        if self.small_batch_decode.applies(hidden):
             hidden, residual = self.small_batch_decode.run(hidden, *position_embeddings, meta)
         else:
             for layer in self.layers:
