@@ -32,7 +32,9 @@ SHAPES = [(64, 0, 1100), (64, 0, 320), (64, 0, 80), (64, 1024, 1100), (1, 0, 100
 
 
 def build(path: str) -> object:
-    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:10]
+    # The current source includes headers from csrc/ (an old one may not): hash them too.
+    text = Path(path).read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
+    digest = hashlib.sha256(text).hexdigest()[:10]
     return load(f"attn_bench_{digest}", [path], extra_cflags=cflags(),
                 extra_include_paths=[str(CSRC)], extra_ldflags=["-fopenmp"])
 

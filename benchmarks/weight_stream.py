@@ -8,13 +8,17 @@ gate_up 3072x576, down 576x1536) plus the 49152x576 LM head: 538 MB, far more th
 last-level cache, so every pass reads them from memory as a real decode step does. Prints
 milliseconds per pass and GB/s for: torch's sum over one tensor of the same size (the read
 bandwidth), `F.linear` (MKL), oneDNN on the dense weight, oneDNN on the prepacked weight, and
-tokenmill's C++ small-M kernel (layers/cpu_ops.py).
+tokenmill's C++ small-M kernel (layers/cpu_ops.py), each also on a copy of the weights in
+2 MiB transparent huge pages (utils/huge_pages.py, what the engine loads weights into). The
+paths run interleaved for --rounds rounds and each prints its median, so that the machine's
+drift hits all of them alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tokenmill.layers import cpu_ops  # noqa: E402
 from tokenmill.layers.cpu_gemm import packed_linear, prepack  # noqa: E402
+from tokenmill.utils import huge_pages  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
@@ -41,7 +46,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=1, help="rows of x (batch), 1..4")
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=5, help="passes per timing")
+    ap.add_argument("--rounds", type=int, default=6, help="interleaved timings per path")
     args = ap.parse_args()
     torch.manual_seed(0)
     weights = [torch.randn(n, k) for _ in range(30) for n, k in SHAPES]
@@ -49,9 +55,14 @@ def main() -> None:
     nbytes = sum(w.numel() for w in weights) * 4
     xs = {k: torch.randn(args.rows, k) for k in (576, 1536)}
     flat = torch.randn(nbytes // 4)
+    huge = torch.nn.ParameterList(torch.nn.Parameter(w.clone(), requires_grad=False)
+                                  for w in weights)
+    huge_pages.move_parameters_to_huge_pages(huge)
+    flat_huge = huge_pages.zeros(flat.shape, flat.dtype).copy_(flat)
     packed = [prepack(w) for w in weights]
     paths = {
         "read bandwidth (torch.sum)": lambda: flat.sum(),
+        "read bandwidth, huge pages": lambda: flat_huge.sum(),
         "F.linear (MKL)": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
         "oneDNN, dense weight": lambda: [torch.ops.mkldnn._linear_pointwise(
             xs[w.shape[1]], w, None, "none", [], "") for w in weights],
@@ -61,11 +72,18 @@ def main() -> None:
     if cpu_ops.ops_available():
         paths["tokenmill linear_small_m"] = lambda: [cpu_ops.linear_small_m(xs[w.shape[1]], w)
                                                      for w in weights]
+        paths["linear_small_m, huge pages"] = lambda: [
+            cpu_ops.linear_small_m(xs[w.shape[1]], w) for w in huge]
+    print(f"THP mode: {huge_pages.thp_mode() or 'none'}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{nbytes / 1e6:.0f} MB of float32 weights, {args.rows} row(s)")
     print(f"{'path':<30}{'ms':>8}{'GB/s':>8}")
-    for name, fn in paths.items():
-        t = timed(fn, args.repeats)
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(args.rounds):
+        for name, fn in paths.items():
+            times[name].append(timed(fn, args.repeats))
+    for name, ts in times.items():
+        t = statistics.median(ts)
         print(f"{name:<30}{t * 1e3:>8.1f}{nbytes / t / 1e9:>8.1f}")
 
 

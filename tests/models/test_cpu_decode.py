@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from tests.conftest import assert_kv_all_free, hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers import cpu_ops
+from tokenmill.models import cpu_decode
 from tokenmill.models.cpu_decode import SmallBatchDecode
 
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
@@ -39,11 +40,16 @@ def with_random_norms_and_biases(folder: str, out) -> str:
     return str(out)
 
 
-# qwen2: q/k/v biases; qwen3: per-head q/k norm, which the path does not take.
+# qwen2: q/k/v biases; qwen3: per-head q/k norm, which the path does not take. "fused": all
+# layers in one C++ call (csrc/decode_layers_cpu.cpp); "loop": the Python loop over the ops,
+# which steps the fused call cannot take (cascades, the PyTorch backend) use.
+@pytest.mark.parametrize("way", ["fused", "loop"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_same_outputs_as_module_path(kind, tiny_model, tmp_path, monkeypatch):
+def test_same_outputs_as_module_path(kind, way, tiny_model, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
+    if kind == "qwen3" and way == "loop":
+        pytest.skip("qwen3 takes neither")
     path = with_random_norms_and_biases(tiny_model(kind)[0], tmp_path / kind)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rng = random.Random(1)
@@ -51,18 +57,62 @@ def test_same_outputs_as_module_path(kind, tiny_model, tmp_path, monkeypatch):
     batch = [[rng.randrange(3, 49152) for _ in range(n)] for n in (5, 17, 40)]
     single = [[rng.randrange(3, 49152) for _ in range(23)]]
     taken: list[int] = []
-    real_run = SmallBatchDecode.run
+    fused_calls: list[int] = []
+    real_run, real_op = SmallBatchDecode.run, cpu_decode._decode_layers_op()
 
     def counting_run(self, hidden, *args):
         taken.append(hidden.shape[0])
         return real_run(self, hidden, *args)
 
+    def counting_op(hidden, *args):
+        fused_calls.append(hidden.shape[0])
+        return real_op(hidden, *args)
+
     monkeypatch.setattr(SmallBatchDecode, "run", counting_run)
+    monkeypatch.setattr(cpu_decode, "_decode_layers_op",
+                        lambda: counting_op if way == "fused" else None)
     fast = run(path, batch) + run(path, single)
     if kind == "qwen3":
-        assert not taken
+        assert not taken and not fused_calls
     else:
         assert set(taken) >= {1, 3}  # batch-1 and batch-3 decode steps took the path
+        assert set(fused_calls) == (set(taken) if way == "fused" else set())
     monkeypatch.setattr(SmallBatchDecode, "applies", lambda self, hidden: False)
     assert run(path, batch) + run(path, single) == fast  # tokens and logprobs, exactly
     assert [t for t, _ in fast] == [hf_greedy(hf, p, 10) for p in batch + single]
+
+
+def test_fused_path_not_taken_for_a_cascade(tiny_model, monkeypatch):
+    """Steps where some queries attend a shared cached prefix (cascade attention) go through
+    the Python loop, whose attention is the backend's: the fused call handles only steps whose
+    every query goes to the paged kernel. Greedy output still matches HF."""
+    from transformers import AutoModelForCausalLM
+
+    path, _ = tiny_model("llama")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    calls = {"fused": 0, "loop": 0}
+    real_op = cpu_decode._decode_layers_op()
+
+    def counting_op(*args):
+        calls["fused"] += 1
+        return real_op(*args)
+
+    real_run = SmallBatchDecode.run
+
+    def counting_run(self, hidden, cos, sin, meta):
+        if meta.prefix_cascades:
+            calls["loop"] += 1
+        return real_run(self, hidden, cos, sin, meta)
+
+    monkeypatch.setattr(cpu_decode, "_decode_layers_op", lambda: counting_op)
+    monkeypatch.setattr(SmallBatchDecode, "run", counting_run)
+    rng = random.Random(2)
+    prefix = [rng.randrange(3, 49152) for _ in range(80)]  # 5 blocks of 16, shared
+    prompts = [prefix + [rng.randrange(3, 49152) for _ in range(3)] for _ in range(4)]
+    llm = LLM(path, block_size=16)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)
+    assert calls["loop"] > 0  # decode steps of the 4 sequences form a cascade
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
+    assert_kv_all_free(llm.engine)

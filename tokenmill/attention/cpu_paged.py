@@ -114,12 +114,12 @@ class CPUPagedAttention(TorchPagedAttention):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         T, Hq, D = q.shape
-        p = meta.paged
-        if p is not None and p.token_indices.numel() == T:
+        if (every := self.kernel_only(meta, T)) is not None:
             # Every query goes to the kernel (a plain decode step): no gather / scatter, and
             # none of the PyTorch backend's per-group work.
             store_kv(kv_cache, k, v, meta.slot_mapping)
-            return self._paged(q, kv_cache, p, scale)[0].view(T, Hq * D)
+            return self._paged(q, kv_cache, every, scale)[0].view(T, Hq * D)
+        p = meta.paged
         if meta.prefills:  # (this backend makes no decode groups: cascades replace them)
             out = super().forward(q, k, v, kv_cache, meta, scale)  # stores k/v; (T, Hq * D)
         else:
@@ -132,6 +132,13 @@ class CPUPagedAttention(TorchPagedAttention):
             out_q[c.queries.token_indices] = self._cascade(q[c.queries.token_indices],
                                                            kv_cache, c, scale)
         return out
+
+    @staticmethod
+    def kernel_only(meta: AttentionMetadata, num_tokens: int) -> PagedQueries | None:
+        """The step's kernel queries when every one of its `num_tokens` queries goes to the
+        kernel (a plain decode step: no cascade, no prefill chunk), else None."""
+        p = meta.paged
+        return p if p is not None and p.token_indices.numel() == num_tokens else None
 
     def _paged(self, q: torch.Tensor, kv_cache: torch.Tensor, p: PagedQueries,
                scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,12 +8,10 @@ Zero-initialised: attention masks stale slots, and 0 * garbage must never make a
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import torch
 
 from tokenmill.layers import cpu_ops
+from tokenmill.utils import huge_pages
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -26,10 +24,10 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
                       head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
     if device.type == "cpu":
-        # calloc: the OS hands out zero pages as they are first touched, instead of writing
-        # gigabytes of zeros up front (about 0.9 s of start-up for 2 GiB).
-        flat = np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)
-        return torch.from_numpy(flat).view(dtype).view(shape)
+        # Fresh anonymous memory: the OS hands out zero pages as they are first touched,
+        # instead of writing gigabytes of zeros up front (about 0.9 s of start-up for 2 GiB),
+        # in 2 MiB huge pages where it can (fewer faults and TLB misses over scattered blocks).
+        return huge_pages.zeros(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

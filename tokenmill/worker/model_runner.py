@@ -19,6 +19,7 @@ from tokenmill.core.interface import ModelRunnerOutput, PositionLogprobs, Schedu
 from tokenmill.layers.cpu_gemm import onednn_available, prepack_model
 from tokenmill.layers.sampler import Sampler, gather_logprobs
 from tokenmill.model_loader import load_model
+from tokenmill.utils.huge_pages import move_parameters_to_huge_pages
 from tokenmill.utils.profiling import scope
 from tokenmill.worker.input_batch import InputBatch
 
@@ -33,6 +34,9 @@ class ModelRunner:
         mc = config.model
         t0 = time.perf_counter()
         self.model = load_model(mc, self.device)
+        if self.device.type == "cpu":
+            # Before prepacking: the dense weights a decode step streams go to huge pages.
+            move_parameters_to_huge_pages(self.model)
         if config.prepack_weights and onednn_available(self.device, mc.dtype):
             prepack_model(self.model)
         logger.info("loaded %s in %.1f s", mc.path, time.perf_counter() - t0)
