@@ -14,7 +14,10 @@ Each scenario first times --steps steps without the profiler (the honest wall ti
 replays the same steps under the profiler (prefix caching off, so the replay does the same
 work) and splits them into the engine's named scopes (schedule,
 prepare_inputs, forward, logits, sample, process_outputs) and, inside forward, into GEMMs,
-attention and the rest (norms, RoPE, activations, copies).
+attention and the rest (norms, RoPE, activations, copies). A small decode step whose layers
+run in one C++ call (models/cpu_decode.py) shows that call as forward.fused_layers (its GEMMs,
+attention and ops are not split); --no-fused-decode runs those steps through the Python loop
+over the same ops instead, which the profiler can split.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from tokenmill.bench.workloads import make_workload  # noqa: E402
 
 GEMM_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm",
             "tokenmill::linear_small_m"}
+FUSED = "tokenmill::decode_layers"
 SCOPES = ["schedule", "prepare_inputs", "forward", "logits", "sample", "process_outputs"]
 
 
@@ -48,15 +52,19 @@ def _inside(event, name: str) -> bool:
 
 def breakdown(prof, steps: int) -> dict[str, float]:
     """ms per step for each scope, and forward split into gemm / attention / other."""
-    ms = dict.fromkeys([*SCOPES, "forward.gemm", "forward.attention", "forward.other"], 0.0)
+    ms = dict.fromkeys([*SCOPES, "forward.gemm", "forward.attention", "forward.fused_layers",
+                        "forward.other"], 0.0)
     for e in prof.events():
         if e.name in SCOPES:
             ms[e.name] += e.cpu_time_total / 1e3
+        elif e.name == FUSED and _inside(e, "forward"):
+            ms["forward.fused_layers"] += e.cpu_time_total / 1e3
         elif e.name == "attention" and _inside(e, "forward"):
             ms["forward.attention"] += e.cpu_time_total / 1e3
         elif e.name in GEMM_OPS and _inside(e, "forward") and not _inside(e, "attention"):
             ms["forward.gemm"] += e.self_cpu_time_total / 1e3
-    ms["forward.other"] = ms["forward"] - ms["forward.gemm"] - ms["forward.attention"]
+    ms["forward.other"] = (ms["forward"] - ms["forward.gemm"] - ms["forward.attention"]
+                           - ms["forward.fused_layers"])
     return {k: v / steps for k, v in ms.items()}
 
 
@@ -109,7 +117,9 @@ def print_result(r: dict) -> None:
     print(f"\n{r['scenario']}: {r['wall_ms_per_step']:.1f} ms a step without the profiler; "
           f"profiled scopes {total:.1f} ms")
     for key in ["schedule", "prepare_inputs", "forward", "forward.gemm", "forward.attention",
-                "forward.other", "logits", "sample", "process_outputs"]:
+                "forward.fused_layers", "forward.other", "logits", "sample", "process_outputs"]:
+        if key == "forward.fused_layers" and not b[key]:
+            continue
         indent = "    " if key.startswith("forward.") else "  "
         print(f"{indent}{key:<22}{b[key]:>9.1f} ms {100 * b[key] / total:>6.1f}%")
 
@@ -122,14 +132,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-prepack-weights", dest="prepack", action="store_false")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
+    ap.add_argument("--no-fused-decode", dest="fused", action="store_false",
+                    help="small decode steps through the Python loop, not one C++ call")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     llm = LLM(args.model, prepack_weights=args.prepack, attention_backend=args.attention_backend,
               enable_prefix_caching=False)
+    llm.engine.runner.model.model.small_batch_decode.fused = args.fused
     tok = llm.get_tokenizer()
     vocab = llm.engine.config.model.vocab_size
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"prepack_weights={args.prepack}, attention_backend={args.attention_backend}")
+          f"prepack_weights={args.prepack}, attention_backend={args.attention_backend}, "
+          f"fused_decode={args.fused}")
     names = ["single", "decode64", "mixed"] if args.scenario == "all" else [args.scenario]
     results = []
     for name in names:
