@@ -4,8 +4,9 @@ output tokens): time to first token, decode tokens/s and inter-token latency per
 Each repeat is one request through the offline engine, timed token by token as the engine
 emits it (after --warmup untimed repeats). With --llama-cpp, the same prompt tokens run through
 llama-cpp-python on the same GGUF file in the same process (an optional peer: skipped with a
-note when the package is not installed); --llama-cpp-f32 gives it an F32 copy of the file
-instead (bench/gguf_f32.py), the float32 weights tokenmill itself computes with.
+note when the package is not installed); --llama-cpp-f32 also gives it an F32 copy of the file
+(bench/gguf_f32.py), the float32 weights tokenmill itself computes with. The engines take
+turns: each of --repeats rounds runs one request on every engine.
 """
 
 from __future__ import annotations
@@ -99,24 +100,26 @@ def run(args: argparse.Namespace) -> int:
     prompt, n_out = req.prompt_token_ids, args.output_len
     print(f"single-stream: {len(prompt)} prompt tokens, {n_out} output tokens; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    results = {}
     llm = LLM(model, **engine_options(args))
-    for _ in range(args.warmup):
-        run_tokenmill_once(llm, prompt, n_out)
-    results["tokenmill"] = _aggregate([run_tokenmill_once(llm, prompt, n_out)
-                                       for _ in tqdm(range(args.repeats), desc="tokenmill")])
+    engines = {"tokenmill": lambda: run_tokenmill_once(llm, prompt, n_out)}
     if args.llama_cpp:
         threads = args.llama_cpp_threads or torch.get_num_threads()
         for label, f32 in [("", False)] + [(" F32", True)] * args.llama_cpp_f32:
             peer = _llama_cpp(model, threads, f32)
             if peer is None:
                 break
-            for _ in range(args.warmup):
-                run_llama_cpp_once(peer, prompt, n_out)
-            results[f"llama.cpp{label} (llama-cpp-python)"] = _aggregate(
-                [run_llama_cpp_once(peer, prompt, n_out)
-                 for _ in tqdm(range(args.repeats), desc=f"llama.cpp{label}")])
-            del peer
+            engines[f"llama.cpp{label} (llama-cpp-python)"] = (
+                lambda peer=peer: run_llama_cpp_once(peer, prompt, n_out))
+    for once in engines.values():
+        for _ in range(args.warmup):
+            once()
+    # Engines take turns, one request each per round: the machine's drift over the run hits
+    # every engine alike, and their ratio is what a noisy machine can still measure.
+    runs: dict[str, list[dict]] = {name: [] for name in engines}
+    for _ in tqdm(range(args.repeats), desc="rounds (each engine once)"):
+        for name, once in engines.items():
+            runs[name].append(once())
+    results = {name: _aggregate(r) for name, r in runs.items()}
 
     print(f"\n{'engine':<36}{'TTFT s':>8}{'decode tok/s':>14}{'ITL p50/p90/p99 ms':>22}"
           f"{'E2E s':>8}")
@@ -124,6 +127,10 @@ def run(args: argparse.Namespace) -> int:
         itl = f"{r['itl_p50_ms']:.1f}/{r['itl_p90_ms']:.1f}/{r['itl_p99_ms']:.1f}"
         print(f"{name:<36}{r['ttft_s']:>8.3f}{r['decode_tokens_per_s']:>14.1f}{itl:>22}"
               f"{r['e2e_s']:>8.2f}")
+    ours = results["tokenmill"]["decode_tokens_per_s"]
+    for name, r in list(results.items())[1:]:
+        print(f"tokenmill / {name}: decode {ours / r['decode_tokens_per_s']:.2f}x, "
+              f"TTFT {r['ttft_s'] / results['tokenmill']['ttft_s']:.2f}x faster")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
