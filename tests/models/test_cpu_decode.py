@@ -90,18 +90,20 @@ def test_fused_path_not_taken_for_a_cascade(tiny_model, monkeypatch):
 
     path, _ = tiny_model("llama")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    calls = {"fused": 0, "loop": 0}
+    calls = {"fused": 0, "loop": 0, "fused_in_cascade": 0}
+    in_cascade = [False]
     real_op = cpu_decode._decode_layers_op()
 
     def counting_op(*args):
         calls["fused"] += 1
+        calls["fused_in_cascade"] += in_cascade[0]
         return real_op(*args)
 
     real_run = SmallBatchDecode.run
 
     def counting_run(self, hidden, cos, sin, meta):
-        if meta.prefix_cascades:
-            calls["loop"] += 1
+        in_cascade[0] = bool(meta.prefix_cascades)
+        calls["loop"] += in_cascade[0]
         return real_run(self, hidden, cos, sin, meta)
 
     monkeypatch.setattr(cpu_decode, "_decode_layers_op", lambda: counting_op)
@@ -110,9 +112,11 @@ def test_fused_path_not_taken_for_a_cascade(tiny_model, monkeypatch):
     prefix = [rng.randrange(3, 49152) for _ in range(80)]  # 5 blocks of 16, shared
     prompts = [prefix + [rng.randrange(3, 49152) for _ in range(3)] for _ in range(4)]
     llm = LLM(path, block_size=16)
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                         use_tqdm=False)
     assert calls["loop"] > 0  # decode steps of the 4 sequences form a cascade
+    assert calls["fused_in_cascade"] == 0  # ... and never reach the fused call
+    assert calls["fused"] > 0  # which the first prompt's own decode steps did take
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
     assert_kv_all_free(llm.engine)

@@ -65,23 +65,19 @@ class SmallBatchDecode:
         # Switches for comparing the ways (benchmarks/decode_paths.py): off = the modules.
         self.enabled = True
         self.fused = True
-        self._refs: list[_LayerRefs] | None = None
-        self._refs_taken = False  # taken once: None then means some layer cannot take the path
-        self._flat: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
-        self._flat_taken = False
 
     def applies(self, hidden: torch.Tensor) -> bool:
         return (self.enabled and 0 < hidden.shape[0] <= cpu_ops.SMALL_M and cpu_ops.fused(hidden)
-                and self._layer_refs() is not None)
+                and self._layer_refs is not None)
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden (T, H) embeddings → (hidden, residual) after the last layer, as the modules'
         loop returns them. cos / sin (T, 1, D) as RotaryEmbedding gives them."""
-        refs = self._layer_refs()
+        refs = self._layer_refs
         p = CPUPagedAttention.kernel_only(meta, hidden.shape[0])
         op = _decode_layers_op() if p is not None and self.fused else None
-        flat = self._flat_refs() if op is not None else None
+        flat = self._flat_refs if op is not None else None
         if flat is not None and all(isinstance(r.attn.backend, CPUPagedAttention)
                                     and r.attn.kv_cache.dtype == torch.float32 for r in refs):
             weights, biases = flat
@@ -111,29 +107,27 @@ class SmallBatchDecode:
             hidden = ops.linear_small_m(hidden, *r.down)
         return hidden, residual
 
+    # Both taken once, at the first step (after the runner bound each layer's KV cache); None
+    # is cached too: the layers cannot take the path, or not in one C++ call.
+    @functools.cached_property
     def _flat_refs(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]] | None:
         """The layers' weights (6 per layer) and biases (4 per layer) as decode_layers takes
-        them, listed once; None if the layers differ in heads, eps or scale (it takes one)."""
-        if not self._flat_taken:
-            refs = self._layer_refs()
-            r0 = refs[0]
-            if all((r.heads, r.eps, r.attn.scale) == (r0.heads, r0.eps, r0.attn.scale)
-                   for r in refs):
-                self._flat = ([t for r in refs for t in (r.in_norm, r.post_norm, r.qkv[0],
-                                                         r.o[0], r.gate_up[0], r.down[0])],
-                              [b for r in refs for b in (r.qkv[1], r.o[1], r.gate_up[1],
-                                                         r.down[1])])
-            self._flat_taken = True
-        return self._flat
+        them; None if the layers differ in heads, eps or scale (it takes one of each)."""
+        refs = self._layer_refs
+        r0 = refs[0]
+        if any((r.heads, r.eps, r.attn.scale) != (r0.heads, r0.eps, r0.attn.scale)
+               for r in refs):
+            return None
+        return ([t for r in refs for t in (r.in_norm, r.post_norm, r.qkv[0], r.o[0],
+                                           r.gate_up[0], r.down[0])],
+                [b for r in refs for b in (r.qkv[1], r.o[1], r.gate_up[1], r.down[1])])
 
+    @functools.cached_property
     def _layer_refs(self) -> list[_LayerRefs] | None:
         """The layers' references (the tensors themselves: loading and prepacking keep them),
         or None when some layer cannot take this path."""
-        if not self._refs_taken:
-            refs = [_refs_of(layer) for layer in self.layers]
-            self._refs = None if any(r is None for r in refs) else refs
-            self._refs_taken = True
-        return self._refs
+        refs = [_refs_of(layer) for layer in self.layers]
+        return None if any(r is None for r in refs) else refs
 
 
 def _refs_of(layer: nn.Module) -> _LayerRefs | None:
