@@ -12,6 +12,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    # The Triton attention kernel then runs in Triton's interpreter on CPU tensors. Triton
+    # reads this when a kernel is defined, so it is set before any test imports one.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # name → (config class name, extra config kwargs)
 TINY_MODELS = {

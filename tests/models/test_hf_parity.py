@@ -14,6 +14,7 @@ from tests.conftest import (
     mixed_prompts,
 )
 from tokenmill import LLM
+from tokenmill.attention.triton_paged import triton_available
 
 
 @pytest.fixture(scope="module")
@@ -71,4 +72,21 @@ def test_reference_paths_match_hf(references, kind):
     path, cases, expected = references(kind)
     llm = LLM(path, attention_backend="torch", prepack_weights=False, max_num_batched_tokens=64)
     assert generate_greedy(llm, cases) == expected
+    assert_kv_all_free(llm.engine)
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton not installed")
+def test_triton_attention_matches_hf(references):
+    """The Triton kernel backend end to end with chunked prefill, then the same prompts again
+    as prefix-cache hits (prefill over a cached prefix). On a machine without CUDA the kernel
+    runs in Triton's interpreter (tests/conftest.py), so the batch is kept small."""
+    path, cases, expected = references("llama")
+    # Prompts of 1, 300, 17, 2 and 130 tokens; a greedy run's first tokens are the reference's.
+    cases = [(prompt, min(m, 12)) for prompt, m in cases[:5]]
+    expected = [e[:m] for e, (_, m) in zip(expected, cases, strict=False)]
+    llm = LLM(path, attention_backend="triton", max_num_batched_tokens=48)
+    assert type(llm.engine.runner.backend).__name__ == "TritonPagedAttention"
+    assert generate_greedy(llm, cases) == expected
+    assert generate_greedy(llm, cases) == expected
+    assert llm.engine.kv.prefix_hits >= 300 + 130
     assert_kv_all_free(llm.engine)

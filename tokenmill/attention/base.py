@@ -37,19 +37,25 @@ class AttentionBackend(ABC):
 
 
 _REGISTRY = {"torch": ("tokenmill.attention.torch_ref", "TorchPagedAttention"),
-             "cpu": ("tokenmill.attention.cpu_paged", "CPUPagedAttention")}
+             "cpu": ("tokenmill.attention.cpu_paged", "CPUPagedAttention"),
+             "triton": ("tokenmill.attention.triton_paged", "TritonPagedAttention")}
 BACKEND_NAMES = ("auto", *_REGISTRY)
 
 
 def get_attention_backend(name: str, block_size: int, device: torch.device,
                           dtype: torch.dtype = torch.float32) -> AttentionBackend:
-    """`auto`: the C++ kernel backend for float32 on CPU when it builds, else PyTorch."""
+    """`auto`: the C++ kernel backend for float32 on CPU when it builds, the Triton kernel on
+    CUDA when triton is installed, else PyTorch."""
     if name == "auto":
         name = "torch"
         if device.type == "cpu" and dtype == torch.float32:
             from tokenmill.attention.cpu_kernels import paged_attention_op
 
             name = "cpu" if paged_attention_op() is not None else "torch"
+        elif device.type == "cuda":
+            from tokenmill.attention.triton_paged import triton_available
+
+            name = "triton" if triton_available() else "torch"
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; known: "
                          f"{', '.join(BACKEND_NAMES)}")

@@ -68,6 +68,19 @@ class PrefixCascade:
 
 
 @dataclass
+class QueryTiles:
+    """Queries cut into tiles of up to `tile` consecutive tokens of one sequence, each tile
+    attended straight from the paged cache by one kernel program (causal within the tile)."""
+
+    tile: int
+    rows: torch.Tensor  # (N,) int32: each tile's row in block_tables
+    q_starts: torch.Tensor  # (N,) int32: flat index of the tile's first query
+    q_lens: torch.Tensor  # (N,) int32: queries in the tile, 1..tile
+    first_ctx: torch.Tensor  # (N,) int32: cached tokens its first query sees, itself included
+    block_tables: torch.Tensor  # (B, max_blocks) long
+
+
+@dataclass
 class AttentionMetadata:
     num_tokens: int
     slot_mapping: torch.Tensor  # (T,) long: the cache slot each new token's K/V is written to
@@ -75,3 +88,4 @@ class AttentionMetadata:
     prefills: list[PrefillSeq] = field(default_factory=list)
     paged: PagedQueries | None = None  # only backends with a paged kernel set this
     prefix_cascades: list[PrefixCascade] = field(default_factory=list)  # likewise
+    tiles: list[QueryTiles] = field(default_factory=list)  # the Triton backend's launches

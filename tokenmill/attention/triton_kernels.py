@@ -1,0 +1,120 @@
+"""The Triton paged-attention kernel: query tiles attended straight from the paged KV cache.
+
+One program attends one tile (up to TILE consecutive queries of one sequence) for one KV head:
+the tile's queries x the G query heads of that KV head form the rows of one matrix, so every
+K/V block is read once per tile and used by all of them (grouped-query attention without
+expanding K/V). Keys are walked in BLOCK_N-token steps through the sequence's block table
+(each key's block looked up, so the cache's block size need not divide BLOCK_N), with an
+online softmax; query j of a tile whose first query sees `first_ctx` cached tokens attends
+keys [0, first_ctx + j). Decode is the TILE = 1 case; prefill chunks over a cached prefix (or
+none) use a larger TILE. The same function runs on CUDA and, under TRITON_INTERPRET=1, on CPU
+tensors, which is how the tests check it against the PyTorch backend without a GPU.
+
+Invariants: q, out (T, Hq, D) with unit stride in D; the layer's cache halves are contiguous
+(num_blocks, block_size, Hkv, D); float32 inputs use IEEE float32 products (no TF32), so
+results match the PyTorch oracle to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, tile_rows_ptr, tile_q_starts_ptr, tile_q_lens_ptr, tile_first_ctx_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    scale, block_size,
+    G: tl.constexpr, G_PAD: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+    D_PAD: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq_row = tl.load(tile_rows_ptr + tile)
+    q_start = tl.load(tile_q_starts_ptr + tile)
+    q_len = tl.load(tile_q_lens_ptr + tile)
+    first_ctx = tl.load(tile_first_ctx_ptr + tile)
+
+    # Row r of the tile's matrix: query r // G_PAD, head kv_head * G + r % G_PAD.
+    rows = tl.arange(0, ROWS)
+    qi = rows // G_PAD
+    g = rows % G_PAD
+    row_ok = (qi < q_len) & (g < G) & (qi < TILE)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    q_off = (q_start + qi)[:, None] * stride_qt + (kv_head * G + g)[:, None] * stride_qh
+    q = tl.load(q_ptr + q_off + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    sees = first_ctx + qi  # (ROWS,) keys [0, sees) for each row
+
+    m_i = tl.full((ROWS,), -1.0e30, tl.float32)  # finite: a row with no key yet stays NaN-free
+    l_i = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, D_PAD), tl.float32)
+    kv_len = first_ctx + q_len - 1
+    for n0 in range(0, kv_len, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_len
+        block = tl.load(block_tables_ptr + seq_row * stride_bt + n // block_size, mask=n_ok,
+                        other=0)
+        slot = block.to(tl.int64) * block_size + n % block_size
+        kv_off = (slot * HKV + kv_head)[:, None] * D + d[None, :]
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # (BLOCK_N, D_PAD)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (ROWS, BLOCK_N)
+        s = tl.where((n[None, :] < sees[:, None]) & n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+    o_off = (q_start + qi)[:, None] * stride_ot + (kv_head * G + g)[:, None] * stride_oh
+    tl.store(out_ptr + o_off + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    out: torch.Tensor, block_tables: torch.Tensor, tile_rows: torch.Tensor,
+                    tile_q_starts: torch.Tensor, tile_q_lens: torch.Tensor,
+                    tile_first_ctx: torch.Tensor, tile: int, scale: float) -> None:
+    """Write into out (T, Hq, D) the attention of the queries of every tile.
+
+    q (T, Hq, D); k_cache, v_cache (num_blocks, block_size, Hkv, D), contiguous;
+    block_tables (B, max_blocks); tile_* (N,) int32: the sequence row, first flat query index,
+    number of queries (1..tile) and cached tokens seen by the first query of each tile.
+    """
+    num_tiles = tile_rows.numel()
+    if num_tiles == 0:
+        return
+    _, Hq, D = q.shape
+    _, block_size, Hkv, _ = k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "cache halves must be contiguous"
+    assert q.stride(2) == 1 and out.stride(2) == 1
+    G = Hq // Hkv
+    g_pad = triton.next_power_of_2(G)
+    rows = max(16, tile * g_pad)  # tl.dot needs 16+ rows; extra rows are masked
+    _paged_attention_kernel[(num_tiles, Hkv)](
+        q, k_cache, v_cache, out,
+        block_tables, tile_rows, tile_q_starts, tile_q_lens, tile_first_ctx,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        scale, block_size,
+        G=G, G_PAD=g_pad, HKV=Hkv, D=D, D_PAD=max(16, triton.next_power_of_2(D)),
+        TILE=tile, ROWS=rows, BLOCK_N=64 if tile > 1 else 32,
+        # float32: exact products (Triton's default on GPU would be TF32); bf16 / fp16: default
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+
+
+def runs_here(device: torch.device) -> bool:
+    """Whether the kernel can run on `device`: compiled on CUDA, interpreted on CPU."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(_paged_attention_kernel, InterpretedFunction):
+        return device.type == "cpu"
+    return device.type == "cuda"
