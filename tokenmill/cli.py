@@ -45,6 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=None, choices=BACKEND_NAMES)
     g.add_argument("--no-prepack-weights", dest="prepack_weights", action="store_false",
                    default=None, help="CPU: keep plain weights instead of oneDNN-packed ones")
+    g.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="CUDA: run decode steps eagerly, without CUDA graphs")
     g.add_argument("--seed", type=int, default=None)
 
 
@@ -53,7 +55,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
              "max_num_seqs",
              "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
              "preemption_mode", "swap_space", "device", "seed", "prepack_weights",
-             "attention_backend"]
+             "attention_backend", "enforce_eager"]
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 

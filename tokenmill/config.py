@@ -195,6 +195,8 @@ class EngineConfig:
     prepack_weights: bool = True
     # auto: the C++ paged kernel for float32 on CPU, else the PyTorch backend (attention/).
     attention_backend: str = "auto"
+    # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs (vLLM's name).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         from tokenmill.attention.base import BACKEND_NAMES
@@ -214,7 +216,8 @@ class EngineConfig:
                   "max_num_batched_tokens": "scheduler", "max_num_seqs": "scheduler",
                   "enable_chunked_prefill": "scheduler", "preemption_mode": "scheduler",
                   "tensor_parallel_size": "parallel", "device": "engine", "seed": "engine",
-                  "prepack_weights": "engine", "attention_backend": "engine"}
+                  "prepack_weights": "engine", "attention_backend": "engine",
+                  "enforce_eager": "engine"}
         for name, value in options.items():
             if name not in owners:
                 raise ValueError(f"unknown engine option {name!r}; known: "
@@ -240,4 +243,5 @@ class EngineConfig:
                             scheduler=sched, parallel=ParallelConfig(**groups["parallel"]),
                             device=device, seed=int(groups["engine"].get("seed", 0)),
                             prepack_weights=bool(groups["engine"].get("prepack_weights", True)),
-                            attention_backend=groups["engine"].get("attention_backend", "auto"))
+                            attention_backend=groups["engine"].get("attention_backend", "auto"),
+                            enforce_eager=bool(groups["engine"].get("enforce_eager", False)))

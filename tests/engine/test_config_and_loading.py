@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from tokenmill import LLM
 from tokenmill.config import EngineConfig
@@ -113,3 +115,33 @@ def test_sliding_window_shorter_than_context_is_refused(tmp_path, tiny_model):
     with pytest.raises(ValueError, match=r"sliding-window.*max_model_len=128"):
         EngineConfig.create(str(win))
     assert EngineConfig.create(str(win), max_model_len=128).model.max_model_len == 128
+
+
+def test_engine_flags_reach_the_config(tiny_model):
+    import argparse
+
+    from tokenmill.cli import add_engine_args, engine_options
+
+    path, _ = tiny_model("llama")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    options = engine_options(parser.parse_args(["--enforce-eager", "--attention-backend",
+                                                "torch", "--no-prepack-weights"]))
+    assert options == {"enforce_eager": True, "attention_backend": "torch",
+                       "prepack_weights": False}
+    config = EngineConfig.create(path, **options)
+    assert config.enforce_eager and config.attention_backend == "torch"
+    assert not EngineConfig.create(path).enforce_eager
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without CUDA")
+def test_triton_backend_on_cpu_is_a_clear_error(tiny_model):
+    """Outside Triton's interpreter the Triton kernel cannot run on CPU: say so at start-up."""
+    pytest.importorskip("triton")
+    path, _ = tiny_model("llama")
+    code = (f"from tokenmill import LLM\nLLM({str(path)!r}, attention_backend='triton')")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode != 0
+    assert "needs a CUDA device (or TRITON_INTERPRET=1 on CPU, for tests)" in proc.stderr

@@ -1,7 +1,8 @@
 """ModelRunner: owns the model, the KV cache and the sampler on one device, and executes steps.
 
 `execute(sched_out)` does, in order: block copies for copy-on-write, input tensors, attention
-metadata (once per step), the forward pass over the flat batch, logits only at
+metadata (once per step), the forward pass over the flat batch (a CUDA graph replay for a
+plain decode step on CUDA: worker/cuda_graphs.py), logits only at
 `logits_indices`, sampling, and one host transfer of the sampled ids.
 """
 
@@ -14,6 +15,7 @@ import torch
 
 from tokenmill.attention import get_attention_backend
 from tokenmill.attention.kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks
+from tokenmill.attention.triton_paged import TritonPagedAttention
 from tokenmill.config import EngineConfig
 from tokenmill.core.interface import ModelRunnerOutput, PositionLogprobs, SchedulerOutput
 from tokenmill.layers.cpu_gemm import onednn_available, prepack_model
@@ -21,6 +23,7 @@ from tokenmill.layers.sampler import Sampler, gather_logprobs
 from tokenmill.model_loader import load_model
 from tokenmill.utils.huge_pages import move_parameters_to_huge_pages
 from tokenmill.utils.profiling import scope
+from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -49,6 +52,16 @@ class ModelRunner:
         for i, attn in enumerate(self.model.attention_layers()):
             attn.bind(self.kv_cache[i], self.backend)
         self.sampler = Sampler(config.seed, self.device)
+        self.decode_graphs: DecodeGraphs | None = None
+        if (self.device.type == "cuda" and not config.enforce_eager
+                and isinstance(self.backend, TritonPagedAttention)):
+            self.decode_graphs = self._decode_graphs(capture=True)
+            self.decode_graphs.capture_all()
+
+    def _decode_graphs(self, capture: bool) -> DecodeGraphs:
+        max_blocks = -(-self.config.model.max_model_len // self.block_size)
+        return DecodeGraphs(self.model, self.device, self.config.scheduler.max_num_seqs,
+                            max_blocks, capture=capture)
 
     def _block_bytes(self) -> int:
         """Bytes of one KV block across all layers (the unit of both GPU cache and swap)."""
@@ -101,7 +114,9 @@ class ModelRunner:
             batch = InputBatch.build(sched, self.block_size, self.device)
             meta = self.backend.build_metadata(batch)
         with scope("forward"):
-            hidden = self.model(batch.input_ids, batch.positions, meta)  # (T, hidden)
+            hidden = self.decode_graphs.run(batch, meta) if self.decode_graphs else None
+            if hidden is None:
+                hidden = self.model(batch.input_ids, batch.positions, meta)  # (T, hidden)
         if batch.sample_rows:
             with scope("logits"):
                 logits = self.model.compute_logits(hidden, batch.logits_indices)  # (S, V)

@@ -1,0 +1,58 @@
+"""DecodeGraphs' static buffers and padding, end to end against Hugging Face.
+
+Without a GPU the graphs cannot be captured, so DecodeGraphs runs with capture=False: every
+plain decode step still goes through the static buffers, padded to a capture size, with the
+Triton kernel (in Triton's interpreter on CPU: tests/conftest.py), exactly what a replay would
+compute. On a CUDA machine the engine captures real graphs and the second test replays them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import assert_kv_all_free, generate_greedy, hf_greedy, mixed_prompts
+from tokenmill import LLM
+from tokenmill.attention.triton_paged import triton_available
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed")
+
+
+@pytest.fixture(scope="module")
+def llama_cases(tiny_model):
+    path, hf = tiny_model("llama")
+    # Prompts of 1, 300, 17, 2, 130 and 64 tokens, up to 12 new tokens: decode batches shrink
+    # from 6 (padded to 8) down to 1 as requests finish.
+    cases = [(p, min(m, 12)) for p, m in mixed_prompts(6, hf.config.vocab_size, seed=1)]
+    return path, cases, [hf_greedy(hf, p, m) for p, m in cases]
+
+
+def test_padded_static_decode_matches_hf(llama_cases):
+    path, cases, expected = llama_cases
+    llm = LLM(path, attention_backend="triton", max_num_batched_tokens=64)
+    runner = llm.engine.runner
+    if runner.device.type == "cpu":
+        assert runner.decode_graphs is None  # graphs are for CUDA only
+        runner.decode_graphs = runner._decode_graphs(capture=False)
+    graphs = runner.decode_graphs
+    assert graphs.sizes[:5] == [1, 2, 4, 8, 16]
+    assert generate_greedy(llm, cases) == expected
+    assert graphs.num_replays >= 11  # every decode step after the prefills
+    # Then three requests of 5 tokens (batches of 3 padded to 4): row 3, which a batch of 6
+    # used above, must be padding again (no stale slot or block table of a finished request).
+    assert generate_greedy(llm, [(p, 5) for p, _ in cases[:3]]) == [e[:5] for e in expected[:3]]
+    null_row = graphs.block_tables.shape[0] - 1
+    assert graphs.rows[3] == null_row and graphs.slot_mapping[3] == 0
+    assert graphs.positions[3] == 0 and graphs.first_ctx[3] == 1
+    assert not graphs.block_tables[null_row].any()
+    assert_kv_all_free(llm.engine)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replays_match_eager(llama_cases):
+    path, cases, expected = llama_cases
+    eager = LLM(path, enforce_eager=True)
+    assert eager.engine.runner.decode_graphs is None
+    graphed = LLM(path)
+    assert generate_greedy(graphed, cases) == generate_greedy(eager, cases)
+    assert graphed.engine.runner.decode_graphs.num_replays > 0
