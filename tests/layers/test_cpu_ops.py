@@ -111,3 +111,25 @@ def test_store_kv_writes_exactly_the_slots_of_qkv_views(tokens):
     assert torch.equal(cache, expected)  # the slots written, nothing else touched
     with pytest.raises(RuntimeError, match="slot out of range"):
         cpu_ops.store_kv_(cache[0], cache[1], k, v, torch.full((tokens,), nb * bs))
+
+
+@pytest.mark.parametrize("shape", [(1, 49152), (64, 49152), (3, 37), (2, 1)])
+def test_argmax_matches_torch(shape):
+    torch.manual_seed(shape[0] + shape[1])
+    x = torch.randn(shape)
+    assert torch.equal(cpu_ops._ops().argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(cpu_ops.argmax(x), x.argmax(dim=-1))
+
+
+def test_argmax_ties_infinities_and_nan_as_torch():
+    x = torch.zeros(6, 40)
+    x[0, [7, 21, 39]] = 5.0  # ties: the first one
+    x[1] = float("-inf")  # every token banned: index 0
+    x[2, 30:] = float("inf")
+    x[3, [9, 33]] = float("nan")  # torch returns the first NaN
+    x[4, 38] = float("nan")  # a NaN in the scalar tail after the vector part
+    x[4, 3] = 100.0
+    x[5, 39] = 1.0  # the maximum in the tail
+    expected = x.argmax(dim=-1)
+    assert expected.tolist() == [7, 0, 30, 9, 38, 39]
+    assert torch.equal(cpu_ops.argmax(x), expected)

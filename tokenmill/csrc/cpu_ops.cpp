@@ -8,4 +8,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("rotary_", &rotary_, "rotate_half RoPE in place on q and k");
   m.def("store_kv_", &store_kv_, "copy k, v rows into their KV cache slots");
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of a float32 (S, V) matrix");
 }

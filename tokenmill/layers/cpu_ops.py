@@ -72,3 +72,11 @@ def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: 
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """rotate_half RoPE in place: q (T, Hq, D), k (T, Hkv, D), cos / sin (T, 1, D)."""
     _ops().rotary_(q, k, cos, sin)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of a (S, V) matrix; the C++ pass where it applies (13x faster
+    than torch's at (64, 49152) on CPU)."""
+    if x.dim() == 2 and x.shape[1] > 0 and fused(x):
+        return _ops().argmax_rows(x)
+    return x.argmax(dim=-1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.core.interface import PositionLogprobs, ScheduledRequest
+from tokenmill.layers import cpu_ops
 from tokenmill.layers.sampling_batch import SamplingBatch
 
 
@@ -42,14 +43,14 @@ class Sampler:
             raw = logits.log_softmax(dim=-1)
         logits = b.apply_bias_and_bans(logits)
         logits = b.apply_penalties(logits)
-        sampled = logits.argmax(dim=-1) if b.all_greedy else self._sample(logits, b, rows)
+        sampled = cpu_ops.argmax(logits) if b.all_greedy else self._sample(logits, b, rows)
         if b.max_logprobs is not None:
             logprobs = gather_logprobs(raw, sampled, b.max_logprobs)
         return sampled, logprobs
 
     def _sample(self, logits: torch.Tensor, b: SamplingBatch,
                 rows: list[ScheduledRequest]) -> torch.Tensor:
-        greedy_ids = logits.argmax(dim=-1) if b.any_greedy else None
+        greedy_ids = cpu_ops.argmax(logits) if b.any_greedy else None
         probs = b.apply_top_k_top_p(b.apply_min_p(logits / b.temperature[:, None]))
         probs = probs.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self._global)
@@ -60,7 +61,7 @@ class Sampler:
                 g = self._generators[r.req_id] = torch.Generator(device=self.device)
                 g.manual_seed(r.sampling_params.seed)
             noise[i].exponential_(generator=g)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = cpu_ops.argmax(probs / noise)
         if greedy_ids is not None:
             sampled = torch.where(b.is_greedy, greedy_ids, sampled)
         return sampled

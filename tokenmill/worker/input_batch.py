@@ -50,16 +50,25 @@ class InputBatch:
         tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in reqs]
         sample_rows = [i for i, r in enumerate(reqs) if r.sample]
 
-        input_ids = torch.tensor(list(itertools.chain.from_iterable(r.token_ids for r in reqs)),
-                                 dtype=torch.long)
+        ids = list(itertools.chain.from_iterable(r.token_ids for r in reqs))
+        input_ids = torch.tensor(ids, dtype=torch.long)
         block_tables = torch.tensor(tables, dtype=torch.long)  # (B, max_blocks)
-        q_lens = torch.tensor(query_lens, dtype=torch.long)
         qsl = torch.tensor(query_start_locs, dtype=torch.long)
-        row = torch.repeat_interleave(torch.arange(len(reqs)), q_lens)  # (T,) sequence of token
-        positions = (torch.arange(query_start_locs[-1]) - qsl[row]
-                     + torch.tensor(starts, dtype=torch.long)[row])
-        slots = block_tables[row, positions // block_size] * block_size + positions % block_size
-        logits_indices = qsl[1:][torch.tensor(sample_rows, dtype=torch.long)] - 1
+        if len(ids) == len(reqs):
+            # A decode step (one token per sequence): the same values from Python lists, a
+            # third of the time of the tensor ops below at batch 1 (the step is then ~20 ms).
+            positions = torch.tensor(starts, dtype=torch.long)
+            slots = torch.tensor([r.block_ids[p // block_size] * block_size + p % block_size
+                                  for r, p in zip(reqs, starts, strict=True)], dtype=torch.long)
+            logits_indices = torch.tensor(sample_rows, dtype=torch.long)
+        else:
+            q_lens = torch.tensor(query_lens, dtype=torch.long)
+            row = torch.repeat_interleave(torch.arange(len(reqs)), q_lens)  # (T,) token's seq
+            positions = (torch.arange(query_start_locs[-1]) - qsl[row]
+                         + torch.tensor(starts, dtype=torch.long)[row])
+            slots = (block_tables[row, positions // block_size] * block_size
+                     + positions % block_size)
+            logits_indices = qsl[1:][torch.tensor(sample_rows, dtype=torch.long)] - 1
         to = lambda t: t.to(device, non_blocking=True)
         return InputBatch(
             input_ids=to(input_ids), positions=to(positions), slot_mapping=to(slots),

@@ -1,0 +1,126 @@
+"""The engine's own work in a decode step, next to the model's, without the profiler.
+
+    python benchmarks/step_overhead.py [--model PATH] [--steps 64]
+
+For decode batches of 1 and 64 (SmolLM2 float32 unless --model), each step's wall time is
+split into the model's forward pass and logits (timed around the model's own methods) and
+everything else the engine does: scheduling, input tensors, attention metadata, sampling,
+output processing (each timed around its function). Medians over --steps steps.
+
+Then greedy sampling's argmax over (rows, vocab) logits: torch.argmax against the C++ pass
+the sampler uses (layers/cpu_ops.py), alternated in rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers import cpu_ops
+from tokenmill.worker import input_batch
+
+Timings = dict[str, list[float]]
+
+
+def _timed(owner: Any, name: str, key: str, timings: Timings) -> None:
+    """Replace owner.name by a wrapper that records its wall time under `key`."""
+    fn = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        result = fn(*args, **kwargs)
+        timings[key].append(time.perf_counter() - t0)
+        return result
+
+    setattr(owner, name, wrapper)
+
+
+def instrument(llm: LLM) -> Timings:
+    timings: Timings = defaultdict(list)
+    eng, runner = llm.engine, llm.engine.runner
+    _timed(eng.scheduler, "schedule", "schedule", timings)
+    _timed(runner.model, "forward", "forward", timings)
+    _timed(runner.model, "compute_logits", "logits", timings)
+    _timed(runner.backend, "build_metadata", "metadata", timings)
+    _timed(type(runner.sampler), "__call__", "sample", timings)
+    _timed(eng.scheduler, "update_from_output", "update", timings)
+    _timed(eng.outputs, "process", "process", timings)
+    _timed(input_batch.InputBatch, "build", "inputs", timings)
+    return timings
+
+
+def decode_steps(llm: LLM, timings: Timings, batch: int, prompt_len: int, steps: int
+                 ) -> dict[str, float]:
+    """Median ms per decode step of each part, for `batch` requests decoding together."""
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(f"b{batch}-{i}", [1000 + (i * 7 + j) % 40000 for j in range(prompt_len)],
+                        params)
+    while eng.scheduler.num_waiting:  # prefill (chunked) until every request decodes
+        eng.step()
+    eng.step()
+    timings.clear()
+    walls = []
+    while eng.has_unfinished_requests():
+        t0 = time.perf_counter()
+        eng.step()
+        walls.append(time.perf_counter() - t0)
+    med = lambda xs: statistics.median(xs) * 1e3
+    parts = {"wall": med(walls)}
+    parts.update({k: med(v) for k, v in timings.items()})
+    parts["outputs"] = parts.pop("update") + parts.pop("process")
+    parts["engine"] = parts["wall"] - parts["forward"] - parts["logits"]
+    return parts
+
+
+def alternate(fns: dict[str, Callable[[], Any]], rounds: int = 6, reps: int = 200
+              ) -> dict[str, float]:
+    """Median µs per call of each function, timed in alternating rounds."""
+    samples: dict[str, list[float]] = defaultdict(list)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(10):
+                fn()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / reps * 1e6)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--steps", type=int, default=64)
+    args = parser.parse_args()
+    llm = LLM(args.model)
+    timings = instrument(llm)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    cols = ["wall", "forward", "logits", "engine", "schedule", "inputs", "metadata", "sample",
+            "outputs"]
+    print("batch " + "".join(f"{c:>10}" for c in cols) + "   (ms per decode step, medians)")
+    for batch, prompt_len in ((1, 128), (64, 32)):
+        parts = decode_steps(llm, timings, batch, prompt_len, args.steps)
+        print(f"{batch:>5} " + "".join(f"{parts[c]:>10.3f}" for c in cols))
+    if not cpu_ops.ops_available():
+        return
+    print("\ngreedy argmax over the vocabulary, µs per call (alternated rounds):")
+    vocab = llm.engine.config.model.vocab_size
+    for rows in (1, 64):
+        logits = torch.randn(rows, vocab)
+        res = alternate({"torch.argmax": lambda x=logits: x.argmax(dim=-1),
+                         "C++ argmax_rows": lambda x=logits: cpu_ops.argmax(x)})
+        t, c = res["torch.argmax"], res["C++ argmax_rows"]
+        print(f"  ({rows}, {vocab}): torch.argmax {t:8.1f}   C++ {c:8.1f}   {t / c:5.1f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""InputBatch: exact tensors for a decode step (the list path) and a mixed step (tensor ops)."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.core.interface import ScheduledRequest, SchedulerOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.input_batch import InputBatch
+
+
+def build(*reqs: tuple[list[int], int, list[int], bool]) -> InputBatch:
+    sched = SchedulerOutput()
+    for i, (tokens, start, blocks, sample) in enumerate(reqs):
+        sched.scheduled.append(ScheduledRequest(str(i), tokens, start, blocks, sample,
+                                                SamplingParams()))
+    return InputBatch.build(sched, 16, torch.device("cpu"))
+
+
+def test_decode_step():
+    b = build(([11], 20, [7, 3], True), ([12], 5, [9], False), ([13], 0, [4], True))
+    assert b.input_ids.tolist() == [11, 12, 13]
+    assert b.positions.tolist() == [20, 5, 0]
+    assert b.slot_mapping.tolist() == [3 * 16 + 4, 9 * 16 + 5, 4 * 16]
+    assert b.block_tables.tolist() == [[7, 3], [9, 0], [4, 0]]
+    assert b.query_start_loc.tolist() == [0, 1, 2, 3]
+    assert b.seq_lens_t.tolist() == [21, 6, 1] == b.seq_lens
+    assert b.logits_indices.tolist() == [0, 2] and b.sample_rows == [0, 2]
+    assert b.num_tokens == 3
+    assert all(t.dtype == torch.long for t in (b.input_ids, b.positions, b.slot_mapping,
+                                               b.logits_indices))
+
+
+def test_mixed_step():
+    b = build(([1, 2, 3], 14, [7, 3], True), ([12], 5, [9], True), ([4, 5], 0, [6], False))
+    assert b.input_ids.tolist() == [1, 2, 3, 12, 4, 5]
+    assert b.positions.tolist() == [14, 15, 16, 5, 0, 1]
+    assert b.slot_mapping.tolist() == [7 * 16 + 14, 7 * 16 + 15, 3 * 16, 9 * 16 + 5,
+                                       6 * 16, 6 * 16 + 1]
+    assert b.query_start_loc.tolist() == [0, 3, 4, 6]
+    assert b.seq_lens == [17, 6, 2]
+    assert b.logits_indices.tolist() == [2, 3]
