@@ -28,6 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--load-format", choices=["auto", "dummy"], default=None,
+                   help="dummy: seeded random weights of the model's shape (benchmarks)")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV cache size: bytes or e.g. 512MiB, 4GiB (default 2GiB)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
@@ -51,8 +53,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    names = ["dtype", "max_model_len", "kv_cache_memory", "num_kv_blocks", "block_size",
-             "max_num_seqs",
+    names = ["dtype", "max_model_len", "load_format", "kv_cache_memory", "num_kv_blocks",
+             "block_size", "max_num_seqs",
              "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
              "preemption_mode", "swap_space", "device", "seed", "prepack_weights",
              "attention_backend", "enforce_eager"]

@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Qwen3ForCausalLM")
 # RoPE types whose frequencies do not depend on the sequence length (so a cos/sin table works).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+LOAD_FORMATS = ("auto", "dummy")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
@@ -38,10 +39,13 @@ class ModelConfig:
     # A GGUF model's converted copy (model_loader/gguf_cache.py): tokenizer and weights are
     # read from here when set, the GGUF file itself otherwise.
     converted_dir: str | None = None
+    # "auto": the weights of the checkpoint; "dummy": seeded random weights of the model's
+    # shape, no checkpoint read (vLLM's name; benchmarks of real shapes, model_loader/loader.py)
+    load_format: str = "auto"
 
     @staticmethod
-    def from_path(path: str | None, dtype: str = "auto",
-                  max_model_len: int | None = None) -> ModelConfig:
+    def from_path(path: str | None, dtype: str = "auto", max_model_len: int | None = None,
+                  load_format: str = "auto") -> ModelConfig:
         from tokenmill.model_loader.default_model import default_model_path
         from tokenmill.model_loader.gguf_cache import converted_folder, load_full_config
         from tokenmill.model_loader.gguf_loader import find_gguf_file, gguf_hf_config
@@ -67,7 +71,11 @@ class ModelConfig:
                 f"model path {path!r} has neither a config.json nor a .gguf file")
         else:
             raise ValueError(f"model path {path!r} does not exist")
-        return ModelConfig._build(path, hf_config, gguf_file, dtype, max_model_len, converted)
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, "
+                             f"got {load_format!r}")
+        config = ModelConfig._build(path, hf_config, gguf_file, dtype, max_model_len, converted)
+        return dataclasses.replace(config, load_format=load_format)
 
     @staticmethod
     def _build(path: str, hf_config: Any, gguf_file: str | None, dtype: str,
@@ -210,7 +218,7 @@ class EngineConfig:
         """Build from a model path (None: the default model) and flat vLLM-style options."""
         groups: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {},
                                               "parallel": {}, "engine": {}}
-        owners = {"dtype": "model", "max_model_len": "model",
+        owners = {"dtype": "model", "max_model_len": "model", "load_format": "model",
                   "block_size": "cache", "kv_cache_memory": "cache", "num_kv_blocks": "cache",
                   "enable_prefix_caching": "cache", "swap_space": "cache",
                   "max_num_batched_tokens": "scheduler", "max_num_seqs": "scheduler",

@@ -22,3 +22,17 @@ def test_latency_reports_every_round(tiny_model, tmp_path, capsys):
     assert len(r["itl_ms_first_run"]) == 11  # 12 tokens, 11 gaps
     assert r["decode_tokens_per_s"] > 0 and 0 < r["ttft_s"] < r["e2e_s"]
     assert r["itl_p50_ms"] <= r["itl_p90_ms"] <= r["itl_p99_ms"]
+
+
+def test_every_run_prefills_from_scratch(tiny_model):
+    """The same prompt again must not be a prefix-cache hit: TTFT is a cold prefill."""
+    from tokenmill import LLM
+    from tokenmill.bench.latency import run_tokenmill_once
+
+    path, _ = tiny_model("llama")
+    llm = LLM(path)
+    prompt = list(range(10, 138))
+    for _ in range(3):
+        run_tokenmill_once(llm, prompt, 4)
+    assert llm.engine.kv.prefix_queries == 3 * 128
+    assert llm.engine.kv.prefix_hits == 0

@@ -97,3 +97,18 @@ def test_swap_out_and_in_keep_accounting():
     kv.free(a)
     assert kv.num_free_blocks == kv.num_usable_blocks
     kv.check_integrity()
+
+
+def test_reset_prefix_cache_only_when_idle():
+    kv = KVCacheManager(11, BS, enable_prefix_caching=True)
+    a = req("a", list(range(100, 110)))
+    admit(kv, a)
+    assert not kv.reset_prefix_cache()  # a holds blocks: nothing is dropped
+    assert kv.tree.num_cached_blocks == 2
+    kv.free(a)
+    assert kv.reset_prefix_cache()
+    assert kv.tree.num_cached_blocks == 0 and kv.pool.num_free_blocks == 10
+    kv.check_integrity()
+    again = req("b", list(range(100, 110)))
+    assert kv.get_computed_blocks(again).num_tokens == 0  # computed from scratch
+    assert KVCacheManager(3, BS).reset_prefix_cache()  # no prefix caching: nothing to drop

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tokenmill import LLM
+from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.utils import parse_size
 
@@ -145,3 +145,29 @@ def test_triton_backend_on_cpu_is_a_clear_error(tiny_model):
                           env=env, timeout=300)
     assert proc.returncode != 0
     assert "needs a CUDA device (or TRITON_INTERPRET=1 on CPU, for tests)" in proc.stderr
+
+
+def test_dummy_load_format_needs_no_checkpoint(tmp_path, tiny_model):
+    """load_format="dummy" (vLLM's name): a folder with only config.json and a tokenizer gives
+    a model of that shape with seeded random weights, the same on every load."""
+    import shutil
+
+    path, hf = tiny_model("llama")
+    folder = tmp_path / "shape-only"
+    folder.mkdir()
+    for f in os.listdir(path):
+        if not f.endswith(".safetensors"):
+            shutil.copy(os.path.join(path, f), folder)
+    with pytest.raises(ValueError, match="load_format must be one of auto, dummy"):
+        LLM(str(folder), load_format="random")
+    a, b = LLM(str(folder), load_format="dummy"), LLM(str(folder), load_format="dummy")
+    params_a = dict(a.engine.runner.model.named_parameters())
+    for name, p in b.engine.runner.model.named_parameters():
+        assert torch.equal(p, params_a[name]), name
+    norm = params_a["model.layers.0.input_layernorm.weight"]
+    assert torch.equal(norm, torch.ones_like(norm))
+    proj = params_a["model.layers.0.mlp.down_proj.weight"]
+    assert 0.015 < proj.std().item() < 0.025
+    out = a.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                     use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3

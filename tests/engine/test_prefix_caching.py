@@ -135,3 +135,16 @@ def test_prompt_logprobs_bypass_the_cache(tiny_model):
     assert [e[t].logprob for e, t in zip(again.prompt_logprobs[1:], prompt[1:], strict=True)] \
         == [e[t].logprob for e, t in zip(first.prompt_logprobs[1:], prompt[1:], strict=True)]
     assert llm.engine.stats().prefix_cache_hits == 0
+
+
+def test_reset_prefix_cache_forgets_prompts(tiny_model):
+    path, _ = tiny_model("llama")
+    llm = LLM(path, block_size=16)
+    cases = [(list(range(100, 180)), 4)]
+    first = generate_greedy(llm, cases)
+    assert generate_greedy(llm, cases) == first
+    assert llm.engine.kv.prefix_hits == 64  # 79 tokens looked up: 4 whole blocks
+    assert llm.reset_prefix_cache()
+    assert generate_greedy(llm, cases) == first
+    assert llm.engine.kv.prefix_hits == 64  # computed from scratch this time
+    assert_kv_all_free(llm.engine)

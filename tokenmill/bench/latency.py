@@ -51,6 +51,10 @@ def run_tokenmill_once(llm, prompt: list[int], output_len: int) -> dict:
     from tokenmill import SamplingParams
 
     engine = llm.engine
+    # Every run prefills its prompt from scratch, as llama.cpp's reset=True does: the same
+    # prompt repeated would otherwise be a prefix-cache hit of all but its last block.
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("requests still running: cannot reset the prefix cache")
     rid = f"lat-{time.monotonic_ns()}"
     start = time.perf_counter()
     engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=output_len,

@@ -125,6 +125,18 @@ class KVCacheManager:
         if handle is not None and handle is not self.tree.root:
             self._handles[rid] = handle
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's `reset_prefix_cache`), so that the next prompts
+        are computed from scratch (benchmarks of cold prefill). Only while no request holds
+        blocks, so that nothing in use is dropped; returns whether the cache was reset."""
+        if self.tree is None:
+            return True
+        if self.req_to_blocks or self.tree.num_evictable_blocks != self.tree.num_cached_blocks:
+            return False
+        freed = self.tree.evict(self.tree.num_cached_blocks)
+        self.pool.free_blocks(self.pool.blocks[b] for b in freed)
+        return True
+
     # ---- allocation -------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed: ComputedBlocks | None = None) -> list[int] | None:

@@ -156,6 +156,10 @@ class LLMEngine:
         aborted = [self.scheduler.abort_request(cid) for cid in children]
         return any(r is not None for r in aborted)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prompt prefix; False (nothing done) while requests are running."""
+        return self.kv.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

@@ -2,7 +2,9 @@
 
 Parameters are created uninitialised (torch.empty), then each checkpoint tensor goes through
 its parameter's `weight_loader`, with packed modules (qkv, gate_up) resolved through the
-model's `packed_modules_mapping`. A parameter left unfilled is an error, never random weights.
+model's `packed_modules_mapping`. A parameter left unfilled is an error, never random weights,
+except with load_format="dummy", where no checkpoint is read and every parameter is seeded
+random (benchmarks of real model shapes: speed does not depend on the values).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def load_model(config: ModelConfig, device: torch.device,
     cls = resolve_model_class(config.architecture)
     with _default_dtype(config.dtype), torch.device(device):
         model = cls(config.hf_config, tp)
+    if config.load_format == "dummy":
+        _init_dummy(model)
+        return model.eval()
     params = dict(model.named_parameters())
     mapping = getattr(cls, "packed_modules_mapping", {})
     tied = getattr(model, "tie_word_embeddings", False)
@@ -70,6 +75,23 @@ def load_model(config: ModelConfig, device: torch.device,
         loaded.add(target if shard is None else f"{target}:{shard}")
     _check_complete(model, params, mapping, loaded)
     return model.eval()
+
+
+@torch.no_grad()
+def _init_dummy(model: nn.Module, seed: int = 0) -> None:
+    """Norm weights 1, biases 0, everything else N(0, 0.02), drawn in parameter order from
+    one seeded generator."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if name.endswith("bias"):
+            param.zero_()
+        elif "norm" in name.rsplit(".", 2)[-2]:
+            param.fill_(1.0)
+        else:
+            if param.device not in generators:
+                generators[param.device] = torch.Generator(device=param.device)
+                generators[param.device].manual_seed(seed)
+            param.normal_(0.0, 0.02, generator=generators[param.device])
 
 
 def _check_complete(model: nn.Module, params: dict[str, nn.Parameter],

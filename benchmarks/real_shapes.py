@@ -1,0 +1,147 @@
+"""Decode latency and batched throughput on random-weight models of real shapes (the GPU run).
+
+    python benchmarks/real_shapes.py [--models smollm2,llama-1b,llama-8b] [--device cuda]
+                                     [--dtype bfloat16] [--batch 64] [--json out.json]
+
+Real weights cannot reach the lent GPU, and speed does not depend on the values, so each model
+is a folder holding only a config.json of the real shape (../shared/README.md: SmolLM2-135M,
+Llama-3.2-1B, Llama-3.1-8B) and a word-level tokenizer over its vocabulary, loaded with
+`load_format="dummy"` (seeded random weights). Nothing is downloaded and no other package is
+needed. Per model and engine mode:
+- single stream: 128 prompt tokens, 128 generated: time to first token and decode ms per token
+  (median step), with its ratio to the weight-read floor (weight bytes / --read-gbps);
+- batch: --batch requests of 256 prompt + 128 generated tokens submitted at once: total
+  tokens/s (the shape of the HF static-batching figures in ../shared/README.md).
+
+Modes on CUDA: the Triton backend with CUDA graphs (the default), the Triton backend eager
+(--enforce-eager) and the PyTorch backend eager (the oracle). On CPU (`--device cpu
+--models tiny`, used by the tests) the default mode only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# name → Llama config fields (../shared/README.md)
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=128, vocab_size=512,
+                 tie_word_embeddings=True),
+    "smollm2": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, intermediate_size=1536, vocab_size=49152,
+                    tie_word_embeddings=True, rope_theta=100000.0),
+    "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
+                     tie_word_embeddings=True, rope_theta=500000.0),
+    "llama-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                     tie_word_embeddings=False, rope_theta=500000.0),
+}
+MODES_CUDA = {"triton + CUDA graphs": {},
+              "triton eager": {"enforce_eager": True},
+              "torch eager": {"attention_backend": "torch", "enforce_eager": True}}
+
+
+def write_model_folder(name: str, out: Path) -> Path:
+    """config.json of the shape and a word-level tokenizer ("<i>" for every id)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    shape = SHAPES[name]
+    folder = out / name
+    LlamaConfig(**shape, max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1,
+                eos_token_id=2, architectures=["LlamaForCausalLM"]).save_pretrained(folder)
+    vocab = {f"<{i}>": i for i in range(shape["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<1>", eos_token="<2>",
+                            unk_token="<0>").save_pretrained(folder)
+    return folder
+
+
+def single_stream(llm: Any, vocab: int, rng: random.Random) -> tuple[float, float]:
+    """(time to first token s, median decode ms per token) of one request."""
+    from tokenmill import SamplingParams
+
+    eng = llm.engine
+    prompt = [rng.randrange(3, vocab) for _ in range(128)]
+    eng.add_request("single", prompt, SamplingParams(temperature=0, max_tokens=128,
+                                                     ignore_eos=True))
+    steps = []
+    while eng.has_unfinished_requests():
+        t0 = time.perf_counter()
+        eng.step()  # ends with the host reading the sampled ids: the GPU work is done
+        steps.append(time.perf_counter() - t0)
+    return steps[0], statistics.median(steps[1:]) * 1e3
+
+
+def batched(llm: Any, vocab: int, rng: random.Random, batch: int) -> float:
+    """Total tokens/s of `batch` requests of 256 prompt + 128 generated tokens."""
+    from tokenmill import SamplingParams
+
+    prompts = [[rng.randrange(3, vocab) for _ in range(256)] for _ in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return batch * (256 + 128) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="smollm2,llama-1b,llama-8b")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--read-gbps", type=float, default=None,
+                        help="memory read bandwidth for the floor (default: H100 HBM ~3,090 "
+                             "GB/s on CUDA, this CPU's ~30 GB/s otherwise)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    from tokenmill import LLM
+
+    modes = MODES_CUDA if args.device == "cuda" else {"default": {}}
+    read_gbps = args.read_gbps or (3090.0 if args.device == "cuda" else 30.0)
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"torch {torch.__version__}, device {gpu}, dtype {args.dtype}\n")
+    print(f"{'model':<10} {'mode':<22} {'TTFT s':>8} {'decode ms/tok':>14} {'x floor':>8} "
+          f"{'batch ' + str(args.batch) + ' tok/s':>16}")
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            folder = write_model_folder(name, Path(tmp))
+            vocab = SHAPES[name]["vocab_size"]
+            for mode, options in modes.items():
+                llm = LLM(str(folder), load_format="dummy", device=args.device,
+                          dtype=args.dtype, max_model_len=4096, **options)
+                weight_bytes = sum(p.numel() * p.element_size()
+                                   for p in llm.engine.runner.model.parameters())
+                floor_ms = weight_bytes / (read_gbps * 1e9) * 1e3
+                single_stream(llm, vocab, random.Random(1))  # warm-up (compiles, caches)
+                ttft, ms = single_stream(llm, vocab, random.Random(0))
+                tps = batched(llm, vocab, random.Random(0), args.batch)
+                results.append(dict(model=name, mode=mode, ttft_s=ttft, decode_ms=ms,
+                                    floor_ms=floor_ms, batch=args.batch, total_tok_s=tps))
+                print(f"{name:<10} {mode:<22} {ttft:>8.4f} {ms:>14.3f} {ms / floor_ms:>8.2f} "
+                      f"{tps:>16.1f}", flush=True)
+                del llm
+                gc.collect()
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(device=gpu, dtype=args.dtype,
+                                                   results=results), indent=2))
+
+
+if __name__ == "__main__":
+    main()
