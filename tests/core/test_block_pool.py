@@ -24,11 +24,13 @@ def test_pool_allocates_in_order_and_pins_null_block():
     pool.check_integrity()
 
 
-def test_pool_free_order_is_reuse_order():
-    pool = BlockPool(6)
+def test_pool_hands_out_recently_freed_blocks_first():
+    pool = BlockPool(9)
     a = pool.get_new_blocks(5)  # 1..5
-    pool.free_blocks([a[4], a[2]])  # 5 then 3 join the tail
-    assert [b.block_id for b in pool.get_new_blocks(2)] == [5, 3]
+    assert [b.block_id for b in a] == [1, 2, 3, 4, 5]
+    pool.free_blocks([a[4], a[2]])  # 5, then 3
+    # the last freed first, then the fresh ones in id order
+    assert [b.block_id for b in pool.get_new_blocks(4)] == [3, 5, 6, 7]
     pool.check_integrity()
 
 
@@ -69,8 +71,9 @@ def test_allocate_slots_exact_blocks_and_none_when_full():
     kv.check_integrity()
     kv.free(a)
     assert kv.num_free_blocks == 10
-    # freed tail first: a's blocks come back as 4, 3, 2, 1 after the never-used ones
-    assert kv.allocate_slots(b, 100) == [5, 6, 7, 8, 9, 10, 4]
+    # freed tail first, handed out most recently freed first: a's blocks come back in their
+    # order, before any never-used block
+    assert kv.allocate_slots(b, 100) == [1, 2, 3, 4, 5, 6, 7]
     kv.check_integrity()
 
 

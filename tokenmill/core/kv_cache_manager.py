@@ -74,7 +74,9 @@ class KVCacheManager:
         short = n - self.pool.num_free_blocks
         if short > 0 and self.tree is not None:
             freed = self.tree.evict(short)
-            self.pool.free_blocks(self.pool.blocks[b] for b in freed)
+            # freed last-first: the pool hands the most recently freed out first, so the
+            # next request gets them in their old order
+            self.pool.free_blocks(self.pool.blocks[b] for b in reversed(freed))
         return n <= self.pool.num_free_blocks
 
     # ---- prefix cache -----------------------------------------------------------------------
@@ -134,7 +136,7 @@ class KVCacheManager:
         if self.req_to_blocks or self.tree.num_evictable_blocks != self.tree.num_cached_blocks:
             return False
         freed = self.tree.evict(self.tree.num_cached_blocks)
-        self.pool.free_blocks(self.pool.blocks[b] for b in freed)
+        self.pool.free_blocks(self.pool.blocks[b] for b in reversed(freed))
         return True
 
     # ---- allocation -------------------------------------------------------------------------
