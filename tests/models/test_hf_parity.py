@@ -84,7 +84,7 @@ def test_triton_attention_matches_hf(references):
     # Prompts of 1, 300, 17, 2 and 130 tokens; a greedy run's first tokens are the reference's.
     cases = [(prompt, min(m, 12)) for prompt, m in cases[:5]]
     expected = [e[:m] for e, (_, m) in zip(expected, cases, strict=False)]
-    llm = LLM(path, attention_backend="triton", max_num_batched_tokens=48)
+    llm = LLM(path, attention_backend="triton", max_num_batched_tokens=48, dtype="float32")
     assert type(llm.engine.runner.backend).__name__ == "TritonPagedAttention"
     assert generate_greedy(llm, cases) == expected
     assert generate_greedy(llm, cases) == expected

@@ -29,7 +29,7 @@ def llama_cases(tiny_model):
 
 def test_padded_static_decode_matches_hf(llama_cases):
     path, cases, expected = llama_cases
-    llm = LLM(path, attention_backend="triton", max_num_batched_tokens=64)
+    llm = LLM(path, attention_backend="triton", max_num_batched_tokens=64, dtype="float32")
     runner = llm.engine.runner
     if runner.device.type == "cpu":
         assert runner.decode_graphs is None  # graphs are for CUDA only
