@@ -74,6 +74,7 @@ def single_stream(llm: Any, vocab: int, rng: random.Random) -> tuple[float, floa
     from tokenmill import SamplingParams
 
     eng = llm.engine
+    llm.reset_prefix_cache()  # a cold prefill, whatever ran before
     prompt = [rng.randrange(3, vocab) for _ in range(128)]
     eng.add_request("single", prompt, SamplingParams(temperature=0, max_tokens=128,
                                                      ignore_eos=True))
@@ -89,6 +90,7 @@ def batched(llm: Any, vocab: int, rng: random.Random, batch: int) -> float:
     """Total tokens/s of `batch` requests of 256 prompt + 128 generated tokens."""
     from tokenmill import SamplingParams
 
+    llm.reset_prefix_cache()
     prompts = [[rng.randrange(3, vocab) for _ in range(256)] for _ in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     t0 = time.perf_counter()
