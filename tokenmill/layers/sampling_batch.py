@@ -74,8 +74,8 @@ class SamplingBatch:
             return logits
         S, V = logits.shape
         output_counts = _token_counts([r.output_token_ids for r in self.rows], S, V, logits)
-        rep = self._param("repetition_penalty", logits)
-        if bool((rep != 1.0).any()):
+        if any(r.sampling_params.repetition_penalty != 1.0 for r in self.rows):  # no device sync
+            rep = self._param("repetition_penalty", logits)
             seen = _token_counts([r.prompt_token_ids for r in self.rows], S, V, logits) > 0
             seen |= output_counts > 0
             penalized = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
