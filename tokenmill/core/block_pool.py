@@ -66,8 +66,8 @@ class BlockPool:
 
     def incr_ref(self, blocks: Iterable[KVBlock]) -> None:
         for b in blocks:
-            if b.ref_cnt == 0:
-                self._recycled.pop(b.block_id, None) or self._fresh.pop(b.block_id)
+            if b.ref_cnt == 0 and self._recycled.pop(b.block_id, None) is None:
+                del self._fresh[b.block_id]
             b.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:

@@ -73,11 +73,15 @@ class KVCacheManager:
     def _make_room(self, n: int) -> bool:
         short = n - self.pool.num_free_blocks
         if short > 0 and self.tree is not None:
-            freed = self.tree.evict(short)
-            # freed last-first: the pool hands the most recently freed out first, so the
-            # next request gets them in their old order
-            self.pool.free_blocks(self.pool.blocks[b] for b in reversed(freed))
+            self._evict(short)
         return n <= self.pool.num_free_blocks
+
+    def _evict(self, num_blocks: int) -> None:
+        """Evict up to `num_blocks` cached blocks (LRU) from the tree and return them to the
+        pool, last-first: the pool hands the most recently freed out first, so the next
+        request gets them in their old order."""
+        freed = self.tree.evict(num_blocks)
+        self.pool.free_blocks(self.pool.blocks[b] for b in reversed(freed))
 
     # ---- prefix cache -----------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
@@ -135,8 +139,7 @@ class KVCacheManager:
             return True
         if self.req_to_blocks or self.tree.num_evictable_blocks != self.tree.num_cached_blocks:
             return False
-        freed = self.tree.evict(self.tree.num_cached_blocks)
-        self.pool.free_blocks(self.pool.blocks[b] for b in reversed(freed))
+        self._evict(self.tree.num_cached_blocks)
         return True
 
     # ---- allocation -------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from tokenmill.core.interface import ModelRunnerOutput, PositionLogprobs, Schedu
 from tokenmill.layers.cpu_gemm import onednn_available, prepack_model
 from tokenmill.layers.sampler import Sampler, gather_logprobs
 from tokenmill.model_loader import load_model
+from tokenmill.utils import cdiv
 from tokenmill.utils.huge_pages import move_parameters_to_huge_pages
 from tokenmill.utils.profiling import scope
 from tokenmill.worker.cuda_graphs import DecodeGraphs
@@ -59,7 +60,7 @@ class ModelRunner:
             self.decode_graphs.capture_all()
 
     def _decode_graphs(self, capture: bool) -> DecodeGraphs:
-        max_blocks = -(-self.config.model.max_model_len // self.block_size)
+        max_blocks = cdiv(self.config.model.max_model_len, self.block_size)
         return DecodeGraphs(self.model, self.device, self.config.scheduler.max_num_seqs,
                             max_blocks, capture=capture)
 
