@@ -16,15 +16,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 from torch.utils.cpp_extension import load
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tokenmill.bench.alternate import alternate  # noqa: E402
 from tokenmill.utils.cpp_extension import CSRC, cflags  # noqa: E402
 
 # (rows, first cached token attended, context length)
@@ -61,17 +60,10 @@ def main() -> None:
         args_ = (torch.randn(rows, hq, d), k_cache, v_cache, tables.view(rows, max_blocks),
                  torch.arange(rows), torch.full((rows,), start), torch.full((rows,), ctx),
                  d ** -0.5)
-        times: dict[str, list[float]] = {n: [] for n in ops}
-        for _ in range(args.reps):
-            for name, op in ops.items():
-                op(*args_)
-                t = time.perf_counter()
-                for _ in range(args.calls):
-                    op(*args_)
-                times[name].append((time.perf_counter() - t) / args.calls)
+        times = alternate({name: lambda op=op, a=args_: op(*a) for name, op in ops.items()},
+                          args.reps, args.calls)
         label = f"{rows} x {ctx - start}" + (" (cascade)" if start else "")
-        print(f"{label:<22}" + "".join(f"{statistics.median(t) * 1e3:>16.3f}"
-                                        for t in times.values()))
+        print(f"{label:<22}" + "".join(f"{t * 1e3:>16.3f}" for t in times.values()))
 
 
 if __name__ == "__main__":

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tokenmill.bench.alternate import alternate  # noqa: E402
 from tokenmill.layers.cpu_gemm import packed_linear, prepack  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -26,16 +25,10 @@ def gflops_pair(paths, x: torch.Tensor, calls: int, n: int, reps: int = 7) -> li
     """GFLOP/s of each (gemm, weight) in `paths`: `calls` back-to-back gemm(x, weight) per
     timing, the paths timed in alternation (so that the machine's drift hits both), median
     of `reps` timings each."""
-    times: list[list[float]] = [[] for _ in paths]
-    for i in range(reps + 2):  # two warm-up rounds
-        for j, (gemm, weight) in enumerate(paths):
-            start = time.perf_counter()
-            for _ in range(calls):
-                gemm(x, weight)
-            if i >= 2:
-                times[j].append(time.perf_counter() - start)
+    fns = {str(j): (lambda gemm=gemm, weight=weight: gemm(x, weight))
+           for j, (gemm, weight) in enumerate(paths)}
     m, k = x.shape
-    return [2.0 * m * n * k * calls / statistics.median(t) / 1e9 for t in times]
+    return [2.0 * m * n * k / t / 1e9 for t in alternate(fns, reps, calls, warmup=calls).values()]
 
 
 def main() -> None:

@@ -17,12 +17,12 @@ import argparse
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench.alternate import alternate
 from tokenmill.layers import cpu_ops
 from tokenmill.worker import input_batch
 
@@ -81,21 +81,6 @@ def decode_steps(llm: LLM, timings: Timings, batch: int, prompt_len: int, steps:
     return parts
 
 
-def alternate(fns: dict[str, Callable[[], Any]], rounds: int = 6, reps: int = 200
-              ) -> dict[str, float]:
-    """Median µs per call of each function, timed in alternating rounds."""
-    samples: dict[str, list[float]] = defaultdict(list)
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            for _ in range(10):
-                fn()
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            samples[name].append((time.perf_counter() - t0) / reps * 1e6)
-    return {name: statistics.median(v) for name, v in samples.items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None)
@@ -117,8 +102,9 @@ def main() -> None:
     for rows in (1, 64):
         logits = torch.randn(rows, vocab)
         res = alternate({"torch.argmax": lambda x=logits: x.argmax(dim=-1),
-                         "C++ argmax_rows": lambda x=logits: cpu_ops.argmax(x)})
-        t, c = res["torch.argmax"], res["C++ argmax_rows"]
+                         "C++ argmax_rows": lambda x=logits: cpu_ops.argmax(x)},
+                        rounds=6, calls=200, warmup=10)
+        t, c = res["torch.argmax"] * 1e6, res["C++ argmax_rows"] * 1e6
         print(f"  ({rows}, {vocab}): torch.argmax {t:8.1f}   C++ {c:8.1f}   {t / c:5.1f}x")
 
 

@@ -18,28 +18,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tokenmill.bench.alternate import alternate  # noqa: E402
 from tokenmill.layers import cpu_ops  # noqa: E402
 from tokenmill.layers.cpu_gemm import packed_linear, prepack  # noqa: E402
 from tokenmill.utils import huge_pages  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) / repeats
 
 
 def main() -> None:
@@ -78,12 +68,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{nbytes / 1e6:.0f} MB of float32 weights, {args.rows} row(s)")
     print(f"{'path':<30}{'ms':>8}{'GB/s':>8}")
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    for _ in range(args.rounds):
-        for name, fn in paths.items():
-            times[name].append(timed(fn, args.repeats))
-    for name, ts in times.items():
-        t = statistics.median(ts)
+    for name, t in alternate(paths, args.rounds, args.repeats, warmup=2).items():
         print(f"{name:<30}{t * 1e3:>8.1f}{nbytes / t / 1e9:>8.1f}")
 
 
