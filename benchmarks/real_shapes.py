@@ -70,20 +70,12 @@ def write_model_folder(name: str, out: Path) -> Path:
 
 
 def single_stream(llm: Any, vocab: int, rng: random.Random) -> tuple[float, float]:
-    """(time to first token s, median decode ms per token) of one request."""
-    from tokenmill import SamplingParams
+    """(time to first token s, median decode ms per token) of one request, timed as
+    `tokenmill bench latency` times it (a cold prefill, then token by token)."""
+    from tokenmill.bench.latency import run_tokenmill_once
 
-    eng = llm.engine
-    llm.reset_prefix_cache()  # a cold prefill, whatever ran before
-    prompt = [rng.randrange(3, vocab) for _ in range(128)]
-    eng.add_request("single", prompt, SamplingParams(temperature=0, max_tokens=128,
-                                                     ignore_eos=True))
-    steps = []
-    while eng.has_unfinished_requests():
-        t0 = time.perf_counter()
-        eng.step()  # ends with the host reading the sampled ids: the GPU work is done
-        steps.append(time.perf_counter() - t0)
-    return steps[0], statistics.median(steps[1:]) * 1e3
+    run = run_tokenmill_once(llm, [rng.randrange(3, vocab) for _ in range(128)], 128)
+    return run["ttft_s"], statistics.median(run["itl_ms"])
 
 
 def batched(llm: Any, vocab: int, rng: random.Random, batch: int) -> float:
