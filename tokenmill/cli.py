@@ -1,7 +1,9 @@
 """The `tokenmill` command.
 
     tokenmill serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
-                    [--served-model-name NAME] [engine options]
+                    [--served-model-name NAME] [--max-waiting-requests 256]
+                    [--max-request-body-bytes 8MiB] [--request-timeout S]
+                    [--drain-timeout 30] [engine options]
     tokenmill bench serve [--launch | --base-url URL] [--request-rate R | --concurrency C]
     tokenmill bench throughput [--workload mixed|uniform] [--compare-hf] [--json F] [--png F]
     tokenmill bench latency [--repeats 3] [--llama-cpp] [--json F] [--png F]
@@ -81,11 +83,23 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.server.api_server import run_server
+    from tokenmill.server.api_server import ServerLimits, run_server
+    from tokenmill.utils.request_context import RequestIdFilter
+    from tokenmill.utils.sizes import parse_size
 
+    # Serving logs what it does (start-up phases, one line per request) with request ids.
+    handler = logging.StreamHandler()
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(logging.Formatter(
+        "%(asctime)s %(levelname)s [%(request_id)s] %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    limits = ServerLimits(max_waiting_requests=args.max_waiting_requests,
+                          max_request_body_bytes=parse_size(args.max_request_body_bytes),
+                          request_timeout=args.request_timeout, drain_timeout=args.drain_timeout)
     model = args.model_pos if args.model_pos is not None else args.model
     engine = LLMEngine.from_options(model, **engine_options(args))
-    return run_server(engine, args.host, args.port, args.api_key, args.served_model_name)
+    return run_server(engine, args.host, args.port, args.api_key, args.served_model_name,
+                      limits)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,6 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require `Authorization: Bearer KEY` on /v1 routes")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients use (default: the model file's name)")
+    serve.add_argument("--max-waiting-requests", type=int, default=256,
+                       help="sequences admitted beyond --max-num-seqs; more get 429")
+    serve.add_argument("--max-request-body-bytes", default="8MiB",
+                       help="larger request bodies get 413 (bytes or e.g. 8MiB)")
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="seconds after which any request is aborted (finish_reason "
+                            "'abort'); a request's own `timeout` field may be shorter")
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="on SIGTERM/SIGINT, seconds in-flight requests get to finish")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
     return parser

@@ -4,7 +4,9 @@ Field names follow vLLM (`prompt`, `prompt_token_ids`, `prompt_logprobs`, `outpu
 `.token_ids`, `.logprobs`, `.cumulative_logprob`, `.finish_reason`, `.stop_reason`), so code
 written against vLLM reads these unchanged. `finish_reason` is None while a sample is running,
 then "stop" (EOS, a stop token or string) or "length" (max_tokens or the context length);
-"abort" marks a request the caller aborted. `stop_reason` is the stop token id or string that
+"abort" marks a request the caller aborted (or that hit its deadline, or a server shutdown), and
+"error" one whose step failed: `RequestOutput.error` then says why (the other requests of that
+step carry on). `stop_reason` is the stop token id or string that
 ended it (None for EOS or length).
 """
 
@@ -48,3 +50,4 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[PositionLogprobDict | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # set when the request failed inside the engine

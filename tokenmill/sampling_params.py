@@ -11,11 +11,14 @@ Logprobs are those of the raw model output (log_softmax of the logits, before an
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # Below this temperature we sample greedily, as vLLM does, to avoid dividing by ~0.
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # the OpenAI API's cap on top_logprobs
+# Seeds are 64-bit signed integers, as in vLLM's API: torch generators take no more.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -44,16 +47,18 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self._check_int("n", self.n, 1)
         _check_range("temperature", self.temperature, 0.0, None)
-        if not 0.0 < self.top_p <= 1.0:
+        _check_range("top_p", self.top_p, 0.0, 1.0)
+        if self.top_p == 0.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == -1:
             self.top_k = 0
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
         _check_range("min_p", self.min_p, 0.0, 1.0)
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        if not self.repetition_penalty > 0.0:
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, None)
+        if self.repetition_penalty == 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.max_tokens is not None:
             self._check_int("max_tokens", self.max_tokens, 1)
@@ -62,7 +67,7 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
                              f"({self.max_tokens})")
         if self.seed is not None:
-            self._check_int("seed", self.seed, -(2**63))
+            self._check_int("seed", self.seed, SEED_MIN, SEED_MAX)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
@@ -75,9 +80,11 @@ class SamplingParams:
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
 
     @staticmethod
-    def _check_int(name: str, value: object, low: int) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+        if (not isinstance(value, int) or isinstance(value, bool) or value < low
+                or (high is not None and value > high)):
+            bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise ValueError(f"{name} must be an integer {bounds}, got {value!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -95,8 +102,8 @@ class SamplingParams:
 
 
 def _check_range(name: str, value: float, low: float | None, high: float | None) -> None:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be {bounds}, got {value}")
@@ -119,7 +126,8 @@ def _normalize_logit_bias(bias: dict | None) -> dict[int, float]:
             raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
         if token < 0:
             raise ValueError(f"logit_bias keys must be token ids >= 0, got {token}")
-        if not isinstance(value, int | float) or not -100.0 <= value <= 100.0:
+        if (not isinstance(value, int | float) or isinstance(value, bool)
+                or not -100.0 <= value <= 100.0):
             raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r}")
         out[token] = float(value)
     return out

@@ -12,7 +12,8 @@ import pytest
 import uvicorn
 
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.server.api_server import build_app
+from tokenmill.server.api_server import ServerLimits, build_app
+from tokenmill.server.lifecycle import DrainingServer
 
 
 @dataclass
@@ -20,6 +21,8 @@ class RunningServer:
     base_url: str
     engine: LLMEngine
     model: str
+    server: DrainingServer | None = None
+    thread: threading.Thread | None = None
 
     def wait_idle(self, timeout: float = 20.0) -> None:
         """Wait until nothing runs and every KV block is back in the pool."""
@@ -40,12 +43,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(engine: LLMEngine, model: str, api_key: str | None = None
-                 ) -> Iterator[RunningServer]:
+def start_server(engine: LLMEngine, model: str, api_key: str | None = None,
+                 limits: ServerLimits | None = None) -> Iterator[RunningServer]:
+    """The server `tokenmill serve` runs (DrainingServer), on a thread of this process."""
     port = free_port()
-    app = build_app(engine, model, api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+    app = build_app(engine, model, api_key, limits)
+    server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", timeout_graceful_shutdown=5),
+                            app.state.lifecycle)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -54,7 +59,7 @@ def start_server(engine: LLMEngine, model: str, api_key: str | None = None
             raise RuntimeError("test server did not start")
         time.sleep(0.05)
     try:
-        yield RunningServer(f"http://127.0.0.1:{port}", engine, model)
+        yield RunningServer(f"http://127.0.0.1:{port}", engine, model, server, thread)
     finally:
         server.should_exit = True
         thread.join(timeout=30)

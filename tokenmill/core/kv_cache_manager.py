@@ -54,6 +54,7 @@ class KVCacheManager:
         self._pending_copies: list[tuple[int, int]] = []
         self.prefix_queries = 0  # prompt tokens of admitted requests
         self.prefix_hits = 0  # of which found in the cache
+        self.prefix_cache_suspended = False  # see suspend_prefix_cache
 
     # ---- capacity ---------------------------------------------------------------------------
     @property
@@ -87,7 +88,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """The longest cached prefix of the request, in whole blocks. At least one token is
         left to compute: its logits are what the request samples from next."""
-        if (self.tree is None or request.request_id in self.req_to_blocks
+        if (self.tree is None or self.prefix_cache_suspended
+                or request.request_id in self.req_to_blocks
                 or request.sampling_params.prompt_logprobs is not None):
             return ComputedBlocks()  # prompt logprobs need every prompt position computed
         match = self.tree.match_prefix(request.all_token_ids[:request.num_tokens - 1])
@@ -140,7 +142,13 @@ class KVCacheManager:
         if self.req_to_blocks or self.tree.num_evictable_blocks != self.tree.num_cached_blocks:
             return False
         self._evict(self.tree.num_cached_blocks)
+        self.prefix_cache_suspended = False
         return True
+
+    def suspend_prefix_cache(self) -> None:
+        """Stop serving cache hits until the next reset: after a failed step, blocks offered
+        to the tree may hold K/V that was never written."""
+        self.prefix_cache_suspended = self.tree is not None
 
     # ---- allocation -------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,

@@ -10,20 +10,28 @@ The event loop never waits for a model step and a step never waits for HTTP:
     per-request asyncio.Queue ◄─────── loop.call_soon_threadsafe(queue.put_nowait, out)
 
 A request whose consumer goes away (client disconnect, cancellation) is aborted, which frees
-its KV blocks on the engine thread's next iteration. An exception inside a step fails every
-request in flight (each stream raises it) and the engine keeps serving new ones.
+its KV blocks on the engine thread's next iteration. A request past its deadline, or still
+running when `abort_all` is called (shutdown), ends with a final output whose finish_reason is
+"abort". A request that fails inside a step ends with finish_reason "error" (LLMEngine isolates
+it); an engine-wide failure marks the engine dead: every stream raises EngineDeadError, new
+requests are refused, and `on_dead` is called so that the server can exit non-zero.
+
+Metrics stay true: the scheduler's gauges are published after every step and after every
+batch of commands (aborts, deadlines), so an idle or failed engine reports zero running.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.llm_engine import EngineDeadError, LLMEngine
 from tokenmill.metrics.stats import RequestTimings, SchedulerStats, StepTimings
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -31,8 +39,7 @@ from tokenmill.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    pass
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestStream"]
 
 
 class RequestStream:
@@ -77,12 +84,16 @@ class RequestStream:
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, on_step: Any = None) -> None:
-        """`on_step(SchedulerStats, StepTimings)` is called on the engine thread after each step."""
+    def __init__(self, engine: LLMEngine, on_step: Any = None, on_dead: Any = None) -> None:
+        """`on_step(SchedulerStats, StepTimings)` is called on the engine thread after each step
+        and after each batch of commands; `on_dead(error)` once if the engine dies."""
         self.engine = engine
         self.on_step = on_step
+        self.on_dead = on_dead
+        self.dead_error: BaseException | None = None
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._deadlines: list[tuple[float, str]] = []  # heap of (monotonic deadline, id)
         self._timings = RequestTimings()
         self._wakeup = threading.Event()
         self._stop = threading.Event()
@@ -93,32 +104,44 @@ class AsyncLLM:
         self._thread.start()
 
     def shutdown(self) -> None:
-        """Abort everything in flight (streams end with finish_reason "abort"), stop the thread."""
+        """Stop the thread; anything still in flight raises EngineDeadError in its stream."""
         self._stop.set()
         self._wakeup.set()
         self._thread.join(timeout=30)
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and not self._stop.is_set()
+        return self._thread.is_alive() and not self._stop.is_set() and self.dead_error is None
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests with an open output stream."""
+        return len(self._streams)
 
     # ---- requests ---------------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams
-                          ) -> RequestStream:
+    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
+                          deadline: float | None = None) -> RequestStream:
         """Validate and queue a request (ValueError for a bad one); return its output stream.
 
         Iterating the stream to the end, closing it, cancelling its consumer or dropping it
-        unfinished ends the request.
+        unfinished ends the request. At `deadline` (time.monotonic()) it is aborted and its
+        stream ends with finish_reason "abort".
         """
-        if not self.is_running:
-            raise EngineDeadError("the engine is shutting down")
+        self._check_running()
         loop = asyncio.get_running_loop()
         prepared = await loop.run_in_executor(None, self.engine.prepare_request, request_id,
                                               prompt, params)
+        self._check_running()
         stream = RequestStream(self, request_id)
         self._streams[request_id] = (loop, stream.queue)
-        self._send("add", prepared)
+        self._send("add", (prepared, deadline))
         return stream
+
+    def _check_running(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_error}")
+        if not self.is_running:
+            raise EngineDeadError("the engine is shutting down")
 
     async def generate(self, request_id: str, prompt: Any, params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
@@ -127,8 +150,14 @@ class AsyncLLM:
             yield out
 
     def abort(self, request_id: str) -> None:
+        """Drop a request whose consumer is gone (nothing more is delivered)."""
         self._streams.pop(request_id, None)
         self._send("abort", request_id)
+
+    def abort_all(self) -> None:
+        """End every request in flight now: each stream gets a final output whose running
+        samples have finish_reason "abort" (graceful shutdown past its drain timeout)."""
+        self._send("abort_all", None)
 
     def _send(self, kind: str, payload: Any) -> None:
         self._commands.put((kind, payload))
@@ -137,36 +166,64 @@ class AsyncLLM:
     # ---- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._drain_commands()
+            if self._drain_commands() | self._expire_deadlines():
+                self._publish([])
             if not self.engine.has_unfinished_requests():
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as e:  # a broken step must not take the server down
-                logger.exception("engine step failed; failing the requests in flight")
-                self._fail_all(e)
-                continue
+            except Exception as e:  # EngineDeadError, or a bug outside any one request
+                self._die(e)
+                return
             for out in outputs:
+                if out.error is not None:
+                    self._timings.forget(out.request_id)
                 self._deliver(out.request_id, out)
-            self._report(outputs)
+            self._publish([o for o in outputs if o.error is None])
         self._fail_all(EngineDeadError("the server is shutting down"))
 
-    def _drain_commands(self) -> None:
+    def _drain_commands(self) -> bool:
+        """Apply queued commands; whether there were any."""
+        handled = False
         while True:
             try:
                 kind, payload = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return handled
+            handled = True
             if kind == "add":
+                prepared, deadline = payload
                 try:
-                    self.engine.add_prepared(payload)
+                    self.engine.add_prepared(prepared)
                 except ValueError as e:
-                    self._deliver(payload.request_id, e)
-            else:
+                    self._deliver(prepared.request_id, e)
+                    continue
+                if deadline is not None:
+                    heapq.heappush(self._deadlines, (deadline, prepared.request_id))
+            elif kind == "abort":
                 self.engine.abort_request(payload)
                 self._timings.forget(payload)
+            else:  # abort_all
+                for request_id in list(self.engine.outputs.parents):
+                    self._finish_aborted(request_id)
+
+    def _expire_deadlines(self) -> bool:
+        now, expired = time.monotonic(), False
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, request_id = heapq.heappop(self._deadlines)
+            expired |= self._finish_aborted(request_id, "its deadline passed")
+        return expired
+
+    def _finish_aborted(self, request_id: str, why: str = "the server is shutting down") -> bool:
+        out = self.engine.finish_request(request_id, "abort")
+        if out is None:
+            return False
+        logger.info("request %s aborted: %s", request_id, why)
+        self._timings.forget(request_id)
+        self._deliver(request_id, out)
+        return True
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -174,15 +231,26 @@ class AsyncLLM:
             loop, q = stream
             loop.call_soon_threadsafe(q.put_nowait, item)
 
-    def _report(self, outputs: list[RequestOutput]) -> None:
+    def _publish(self, outputs: list[RequestOutput]) -> None:
         if self.on_step is None:
             return
         step: StepTimings = self._timings.observe(outputs)
         stats: SchedulerStats = self.engine.stats()
         self.on_step(stats, step)
 
+    def _die(self, error: BaseException) -> None:
+        logger.critical("the engine died: %s: %s", type(error).__name__, error, exc_info=error)
+        self.dead_error = error
+        self._fail_all(EngineDeadError(f"the engine died: {error}"))
+        self._publish([])
+        if self.on_dead is not None:
+            self.on_dead(error)
+
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self.engine.outputs.parents):
-            self.engine.abort_request(request_id)
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # a dead engine's state may be inconsistent; streams still end
+                logger.exception("abort of %s failed", request_id)
             self._timings.forget(request_id)
             self._deliver(request_id, error)

@@ -6,16 +6,29 @@
 
 One step is `schedule → execute → update_from_output`. A bad request is refused in
 `add_request` and never reaches the scheduler, so it cannot disturb the others.
+
+Failure isolation (the second line of defence, behind validation): when executing a step raises,
+each scheduled request is executed again alone. Those that succeed alone keep their tokens (the
+step goes on without a gap); those that fail alone end with finish_reason "error" and the error
+in `RequestOutput.error`, and their KV blocks are freed. Only a failure that is not tied to a
+request is engine-wide and raises `EngineDeadError`: the KV block operations failing, every
+request of a multi-request step failing alone, or three consecutive steps in which every
+request failed. Because a failed forward pass may leave garbage in blocks that were offered to
+the prefix cache, cache hits are suspended until the engine is next idle, when the cache is
+reset.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.interface import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
@@ -23,10 +36,17 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.tokenizer import load_tokenizer
 from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SEED_MIN, SamplingParams
 from tokenmill.utils import cdiv
 from tokenmill.utils.profiling import scope
-from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.model_runner import KVBlockOpsError, ModelRunner
+
+logger = logging.getLogger(__name__)
+_MAX_ALL_FAILED_STEPS = 3
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot go on: a failure not tied to any one request."""
 
 
 @dataclass(frozen=True)
@@ -55,10 +75,22 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
         self.outputs = OutputProcessor(self.tokenizer)
+        self._all_failed_steps = 0  # consecutive steps in which every request failed
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> LLMEngine:
-        return cls(EngineConfig.create(model, **options))
+        import torch
+
+        from tokenmill.utils.cpp_extension import prebuild_cpu_extensions
+
+        device = options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+        if str(device).startswith("cpu"):
+            # A first start compiles the kernels side by side while the model loads.
+            prebuild_cpu_extensions()
+        t0 = time.perf_counter()
+        engine = cls(EngineConfig.create(model, **options))
+        logger.info("engine ready in %.1f s", time.perf_counter() - t0)
+        return engine
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | dict[str, Any],
@@ -78,6 +110,8 @@ class LLMEngine:
         params = params or SamplingParams()
         prompt_text, token_ids = self._split_prompt(prompt)
         max_tokens = self._validate(token_ids, params)
+        if params.top_k >= self.config.model.vocab_size:  # the same draw, in the range of ops
+            params = dataclasses.replace(params, top_k=0)
         return PreparedRequest(request_id, prompt_text, token_ids, params, max_tokens,
                                time.monotonic() if arrival_time is None else arrival_time)
 
@@ -98,7 +132,7 @@ class LLMEngine:
     def _child_params(params: SamplingParams, index: int) -> SamplingParams:
         if params.n == 1:
             return params
-        seed = None if params.seed is None else params.seed + index
+        seed = None if params.seed is None else _wrap_seed(params.seed + index)
         return dataclasses.replace(params, n=1, seed=seed)
 
     def _split_prompt(self, prompt: str | list[int] | dict[str, Any]
@@ -116,7 +150,24 @@ class LLMEngine:
                          f"got {type(prompt).__name__}")
 
     def encode(self, text: str) -> list[int]:
+        self.check_text_length(len(text))
         return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def check_text_length(self, num_chars: int) -> None:
+        """ValueError, before any tokenizing, for text too long to fit the context: no token
+        covers more characters than the vocabulary's longest entry (doubled for normalizers),
+        so such text needs more than max_model_len tokens. Tokenizing megabytes would hold a
+        worker for seconds only to refuse the request after."""
+        max_len = self.config.model.max_model_len
+        limit = 2 * self._max_token_chars * max_len
+        if num_chars > limit:
+            raise ValueError(f"prompt is too long: {num_chars} characters cannot fit in "
+                             f"max_model_len={max_len} tokens")
+
+    @functools.cached_property
+    def _max_token_chars(self) -> int:
+        vocab = self.tokenizer.get_vocab()
+        return max((len(t) for t in vocab), default=1)
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> int:
         """The request's resolved max_tokens; ValueError for anything it cannot be served with."""
@@ -130,6 +181,9 @@ class LLMEngine:
         bad_bias = [t for t in params.logit_bias if t >= vocab]
         if bad_bias:
             raise ValueError(f"logit_bias token ids must be < vocab size {vocab}, got {bad_bias}")
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids must be < vocab size {vocab}, got {bad_stop}")
         # No max_tokens given: up to the context length, or as much as the KV cache can hold
         # for one request if that is less (a request must fit the cache to make progress).
         capacity = self.kv.num_usable_blocks * self.kv.block_size
@@ -156,6 +210,16 @@ class LLMEngine:
         aborted = [self.scheduler.abort_request(cid) for cid in children]
         return any(r is not None for r in aborted)
 
+    def finish_request(self, request_id: str, finish_reason: str = "abort",
+                       error: str | None = None) -> RequestOutput | None:
+        """Abort a request and return its final output (every running sample ends with
+        `finish_reason`); None if it was unknown or done. For deadlines and shutdown."""
+        children = self.outputs.child_ids(request_id)
+        out = self.outputs.finish(request_id, finish_reason, error)
+        for cid in children:
+            self.scheduler.abort_request(cid)
+        return out
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prompt prefix; False (nothing done) while requests are running."""
         return self.kv.reset_prefix_cache()
@@ -174,13 +238,59 @@ class LLMEngine:
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration; raises EngineDeadError for a failure not tied to a request."""
         # profiler scopes name the parts of a step (benchmarks/profile_step.py)
         with scope("schedule"):
             sched_out = self.scheduler.schedule()
-        runner_out = self.runner.execute(sched_out)
+        failed: list[RequestOutput] = []
+        try:
+            runner_out = self.runner.execute(sched_out)
+            self._all_failed_steps = 0
+        except KVBlockOpsError as e:
+            raise EngineDeadError(f"KV cache block operations failed: {e}") from e
+        except Exception as e:
+            runner_out = self._isolate_failure(sched_out, e, failed)
         with scope("process_outputs"):
             progressed = self.scheduler.update_from_output(sched_out, runner_out)
             outputs, stopped = self.outputs.process(progressed, runner_out)
         for rid in stopped:  # a stop string ended it: free its blocks now
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-        return outputs
+        if self.kv.prefix_cache_suspended and not self.has_unfinished_requests():
+            self.kv.reset_prefix_cache()
+        return outputs + failed
+
+    def _isolate_failure(self, sched_out: SchedulerOutput, error: Exception,
+                         failed: list[RequestOutput]) -> ModelRunnerOutput:
+        """Execute each request of a failed step alone: keep what succeeds, end what fails
+        (its final output goes to `failed`). The step's block copies and swaps were done."""
+        logger.warning("a step of %d requests failed (%s: %s); executing them one by one",
+                       len(sched_out.scheduled), type(error).__name__, error)
+        merged = ModelRunnerOutput([r.req_id for r in sched_out.scheduled],
+                                   [[] for _ in sched_out.scheduled])
+        culprits: dict[str, Exception] = {}
+        for i, r in enumerate(sched_out.scheduled):
+            try:
+                out = self.runner.execute(SchedulerOutput(scheduled=[r]), block_ops=False)
+            except Exception as e:
+                culprits[r.req_id] = e
+                continue
+            merged.sampled_token_ids[i] = out.sampled_token_ids[0]
+            merged.logprobs.update(out.logprobs)
+            merged.prompt_logprobs.update(out.prompt_logprobs)
+        everyone = len(culprits) == len(sched_out.scheduled)
+        self._all_failed_steps = self._all_failed_steps + 1 if everyone else 0
+        if everyone and (len(culprits) > 1 or self._all_failed_steps >= _MAX_ALL_FAILED_STEPS):
+            raise EngineDeadError(f"every request of a step failed: {error}") from error
+        self.kv.suspend_prefix_cache()
+        for req_id, e in culprits.items():
+            parent = self.outputs.parent_id(req_id)
+            logger.error("request %s failed in the engine: %s: %s", parent, type(e).__name__, e)
+            out = self.finish_request(parent, "error", f"{type(e).__name__}: {e}")
+            if out is not None:
+                failed.append(out)
+        return merged
+
+
+def _wrap_seed(seed: int) -> int:
+    """A seed reduced into the signed 64-bit range (sample i of a request seeds with seed + i)."""
+    return (seed - SEED_MIN) % 2**64 + SEED_MIN

@@ -80,6 +80,25 @@ class OutputProcessor:
             del self.samples[cid]
         self.parents.pop(request_id, None)
 
+    def finish(self, request_id: str, finish_reason: str,
+               error: str | None = None) -> RequestOutput | None:
+        """End a request from outside a step (abort, deadline, failure): its final output, with
+        `finish_reason` on every sample still running; None if it is unknown or done."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        for s in parent.samples:
+            if s.finish_reason is None:
+                s.finish_reason = finish_reason
+        out = self._make_output(parent)
+        out.error = error
+        self.remove(request_id)
+        return out
+
+    def parent_id(self, sample_id: str) -> str | None:
+        sample = self.samples.get(sample_id)
+        return None if sample is None else sample.parent.request_id
+
     def process(self, progressed: list[Request], runner_out: ModelRunnerOutput
                 ) -> tuple[list[RequestOutput], list[str]]:
         """Outputs of the requests that moved, and sample ids that hit a stop string."""

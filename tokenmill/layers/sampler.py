@@ -48,18 +48,24 @@ class Sampler:
             logprobs = gather_logprobs(raw, sampled, b.max_logprobs)
         return sampled, logprobs
 
+    def _generator(self, row: ScheduledRequest) -> torch.Generator:
+        g = self._generators.get(row.req_id)
+        if g is None:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(row.sampling_params.seed)
+            self._generators[row.req_id] = g
+        return g
+
     def _sample(self, logits: torch.Tensor, b: SamplingBatch,
                 rows: list[ScheduledRequest]) -> torch.Tensor:
         greedy_ids = cpu_ops.argmax(logits) if b.any_greedy else None
         probs = b.apply_top_k_top_p(b.apply_min_p(logits / b.temperature[:, None]))
         probs = probs.softmax(dim=-1)
+        # Every seeded generator exists before any draws: a step that fails part-way then
+        # leaves no request's random stream advanced.
+        generators = [(i, self._generator(rows[i])) for i in b.seeded_rows]
         noise = torch.empty_like(probs).exponential_(generator=self._global)
-        for i in b.seeded_rows:
-            r = rows[i]
-            g = self._generators.get(r.req_id)
-            if g is None:
-                g = self._generators[r.req_id] = torch.Generator(device=self.device)
-                g.manual_seed(r.sampling_params.seed)
+        for i, g in generators:
             noise[i].exponential_(generator=g)
         sampled = cpu_ops.argmax(probs / noise)
         if greedy_ids is not None:

@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,13 +81,18 @@ def _convert(gguf_path: str, folder: Path) -> str | None:
     from tokenmill.model_loader.gguf_loader import (
         gguf_hf_config,
         gguf_num_elements,
+        gguf_num_tensors,
         iterate_gguf,
     )
 
     if 4 * gguf_num_elements(gguf_path) > _MAX_CACHED_BYTES:  # float32 once converted
         return None
+    from tqdm import tqdm
+
     hf_config = gguf_hf_config(gguf_path)
-    logger.info("converting %s once into %s", gguf_path, folder)
+    logger.info("first start with %s: converting it once into %s (later starts skip this)",
+                gguf_path, folder)
+    t0 = time.perf_counter()
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
     try:
@@ -95,7 +101,12 @@ def _convert(gguf_path: str, folder: Path) -> str | None:
         # which skips importing the architecture's config class (about 1.4 s of imports).
         src_dir, name = os.path.split(gguf_path)
         AutoTokenizer.from_pretrained(src_dir, gguf_file=name).save_pretrained(tmp)
-        weights = {n: t.contiguous() for n, t in iterate_gguf(gguf_path, hf_config)}
+        with tqdm(total=gguf_num_tensors(gguf_path), desc="converting GGUF",
+                  unit="tensor") as bar:
+            weights = {}
+            for n, t in iterate_gguf(gguf_path, hf_config):
+                weights[n] = t.contiguous()
+                bar.update()
         save_file(weights, str(tmp / "model.safetensors"), metadata={"source": gguf_path})
         with open(tmp / _FULL_CONFIG, "w") as f:  # written last: it marks the folder complete
             json.dump(hf_config.to_dict(), f, indent=1)
@@ -106,4 +117,5 @@ def _convert(gguf_path: str, folder: Path) -> str | None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("GGUF converted in %.1f s", time.perf_counter() - t0)
     return str(folder)

@@ -107,6 +107,10 @@ def gguf_num_elements(path: str) -> int:
     return sum(int(t.n_elements) for t in _reader(path).tensors)
 
 
+def gguf_num_tensors(path: str) -> int:
+    return len(_reader(path).tensors)
+
+
 def iterate_gguf(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor) for every tensor of the file, dequantized."""
     import gguf

@@ -1,63 +1,102 @@
 """The FastAPI app: OpenAI-compatible routes plus /health, /metrics, /tokenize, /detokenize and
 /version, and `run_server` behind `tokenmill serve`.
 
-Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 for malformed JSON,
-invalid parameters and over-long prompts; 401 for a missing or wrong API key (when one is set);
-404 for an unknown model name; 503 while shutting down. The engine thread starts and stops with
-the app's lifespan; on SIGINT/SIGTERM uvicorn stops accepting, lets in-flight requests finish
-(up to a grace period, after which they are aborted) and the process exits 0.
+Every error the server returns has OpenAI's shape {"error": {"message", "type", "param",
+"code"}}: 400 for malformed JSON, invalid or unsupported fields and over-long prompts; 401 for a
+missing or wrong API key (when one is set: every route but /health, /metrics and /version);
+404 for an unknown model or route; 405 for a wrong method; 413 for a body over the limit; 429
+(with Retry-After) when admission control is full; 500 for a request the engine failed alone;
+503 while draining or once the engine is dead. See middleware.py (request ids, body limit),
+admission.py (the 429) and lifecycle.py (the drain on SIGINT/SIGTERM, exit 1 on engine death).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-import signal
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill import __version__
 from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.metrics.prometheus import PrometheusMetrics
+from tokenmill.server.admission import RETRY_AFTER_S, AdmissionControl, Overloaded
+from tokenmill.server.lifecycle import ServerLifecycle
+from tokenmill.server.middleware import EdgeMiddleware
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ErrorResponse,
     ModelCard,
     TokenizeRequest,
 )
 from tokenmill.server.serving_chat import OpenAIServingChat, render_chat
-from tokenmill.server.serving_common import ClientDisconnected, error_response
+from tokenmill.server.serving_common import ClientDisconnected, RequestFailed, error_response
 from tokenmill.server.serving_completion import OpenAIServingCompletion
 
 logger = logging.getLogger(__name__)
-GRACEFUL_SHUTDOWN_S = 10
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one server admits (`tokenmill serve` flags of the same names)."""
+
+    max_waiting_requests: int = 256  # sequences that may wait beyond max_num_seqs
+    max_request_body_bytes: int = 8 * 2**20
+    request_timeout: float | None = None  # seconds; a request's own `timeout` may be shorter
+    drain_timeout: float = 30.0  # seconds in-flight requests get on SIGTERM
 
 
 class Unauthorized(Exception):
     pass
 
 
-def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
+_ERROR_STATUSES = {400: "Invalid request", 401: "Invalid API key", 413: "Body too large",
+                   429: "Overloaded", 500: "The engine failed the request",
+                   503: "Shutting down or engine dead"}
+
+
+def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None,
+              limits: ServerLimits | None = None) -> FastAPI:
+    limits = limits or ServerLimits()
     metrics = PrometheusMetrics(served_model_name)
-    async_llm = AsyncLLM(engine, on_step=metrics.record)
-    completions = OpenAIServingCompletion(async_llm, served_model_name)
-    chat = OpenAIServingChat(async_llm, served_model_name)
+    admission = AdmissionControl(engine.config.scheduler.max_num_seqs,
+                                 limits.max_waiting_requests)
+    loop_box: dict[str, asyncio.AbstractEventLoop] = {}
+
+    def on_dead(_: BaseException) -> None:  # engine thread
+        if "loop" in loop_box:
+            loop_box["loop"].call_soon_threadsafe(lifecycle.engine_died)
+
+    async_llm = AsyncLLM(engine, on_step=metrics.record, on_dead=on_dead)
+    lifecycle = ServerLifecycle(async_llm, admission, limits.drain_timeout)
+    serving = (async_llm, served_model_name, admission, limits.request_timeout)
+    completions, chat = OpenAIServingCompletion(*serving), OpenAIServingChat(*serving)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loop_box["loop"] = asyncio.get_running_loop()
         async_llm.start()
         yield
         async_llm.shutdown()
 
-    app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan)
-    app.state.async_llm = async_llm
+    app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan,
+                  responses={code: {"model": ErrorResponse, "description": text}
+                             for code, text in _ERROR_STATUSES.items()})
+    app.state.async_llm, app.state.lifecycle, app.state.admission = async_llm, lifecycle, admission
+    app.add_middleware(EdgeMiddleware, max_body_bytes=limits.max_request_body_bytes,
+                       is_draining=lambda: lifecycle.draining)
 
     async def check_api_key(request: Request) -> None:
         # NOTE: a dependency, not BaseHTTPMiddleware, which hides client disconnects from
@@ -66,6 +105,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
             raise Unauthorized
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    keyed = APIRouter(dependencies=[Depends(check_api_key)])
 
     @app.exception_handler(Unauthorized)
     async def on_unauthorized(_: Request, exc: Unauthorized) -> JSONResponse:
@@ -73,24 +113,36 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":
-            return error_response(400, f"malformed JSON body: {first.get('msg', '')}")
-        loc = ".".join(str(x) for x in first.get("loc", ())[1:])
-        return error_response(400, f"{loc}: {first.get('msg', 'invalid value')}",
-                              param=loc or None)
+        return error_response(400, *_describe(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(ValueError)
     async def on_value_error(_: Request, exc: ValueError) -> JSONResponse:
-        return error_response(400, str(exc))
+        return error_response(400, str(exc))  # includes UnicodeError
+
+    @app.exception_handler(Overloaded)
+    async def on_overloaded(_: Request, exc: Overloaded) -> JSONResponse:
+        return error_response(429, str(exc), headers={"retry-after": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(RequestFailed)
+    async def on_failed(_: Request, exc: RequestFailed) -> JSONResponse:
+        return error_response(500, str(exc))
 
     @app.exception_handler(EngineDeadError)
-    async def on_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+    async def on_dead_error(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, str(exc))
 
     @app.exception_handler(ClientDisconnected)
     async def on_disconnect(_: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nobody is listening; the requests were aborted
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error")
+        return error_response(500, f"internal error: {type(exc).__name__}")
 
     def unknown_model(name: str | None) -> JSONResponse | None:
         if name is None or name == served_model_name:
@@ -99,7 +151,11 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if async_llm.is_running else 503)
+        if async_llm.dead_error is not None:
+            return error_response(503, f"the engine is dead: {async_llm.dead_error}")
+        if lifecycle.draining or not async_llm.is_running:
+            return error_response(503, "the server is shutting down")
+        return Response(status_code=200)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -118,35 +174,79 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Any:
         return unknown_model(req.model) or await chat.create(req, raw)
 
-    @app.post("/tokenize")
+    def tokenize_sync(req: TokenizeRequest) -> list[int]:
+        if req.messages is not None:
+            return render_chat(engine, req.messages, req.add_generation_prompt)[
+                "prompt_token_ids"]
+        if req.prompt is not None:
+            engine.check_text_length(len(req.prompt))
+            return engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        raise ValueError("tokenize needs prompt or messages")
+
+    @keyed.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Any:
         if (err := unknown_model(req.model)) is not None:
             return err
-        if req.messages is not None:
-            ids = render_chat(engine.tokenizer, req.messages,
-                              req.add_generation_prompt)["prompt_token_ids"]
-        elif req.prompt is not None:
-            ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        else:
-            raise ValueError("tokenize needs prompt or messages")
+        ids = await asyncio.get_running_loop().run_in_executor(None, tokenize_sync, req)
         return {"count": len(ids), "max_model_len": engine.config.model.max_model_len,
                 "tokens": ids}
 
-    @app.post("/detokenize")
+    @keyed.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> Any:
         if (err := unknown_model(req.model)) is not None:
             return err
         vocab = engine.config.model.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise ValueError(f"tokens must be ids in [0, {vocab})")
-        return {"prompt": engine.tokenizer.decode(req.tokens)}
+        text = await asyncio.get_running_loop().run_in_executor(
+            None, engine.tokenizer.decode, req.tokens)
+        return {"prompt": text}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(v1)
+    app.include_router(keyed)
+    _document_400_not_422(app)
     return app
+
+
+def _describe(errors: list[Any]) -> tuple[str, str | None]:
+    """(message, param) of a request validation error, naming the top-level field. Our own
+    checks (value errors) explain best, so they go first; pydantic's union-member tags
+    ("str", "function-after[...]") are left out of the field path."""
+    errors = sorted(errors, key=lambda e: e.get("type") != "value_error")
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('ctx', {}).get('error', '')}", None
+    loc = [str(x) for x in first.get("loc", ())[1:]
+           if isinstance(x, int) or (str(x).isidentifier() and str(x) not in _TYPE_TAGS)]
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":
+        msg = "unknown field (tokenmill does not support it)"
+    if first.get("type") == "missing" and not loc:
+        return "a JSON object body is required", None
+    param = loc[0] if loc else None
+    return (f"{'.'.join(loc)}: {msg}" if loc else msg), param
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart"}
+
+
+def _document_400_not_422(app: FastAPI) -> None:
+    """The OpenAPI schema says what the server does: validation errors are 400 (OpenAI's
+    choice), never FastAPI's default 422."""
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for path in schema.get("paths", {}).values():
+                for op in path.values():
+                    op.get("responses", {}).pop("422", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def default_served_name(engine: LLMEngine) -> str:
@@ -158,17 +258,18 @@ def default_served_name(engine: LLMEngine) -> str:
 
 
 def run_server(engine: LLMEngine, host: str, port: int, api_key: str | None,
-               served_model_name: str | None) -> int:
+               served_model_name: str | None, limits: ServerLimits | None = None) -> int:
+    """Serve until SIGINT/SIGTERM (drained: exit 0) or the engine's death (exit 1)."""
     import uvicorn
 
+    from tokenmill.server.lifecycle import DrainingServer
+
     name = served_model_name or default_served_name(engine)
-    app = build_app(engine, name, api_key)
-    config = uvicorn.Config(app, host=host, port=port, log_level="info",
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    # NOTE: uvicorn re-raises the stop signal once it has shut down; a no-op handler makes a
-    # graceful SIGINT/SIGTERM end in exit status 0 instead of a traceback or 143.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
+    app = build_app(engine, name, api_key, limits)
+    # uvicorn's access log is off: ours (middleware.py) carries the request id.
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
+                            log_config=None, timeout_graceful_shutdown=5)
+    server = DrainingServer(config, app.state.lifecycle)
     logger.info("serving %s on http://%s:%d", name, host, port)
-    uvicorn.Server(config).run()
-    return 0
+    server.run()
+    return app.state.lifecycle.exit_code

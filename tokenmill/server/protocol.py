@@ -1,64 +1,136 @@
 """Pydantic models of the OpenAI API subset we serve, with vLLM's extra sampling fields.
 
+Validation happens here, at the edge, so that nothing a client sends can reach the engine in a
+form its ops do not accept:
+- strict types: no bool where a number is expected, no string where a bool is; finite floats
+  only; integers within signed 64 bits where they become tensor values (seed, top_k);
+- every string must be encodable as UTF-8 (a lone surrogate such as "\\ud800" is a 400);
+- unknown fields are refused with a 400 naming them (`extra="forbid"`), and OpenAI fields that
+  tokenmill does not implement yet (`response_format` other than text, `tools`, `best_of`...)
+  are refused by name unless they carry their inert default;
+- `n` is capped at MAX_N, the number of prompts at MAX_PROMPTS.
+
 Requests turn into SamplingParams in `to_sampling_params`; SamplingParams' own validation then
 raises ValueError naming the field, which the server returns as a 400 in the OpenAI shape.
-Unknown fields are accepted and ignored, as OpenAI's own server does with new client fields.
 """
 
 from __future__ import annotations
 
 import time
-import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+
+MAX_N = 128  # OpenAI's own cap on n
+MAX_PROMPTS = 256  # prompts in one /v1/completions request
+INT64_MAX = 2**63 - 1
 
 
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def _utf8(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text is not valid Unicode ({e.reason} at position {e.start})") from None
+    return text
 
 
-class StreamOptions(BaseModel):
+Text = Annotated[str, AfterValidator(_utf8)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
+Float = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(StrictModel):
     include_usage: bool = False
+    continuous_usage_stats: Literal[False] = False
 
 
-class SamplingFields(BaseModel):
+# OpenAI fields tokenmill does not implement yet → the values that mean "not used".
+_INERT: dict[str, Any] = {
+    "best_of": (None, "n"), "response_format": (None, {"type": "text"}),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None,),
+    "function_call": (None, "none"), "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,), "store": (None, False), "web_search_options": (None,),
+}
+
+
+class SamplingFields(StrictModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    stream: bool = False
+    model: Text | None = None
+    max_tokens: StrictInt | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    stop: Text | list[Text] | None = None
+    seed: Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    presence_penalty: Float = 0.0
+    frequency_penalty: Float = 0.0
+    logit_bias: dict[str, Float] | None = None
+    user: Text | None = None
+    metadata: dict[str, Text] | None = None
+    # not implemented: refused unless inert (see _INERT)
+    best_of: StrictInt | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    store: StrictBool | None = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    # tokenmill: seconds after which the request is aborted (finish_reason "abort")
+    timeout: Annotated[Float, Field(gt=0)] | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    stop_token_ids: list[int] | None = None
-    prompt_logprobs: int | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1, le=INT64_MAX)] | None = None
+    min_p: Float = 0.0
+    repetition_penalty: Float = 1.0
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = 0
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    stop_token_ids: list[TokenId] | None = None
+    prompt_logprobs: StrictInt | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unimplemented(self) -> SamplingFields:
+        for name, inert in _INERT.items():
+            value = getattr(self, name, None)
+            if name == "best_of" and value in (None, self.n):
+                continue
+            if value not in inert:
+                raise ValueError(f"{name} is not supported by tokenmill yet")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available with stream=true")
+        return self
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          default_max_tokens: int | None) -> SamplingParams:
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
             min_p=self.min_p, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
@@ -71,37 +143,86 @@ class SamplingFields(BaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens)
 
 
+Prompt = Text | list[Text] | list[TokenId] | list[list[TokenId]]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
+    prompt: Any
+    logprobs: Annotated[StrictInt, Field(ge=0)] | None = None
+    echo: StrictBool = False
+    suffix: Text | None = None
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt(cls, value: Any) -> Prompt:
+        """One text, one list of token ids, or a non-empty list of either (no bools, which
+        JSON parsers would otherwise read as 0 and 1)."""
+        def is_ids(v: Any) -> bool:
+            return (isinstance(v, list) and len(v) > 0
+                    and all(type(t) is int and 0 <= t <= INT64_MAX for t in v))
+
+        if isinstance(value, str):
+            return _utf8(value)
+        if is_ids(value):
+            return value
+        if (isinstance(value, list) and 0 < len(value) <= MAX_PROMPTS
+                and (all(isinstance(v, str) for v in value) or all(is_ids(v) for v in value))):
+            return [_utf8(v) if isinstance(v, str) else v for v in value]
+        if isinstance(value, list) and len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
+        raise ValueError("prompt must be a string, a non-empty list of token ids (integers "
+                         ">= 0), or a non-empty list of strings or of token id lists")
+
+    def prompts(self) -> list[Any]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
 
     def to_sampling_params(self) -> SamplingParams:
         # OpenAI's completions default is 16 tokens.
         return self._sampling_params(self.max_tokens, self.logprobs, 16)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: Text
 
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates expect it: text parts joined (as vLLM does)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        out: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None  # meaningful only with tools (refused)
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
+            raise ValueError("top_logprobs must come with logprobs=true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = self.max_completion_tokens or self.max_tokens
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
+                             f"got {logprobs}")
+        max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
+                      else self.max_tokens)
         return self._sampling_params(max_tokens, logprobs, None)
 
 
@@ -130,14 +251,14 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
-class TokenizeRequest(BaseModel):
-    model: str | None = None
-    prompt: str | None = None
+class TokenizeRequest(StrictModel):
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model: str | None = None
-    tokens: list[int]
+class DetokenizeRequest(StrictModel):
+    model: Text | None = None
+    tokens: list[TokenId]

@@ -1,24 +1,33 @@
 """What both OpenAI endpoints share: errors in the OpenAI shape, running several generations
-at once while watching for the client to go away, SSE framing and usage counting."""
+at once while watching for the client to go away, SSE framing (with an error event for a
+request that fails after its stream began), and usage counting."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from tokenmill.engine.async_engine import AsyncLLM
+from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.admission import AdmissionControl, Ticket
 from tokenmill.server.protocol import ErrorBody, ErrorResponse, UsageInfo
+from tokenmill.utils import request_context
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                503: "ServiceUnavailableError", 500: "InternalServerError"}
+                405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+                422: "UnprocessableEntityError", 429: "RateLimitError",
+                500: "InternalServerError", 503: "ServiceUnavailableError"}
+_PARAM_IN_MESSAGE = re.compile(r"([a-z_]+) (must|is not supported|is only allowed|is not "
+                               r"available)")
 _DISCONNECT_POLL_S = 0.1
 
 
@@ -26,13 +35,35 @@ class ClientDisconnected(Exception):
     pass
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+class RequestFailed(Exception):
+    """The engine failed on this request alone (its output carries the error)."""
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
     if param is None:  # our ValueErrors start with the field they are about
-        m = re.match(r"([a-z_]+) must", message)
+        m = _PARAM_IN_MESSAGE.match(message)
         param = m.group(1) if m else None
-    body = ErrorResponse(error=ErrorBody(message=message, type=_ERROR_TYPES.get(status, "Error"),
-                                         param=param, code=status))
-    return JSONResponse(body.model_dump(), status_code=status)
+    return ErrorResponse(error=ErrorBody(message=message, type=_ERROR_TYPES.get(status, "Error"),
+                                         param=param, code=status)).model_dump()
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def check_failed(outputs: list[RequestOutput]) -> None:
+    """RequestFailed if the engine failed any of these requests."""
+    for out in outputs:
+        if out.error is not None:
+            raise RequestFailed(f"the engine failed on this request: {out.error}")
+
+
+def sse_error(error: BaseException) -> str:
+    """The event that ends a stream which failed after it began (then [DONE] follows)."""
+    status = (400 if isinstance(error, ValueError)
+              else 503 if isinstance(error, EngineDeadError) else 500)
+    return sse(error_body(status, str(error)))
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -62,18 +93,44 @@ def usage(outputs: list[RequestOutput]) -> UsageInfo:
                      total_tokens=prompt + completion)
 
 
-async def add_all(engine: AsyncLLM, request_id: str, prompts: list[Any],
-                  params: SamplingParams) -> list[AsyncIterator[RequestOutput]]:
-    """Queue one request per prompt; if any is refused, abort those already queued."""
-    streams = []
-    try:
-        for i, prompt in enumerate(prompts):
-            streams.append(await engine.add_request(f"{request_id}-{i}", prompt, params))
-    except BaseException:
-        for i in range(len(streams)):
-            engine.abort(f"{request_id}-{i}")
-        raise
-    return streams
+class OpenAIServing:
+    """What the completions and chat handlers share: admission, deadlines and queueing."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str, admission: AdmissionControl,
+                 request_timeout: float | None = None) -> None:
+        self.engine, self.model_name = engine, model_name
+        self.admission, self.request_timeout = admission, request_timeout
+
+    def response_id(self, prefix: str) -> str:
+        """`prefix-<X-Request-Id>` (the middleware makes one up when the client sent none)."""
+        return f"{prefix}-{request_context.request_id.get()}"
+
+    def admit(self, num_prompts: int, params: SamplingParams) -> Ticket:
+        return self.admission.admit(num_prompts * params.n)
+
+    def deadline(self, timeout: float | None) -> float | None:
+        """The request's deadline: its own timeout or the server's, whichever is shorter."""
+        limits = [t for t in (timeout, self.request_timeout) if t is not None]
+        return time.monotonic() + min(limits) if limits else None
+
+    async def add_all(self, prompts: list[Any], params: SamplingParams,
+                      timeout: float | None) -> list[AsyncIterator[RequestOutput]]:
+        """Queue one request per prompt; if any is refused, abort those already queued."""
+        base = f"{request_context.request_id.get()}-{next(_engine_ids)}"
+        deadline = self.deadline(timeout)
+        streams = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(await self.engine.add_request(f"{base}-{i}", prompt, params,
+                                                             deadline))
+        except BaseException:
+            for i in range(len(streams)):
+                self.engine.abort(f"{base}-{i}")
+            raise
+        return streams
+
+
+_engine_ids = itertools.count()  # engine ids stay unique when clients reuse X-Request-Id
 
 
 async def merge(generators: list[AsyncIterator[RequestOutput]]

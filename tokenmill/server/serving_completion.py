@@ -1,5 +1,8 @@
 """POST /v1/completions: one or several prompts (text or token ids), n samples each, streamed
-as Server-Sent Events or returned whole. Choice index = prompt index * n + sample index."""
+as Server-Sent Events or returned whole. Choice index = prompt index * n + sample index.
+
+A stream always ends with [DONE]: after each choice's finish_reason ("abort" for a deadline or a
+shutdown), or after an error event if the engine failed the request."""
 
 from __future__ import annotations
 
@@ -10,18 +13,19 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.server.protocol import CompletionRequest, random_id
-from tokenmill.server.serving_common import DeltaTracker, add_all, collect, merge, sse, usage
-
-
-def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
-    if isinstance(prompt, str):
-        return [prompt]
-    if prompt and all(isinstance(t, int) for t in prompt):
-        return [prompt]
-    return list(prompt)
+from tokenmill.server.admission import Ticket
+from tokenmill.server.protocol import CompletionRequest
+from tokenmill.server.serving_common import (
+    DeltaTracker,
+    OpenAIServing,
+    check_failed,
+    collect,
+    merge,
+    sse,
+    sse_error,
+    usage,
+)
 
 
 def completion_logprobs(c: CompletionOutput, start: int = 0,
@@ -42,53 +46,77 @@ def completion_logprobs(c: CompletionOutput, start: int = 0,
             "text_offset": offsets}
 
 
-class OpenAIServingCompletion:
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
-        self.engine, self.model_name = engine, model_name
+def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt position (None first), token id → logprob."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for tid, lp in entry.items()} for entry in out.prompt_logprobs]
 
+
+class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw: Request) -> Any:
         if req.suffix:
-            raise ValueError("suffix is not supported")
+            raise ValueError("suffix is not supported by tokenmill yet")
         if req.echo:
-            raise ValueError("echo is not supported")
+            raise ValueError("echo is not supported by tokenmill yet")
         params = req.to_sampling_params()
-        request_id = random_id("cmpl")
-        gens = await add_all(self.engine, request_id, _prompts(req.prompt), params)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._stream(request_id, gens, params.n, include_usage),
-                                     media_type="text/event-stream")
-        finals = await collect(gens, raw)
+        prompts = req.prompts()
+        ticket = self.admit(len(prompts), params)
+        try:
+            request_id = self.response_id("cmpl")
+            gens = await self.add_all(prompts, params, req.timeout)
+            if req.stream:
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                return StreamingResponse(self._stream(request_id, gens, params.n, include_usage,
+                                                      ticket), media_type="text/event-stream")
+            finals = await collect(gens, raw)
+        except BaseException:
+            ticket.release()
+            raise
+        ticket.release()
+        check_failed(finals)
         choices = []
         for i, out in enumerate(finals):
             for c in out.outputs:
-                choices.append({"index": i * params.n + c.index, "text": c.text,
-                                "logprobs": completion_logprobs(c),
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                choice = {"index": i * params.n + c.index, "text": c.text,
+                          "logprobs": completion_logprobs(c),
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if out.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(out)
+                choices.append(choice)
         return JSONResponse({"id": request_id, "object": "text_completion",
                              "created": int(time.time()), "model": self.model_name,
                              "choices": choices, "usage": usage(finals).model_dump()})
 
     async def _stream(self, request_id: str, gens: list[AsyncIterator[RequestOutput]], n: int,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, ticket: Ticket) -> AsyncIterator[str]:
         created = int(time.time())
         sent = DeltaTracker()
         finals: dict[int, RequestOutput] = {}
-        async for i, out in merge(gens):
-            finals[i] = out
-            for c in out.outputs:
-                idx = i * n + c.index
-                if (before := sent.advance(idx, c)) is None:
-                    continue
-                t0, k0 = before
-                yield sse({"id": request_id, "object": "text_completion", "created": created,
-                           "model": self.model_name,
-                           "choices": [{"index": idx, "text": c.text[t0:],
-                                        "logprobs": completion_logprobs(c, k0, t0),
-                                        "finish_reason": c.finish_reason,
-                                        "stop_reason": c.stop_reason}]})
-        if include_usage:
-            yield sse({"id": request_id, "object": "text_completion", "created": created,
-                       "model": self.model_name, "choices": [],
-                       "usage": usage([finals[i] for i in sorted(finals)]).model_dump()})
-        yield sse("[DONE]")
+        try:  # the ticket is released however the stream ends
+            try:
+                async for i, out in merge(gens):
+                    check_failed([out])
+                    finals[i] = out
+                    for c in out.outputs:
+                        idx = i * n + c.index
+                        if (before := sent.advance(idx, c)) is None:
+                            continue
+                        t0, k0 = before
+                        yield sse({"id": request_id, "object": "text_completion",
+                                   "created": created, "model": self.model_name,
+                                   "choices": [{"index": idx, "text": c.text[t0:],
+                                                "logprobs": completion_logprobs(c, k0, t0),
+                                                "finish_reason": c.finish_reason,
+                                                "stop_reason": c.stop_reason}]})
+                if include_usage:
+                    yield sse({"id": request_id, "object": "text_completion", "created": created,
+                               "model": self.model_name, "choices": [],
+                               "usage": usage([finals[i] for i in sorted(finals)]).model_dump()})
+            except Exception as e:  # the engine failed it, or died: say so, then end cleanly
+                yield sse_error(e)
+            yield sse("[DONE]")
+        finally:
+            ticket.release()

@@ -30,6 +30,10 @@ from tokenmill.worker.input_batch import InputBatch
 logger = logging.getLogger(__name__)
 
 
+class KVBlockOpsError(RuntimeError):
+    """A step's block copies or swaps failed: the KV cache is in doubt for every request."""
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -43,10 +47,16 @@ class ModelRunner:
             move_parameters_to_huge_pages(self.model)
         if config.prepack_weights and onednn_available(self.device, mc.dtype):
             prepack_model(self.model)
-        logger.info("loaded %s in %.1f s", mc.path, time.perf_counter() - t0)
+        logger.info("model weights loaded (%s, %s on %s) in %.1f s", mc.path, mc.dtype,
+                    self.device, time.perf_counter() - t0)
+        t0 = time.perf_counter()
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_cache = allocate_kv_cache(mc.num_layers, self.num_kv_blocks, self.block_size,
                                           mc.num_kv_heads, mc.head_dim, mc.dtype, self.device)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.0f MiB) in %.1f s",
+                    self.num_kv_blocks - 1, self.block_size,
+                    (self.num_kv_blocks - 1) * self.block_size,
+                    self.num_kv_blocks * self._block_bytes() / 2**20, time.perf_counter() - t0)
         self.num_swap_blocks, self.swap_cache = self._allocate_swap()
         self.backend = get_attention_backend(config.attention_backend, self.block_size,
                                              self.device, mc.dtype)
@@ -103,13 +113,19 @@ class ModelRunner:
             self.kv_cache[:, :, list(gpu)] = self.swap_cache[:, :, list(cpu)].to(self.device)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput, block_ops: bool = True) -> ModelRunnerOutput:
+        """Run one step. `block_ops=False` skips the step's block copies and swaps (the engine
+        re-executes requests of a failed step alone, after those were done once)."""
         req_ids = [r.req_id for r in sched.scheduled]
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         with scope("prepare_inputs"):
             self.sampler.forget(sched.finished_req_ids)
-            self._swap(sched)
-            copy_blocks(self.kv_cache, sched.blocks_to_copy)
+            if block_ops:
+                try:
+                    self._swap(sched)
+                    copy_blocks(self.kv_cache, sched.blocks_to_copy)
+                except Exception as e:
+                    raise KVBlockOpsError(f"{type(e).__name__}: {e}") from e
             if sched.is_empty:
                 return out
             batch = InputBatch.build(sched, self.block_size, self.device)
