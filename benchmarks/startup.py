@@ -3,9 +3,10 @@
     python benchmarks/startup.py [--model PATH] [--repeats 3] [--cold] [--port 8123]
 
 Each measurement is a fresh Python process (imports included), timed from its launch. Starts
-normally find the converted GGUF copy (model_loader/gguf_cache.py) and the compiled CPU kernels
-(utils/cpp_extension.py) in their caches; --cold first measures one start with both caches
-empty (temporary TOKENMILL_CACHE_DIR and TORCH_EXTENSIONS_DIR), what a new machine pays once.
+normally find the converted GGUF copy (model_loader/gguf_cache.py) in its cache and the CPU
+kernels compiled at install time (utils/cpp_extension.py); --cold first measures one `LLM()`
+and one `tokenmill serve` with the caches empty (temporary TOKENMILL_CACHE_DIR and
+TORCH_EXTENSIONS_DIR): the first start after the README's install command.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="also time one start with empty caches")
     ap.add_argument("--port", type=int, default=8123)
     args = ap.parse_args()
+    from tokenmill.bench.machine import describe_machine
+
+    print(describe_machine())
     env = dict(os.environ)
     rows = []
     if args.cold:
@@ -67,6 +71,11 @@ def main() -> None:
             cold = env | {"TOKENMILL_CACHE_DIR": os.path.join(tmp, "tm"),
                           "TORCH_EXTENSIONS_DIR": os.path.join(tmp, "ext")}
             rows.append(("LLM() ready, empty caches", [time_llm(args.model, cold)]))
+        with tempfile.TemporaryDirectory() as tmp:
+            cold = env | {"TOKENMILL_CACHE_DIR": os.path.join(tmp, "tm"),
+                          "TORCH_EXTENSIONS_DIR": os.path.join(tmp, "ext")}
+            rows.append(("serve /health, empty caches",
+                         [time_serve(args.model, args.port, cold)]))
     time_llm(args.model, env)  # make sure the caches are filled
     rows.append(("LLM() ready", [time_llm(args.model, env) for _ in range(args.repeats)]))
     rows.append(("serve /health 200", [time_serve(args.model, args.port, env)

@@ -96,6 +96,9 @@ def test_request_failing_in_the_engine_fails_alone(server, inject_overflowing_se
         assert sum(len(json.loads(e)["choices"][0]["text"]) > 0 for e in events[:-1]) > 10
     server.wait_idle()
     assert httpx.get(f"{server.base_url}/health").status_code == 200
+    gauges = scrape(server.base_url)
+    assert gauges["tokenmill:num_requests_running"] == 0
+    assert gauges["tokenmill:kv_cache_usage_perc"] == 0
 
 
 def test_engine_death_is_reported_and_exits_1(tiny_model):

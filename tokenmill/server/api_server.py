@@ -62,7 +62,8 @@ class Unauthorized(Exception):
     pass
 
 
-_ERROR_STATUSES = {400: "Invalid request", 401: "Invalid API key", 413: "Body too large",
+_ERROR_STATUSES = {400: "Invalid request", 401: "Invalid API key", 404: "Unknown model",
+                   413: "Body too large",
                    429: "Overloaded", 500: "The engine failed the request",
                    503: "Shutting down or engine dead"}
 
@@ -149,7 +150,8 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
             return None
         return error_response(404, f"The model `{name}` does not exist.", param="model")
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "Healthy (empty body)", "content": {}}})
     async def health() -> Response:
         if async_llm.dead_error is not None:
             return error_response(503, f"the engine is dead: {async_llm.dead_error}")
@@ -202,7 +204,8 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
             None, engine.tokenizer.decode, req.tokens)
         return {"prompt": text}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "description": "Prometheus text format", "content": {"text/plain": {}}}})
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

@@ -1,9 +1,11 @@
 """Builds and loads the C++ CPU kernels in tokenmill/csrc/ with torch.utils.cpp_extension.
 
-Each extension is compiled on first use and cached by torch under ~/.cache/torch_extensions
-(or $TORCH_EXTENSIONS_DIR): the first process on a machine compiles for about 30 s, later ones
-load the library in well under a second. Compiled for this machine's CPU: AVX2 + FMA where
-available, else portable code.
+Each kernel exists in two builds, chosen at run time by this CPU's flags (never the build
+machine's): "avx2" (AVX2 + FMA, ATen's AVX2 Vectorized; also what AVX-512 machines run) and
+"generic" (portable code). `pip install` compiles both (setup.py imports this file for the
+flags) into tokenmill/_C/ as `<name>_<isa>`; when those are missing or do not load (no compiler
+at install time, another torch), the kernel is compiled on first use instead and cached by
+torch under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR), about 25 s a kernel.
 
 `load_cpu_extension(name)` returns the module, or None when the kernels are disabled
 (TOKENMILL_CPU_KERNELS=0) or cannot be built (no compiler): every caller then keeps a
@@ -16,6 +18,7 @@ after another at first use; each build is logged with its duration.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
@@ -33,10 +36,18 @@ _name_locks: dict[str, threading.Lock] = {}
 _modules: dict[str, object | None] = {}
 
 
-def cflags() -> list[str]:
-    """Compiler flags for the CPU kernels on this machine."""
+ISAS = ("avx2", "generic")
+
+
+def runtime_isa() -> str:
+    """The build this CPU runs, from its flags as torch reads them at run time."""
+    return "avx2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else "generic"
+
+
+def cflags(isa: str | None = None) -> list[str]:
+    """Compiler flags of the `isa` build (default: the one this machine runs)."""
     flags = ["-O3", "-fopenmp"]  # -fopenmp: at::parallel_for runs on torch's OpenMP pool
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+    if (isa or runtime_isa()) == "avx2":
         # Select ATen's AVX2 Vectorized<float> (the header otherwise falls back to scalar).
         flags += ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     return flags
@@ -59,14 +70,24 @@ def load_cpu_extension(name: str) -> object | None:
 
 
 def _build(name: str) -> object | None:
+    isa = runtime_isa()
+    try:
+        t0 = time.perf_counter()
+        module = importlib.import_module(f"tokenmill._C.{name}_{isa}")
+        logger.info("C++ kernels %s: the %s build (compiled at install time) loaded in %.2f s",
+                    name, isa, time.perf_counter() - t0)
+        return module
+    except ImportError as e:  # not built at install time, or for another torch
+        logger.info("C++ kernels %s (%s) were not built at install time (%s): compiling them "
+                    "now, about 25 s, once per machine", name, isa, e)
     try:
         from torch.utils.cpp_extension import load
 
         t0 = time.perf_counter()
         module = load(f"tokenmill_{name}", [str(CSRC / f"{name}.cpp")], extra_cflags=cflags(),
                       extra_include_paths=[str(CSRC)], extra_ldflags=["-fopenmp"])
-        logger.info("C++ kernels %s ready in %.1f s (%s)", name, time.perf_counter() - t0,
-                    torch.backends.cpu.get_cpu_capability())
+        logger.info("C++ kernels %s (%s) compiled in %.1f s", name, isa,
+                    time.perf_counter() - t0)
         return module
     except Exception as e:  # no compiler, no headers: the PyTorch paths still work
         logger.warning("C++ kernels %s unavailable (%s); using PyTorch ops", name, e)

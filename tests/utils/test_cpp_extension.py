@@ -1,0 +1,42 @@
+"""The C++ kernels compiled at install time: both builds exist, this CPU loads the one its
+flags allow, and the two builds compute the same thing (the portable one has no AVX)."""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from tokenmill.utils import cpp_extension
+
+
+def test_runtime_isa_follows_the_cpu_flags(monkeypatch):
+    for capability, isa in [("AVX512", "avx2"), ("AVX2", "avx2"), ("DEFAULT", "generic")]:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert cpp_extension.runtime_isa() == isa
+        assert ("-mavx2" in cpp_extension.cflags()) == (isa == "avx2")
+
+
+@pytest.mark.parametrize("name", cpp_extension.EXTENSIONS)
+def test_both_builds_installed_and_agree(name):
+    builds = {isa: importlib.import_module(f"tokenmill._C.{name}_{isa}")
+              for isa in cpp_extension.ISAS}
+    loaded = cpp_extension.load_cpu_extension(name)
+    assert loaded is builds[cpp_extension.runtime_isa()]
+    if name == "cpu_ops":
+        x = torch.randn(3, 49152)
+        x[1, 7] = x[1].max() + 1
+        for module in builds.values():
+            assert module.argmax_rows(x).tolist() == x.argmax(-1).tolist()
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump")
+@pytest.mark.parametrize("name", cpp_extension.EXTENSIONS)
+def test_generic_build_uses_no_avx_registers(name):
+    for isa, expect_ymm in (("generic", False), ("avx2", True)):
+        path = importlib.import_module(f"tokenmill._C.{name}_{isa}").__file__
+        asm = subprocess.run(["objdump", "-d", path], capture_output=True, text=True).stdout
+        assert ("ymm" in asm) == expect_ymm, (name, isa)

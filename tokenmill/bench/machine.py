@@ -1,0 +1,29 @@
+"""One line describing the machine a benchmark ran on, printed beside its figures: figures
+only compare within one run, and only on the CPU they name."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+_FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+                      "avx512_fp16", "avx_vnni", "amx_tile")
+
+
+def describe_machine() -> str:
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    shown = " ".join(f for f in _FLAGS_OF_INTEREST if f in flags) or "n/a"
+    return (f"CPU: {model}; flags: {shown}; torch {torch.__version__} "
+            f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")

@@ -1,0 +1,138 @@
+"""Overload run: many simultaneous requests against `tokenmill serve` with a bounded queue.
+
+    python benchmarks/overload.py [--requests 1000] [--max-waiting-requests 256]
+                                  [--max-tokens 32] [--model PATH]
+
+Starts `tokenmill serve` in its own process (default settings, max_num_seqs 256, the given
+queue bound), sends every request at once (non-streaming completions of `--max-tokens`
+tokens), and while they run probes /health every 50 ms on a connection of its own. Prints
+how many were admitted (200) and refused (429, with Retry-After), the latency of the
+admitted ones (p50 / p99) and of the refusals, and /health's latency during the run
+(p50 / p99 / max). Every other status is a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+
+@dataclass
+class OverloadResult:
+    statuses: Counter = field(default_factory=Counter)
+    admitted_s: list[float] = field(default_factory=list)
+    refused_s: list[float] = field(default_factory=list)
+    health_s: list[float] = field(default_factory=list)
+    retry_after: set[str] = field(default_factory=set)
+    duration_s: float = 0.0
+
+
+async def overload(base_url: str, num_requests: int, max_tokens: int) -> OverloadResult:
+    result = OverloadResult()
+    running = True
+
+    async def probe_health() -> None:
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as c:
+            while running:
+                t0 = time.perf_counter()
+                await c.get("/health")
+                result.health_s.append(time.perf_counter() - t0)
+                await asyncio.sleep(0.05)
+
+    async def one(c: httpx.AsyncClient, i: int) -> None:
+        t0 = time.perf_counter()
+        r = await c.post("/v1/completions", json={
+            "prompt": f"Request {i}: tell me a story", "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0})
+        elapsed = time.perf_counter() - t0
+        result.statuses[r.status_code] += 1
+        if r.status_code == 200:
+            result.admitted_s.append(elapsed)
+        elif r.status_code == 429:
+            result.refused_s.append(elapsed)
+            result.retry_after.add(r.headers.get("retry-after", "missing"))
+
+    limits = httpx.Limits(max_connections=num_requests + 8, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as c:
+        prober = asyncio.create_task(probe_health())
+        start = time.perf_counter()
+        await asyncio.gather(*(one(c, i) for i in range(num_requests)))
+        result.duration_s = time.perf_counter() - start
+        running = False
+        await prober
+    return result
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def format_result(r: OverloadResult, num_requests: int, bound: int) -> str:
+    statuses = ", ".join(f"{k}: {v}" for k, v in sorted(r.statuses.items()))
+    return "\n".join([
+        f"{num_requests} simultaneous requests, queue bound {bound}: {statuses} "
+        f"in {r.duration_s:.1f} s",
+        f"admitted (200): {len(r.admitted_s)}, latency p50 {_pct(r.admitted_s, 50):.2f} s, "
+        f"p99 {_pct(r.admitted_s, 99):.2f} s",
+        f"refused (429): {len(r.refused_s)}, latency p50 {_pct(r.refused_s, 50) * 1e3:.0f} ms, "
+        f"p99 {_pct(r.refused_s, 99) * 1e3:.0f} ms, Retry-After {sorted(r.retry_after)}",
+        f"/health during the run ({len(r.health_s)} probes): p50 "
+        f"{_pct(r.health_s, 50) * 1e3:.1f} ms, p99 {_pct(r.health_s, 99) * 1e3:.1f} ms, max "
+        f"{max(r.health_s, default=float('nan')) * 1e3:.1f} ms"])
+
+
+def launch(model: str | None, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tokenmill", "serve", *([model] if model
+                            else []), "--port", str(port), *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("tokenmill serve exited during start-up")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise TimeoutError("tokenmill serve did not become healthy")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tokenmill.bench.machine import describe_machine
+
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--max-waiting-requests", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    args = ap.parse_args(argv)
+    print(describe_machine())
+    proc, base = launch(args.model, ["--max-waiting-requests", str(args.max_waiting_requests),
+                                     "--max-num-seqs", str(args.max_num_seqs)])
+    try:
+        r = asyncio.run(overload(base, args.requests, args.max_tokens))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    print(format_result(r, args.requests, args.max_waiting_requests))
+    bad = {k: v for k, v in r.statuses.items() if k not in (200, 429)}
+    if bad:
+        print(f"FAIL: unexpected statuses {bad}")
+    return 1 if bad else 0
