@@ -10,7 +10,8 @@ from tokenmill.bench.soak import SoakReport, check_idle, soak
 def test_short_soak_passes(tiny_model):
     path, _ = tiny_model("llama")
     report = soak(path, num_requests=160, concurrency=16, seed=1,
-                  engine_options={"max_model_len": 512, "num_kv_blocks": 300})
+                  engine_options={"max_model_len": 512, "num_kv_blocks": 300},
+                  progress=False)
     assert report.ok, report.problems
     assert report.good > 80 and report.bad > 10 and report.aborted > 10
     assert not any(isinstance(k, int) and k >= 500 for k in report.statuses)

@@ -15,10 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import socket
-import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -91,29 +87,9 @@ def format_result(r: OverloadResult, num_requests: int, bound: int) -> str:
         f"{max(r.health_s, default=float('nan')) * 1e3:.1f} ms"])
 
 
-def launch(model: str | None, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "tokenmill", "serve", *([model] if model
-                            else []), "--port", str(port), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("tokenmill serve exited during start-up")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise TimeoutError("tokenmill serve did not become healthy")
-
-
 def main(argv: list[str] | None = None) -> int:
     from tokenmill.bench.machine import describe_machine
+    from tokenmill.bench.serve_command import launch
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -124,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     args = ap.parse_args(argv)
     print(describe_machine())
-    proc, base = launch(args.model, ["--max-waiting-requests", str(args.max_waiting_requests),
-                                     "--max-num-seqs", str(args.max_num_seqs)])
+    proc, base = launch(args.model, ("--max-waiting-requests", str(args.max_waiting_requests),
+                                     "--max-num-seqs", str(args.max_num_seqs)))
     try:
         r = asyncio.run(overload(base, args.requests, args.max_tokens))
     finally:

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 import httpx
 
@@ -50,14 +51,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(model_path: str | None) -> tuple[subprocess.Popen, str]:
+def launch(model_path: str | None, extra_args: tuple[str, ...] = (),
+           stderr: Any = subprocess.DEVNULL, timeout: float = 300
+           ) -> tuple[subprocess.Popen, str]:
+    """`tokenmill serve` on a free port, once /health answers 200: (process, base URL)."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(port)]
-    if model_path:
-        cmd.insert(4, model_path)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = [sys.executable, "-m", "tokenmill", "serve", *([model_path] if model_path else []),
+           "--port", str(port), *extra_args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:
@@ -66,8 +69,8 @@ def _launch(model_path: str | None) -> tuple[subprocess.Popen, str]:
             pass
         if proc.poll() is not None:
             raise RuntimeError("tokenmill serve exited during start-up")
-        time.sleep(0.5)
-    proc.terminate()
+        time.sleep(0.2)
+    proc.kill()
     raise RuntimeError("tokenmill serve did not become healthy")
 
 
@@ -77,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
     mc = ModelConfig.from_path(args.model_path)
     special = set(load_tokenizer(mc).all_special_ids)
-    proc, base = _launch(args.model_path) if args.launch else (None, args.base_url)
+    proc, base = launch(args.model_path) if args.launch else (None, args.base_url)
     try:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         model = args.served_model or httpx.get(f"{base}/v1/models",

@@ -169,8 +169,11 @@ async def _aborted(client: httpx.AsyncClient, rng: random.Random, i: int,
 
 
 async def run_soak(base_url: str, num_requests: int, concurrency: int, seed: int,
-                   warmup: int) -> SoakReport:
+                   warmup: int, progress: bool = True) -> SoakReport:
+    from tqdm import tqdm
+
     rng = random.Random(seed)
+    bar = tqdm(total=num_requests, desc="soak", unit="req", disable=not progress)
     report = SoakReport()
     report.rss_mb["start"] = rss_mb()
     sem = asyncio.Semaphore(concurrency)
@@ -184,6 +187,7 @@ async def run_soak(base_url: str, num_requests: int, concurrency: int, seed: int
                     await _bad(client, child, report)
                 else:
                     await _aborted(client, child, i, report)
+                bar.update()
 
         start = time.perf_counter()
         plans = [(i, rng.random(), random.Random(rng.getrandbits(64)))
@@ -192,6 +196,7 @@ async def run_soak(base_url: str, num_requests: int, concurrency: int, seed: int
         report.rss_mb["after warm-up"] = rss_mb()
         await asyncio.gather(*(one(*p) for p in plans[warmup:]))
         report.duration_s = time.perf_counter() - start
+    bar.close()
     report.rss_mb["end"] = rss_mb()
     return report
 
@@ -239,7 +244,7 @@ def format_report(report: SoakReport, num_requests: int, warmup: int) -> str:
 
 
 def soak(model: str | None, num_requests: int, concurrency: int, seed: int,
-         engine_options: dict[str, Any] | None = None) -> SoakReport:
+         engine_options: dict[str, Any] | None = None, progress: bool = True) -> SoakReport:
     """Start a server on this process, run the soak against it, check it, stop it."""
     import uvicorn
 
@@ -259,7 +264,7 @@ def soak(model: str | None, num_requests: int, concurrency: int, seed: int,
     base = f"http://127.0.0.1:{port}"
     warmup = min(num_requests // 10, 500)
     try:
-        report = asyncio.run(run_soak(base, num_requests, concurrency, seed, warmup))
+        report = asyncio.run(run_soak(base, num_requests, concurrency, seed, warmup, progress))
         check_idle(base, engine, report)
         if any(isinstance(k, int) and k >= 500 for k in report.statuses):
             report.problems.append("5xx responses")
