@@ -28,8 +28,18 @@ def variant_source(name: str, isa: str) -> str:
     return path
 
 
+def record_torch_version() -> None:
+    """The torch the kernels are compiled against: the loader uses them only with it."""
+    import torch
+
+    os.makedirs("tokenmill/_C", exist_ok=True)
+    with open(cpp.BUILD_INFO, "w") as f:
+        f.write(torch.__version__ + "\n")
+
+
 ext_modules = []
 if os.environ.get("TOKENMILL_CPU_KERNELS", "1") != "0":
+    record_torch_version()
     ext_modules = [
         CppExtension(f"tokenmill._C.{name}_{isa}", [variant_source(name, isa)],
                      include_dirs=[os.path.abspath("tokenmill/csrc")],

@@ -40,3 +40,13 @@ def test_generic_build_uses_no_avx_registers(name):
         path = importlib.import_module(f"tokenmill._C.{name}_{isa}").__file__
         asm = subprocess.run(["objdump", "-d", path], capture_output=True, text=True).stdout
         assert ("ymm" in asm) == expect_ymm, (name, isa)
+
+
+def test_builds_for_another_torch_are_not_loaded(monkeypatch, tmp_path):
+    info = tmp_path / "torch_version.txt"
+    info.write_text("1.0.0\n")
+    monkeypatch.setattr(cpp_extension, "BUILD_INFO", str(info))
+    with pytest.raises(ImportError, match="compiled against torch 1.0.0"):
+        cpp_extension._installed_build("cpu_ops", "generic")
+    info.write_text(torch.__version__ + "\n")
+    assert cpp_extension._installed_build("cpu_ops", "generic").argmax_rows

@@ -30,6 +30,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
+# The torch version the install-time builds were compiled against (written by setup.py).
+BUILD_INFO = str(Path(__file__).resolve().parent.parent / "_C" / "torch_version.txt")
 EXTENSIONS = ("cpu_ops", "paged_attention_cpu", "decode_layers_cpu")
 _lock = threading.Lock()
 _name_locks: dict[str, threading.Lock] = {}
@@ -69,11 +71,24 @@ def load_cpu_extension(name: str) -> object | None:
         return _modules[name]
 
 
+def _installed_build(name: str, isa: str) -> object:
+    """The install-time build; ImportError when missing or compiled against another torch
+    (C++ extensions have no stable ABI across torch versions)."""
+    try:
+        with open(BUILD_INFO) as f:
+            built_with = f.read().strip()
+    except OSError:
+        raise ImportError("no kernels were compiled at install time") from None
+    if built_with != torch.__version__:
+        raise ImportError(f"compiled against torch {built_with}, running {torch.__version__}")
+    return importlib.import_module(f"tokenmill._C.{name}_{isa}")
+
+
 def _build(name: str) -> object | None:
     isa = runtime_isa()
     try:
         t0 = time.perf_counter()
-        module = importlib.import_module(f"tokenmill._C.{name}_{isa}")
+        module = _installed_build(name, isa)
         logger.info("C++ kernels %s: the %s build (compiled at install time) loaded in %.2f s",
                     name, isa, time.perf_counter() - t0)
         return module
