@@ -245,6 +245,11 @@ def format_report(report: SoakReport, num_requests: int, warmup: int) -> str:
     if after > 0 and "after warm-up" in rss:
         growth = (rss["end"] - rss["after warm-up"]) / after * 1000
         lines.append(f"RSS growth after warm-up: {growth:+.2f} MB per 1,000 requests")
+    if len(report.rss_by_done) >= 4:  # caches fill early; a leak keeps growing to the end
+        (n0, mb0), (n1, mb1) = report.rss_by_done[len(report.rss_by_done) // 2 - 1], \
+            report.rss_by_done[-1]
+        lines.append(f"RSS growth over the second half: {(mb1 - mb0) / (n1 - n0) * 1000:+.2f} "
+                     "MB per 1,000 requests")
     lines.append("PASS: no 5xx, no truncated stream, gauges at zero, every block free, "
                  "block pool intact" if report.ok else
                  f"FAIL: {len(report.problems)} problems, first: {report.problems[:5]}")
