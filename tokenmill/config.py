@@ -133,6 +133,11 @@ class ModelConfig:
         return list(eos) if isinstance(eos, list | tuple) else [int(eos)]
 
 
+def resolve_device(device: str | None) -> str:
+    """The device an engine runs on: the one asked for, else CUDA when present, else CPU."""
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _resolve_dtype(dtype: str | torch.dtype, hf_config: Any) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -235,7 +240,7 @@ class EngineConfig:
         for size in ("kv_cache_memory", "swap_space"):
             if size in groups["cache"]:
                 groups["cache"][size] = parse_size(groups["cache"][size])
-        device = groups["engine"].get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = resolve_device(groups["engine"].get("device"))
         model_cfg = ModelConfig.from_path(model, **groups["model"])
         sched = SchedulerConfig(**groups["scheduler"])
         if not sched.enable_chunked_prefill:

@@ -119,7 +119,7 @@ def test_engine_death_is_reported_and_exits_1(tiny_model):
                 return e
 
         results = [asyncio.run_coroutine_threadsafe(one(lifecycle.async_llm, i, bad),
-                                                    srv.server._loop).result(timeout=30)
+                                                    lifecycle.loop).result(timeout=30)
                    for i in range(3)]
         assert [r.outputs[0].finish_reason for r in results[:2]] == ["error", "error"]
         assert type(results[2]).__name__ == "EngineDeadError"

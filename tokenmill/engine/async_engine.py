@@ -113,11 +113,6 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set() and self.dead_error is None
 
-    @property
-    def num_in_flight(self) -> int:
-        """Requests with an open output stream."""
-        return len(self._streams)
-
     # ---- requests ---------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
                           deadline: float | None = None) -> RequestStream:

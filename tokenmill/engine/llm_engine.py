@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, resolve_device
 from tokenmill.core.interface import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
@@ -79,12 +79,9 @@ class LLMEngine:
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> LLMEngine:
-        import torch
-
         from tokenmill.utils.cpp_extension import prebuild_cpu_extensions
 
-        device = options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-        if str(device).startswith("cpu"):
+        if resolve_device(options.get("device")).startswith("cpu"):
             # A first start compiles the kernels side by side while the model loads.
             prebuild_cpu_extensions()
         t0 = time.perf_counter()
@@ -214,10 +211,8 @@ class LLMEngine:
                        error: str | None = None) -> RequestOutput | None:
         """Abort a request and return its final output (every running sample ends with
         `finish_reason`); None if it was unknown or done. For deadlines and shutdown."""
-        children = self.outputs.child_ids(request_id)
-        out = self.outputs.finish(request_id, finish_reason, error)
-        for cid in children:
-            self.scheduler.abort_request(cid)
+        out = self.outputs.final_output(request_id, finish_reason, error)
+        self.abort_request(request_id)
         return out
 
     def reset_prefix_cache(self) -> bool:

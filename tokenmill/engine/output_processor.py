@@ -80,10 +80,11 @@ class OutputProcessor:
             del self.samples[cid]
         self.parents.pop(request_id, None)
 
-    def finish(self, request_id: str, finish_reason: str,
-               error: str | None = None) -> RequestOutput | None:
-        """End a request from outside a step (abort, deadline, failure): its final output, with
-        `finish_reason` on every sample still running; None if it is unknown or done."""
+    def final_output(self, request_id: str, finish_reason: str,
+                     error: str | None = None) -> RequestOutput | None:
+        """The output of a request ended from outside a step (abort, deadline, failure), with
+        `finish_reason` on every sample still running; None if it is unknown or done. The
+        caller then removes the request (LLMEngine.abort_request)."""
         parent = self.parents.get(request_id)
         if parent is None:
             return None
@@ -92,7 +93,6 @@ class OutputProcessor:
                 s.finish_reason = finish_reason
         out = self._make_output(parent)
         out.error = error
-        self.remove(request_id)
         return out
 
     def parent_id(self, sample_id: str) -> str | None:

@@ -101,12 +101,9 @@ def _convert(gguf_path: str, folder: Path) -> str | None:
         # which skips importing the architecture's config class (about 1.4 s of imports).
         src_dir, name = os.path.split(gguf_path)
         AutoTokenizer.from_pretrained(src_dir, gguf_file=name).save_pretrained(tmp)
-        with tqdm(total=gguf_num_tensors(gguf_path), desc="converting GGUF",
-                  unit="tensor") as bar:
-            weights = {}
-            for n, t in iterate_gguf(gguf_path, hf_config):
-                weights[n] = t.contiguous()
-                bar.update()
+        tensors = tqdm(iterate_gguf(gguf_path, hf_config), total=gguf_num_tensors(gguf_path),
+                       desc="converting GGUF", unit="tensor")
+        weights = {n: t.contiguous() for n, t in tensors}
         save_file(weights, str(tmp / "model.safetensors"), metadata={"source": gguf_path})
         with open(tmp / _FULL_CONFIG, "w") as f:  # written last: it marks the folder complete
             json.dump(hf_config.to_dict(), f, indent=1)

@@ -74,20 +74,15 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     metrics = PrometheusMetrics(served_model_name)
     admission = AdmissionControl(engine.config.scheduler.max_num_seqs,
                                  limits.max_waiting_requests)
-    loop_box: dict[str, asyncio.AbstractEventLoop] = {}
-
-    def on_dead(_: BaseException) -> None:  # engine thread
-        if "loop" in loop_box:
-            loop_box["loop"].call_soon_threadsafe(lifecycle.engine_died)
-
-    async_llm = AsyncLLM(engine, on_step=metrics.record, on_dead=on_dead)
+    async_llm = AsyncLLM(engine, on_step=metrics.record,
+                         on_dead=lambda _: lifecycle.call_soon(lifecycle.engine_died))
     lifecycle = ServerLifecycle(async_llm, admission, limits.drain_timeout)
     serving = (async_llm, served_model_name, admission, limits.request_timeout)
     completions, chat = OpenAIServingCompletion(*serving), OpenAIServingChat(*serving)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loop_box["loop"] = asyncio.get_running_loop()
+        lifecycle.loop = asyncio.get_running_loop()
         async_llm.start()
         yield
         async_llm.shutdown()

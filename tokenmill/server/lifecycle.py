@@ -22,6 +22,7 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -42,7 +43,13 @@ class ServerLifecycle:
         self.draining = False
         self.exit_code = 0
         self.server: uvicorn.Server | None = None  # set by the server that runs the app
+        self.loop: asyncio.AbstractEventLoop | None = None  # the app's, set by its lifespan
         self._drain_task: asyncio.Task | None = None
+
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        """Run `callback` on the app's event loop, from any thread (signal handler, engine)."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(callback)
 
     def begin_drain(self) -> None:
         """Start the drain (on the event loop); later calls do nothing."""
@@ -95,15 +102,10 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.lifecycle = lifecycle
         lifecycle.server = self
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    async def serve(self, sockets: list | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.lifecycle.draining or self._loop is None:
-            self.force_exit = self.should_exit = True  # a second signal: now
+        if self.lifecycle.draining or self.lifecycle.loop is None:
+            self.force_exit = self.should_exit = True  # a second signal, or before start-up
             return
         logger.info("received %s", signal.Signals(sig).name)
-        self._loop.call_soon_threadsafe(self.lifecycle.begin_drain)
+        self.lifecycle.call_soon(self.lifecycle.begin_drain)

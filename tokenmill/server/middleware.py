@@ -21,6 +21,8 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from starlette.datastructures import Headers
+
 from tokenmill.server.serving_common import error_body
 from tokenmill.utils import request_context
 
@@ -33,23 +35,16 @@ Send = Callable[[Message], Awaitable[None]]
 _ALWAYS_OPEN = ("/health", "/metrics")
 
 
-def _client_request_id(scope: Scope) -> str | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"x-request-id":
-            text = value.decode("latin-1")
-            if 0 < len(text) <= 128 and text.isascii() and text.isprintable():
-                return text
-    return None
+def _client_request_id(headers: Headers) -> str | None:
+    text = headers.get("x-request-id", "")
+    return text if 0 < len(text) <= 128 and text.isascii() and text.isprintable() else None
 
 
-def _content_length(scope: Scope) -> int | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
+def _content_length(headers: Headers) -> int | None:
+    try:
+        return int(headers["content-length"])
+    except (KeyError, ValueError):
+        return None
 
 
 async def send_error(send: Send, status: int, message: str, request_id: str,
@@ -70,7 +65,8 @@ class EdgeMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        rid = _client_request_id(scope) or uuid.uuid4().hex
+        headers = Headers(scope=scope)
+        rid = _client_request_id(headers) or uuid.uuid4().hex
         token = request_context.request_id.set(rid)
         start, status = time.perf_counter(), [0]
         try:
@@ -78,7 +74,7 @@ class EdgeMiddleware:
                 status[0] = 503
                 return await send_error(send, 503, "the server is shutting down", rid,
                                         {"connection": "close"})
-            length = _content_length(scope)
+            length = _content_length(headers)
             if length is not None and length > self.max_body_bytes:
                 status[0] = 413
                 return await send_error(send, 413, self._too_large(length), rid,

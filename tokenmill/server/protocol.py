@@ -59,9 +59,10 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: Literal[False] = False
 
 
-# OpenAI fields tokenmill does not implement yet → the values that mean "not used".
+# OpenAI fields tokenmill does not implement yet → the values that mean "not used" (and
+# best_of, which is inert when it equals n).
 _INERT: dict[str, Any] = {
-    "best_of": (None, "n"), "response_format": (None, {"type": "text"}),
+    "response_format": (None, {"type": "text"}),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None,),
     "function_call": (None, "none"), "audio": (None,), "modalities": (None, ["text"]),
     "prediction": (None,), "store": (None, False), "web_search_options": (None,),
@@ -113,12 +114,11 @@ class SamplingFields(StrictModel):
 
     @model_validator(mode="after")
     def _refuse_unimplemented(self) -> SamplingFields:
-        for name, inert in _INERT.items():
-            value = getattr(self, name, None)
-            if name == "best_of" and value in (None, self.n):
-                continue
-            if value not in inert:
-                raise ValueError(f"{name} is not supported by tokenmill yet")
+        unsupported = [name for name, inert in _INERT.items() if getattr(self, name) not in inert]
+        if self.best_of not in (None, self.n):
+            unsupported.insert(0, "best_of")
+        if unsupported:
+            raise ValueError(f"{unsupported[0]} is not supported by tokenmill yet")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         if self.prompt_logprobs is not None and self.stream:

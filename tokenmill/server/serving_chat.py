@@ -24,11 +24,11 @@ from tokenmill.server.serving_common import (
     check_failed,
     collect,
     merge,
+    prompt_logprobs_json,
     sse,
     sse_error,
     usage,
 )
-from tokenmill.server.serving_completion import prompt_logprobs_json
 
 
 def render_chat(engine: LLMEngine, messages: list[ChatMessage], add_generation_prompt: bool = True,

@@ -86,6 +86,15 @@ class DeltaTracker:
         return t0, k0
 
 
+def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt position (None first), token id → logprob."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for tid, lp in entry.items()} for entry in out.prompt_logprobs]
+
+
 def usage(outputs: list[RequestOutput]) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)

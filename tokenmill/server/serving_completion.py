@@ -22,6 +22,7 @@ from tokenmill.server.serving_common import (
     check_failed,
     collect,
     merge,
+    prompt_logprobs_json,
     sse,
     sse_error,
     usage,
@@ -44,15 +45,6 @@ def completion_logprobs(c: CompletionOutput, start: int = 0,
         offset += len(chosen.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
-
-
-def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, Any] | None] | None:
-    """vLLM's `prompt_logprobs`: per prompt position (None first), token id → logprob."""
-    if out.prompt_logprobs is None:
-        return None
-    return [None if entry is None else
-            {str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-             for tid, lp in entry.items()} for entry in out.prompt_logprobs]
 
 
 class OpenAIServingCompletion(OpenAIServing):
