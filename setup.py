@@ -1,5 +1,5 @@
-"""Compiles the C++ CPU kernels at install time: each kernel in both builds (avx2, generic),
-so a first start loads them instead of compiling for a minute. The run-time choice between
+"""Compiles the C++ CPU kernels at install time: each kernel in every build (avx512, avx2,
+generic), so a first start loads them instead of compiling for a minute. The run-time choice between
 the builds (by the CPU's flags) and the flags themselves live in
 tokenmill/utils/cpp_extension.py, read here as a file so that no other tokenmill import (nor
 its dependencies) is needed to build. The extensions are optional: without a compiler the

@@ -32,6 +32,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--load-format", choices=["auto", "dummy"], default=None,
                    help="dummy: seeded random weights of the model's shape (benchmarks)")
+    g.add_argument("--quantization", "-q", default=None,
+                   choices=["none", "int8", "int4", "awq", "gptq", "gguf"],
+                   help="weight format: int8 / int4 quantize a float checkpoint at load; "
+                        "awq / gptq read such checkpoints (the default for them); gguf "
+                        "serves a GGUF file's blocks as stored")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV cache size: bytes or e.g. 512MiB, 4GiB (default 2GiB)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
@@ -47,16 +52,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", default=None, help="CPU memory for swapped KV, e.g. 1GiB")
     g.add_argument("--device", default=None)
     g.add_argument("--attention-backend", default=None, choices=BACKEND_NAMES)
+    g.add_argument("--prepack-weights", dest="prepack_weights", action="store_true",
+                   default=None, help="CPU float32: keep a oneDNN-packed copy of each weight "
+                   "for large batches (default: for models up to 5 GiB of weights)")
     g.add_argument("--no-prepack-weights", dest="prepack_weights", action="store_false",
-                   default=None, help="CPU: keep plain weights instead of oneDNN-packed ones")
+                   default=None, help="CPU float32: no packed copy (half the weight memory)")
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="CUDA: run decode steps eagerly, without CUDA graphs")
     g.add_argument("--seed", type=int, default=None)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    names = ["dtype", "max_model_len", "load_format", "kv_cache_memory", "num_kv_blocks",
-             "block_size", "max_num_seqs",
+    names = ["dtype", "max_model_len", "load_format", "quantization", "kv_cache_memory",
+             "num_kv_blocks", "block_size", "max_num_seqs",
              "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
              "preemption_mode", "swap_space", "device", "seed", "prepack_weights",
              "attention_backend", "enforce_eager"]

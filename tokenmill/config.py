@@ -42,10 +42,14 @@ class ModelConfig:
     # "auto": the weights of the checkpoint; "dummy": seeded random weights of the model's
     # shape, no checkpoint read (vLLM's name; benchmarks of real shapes, model_loader/loader.py)
     load_format: str = "auto"
+    # The weight format (tokenmill/quantization/): None (dense), "int8", "int4", "awq",
+    # "gptq" or "gguf"; hf_quant_config is the checkpoint's own quantization_config.
+    quantization: str | None = None
+    hf_quant_config: dict[str, Any] | None = None
 
     @staticmethod
     def from_path(path: str | None, dtype: str = "auto", max_model_len: int | None = None,
-                  load_format: str = "auto") -> ModelConfig:
+                  load_format: str = "auto", quantization: str | None = None) -> ModelConfig:
         from tokenmill.model_loader.default_model import default_model_path
         from tokenmill.model_loader.gguf_cache import converted_folder, load_full_config
         from tokenmill.model_loader.gguf_loader import find_gguf_file, gguf_hf_config
@@ -75,7 +79,13 @@ class ModelConfig:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, "
                              f"got {load_format!r}")
         config = ModelConfig._build(path, hf_config, gguf_file, dtype, max_model_len, converted)
-        return dataclasses.replace(config, load_format=load_format)
+        hf_quant = _checkpoint_quantization(hf_config)
+        quantization = _resolve_quantization(quantization, hf_quant, gguf_file, path)
+        if load_format == "dummy" and quantization not in (None, "int8", "int4"):
+            raise ValueError(f"load_format='dummy' draws float weights: it works with "
+                             f"quantization None, int8 or int4, not {quantization!r}")
+        return dataclasses.replace(config, load_format=load_format, quantization=quantization,
+                                   hf_quant_config=hf_quant)
 
     @staticmethod
     def _build(path: str, hf_config: Any, gguf_file: str | None, dtype: str,
@@ -122,6 +132,16 @@ class ModelConfig:
         return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
 
     @property
+    def num_parameters(self) -> int:
+        """Weights of the embedding, LM head and linear layers (norms and biases left out)."""
+        c = self.hf_config
+        hidden, inter = c.hidden_size, c.intermediate_size
+        q, kv = c.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        tied = bool(getattr(c, "tie_word_embeddings", False))
+        per_layer = hidden * (2 * q + 2 * kv) + 3 * hidden * inter
+        return c.vocab_size * hidden * (1 if tied else 2) + c.num_hidden_layers * per_layer
+
+    @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 
@@ -131,6 +151,41 @@ class ModelConfig:
         if eos is None:
             return []
         return list(eos) if isinstance(eos, list | tuple) else [int(eos)]
+
+
+def _checkpoint_quantization(hf_config: Any) -> dict[str, Any] | None:
+    q = getattr(hf_config, "quantization_config", None)
+    if q is None:
+        return None
+    return dict(q) if isinstance(q, dict) else q.to_dict()
+
+
+def _resolve_quantization(asked: str | None, checkpoint: dict[str, Any] | None,
+                          gguf_file: str | None, path: str) -> str | None:
+    """The weight format to serve, from the option and what the checkpoint holds."""
+    from tokenmill.quantization import QUANTIZATION_METHODS
+
+    if asked in (None, "none", "None"):
+        asked = None
+    elif asked not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization {asked!r}; supported: "
+                         f"{', '.join(QUANTIZATION_METHODS)} or None")
+    if checkpoint is not None:  # a pre-quantized HF checkpoint: serve it in its own format
+        method = str(checkpoint.get("quant_method", "")).lower()
+        if method not in ("awq", "gptq"):
+            raise ValueError(f"{path} is quantized with {method!r}, which tokenmill cannot "
+                             "serve; supported checkpoint formats: awq, gptq")
+        if asked not in (None, method):
+            raise ValueError(f"quantization={asked!r}, but {path} is a {method} checkpoint; "
+                             f"pass quantization={method!r} or leave it unset")
+        return method
+    if asked in ("awq", "gptq"):
+        raise ValueError(f"quantization={asked!r} needs a checkpoint in that format (its "
+                         f"config.json names it in quantization_config); {path} has none")
+    if asked == "gguf" and gguf_file is None:
+        raise ValueError(f"quantization='gguf' serves the blocks of a GGUF file; {path} is "
+                         "not one")
+    return asked
 
 
 def resolve_device(device: str | None) -> str:
@@ -204,8 +259,10 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "cpu"
     seed: int = 0
-    # CPU float32: reorder weights once into oneDNN's blocked layout (layers/cpu_gemm.py).
-    prepack_weights: bool = True
+    # CPU float32: also keep a copy of each dense weight in oneDNN's blocked layout for large
+    # GEMMs (layers/cpu_gemm.py); "auto": for models up to PREPACK_AUTO_MAX_BYTES of float32
+    # weights (quantization/unquantized.py), since the copy doubles their memory.
+    prepack_weights: bool | str = "auto"
     # auto: the C++ paged kernel for float32 on CPU, else the PyTorch backend (attention/).
     attention_backend: str = "auto"
     # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs (vLLM's name).
@@ -214,6 +271,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         from tokenmill.attention.base import BACKEND_NAMES
 
+        if self.prepack_weights not in (True, False, "auto"):
+            raise ValueError(f"prepack_weights must be True, False or 'auto', got "
+                             f"{self.prepack_weights!r}")
         if self.attention_backend not in BACKEND_NAMES:
             raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, "
                              f"got {self.attention_backend!r}")
@@ -224,6 +284,7 @@ class EngineConfig:
         groups: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {},
                                               "parallel": {}, "engine": {}}
         owners = {"dtype": "model", "max_model_len": "model", "load_format": "model",
+                  "quantization": "model",
                   "block_size": "cache", "kv_cache_memory": "cache", "num_kv_blocks": "cache",
                   "enable_prefix_caching": "cache", "swap_space": "cache",
                   "max_num_batched_tokens": "scheduler", "max_num_seqs": "scheduler",
@@ -255,6 +316,6 @@ class EngineConfig:
         return EngineConfig(model=model_cfg, cache=CacheConfig(**groups["cache"]),
                             scheduler=sched, parallel=ParallelConfig(**groups["parallel"]),
                             device=device, seed=int(groups["engine"].get("seed", 0)),
-                            prepack_weights=bool(groups["engine"].get("prepack_weights", True)),
+                            prepack_weights=groups["engine"].get("prepack_weights", "auto"),
                             attention_backend=groups["engine"].get("attention_backend", "auto"),
                             enforce_eager=bool(groups["engine"].get("enforce_eager", False)))

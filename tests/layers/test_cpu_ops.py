@@ -13,35 +13,40 @@ from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import MergedColumnParallelLinear
 from tokenmill.layers.rotary import _rotate_half, apply_rotary
 from tokenmill.layers.vocab_embedding import ParallelLMHead
+from tokenmill.quantization import CPULinearKernel
 
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
+
+
+def dense(w: torch.Tensor) -> CPULinearKernel:
+    return CPULinearKernel(CPULinearKernel.DENSE, 0, (w,))
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("k,n", [(576, 960), (1536, 67), (13, 5)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_small_m_matches_f_linear(m, k, n, bias):
+def test_dense_linear_matches_f_linear(m, k, n, bias):
     torch.manual_seed(m * 1000 + k + n)
     x, w = torch.randn(m, k), torch.randn(n, k)
     b = torch.randn(n) if bias else None
-    torch.testing.assert_close(cpu_ops.linear_small_m(x, w, b), F.linear(x, w, b),
+    torch.testing.assert_close(cpu_ops.linear(x, dense(w), b), F.linear(x, w, b),
                                atol=2e-4, rtol=1e-5)
 
 
-def test_linear_small_m_rejects_more_rows():
-    with pytest.raises(RuntimeError, match="1 to 4 rows"):
-        cpu_ops.linear_small_m(torch.randn(5, 8), torch.randn(3, 8))
+def test_dense_linear_rejects_more_rows():
+    with pytest.raises(RuntimeError, match="more than 4 rows"):
+        cpu_ops.linear(torch.randn(5, 8), dense(torch.randn(3, 8)))
 
 
 @pytest.mark.parametrize("rows", [1, 4, 5, 33])
-def test_linear_layer_takes_small_m_path_and_agrees(rows, monkeypatch):
+def test_linear_layer_takes_the_small_m_kernel_and_agrees(rows, monkeypatch):
     torch.manual_seed(rows)
     layer = MergedColumnParallelLinear(40, [24, 24], bias=True)
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)
     calls = []
-    real = cpu_ops.linear_small_m
-    monkeypatch.setattr(cpu_ops, "linear_small_m", lambda *a: calls.append(1) or real(*a))
+    real = cpu_ops.linear
+    monkeypatch.setattr(cpu_ops, "linear", lambda *a: calls.append(1) or real(*a))
     x = torch.randn(rows, 40)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias),
                                atol=1e-4, rtol=1e-5)

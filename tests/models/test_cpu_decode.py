@@ -1,5 +1,6 @@
 """The small-batch CPU decode path (models/cpu_decode.py) against the modules' own forward:
-the same greedy tokens and bitwise the same logprobs, taken exactly where it applies."""
+the same greedy tokens and bitwise the same logprobs, for dense and quantized weights, taken
+exactly where it applies (allow-listed layer types, plain decode steps)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from tokenmill.models.cpu_decode import SmallBatchDecode
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
 
 
-def run(path: str, prompts: list[list[int]]):
+def run(path: str, prompts: list[list[int]], quantization: str | None = None):
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
-    llm = LLM(path)
+    llm = LLM(path, quantization=quantization)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert_kv_all_free(llm.engine)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
@@ -40,74 +41,80 @@ def with_random_norms_and_biases(folder: str, out) -> str:
     return str(out)
 
 
-# qwen2: q/k/v biases; qwen3: per-head q/k norm, which the path does not take. "fused": all
-# layers in one C++ call (csrc/decode_layers_cpu.cpp); "loop": the Python loop over the ops,
-# which steps the fused call cannot take (cascades, the PyTorch backend) use.
-@pytest.mark.parametrize("way", ["fused", "loop"])
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_same_outputs_as_module_path(kind, way, tiny_model, tmp_path, monkeypatch):
+# qwen2: q/k/v biases; qwen3: per-head q/k norm (Qwen3Attention, not on the allow-list).
+# int8 / int4: quantized weights take the same fused call through their method objects.
+@pytest.mark.parametrize("kind,quantization", [("llama", None), ("qwen2", None),
+                                               ("qwen3", None), ("llama", "int8"),
+                                               ("qwen2", "int4")])
+def test_same_outputs_as_module_path(kind, quantization, tiny_model, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    if kind == "qwen3" and way == "loop":
-        pytest.skip("qwen3 takes neither")
     path = with_random_norms_and_biases(tiny_model(kind)[0], tmp_path / kind)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rng = random.Random(1)
     # 3 prompts: decode steps of 3, then fewer; one alone (batch 1).
     batch = [[rng.randrange(3, 49152) for _ in range(n)] for n in (5, 17, 40)]
     single = [[rng.randrange(3, 49152) for _ in range(23)]]
-    taken: list[int] = []
     fused_calls: list[int] = []
-    real_run, real_op = SmallBatchDecode.run, cpu_decode._decode_layers_op()
-
-    def counting_run(self, hidden, *args):
-        taken.append(hidden.shape[0])
-        return real_run(self, hidden, *args)
+    real_op = cpu_decode._decode_layers_op()
 
     def counting_op(hidden, *args):
         fused_calls.append(hidden.shape[0])
         return real_op(hidden, *args)
 
-    monkeypatch.setattr(SmallBatchDecode, "run", counting_run)
-    monkeypatch.setattr(cpu_decode, "_decode_layers_op",
-                        lambda: counting_op if way == "fused" else None)
-    fast = run(path, batch) + run(path, single)
+    monkeypatch.setattr(cpu_decode, "_decode_layers_op", lambda: counting_op)
+    fast = run(path, batch, quantization) + run(path, single, quantization)
     if kind == "qwen3":
-        assert not taken and not fused_calls
+        assert not fused_calls
     else:
-        assert set(taken) >= {1, 3}  # batch-1 and batch-3 decode steps took the path
-        assert set(fused_calls) == (set(taken) if way == "fused" else set())
-    monkeypatch.setattr(SmallBatchDecode, "applies", lambda self, hidden: False)
-    assert run(path, batch) + run(path, single) == fast  # tokens and logprobs, exactly
-    assert [t for t, _ in fast] == [hf_greedy(hf, p, 10) for p in batch + single]
+        assert set(fused_calls) >= {1, 3}  # batch-1 and batch-3 decode steps took the call
+    monkeypatch.setattr(SmallBatchDecode, "applies", lambda self, hidden, meta: False)
+    assert run(path, batch, quantization) + run(path, single, quantization) == fast
+    if quantization is None:
+        assert [t for t, _ in fast] == [hf_greedy(hf, p, 10) for p in batch + single]
+
+
+def test_allow_list_refuses_a_subclass(tiny_model):
+    """A layer type the fused call does not know (here a subclass of the MLP, standing for a
+    model that changes it) turns the path off instead of being run as a Llama layer."""
+    from tokenmill.models.llama import LlamaMLP
+
+    class OtherMLP(LlamaMLP):
+        pass
+
+    llm = LLM(tiny_model("llama")[0])
+    model = llm.engine.runner.model.model
+    assert model.small_batch_decode._plan is not None
+    fresh = SmallBatchDecode(model.layers)
+    model.layers[1].mlp.__class__ = OtherMLP
+    assert fresh._plan is None
 
 
 def test_fused_path_not_taken_for_a_cascade(tiny_model, monkeypatch):
     """Steps where some queries attend a shared cached prefix (cascade attention) go through
-    the Python loop, whose attention is the backend's: the fused call handles only steps whose
+    the modules, whose attention is the backend's: the fused call handles only steps whose
     every query goes to the paged kernel. Greedy output still matches HF."""
     from transformers import AutoModelForCausalLM
 
     path, _ = tiny_model("llama")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    calls = {"fused": 0, "loop": 0, "fused_in_cascade": 0}
+    calls = {"fused": 0, "cascade_steps": 0, "fused_in_cascade": 0}
     in_cascade = [False]
     real_op = cpu_decode._decode_layers_op()
+    real_applies = SmallBatchDecode.applies
 
     def counting_op(*args):
         calls["fused"] += 1
         calls["fused_in_cascade"] += in_cascade[0]
         return real_op(*args)
 
-    real_run = SmallBatchDecode.run
-
-    def counting_run(self, hidden, cos, sin, meta):
+    def watching_applies(self, hidden, meta):
         in_cascade[0] = bool(meta.prefix_cascades)
-        calls["loop"] += in_cascade[0]
-        return real_run(self, hidden, cos, sin, meta)
+        calls["cascade_steps"] += in_cascade[0]
+        return real_applies(self, hidden, meta)
 
     monkeypatch.setattr(cpu_decode, "_decode_layers_op", lambda: counting_op)
-    monkeypatch.setattr(SmallBatchDecode, "run", counting_run)
+    monkeypatch.setattr(SmallBatchDecode, "applies", watching_applies)
     rng = random.Random(2)
     prefix = [rng.randrange(3, 49152) for _ in range(80)]  # 5 blocks of 16, shared
     prompts = [prefix + [rng.randrange(3, 49152) for _ in range(3)] for _ in range(4)]
@@ -115,7 +122,7 @@ def test_fused_path_not_taken_for_a_cascade(tiny_model, monkeypatch):
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                         use_tqdm=False)
-    assert calls["loop"] > 0  # decode steps of the 4 sequences form a cascade
+    assert calls["cascade_steps"] > 0  # decode steps of the 4 sequences form a cascade
     assert calls["fused_in_cascade"] == 0  # ... and never reach the fused call
     assert calls["fused"] > 0  # which the first prompt's own decode steps did take
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]

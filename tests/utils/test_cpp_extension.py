@@ -1,5 +1,6 @@
-"""The C++ kernels compiled at install time: both builds exist, this CPU loads the one its
-flags allow, and the two builds compute the same thing (the portable one has no AVX)."""
+"""The C++ kernels compiled at install time: every build exists, this CPU loads the one its
+flags allow, and the builds this CPU can run compute the same thing (the portable one has no
+AVX, the AVX2 one no AVX-512)."""
 
 from __future__ import annotations
 
@@ -14,32 +15,44 @@ from tokenmill.utils import cpp_extension
 
 
 def test_runtime_isa_follows_the_cpu_flags(monkeypatch):
-    for capability, isa in [("AVX512", "avx2"), ("AVX2", "avx2"), ("DEFAULT", "generic")]:
+    for capability, isa in [("AVX512", "avx512"), ("AVX2", "avx2"), ("DEFAULT", "generic")]:
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
         assert cpp_extension.runtime_isa() == isa
-        assert ("-mavx2" in cpp_extension.cflags()) == (isa == "avx2")
+        assert ("-mavx2" in cpp_extension.cflags()) == (isa != "generic")
+        assert ("-mavx512f" in cpp_extension.cflags()) == (isa == "avx512")
+
+
+def _runnable_isas() -> list[str]:
+    """The builds this CPU can execute (an AVX2-only CPU cannot run the AVX-512 one)."""
+    order = list(cpp_extension.ISAS)
+    return order[order.index(cpp_extension.runtime_isa()):]
 
 
 @pytest.mark.parametrize("name", cpp_extension.EXTENSIONS)
-def test_both_builds_installed_and_agree(name):
+def test_every_build_installed_and_they_agree(name):
+    for isa in cpp_extension.ISAS:  # importing does not run AVX-512 code: every CPU can
+        importlib.import_module(f"tokenmill._C.{name}_{isa}")
     builds = {isa: importlib.import_module(f"tokenmill._C.{name}_{isa}")
-              for isa in cpp_extension.ISAS}
+              for isa in _runnable_isas()}
     loaded = cpp_extension.load_cpu_extension(name)
     assert loaded is builds[cpp_extension.runtime_isa()]
     if name == "cpu_ops":
         x = torch.randn(3, 49152)
         x[1, 7] = x[1].max() + 1
+        xs, w = torch.randn(3, 256), torch.randn(40, 256)
         for module in builds.values():
             assert module.argmax_rows(x).tolist() == x.argmax(-1).tolist()
+            torch.testing.assert_close(module.linear(xs, 0, 0, [w], None), xs @ w.T)
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump")
 @pytest.mark.parametrize("name", cpp_extension.EXTENSIONS)
 def test_generic_build_uses_no_avx_registers(name):
-    for isa, expect_ymm in (("generic", False), ("avx2", True)):
+    for isa, ymm, zmm in (("generic", False, False), ("avx2", True, False),
+                          ("avx512", True, True)):
         path = importlib.import_module(f"tokenmill._C.{name}_{isa}").__file__
         asm = subprocess.run(["objdump", "-d", path], capture_output=True, text=True).stdout
-        assert ("ymm" in asm) == expect_ymm, (name, isa)
+        assert ("ymm" in asm, "zmm" in asm) == (ymm, zmm), (name, isa)
 
 
 def test_builds_for_another_torch_are_not_loaded(monkeypatch, tmp_path):

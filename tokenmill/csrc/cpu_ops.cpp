@@ -3,7 +3,8 @@
 #include "cpu_ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_small_m", &linear_small_m, "y = x @ W^T (+ bias) for 1..4 rows of x");
+  m.def("linear", &linear, "y = x @ W^T (+ bias) for a (kind, group, tensors) weight");
+  m.def("gather_rows", &gather_rows, "rows of a quantized weight as float32");
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual) * weight, x + residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("rotary_", &rotary_, "rotate_half RoPE in place on q and k");

@@ -1,11 +1,6 @@
-// Fused float32 CPU ops for the layers' hot path (AVX2 + FMA where compiled for it).
+// Fused float32 CPU ops for the layers' hot path (AVX2 / AVX-512 where compiled for it).
 //
-// - linear_small_m: y (M, N) = x (M, K) @ W (N, K)^T (+ bias) for M <= 4 rows. A decode step
-//   of a few sequences is bound by reading W once: each weight row is streamed from memory
-//   exactly once for all M rows of x (which stay in L1), and the rows of W are split into one
-//   contiguous range per thread so that every core streams its own part (benchmarks/
-//   weight_stream.py: 19.2 GB/s over SmolLM2's 538 MB against 11.8 for oneDNN's prepacked
-//   weight at M = 1, with the machine reading 21.0).
+// - linear (linear_cpu.h): y = x @ W^T (+ bias) for every CPU weight format.
 // - add_rms_norm: s = x + residual; out = weight * s / sqrt(mean(s^2) + eps): one pass
 //   instead of an add and a norm.
 // - silu_and_mul: [gate | up] (T, 2I) -> silu(gate) * up (T, I) in one pass.
@@ -18,75 +13,8 @@
 //
 // All math is float32; only the order of summations differs from the PyTorch ops they replace.
 #pragma once
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-#include "vec_utils.h"
+#include "linear_cpu.h"
 #include <cmath>
-
-constexpr int64_t kV = Vec::size();
-
-static void check_f32(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name,
-              " must be a float32 CPU tensor");
-}
-
-// ---- linear_small_m ------------------------------------------------------------------------
-// Rows [n0, n1) of y for M rows of x. Two accumulators per x row hide the FMA latency.
-template <int M>
-static void small_m_rows(const float* x, const float* W, const float* bias, float* y,
-                         int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const float* w = W + n * K;
-    Vec a0[M], a1[M];
-    for (int m = 0; m < M; ++m) a0[m] = a1[m] = Vec(0.f);
-    int64_t k = 0;
-    for (; k + 2 * kV <= K; k += 2 * kV) {
-      const Vec w0 = Vec::loadu(w + k), w1 = Vec::loadu(w + k + kV);
-      for (int m = 0; m < M; ++m) {
-        a0[m] = at::vec::fmadd(w0, Vec::loadu(x + m * K + k), a0[m]);
-        a1[m] = at::vec::fmadd(w1, Vec::loadu(x + m * K + k + kV), a1[m]);
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      float s = hsum(a0[m] + a1[m]);
-      for (int64_t j = k; j < K; ++j) s += w[j] * x[m * K + j];
-      y[m * N + n] = bias ? s + bias[n] : s;
-    }
-  }
-}
-
-inline torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor W, c10::optional<torch::Tensor> bias) {
-  check_f32(x, "x");
-  check_f32(W, "W");
-  TORCH_CHECK(x.dim() == 2 && W.dim() == 2 && x.size(1) == W.size(1), "shape mismatch");
-  const int64_t M = x.size(0), K = x.size(1), N = W.size(0);
-  TORCH_CHECK(M >= 1 && M <= 4, "linear_small_m takes 1 to 4 rows");
-  x = x.contiguous();
-  W = W.contiguous();
-  const float* b = nullptr;
-  torch::Tensor bias_c;
-  if (bias.has_value()) {
-    bias_c = bias->contiguous();
-    check_f32(bias_c, "bias");
-    b = bias_c.data_ptr<float>();
-  }
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = W.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // One contiguous range of rows per thread: each core streams its own part of W.
-  const int64_t grain = std::max<int64_t>(16, (N + at::get_num_threads() - 1) / at::get_num_threads());
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    switch (M) {
-      case 1: small_m_rows<1>(xp, wp, b, yp, K, N, n0, n1); break;
-      case 2: small_m_rows<2>(xp, wp, b, yp, K, N, n0, n1); break;
-      case 3: small_m_rows<3>(xp, wp, b, yp, K, N, n0, n1); break;
-      default: small_m_rows<4>(xp, wp, b, yp, K, N, n0, n1); break;
-    }
-  });
-  return y;
-}
 
 // ---- add_rms_norm --------------------------------------------------------------------------
 inline std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
@@ -249,7 +177,7 @@ static inline int64_t first_nan(const float* row) {
 // took three times the max pass.
 static inline int64_t first_equal(const float* row, int64_t V, float m) {
   int64_t j = 0;
-#if defined(CPU_CAPABILITY_AVX2) && defined(__AVX2__)
+#if defined(__AVX2__)
   const __m256 mv = _mm256_set1_ps(m);
   for (; j + 8 <= V; j += 8) {
     const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + j), mv, _CMP_EQ_OQ));

@@ -6,14 +6,13 @@ into its blocked layout reaches 180-210, and 2-2.5x on batch-1 GEMV (benchmarks/
 The result is float32 throughout (no reduced-precision math): only the summation order differs.
 
 Invariant: a packed weight is an opaque mkldnn tensor; it is only ever passed to
-`packed_linear`. Packing happens once, after loading (`prepack_model`), and frees the dense copy
-unless the tensor is shared (a tied LM head keeps the embedding table).
+`packed_linear`. The unquantized method (quantization/unquantized.py) packs once, after
+loading, and decides whether the dense copy stays.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 # oneDNN picks its blocking for this many rows; measured within noise of the best for
 # M = 16..2048 and about as good as any hint for M = 1.
@@ -36,14 +35,3 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K) @ W^T + bias → (..., N), W prepacked by `prepack`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def prepack_model(model: nn.Module) -> int:
-    """Prepack every layer that supports it (a `prepack()` method); returns how many."""
-    count = 0
-    for module in model.modules():
-        fn = getattr(module, "prepack", None)
-        if callable(fn):
-            fn()
-            count += 1
-    return count

@@ -4,8 +4,8 @@
 layers call the op when it can and their plain PyTorch code otherwise, which is also what the
 ops are tested against (tests/layers/test_cpu_ops.py). The ops cut the small per-layer work
 of a decode step (norm + residual add, SiLU-and-multiply, RoPE: one pass each instead of
-several tensor ops) and stream the weights of a small-batch GEMM (M <= 4) at close to the
-machine's memory bandwidth.
+several tensor ops) and run every linear layer's weight format (`linear`; a small-batch GEMM,
+M <= 4, streams the weight at close to the machine's memory bandwidth).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from tokenmill.utils.cpp_extension import load_cpu_extension
 from tokenmill.utils.profiling import scope
 
-# Up to this many rows, a linear layer reads its weight through `linear_small_m` (bound by
+# Up to this many rows, a dense linear layer reads its weight through `linear` (bound by
 # streaming the weight once); beyond it, the GEMM libraries are faster.
 SMALL_M = 4
 
@@ -38,17 +38,18 @@ def fused(x: torch.Tensor) -> bool:
     return x.dtype is torch.float32 and x.is_cpu and _ops() is not None
 
 
-def takes_small_m(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
-    """True when `x @ weight^T` should go through `linear_small_m`: x is (M, K) with
-    1 <= M <= SMALL_M, fused ops apply, and the layer kept its dense weight (None: freed)."""
-    return weight is not None and x.dim() == 2 and 0 < x.shape[0] <= SMALL_M and fused(x)
+def linear(x: torch.Tensor, kernel: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) @ W^T + bias → (M, N) for a weight described by `kernel` (a
+    quantization.CPULinearKernel: dense float32, Q8_0 or 4-bit blocks; csrc/linear_cpu.h).
+    Dense weights take it for M <= SMALL_M only; quantized ones at every M."""
+    with scope("tokenmill::linear"):  # a GEMM in benchmarks/profile_step.py
+        return _ops().linear(x, *kernel.as_args(), bias)
 
 
-def linear_small_m(x: torch.Tensor, weight: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) @ weight (N, K)^T + bias → (M, N), for 1 <= M <= SMALL_M."""
-    with scope("tokenmill::linear_small_m"):  # a GEMM in benchmarks/profile_step.py
-        return _ops().linear_small_m(x, weight, bias)
+def gather_rows(ids: torch.Tensor, kernel: Any) -> torch.Tensor:
+    """Rows `ids` (T,) of a quantized weight as float32 (T, K)."""
+    K = kernel.tensors[0].shape[1] * (2 if kernel.kind == kernel.Q4 else 1)
+    return _ops().gather_rows(ids, *kernel.as_args(), K)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -1,113 +1,143 @@
-"""Linear layers sharded Megatron-style, each with a `weight_loader` that takes a full checkpoint
-tensor (or one shard of a packed one) and copies this rank's slice into the parameter.
+"""Linear layers sharded Megatron-style. Each holds a quantization method object
+(tokenmill/quantization/) that creates its weight parameters, processes them after loading
+and multiplies; the layer itself only knows how to shard:
 
 - ColumnParallelLinear: output features split across ranks; no communication.
 - MergedColumnParallelLinear: several column layers in one GEMM (gate_proj + up_proj).
 - QKVParallelLinear: q, k, v projections in one GEMM; heads split across ranks.
 - RowParallelLinear: input features split; partial outputs summed with all-reduce.
 
-Parameters are created with torch.empty: the loader fills every one of them or fails. After
-loading, `prepack()` may add a oneDNN-packed copy of the weight (layers/cpu_gemm.py) for GEMMs;
-the loaders must not run after that. On CPU float32 a step of at most SMALL_M tokens (a decode
-of a few sequences) reads the dense weight through `cpu_ops.linear_small_m` instead, which
-streams it at close to memory bandwidth: the dense copy is kept for it when the C++ ops are
-available (the price is the weights' memory twice), and freed otherwise.
+`weight_loader(param, loaded, shard_id)` takes a full checkpoint tensor (or one shard of a
+packed one) and copies this rank's slice into the parameter, whatever the format: each
+parameter says which of its dims run along the output and input features and how many stored
+units one feature takes there (quantization/base.py `set_weight_attrs`), so a packed int32
+word of eight 4-bit values, a per-group scale or a raw GGUF block row narrow the same way.
+Parameters are created with torch.empty: the loader fills every one of them or fails.
 """
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import ParallelState
-from tokenmill.layers import cpu_ops
-from tokenmill.layers.cpu_gemm import packed_linear, prepack
+from tokenmill.quantization.base import QuantizationConfig
+from tokenmill.quantization.unquantized import UnquantizedConfig
 
 
-class LinearBase(nn.Module):
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp: ParallelState) -> None:
-        super().__init__()
-        self.tp = tp
-        self.input_size, self.output_size = input_size, output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        if bias:
-            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.register_parameter("bias", None)
-        self.packed_weight: torch.Tensor | None = None
-
-    def prepack(self) -> None:
-        """Add a oneDNN-packed copy of the weight for GEMMs (CPU float32 only)."""
-        if self.packed_weight is None:
-            packed = prepack(self.weight)
-            if not cpu_ops.ops_available():
-                del self.weight  # the small-M kernel will not read the dense copy: free it
-            self.packed_weight = packed
-
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        weight = getattr(self, "weight", None)  # None once prepack() freed it
-        if cpu_ops.takes_small_m(x, weight):
-            return cpu_ops.linear_small_m(x, weight, bias)
-        if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, bias)
-        return F.linear(x, self.weight, bias)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: int | str | None = None) -> None:
-        _copy_checked(param.data, loaded)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
+def _span(param: nn.Parameter, dim_attr: str, ratio_attr: str, offset: int,
+          size: int) -> tuple[int, int, int] | None:
+    """(dim, start, length) in stored units of features [offset, offset + size) along the
+    param's output or input dim; None when the param does not split along it."""
+    dim = getattr(param, dim_attr, None)
+    if dim is None:
+        return None
+    ratio: Fraction = getattr(param, ratio_attr, Fraction(1))
+    start, length = offset * ratio, size * ratio
+    if start.denominator != 1 or length.denominator != 1:
+        raise ValueError(f"a shard of {size} features at {offset} does not fall on whole "
+                         f"stored units ({ratio} per feature)")
+    return dim, int(start), int(length)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"weight shape mismatch: checkpoint {tuple(src.shape)}, "
                          f"model {tuple(dst.shape)}")
+    if dst.dtype != src.dtype and not (dst.is_floating_point() and src.is_floating_point()):
+        raise ValueError(f"weight dtype mismatch: checkpoint {src.dtype}, model {dst.dtype}")
     dst.copy_(src)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, tp: ParallelState,
+                 quant_config: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size, self.output_size = input_size, sum(output_sizes)
+        self.prefix = prefix
+        self.quant_method = (quant_config or UnquantizedConfig()).linear_method(prefix)
+        self.quant_method.create_weights(self, input_size, output_sizes,
+                                         torch.get_default_dtype())
+        for param in self.parameters(recurse=False):
+            param.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.output_size), requires_grad=False)
+            self.bias.output_dim, self.bias.input_dim = 0, None
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        _copy_checked(param.data, loaded)
+
+    def _load_output_shard(self, param: nn.Parameter, loaded: torch.Tensor, offset: int,
+                           size: int) -> None:
+        """Features [offset, offset + size) of this rank's output ← this rank's slice of
+        `loaded`, which holds one checkpoint tensor's full output features."""
+        span = _span(param, "output_dim", "output_ratio", offset, size)
+        if span is None:  # e.g. GPTQ's g_idx: one for the layer, so every part must agree
+            if getattr(param, "loaded_once", False) and not torch.equal(param.data, loaded):
+                raise ValueError(f"{self.prefix}: the checkpoint tensors merged here disagree "
+                                 f"on a tensor they must share ({tuple(loaded.shape)})")
+            _copy_checked(param.data, loaded)
+            param.loaded_once = True
+            return
+        dim, start, length = span
+        src = loaded.narrow(dim, self.tp.tp_rank * length, length)
+        _copy_checked(param.data.narrow(dim, start, length), src)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp: ParallelState = ParallelState()) -> None:
+                 tp: ParallelState = ParallelState(),
+                 quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 output_sizes: list[int] | None = None) -> None:
         if output_size % tp.tp_size:
             raise ValueError(f"output size {output_size} not divisible by tp {tp.tp_size}")
-        super().__init__(input_size, output_size // tp.tp_size, bias, tp)
+        sizes = [s // tp.tp_size for s in (output_sizes or [output_size])]
+        super().__init__(input_size, sizes, bias, tp, quant_config, prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
-        n = param.shape[0]
-        _copy_checked(param.data, loaded.narrow(0, self.tp.tp_rank * n, n))
+        self._load_output_shard(param, loaded, 0, self.output_size)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 tp: ParallelState = ParallelState()) -> None:
+                 tp: ParallelState = ParallelState(),
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, tp)
+        super().__init__(input_size, sum(output_sizes), bias, tp, quant_config, prefix,
+                         output_sizes=output_sizes)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
         assert isinstance(shard_id, int)
         size = self.output_sizes[shard_id] // self.tp.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp.tp_size
-        _copy_checked(param.data.narrow(0, offset, size),
-                      loaded.narrow(0, self.tp.tp_rank * size, size))
+        self._load_output_shard(param, loaded, offset, size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, tp: ParallelState = ParallelState()) -> None:
+                 bias: bool = False, tp: ParallelState = ParallelState(),
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         if num_heads % tp.tp_size or num_kv_heads % tp.tp_size:
             raise ValueError(f"{num_heads} heads / {num_kv_heads} KV heads cannot be split "
                              f"over tp={tp.tp_size}")
         self.num_heads = num_heads // tp.tp_size
         self.num_kv_heads = num_kv_heads // tp.tp_size
         self.head_dim = head_dim
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, tp)
+        q, kv = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(hidden_size, q + 2 * kv, bias, tp, quant_config, prefix,
+                         output_sizes=[q, kv, kv])
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
@@ -115,25 +145,28 @@ class QKVParallelLinear(ColumnParallelLinear):
         kv_size = self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size),
                         "v": (q_size + kv_size, kv_size)}[shard_id]
-        _copy_checked(param.data.narrow(0, offset, size),
-                      loaded.narrow(0, self.tp.tp_rank * size, size))
+        self._load_output_shard(param, loaded, offset, size)
 
 
 class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp: ParallelState = ParallelState()) -> None:
+                 tp: ParallelState = ParallelState(),
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         if input_size % tp.tp_size:
             raise ValueError(f"input size {input_size} not divisible by tp {tp.tp_size}")
-        super().__init__(input_size // tp.tp_size, output_size, bias, tp)
+        super().__init__(input_size // tp.tp_size, [output_size], bias, tp, quant_config,
+                         prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
-        if param.dim() == 1:  # bias: added once, after the reduction
+        # The bias is added once, after the reduction: every rank holds all of it.
+        span = _span(param, "input_dim", "input_ratio", 0, self.input_size)
+        if span is None:
             _copy_checked(param.data, loaded)
             return
-        n = param.shape[1]
-        _copy_checked(param.data, loaded.narrow(1, self.tp.tp_rank * n, n))
+        dim, _, length = span
+        _copy_checked(param.data, loaded.narrow(dim, self.tp.tp_rank * length, length))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self._matmul(x, None))
+        y = self.tp.all_reduce(self.quant_method.apply(self, x, None))
         return y if self.bias is None else y + self.bias

@@ -1,10 +1,12 @@
 """Build a model for a ModelConfig and fill every parameter from its checkpoint.
 
-Parameters are created uninitialised (torch.empty), then each checkpoint tensor goes through
-its parameter's `weight_loader`, with packed modules (qkv, gate_up) resolved through the
-model's `packed_modules_mapping`. A parameter left unfilled is an error, never random weights,
-except with load_format="dummy", where no checkpoint is read and every parameter is seeded
-random (benchmarks of real model shapes: speed does not depend on the values).
+Each layer's quantization method (tokenmill/quantization/) creates its parameters uninitialised
+(torch.empty), then each checkpoint tensor goes through its parameter's `weight_loader`, with
+packed modules (qkv, gate_up) resolved through the model's `packed_modules_mapping`, and last
+each method processes its layer's weights (`process_weights_after_loading`: quantize, unpack,
+prepack). A parameter left unfilled is an error, never random weights, except with
+load_format="dummy", where no checkpoint is read and every parameter is seeded random
+(benchmarks of real model shapes: speed does not depend on the values).
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.distributed import ParallelState
-from tokenmill.model_loader.gguf_loader import iterate_gguf
+from tokenmill.model_loader.gguf_loader import iterate_gguf, iterate_gguf_raw
 from tokenmill.model_loader.safetensors_loader import iterate_safetensors
 from tokenmill.models import resolve_model_class
+from tokenmill.quantization import quantization_config
+from tokenmill.quantization.unquantized import PREPACK_AUTO_MAX_BYTES
 
 
 @contextlib.contextmanager
@@ -33,6 +37,9 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def iterate_weights(config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    if config.quantization == "gguf":  # the file's own blocks, not a float32 conversion
+        assert config.gguf_file is not None
+        return iterate_gguf_raw(config.gguf_file, config.hf_config)
     if config.converted_dir is not None:
         return iterate_safetensors(config.converted_dir)
     if config.gguf_file is not None:
@@ -40,14 +47,22 @@ def iterate_weights(config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     return iterate_safetensors(config.path)
 
 
-def load_model(config: ModelConfig, device: torch.device,
-               tp: ParallelState = ParallelState()) -> nn.Module:
+def prepack_decision(config: ModelConfig, prepack: bool | str) -> bool:
+    """Whether dense CPU weights also get a oneDNN-packed copy ("auto": by the model's size)."""
+    if prepack != "auto":
+        return bool(prepack)
+    return config.num_parameters * 4 <= PREPACK_AUTO_MAX_BYTES
+
+
+def load_model(config: ModelConfig, device: torch.device, tp: ParallelState = ParallelState(),
+               prepack: bool | str = "auto") -> nn.Module:
     cls = resolve_model_class(config.architecture)
+    quant = quantization_config(config, device, prepack_decision(config, prepack))
     with _default_dtype(config.dtype), torch.device(device):
-        model = cls(config.hf_config, tp)
+        model = cls(config.hf_config, tp, quant)
     if config.load_format == "dummy":
         _init_dummy(model)
-        return model.eval()
+        return _process_weights(model).eval()
     params = dict(model.named_parameters())
     mapping = getattr(cls, "packed_modules_mapping", {})
     tied = getattr(model, "tie_word_embeddings", False)
@@ -64,9 +79,11 @@ def load_model(config: ModelConfig, device: torch.device,
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {cls.__name__}")
         loader = getattr(param, "weight_loader", None)
+        if tensor.is_floating_point():  # quantized tensors (ints, raw blocks) stay as stored
+            tensor = tensor.to(param.dtype if param.is_floating_point() else config.dtype)
         with torch.no_grad():
             if loader is not None:
-                loader(param, tensor.to(config.dtype), shard)
+                loader(param, tensor, shard)
             else:
                 if param.shape != tensor.shape:
                     raise ValueError(f"shape mismatch for {name}: checkpoint "
@@ -74,7 +91,18 @@ def load_model(config: ModelConfig, device: torch.device,
                 param.data.copy_(tensor)
         loaded.add(target if shard is None else f"{target}:{shard}")
     _check_complete(model, params, mapping, loaded)
-    return model.eval()
+    return _process_weights(model).eval()
+
+
+@torch.no_grad()
+def _process_weights(model: nn.Module) -> nn.Module:
+    """Each layer's method turns what was loaded into what its kernels read (quantize, unpack,
+    prepack); a tied LM head has no weights of its own and is skipped."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and any(True for _ in module.parameters(recurse=False)):
+            method.process_weights_after_loading(module)
+    return model
 
 
 @torch.no_grad()

@@ -1,21 +1,20 @@
-"""Small-batch decode on CPU float32 without per-layer module dispatch.
+"""Small-batch decode on CPU: all decoder layers of a 1-4 token step in one C++ call.
 
-A decode step of 1-4 tokens reads each weight once, about 22 ms for SmolLM2 on a 2-core
-machine, and the layers' own ops (norms, RoPE, attention over a short context) cost little.
-Through the modules, each of the 30 layers also pays about 150 µs of Python: ten module calls,
-wrappers, path checks, slicing. This path runs the same decoder layers with the same C++ ops
-(layers/cpu_ops.py), from references to each layer's tensors gathered once, in one of two ways:
-- fused: when every query of the step goes to the CPU paged-attention kernel (a plain decode
-  step on the CPU backend), all layers run in one C++ call (csrc/decode_layers_cpu.cpp),
-  which calls the same kernels in the same order and releases the GIL while it runs;
-- otherwise a Python loop over the layers calls the ops directly, with attention through the
-  layer's own Attention (its bound backend: cascades, prefill chunks, the PyTorch backend).
-Both give results bitwise equal to the modules' forward (tests/models/test_cpu_decode.py).
+A decode step of a few tokens reads each weight once (about 22 ms for SmolLM2 in float32 on a
+2-core machine), and the layers' own ops cost little; through the modules, each of the 30
+layers also pays about 150 µs of Python (ten module calls, wrappers, checks). The C++ call
+(csrc/decode_layers_cpu.cpp) runs the same ops in the same order with the same kernels and
+releases the GIL while it runs; each linear layer's weight comes from its quantization
+method object (`cpu_kernel`: dense float32, Q8_0, 4-bit blocks), so every weight format the
+methods know takes this path and none is written twice. Results are bitwise equal to the
+modules' forward (tests/models/test_cpu_decode.py).
 
-It applies to any step of 1 <= T <= cpu_ops.SMALL_M tokens (the modules would take the same
-small-M ops), float32 on CPU with the kernels built, when every layer qualifies: no tensor
-parallelism, every linear layer kept its dense weight, no per-head q/k norm (Qwen3). Anything
-else goes through the modules.
+It is opt-in by an allow-list: it runs only layers whose every part is exactly one of the
+types in `_ALLOWED` (a subclass, such as Qwen3's attention with its q/k norms, is another
+model and goes through the modules), with no tensor parallelism, float32 activations and KV
+cache on CPU, every linear layer's method giving a CPU kernel, and a step whose every query
+goes to the CPU paged-attention kernel. Anything else runs the modules, whose layers call the
+same kernels through the same method objects.
 """
 
 from __future__ import annotations
@@ -25,15 +24,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention import AttentionMetadata
 from tokenmill.attention.cpu_paged import CPUPagedAttention
 from tokenmill.layers import cpu_ops
 from tokenmill.layers.attention import Attention
+from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.utils.cpp_extension import load_cpu_extension
 from tokenmill.utils.profiling import scope
+
+# A linear layer as decode_layers takes it: (kind, group, tensors, bias or None).
+LinearArgs = tuple[int, int, list[torch.Tensor], torch.Tensor | None]
 
 
 @functools.cache
@@ -42,106 +45,98 @@ def _decode_layers_op() -> Any | None:
     return None if module is None else module.decode_layers
 
 
-@dataclass(frozen=True)
-class _LayerRefs:
-    """What one decoder layer's decode step reads: weights (dense), biases, its attention."""
+def _allowed() -> dict[str, type]:
+    """The exact module types decode_layers implements (imported late: models import this)."""
+    from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
-    in_norm: torch.Tensor
-    post_norm: torch.Tensor
-    eps: float
-    qkv: tuple[torch.Tensor, torch.Tensor | None]  # (weight (N, K), bias (N,) or None)
-    o: tuple[torch.Tensor, torch.Tensor | None]
-    gate_up: tuple[torch.Tensor, torch.Tensor | None]
-    down: tuple[torch.Tensor, torch.Tensor | None]
+    return {"layer": LlamaDecoderLayer, "self_attn": LlamaAttention, "mlp": LlamaMLP,
+            "input_layernorm": RMSNorm, "post_attention_layernorm": RMSNorm,
+            "qkv_proj": QKVParallelLinear, "o_proj": RowParallelLinear,
+            "gate_up_proj": MergedColumnParallelLinear, "down_proj": RowParallelLinear}
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What decode_layers reads, gathered once (after the runner bound the KV caches)."""
+
+    norms: list[torch.Tensor]  # in_norm, post_norm per layer
+    linears: list[LinearArgs]  # qkv, o, gate_up, down per layer
+    attns: list[Attention]
     heads: tuple[int, int, int]  # Hq, Hkv, D
-    attn: Attention
+    eps: float
+    scale: float
 
 
 class SmallBatchDecode:
-    """The layers of a Llama-style model, run for a small decode batch (see module doc)."""
+    """The decoder layers of a Llama model, run for a small decode batch (see module doc)."""
 
     def __init__(self, layers: nn.ModuleList) -> None:
         self.layers = layers
-        # Switches for comparing the ways (benchmarks/decode_paths.py): off = the modules.
-        self.enabled = True
-        self.fused = True
+        self.enabled = True  # off: the modules (benchmarks/decode_paths.py compares them)
 
-    def applies(self, hidden: torch.Tensor) -> bool:
-        return (self.enabled and 0 < hidden.shape[0] <= cpu_ops.SMALL_M and cpu_ops.fused(hidden)
-                and self._layer_refs is not None)
+    def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+        if not (self.enabled and 0 < hidden.shape[0] <= cpu_ops.SMALL_M
+                and cpu_ops.fused(hidden) and self._plan is not None):
+            return False
+        return CPUPagedAttention.kernel_only(meta, hidden.shape[0]) is not None
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden (T, H) embeddings → (hidden, residual) after the last layer, as the modules'
-        loop returns them. cos / sin (T, 1, D) as RotaryEmbedding gives them."""
-        refs = self._layer_refs
+        loop returns them. cos / sin (T, 1, D) as RotaryEmbedding gives them. Only after
+        `applies` said True."""
+        plan = self._plan
         p = CPUPagedAttention.kernel_only(meta, hidden.shape[0])
-        op = _decode_layers_op() if p is not None and self.fused else None
-        flat = self._flat_refs if op is not None else None
-        if flat is not None and all(isinstance(r.attn.backend, CPUPagedAttention)
-                                    and r.attn.kv_cache.dtype == torch.float32 for r in refs):
-            weights, biases = flat
-            r0 = refs[0]
-            with scope("tokenmill::decode_layers"):
-                hidden, residual = op(hidden, weights, biases, [r.attn.kv_cache for r in refs],
-                                      cos, sin, meta.slot_mapping, p.block_tables,
-                                      p.seq_rows, p.start_lens, p.ctx_lens, *r0.heads,
-                                      r0.eps, r0.attn.scale)
-            return hidden, residual
-        ops = cpu_ops
-        T = hidden.shape[0]
-        residual = None
-        for r in refs:
-            if residual is None:  # the first layer: no residual yet (RMSNorm's plain path)
-                residual = hidden
-                hidden = F.rms_norm(hidden, r.in_norm.shape, r.in_norm, r.eps)
-            else:
-                hidden, residual = ops.add_rms_norm(hidden, residual, r.in_norm, r.eps)
-            Hq, Hkv, D = r.heads
-            qkv = ops.linear_small_m(hidden, *r.qkv).view(T, Hq + 2 * Hkv, D)
-            q, k, v = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]
-            ops.rotary_(q, k, cos, sin)
-            hidden = ops.linear_small_m(r.attn.forward(q, k, v, meta), *r.o)
-            hidden, residual = ops.add_rms_norm(hidden, residual, r.post_norm, r.eps)
-            hidden = ops.silu_and_mul(ops.linear_small_m(hidden, *r.gate_up))
-            hidden = ops.linear_small_m(hidden, *r.down)
+        with scope("tokenmill::decode_layers"):
+            hidden, residual = _decode_layers_op()(
+                hidden, plan.norms, plan.linears, [a.kv_cache for a in plan.attns], cos, sin,
+                meta.slot_mapping, p.block_tables, p.seq_rows, p.start_lens, p.ctx_lens,
+                *plan.heads, plan.eps, plan.scale)
         return hidden, residual
 
-    # Both taken once, at the first step (after the runner bound each layer's KV cache); None
-    # is cached too: the layers cannot take the path, or not in one C++ call.
     @functools.cached_property
-    def _flat_refs(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]] | None:
-        """The layers' weights (6 per layer) and biases (4 per layer) as decode_layers takes
-        them; None if the layers differ in heads, eps or scale (it takes one of each)."""
-        refs = self._layer_refs
-        r0 = refs[0]
-        if any((r.heads, r.eps, r.attn.scale) != (r0.heads, r0.eps, r0.attn.scale)
-               for r in refs):
+    def _plan(self) -> _Plan | None:
+        """Taken at the first step (weights processed, huge pages moved, caches bound); None,
+        cached too, when some layer is not on the allow-list."""
+        if _decode_layers_op() is None or not self.layers:
             return None
-        return ([t for r in refs for t in (r.in_norm, r.post_norm, r.qkv[0], r.o[0],
-                                           r.gate_up[0], r.down[0])],
-                [b for r in refs for b in (r.qkv[1], r.o[1], r.gate_up[1], r.down[1])])
+        parts = [_parts_of(layer) for layer in self.layers]
+        if any(p is None for p in parts):
+            return None
+        first = self.layers[0].self_attn
+        heads = (first.num_heads, first.num_kv_heads, first.head_dim)
+        eps = self.layers[0].input_layernorm.eps
+        scale = first.attn.scale
+        for layer in self.layers:  # decode_layers takes one of each for all layers
+            a = layer.self_attn
+            if ((a.num_heads, a.num_kv_heads, a.head_dim) != heads or a.attn.scale != scale
+                    or {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {eps}
+                    or not isinstance(a.attn.backend, CPUPagedAttention)
+                    or a.attn.kv_cache.dtype != torch.float32):
+                return None
+        return _Plan(norms=[t for p in parts for t in p[0]],
+                     linears=[lin for p in parts for lin in p[1]],
+                     attns=[layer.self_attn.attn for layer in self.layers],
+                     heads=heads, eps=eps, scale=scale)
 
-    @functools.cached_property
-    def _layer_refs(self) -> list[_LayerRefs] | None:
-        """The layers' references (the tensors themselves: loading and prepacking keep them),
-        or None when some layer cannot take this path."""
-        refs = [_refs_of(layer) for layer in self.layers]
-        return None if any(r is None for r in refs) else refs
 
-
-def _refs_of(layer: nn.Module) -> _LayerRefs | None:
-    attn = layer.self_attn
-    linears = [attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-    dense = [getattr(lin, "weight", None) for lin in linears]
-    if (attn.qk_norm or any(lin.tp.tp_size != 1 for lin in linears)
-            or any(w is None or w.dtype != torch.float32 for w in dense)
-            or layer.input_layernorm.eps != layer.post_attention_layernorm.eps):
+def _parts_of(layer: nn.Module) -> tuple[list[torch.Tensor], list[LinearArgs]] | None:
+    """The layer's norms and linear kernels, or None unless every part is allow-listed."""
+    allowed = _allowed()
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    modules = {"layer": layer, "self_attn": attn, "mlp": mlp,
+               "input_layernorm": getattr(layer, "input_layernorm", None),
+               "post_attention_layernorm": getattr(layer, "post_attention_layernorm", None),
+               "qkv_proj": getattr(attn, "qkv_proj", None),
+               "o_proj": getattr(attn, "o_proj", None),
+               "gate_up_proj": getattr(mlp, "gate_up_proj", None),
+               "down_proj": getattr(mlp, "down_proj", None)}
+    if any(type(m) is not allowed[name] for name, m in modules.items()):
         return None
-    return _LayerRefs(
-        in_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
-        eps=layer.input_layernorm.eps,
-        qkv=(dense[0], attn.qkv_proj.bias), o=(dense[1], attn.o_proj.bias),
-        gate_up=(dense[2], layer.mlp.gate_up_proj.bias),
-        down=(dense[3], layer.mlp.down_proj.bias),
-        heads=(attn.num_heads, attn.num_kv_heads, attn.head_dim), attn=attn.attn)
+    linears: list[LinearArgs] = []
+    for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        kernel = lin.quant_method.cpu_kernel(lin)
+        if kernel is None or lin.tp.tp_size != 1:
+            return None
+        linears.append((*kernel.as_args(), lin.bias))
+    return [layer.input_layernorm.weight, layer.post_attention_layernorm.weight], linears

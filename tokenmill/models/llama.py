@@ -22,47 +22,50 @@ from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinea
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.models.cpu_decode import SmallBatchDecode
+from tokenmill.quantization import QuantizationConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, tp: ParallelState, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool) -> None:
+    def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
+                 prefix: str, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         n_heads, n_kv = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, n_heads, n_kv,
-                                          bias=qkv_bias, tp=tp)
+                                          bias=qkv_bias, tp=tp, quant_config=quant,
+                                          prefix=f"{prefix}.qkv_proj")
         self.o_proj = RowParallelLinear(n_heads * self.head_dim, config.hidden_size,
-                                        bias=o_bias, tp=tp)
+                                        bias=o_bias, tp=tp, quant_config=quant,
+                                        prefix=f"{prefix}.o_proj")
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        if qk_norm:  # Qwen3: RMSNorm over each head's q and k, before RoPE
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.qk_norm = qk_norm
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               scale=self.head_dim ** -0.5)
 
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(T, (Hq + 2 Hkv) D) → q, k, v (T, Hq | Hkv | Hkv, D): one view and three slices,
+        the cheapest split, which a batch-1 decode step pays in every layer."""
+        T, Hq, Hkv = qkv.shape[0], self.num_heads, self.num_kv_heads
+        qkv = qkv.view(T, Hq + 2 * Hkv, self.head_dim)
+        return qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]
+
     def forward(self, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        T, Hq, Hkv = hidden.shape[0], self.num_heads, self.num_kv_heads
-        # Views of the fused output by head (one view and three slices: the cheapest split,
-        # which a batch-1 decode step pays in every layer).
-        qkv = self.qkv_proj(hidden).view(T, Hq + 2 * Hkv, self.head_dim)
-        q, k, v = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]  # (T, Hq|Hkv|Hkv, D)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self.split_heads(self.qkv_proj(hidden))
         q, k = apply_rotary(q, k, *position_embeddings)
         return self.o_proj(self.attn(q, k, v, meta))  # (T, hidden)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, tp: ParallelState) -> None:
+    def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
+                 prefix: str) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter],
-                                                       bias=bias, tp=tp)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, tp=tp)
+                                                       bias=bias, tp=tp, quant_config=quant,
+                                                       prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, tp=tp,
+                                           quant_config=quant, prefix=f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,10 +73,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, tp: ParallelState, **attn_flags: bool) -> None:
+    def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
+                 prefix: str, attention_cls: type[LlamaAttention], **attn_flags: bool) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, tp, **attn_flags)
-        self.mlp = LlamaMLP(config, tp)
+        self.self_attn = attention_cls(config, tp, quant, f"{prefix}.self_attn", **attn_flags)
+        self.mlp = LlamaMLP(config, tp, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -90,24 +94,28 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, tp: ParallelState, **attn_flags: bool) -> None:
+    def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
+                 attention_cls: type[LlamaAttention], **attn_flags: bool) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp, **attn_flags)
-                                    for _ in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp,
+                                                   quant, prefix="model.embed_tokens")
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, tp, quant, f"model.layers.{i}", attention_cls,
+                              **attn_flags)
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or \
             config.hidden_size // config.num_attention_heads
         # One cos/sin table for all layers, gathered once per step.
         self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, config)
-        # The same layers for a CPU decode step of a few tokens, without module dispatch.
+        # The same layers for a CPU decode step of a few tokens, in one C++ call.
         self.small_batch_decode = SmallBatchDecode(self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None  # (T, hidden)
         position_embeddings = self.rotary_emb(positions, hidden.dtype)  # cos, sin (T, 1, D)
-        if self.small_batch_decode.applies(hidden):
+        if self.small_batch_decode.applies(hidden, meta):
             hidden, residual = self.small_batch_decode.run(hidden, *position_embeddings, meta)
         else:
             for layer in self.layers:
@@ -122,21 +130,25 @@ class LlamaForCausalLM(nn.Module):
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
-    qk_norm = False
+    attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, config: Any, tp: ParallelState = ParallelState()) -> None:
+    def __init__(self, config: Any, tp: ParallelState = ParallelState(),
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, tp, **self._attention_flags(config))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        self.model = LlamaModel(config, tp, quant_config, self.attention_cls,
+                                **self._attention_flags(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # A tied head multiplies with the embedding's table: its method is the embedding's.
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, tp, quant_config,
+            prefix="model.embed_tokens" if self.tie_word_embeddings else "lm_head")
         if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-            self.lm_head.tied = True
+            self.lm_head.tie_to(self.model.embed_tokens)
 
     def _attention_flags(self, config: Any) -> dict[str, bool]:
         bias = bool(getattr(config, "attention_bias", False))
-        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": self.qk_norm}
+        return {"qkv_bias": bias, "o_bias": bias}
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
@@ -152,4 +164,4 @@ class LlamaForCausalLM(nn.Module):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     def _attention_flags(self, config: Any) -> dict[str, bool]:
-        return {"qkv_bias": True, "o_bias": False, "qk_norm": False}
+        return {"qkv_bias": True, "o_bias": False}

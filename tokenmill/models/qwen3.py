@@ -2,8 +2,31 @@
 
 from __future__ import annotations
 
-from tokenmill.models.llama import LlamaForCausalLM
+from typing import Any
+
+import torch
+
+from tokenmill.attention import AttentionMetadata
+from tokenmill.distributed import ParallelState
+from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.layers.rotary import apply_rotary
+from tokenmill.models.llama import LlamaAttention, LlamaForCausalLM
+from tokenmill.quantization import QuantizationConfig
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
+                 prefix: str, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__(config, tp, quant, prefix, qkv_bias, o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.split_heads(self.qkv_proj(hidden))
+        q, k = apply_rotary(self.q_norm(q), self.k_norm(k), *position_embeddings)
+        return self.o_proj(self.attn(q, k, v, meta))  # (T, hidden)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    qk_norm = True
+    attention_cls = Qwen3Attention

@@ -1,11 +1,12 @@
 """Builds and loads the C++ CPU kernels in tokenmill/csrc/ with torch.utils.cpp_extension.
 
-Each kernel exists in two builds, chosen at run time by this CPU's flags (never the build
-machine's): "avx2" (AVX2 + FMA, ATen's AVX2 Vectorized; also what AVX-512 machines run) and
-"generic" (portable code). `pip install` compiles both (setup.py imports this file for the
-flags) into tokenmill/_C/ as `<name>_<isa>`; when those are missing or do not load (no compiler
-at install time, another torch), the kernel is compiled on first use instead and cached by
-torch under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR), about 25 s a kernel.
+Each kernel exists in three builds, chosen at run time by this CPU's flags (never the build
+machine's): "avx512" (AVX-512 F/BW/VL/DQ, ATen's 16-lane Vectorized), "avx2" (AVX2 + FMA +
+F16C, 8 lanes) and "generic" (portable code). `pip install` compiles all three (setup.py
+imports this file for the flags) into tokenmill/_C/ as `<name>_<isa>`; when those are missing
+or do not load (no compiler at install time, another torch), the kernel is compiled on first
+use instead and cached by torch under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR),
+about 25 s a kernel.
 
 `load_cpu_extension(name)` returns the module, or None when the kernels are disabled
 (TOKENMILL_CPU_KERNELS=0) or cannot be built (no compiler): every caller then keeps a
@@ -38,20 +39,28 @@ _name_locks: dict[str, threading.Lock] = {}
 _modules: dict[str, object | None] = {}
 
 
-ISAS = ("avx2", "generic")
+ISAS = ("avx512", "avx2", "generic")
 
 
 def runtime_isa() -> str:
-    """The build this CPU runs, from its flags as torch reads them at run time."""
-    return "avx2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else "generic"
+    """The build this CPU runs, from its flags as torch reads them at run time (torch says
+    AVX512 only where AVX-512 F/BW/VL/DQ all exist)."""
+    return {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability(),
+                                                     "generic")
 
 
 def cflags(isa: str | None = None) -> list[str]:
     """Compiler flags of the `isa` build (default: the one this machine runs)."""
     flags = ["-O3", "-fopenmp"]  # -fopenmp: at::parallel_for runs on torch's OpenMP pool
-    if (isa or runtime_isa()) == "avx2":
-        # Select ATen's AVX2 Vectorized<float> (the header otherwise falls back to scalar).
-        flags += ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    isa = isa or runtime_isa()
+    if isa in ("avx2", "avx512"):  # F16C: the float16 scales of quantized weights
+        flags += ["-mavx2", "-mfma", "-mf16c"]
+    # Select ATen's Vectorized<float> of that width (the header otherwise falls back to scalar).
+    if isa == "avx2":
+        flags += ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    elif isa == "avx512":
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                  "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
     return flags
 
 

@@ -18,7 +18,6 @@ from tokenmill.attention.kv_cache import allocate_kv_cache, bytes_per_block, cop
 from tokenmill.attention.triton_paged import TritonPagedAttention
 from tokenmill.config import EngineConfig
 from tokenmill.core.interface import ModelRunnerOutput, PositionLogprobs, SchedulerOutput
-from tokenmill.layers.cpu_gemm import onednn_available, prepack_model
 from tokenmill.layers.sampler import Sampler, gather_logprobs
 from tokenmill.model_loader import load_model
 from tokenmill.utils import cdiv
@@ -41,14 +40,13 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         mc = config.model
         t0 = time.perf_counter()
-        self.model = load_model(mc, self.device)
+        self.model = load_model(mc, self.device, prepack=config.prepack_weights)
         if self.device.type == "cpu":
-            # Before prepacking: the dense weights a decode step streams go to huge pages.
+            # The weights a decode step streams (dense or quantized) go to huge pages.
             move_parameters_to_huge_pages(self.model)
-        if config.prepack_weights and onednn_available(self.device, mc.dtype):
-            prepack_model(self.model)
-        logger.info("model weights loaded (%s, %s on %s) in %.1f s", mc.path, mc.dtype,
-                    self.device, time.perf_counter() - t0)
+        logger.info("model weights loaded (%s, %s, weights %s on %s) in %.1f s", mc.path,
+                    mc.dtype, mc.quantization or "dense", self.device,
+                    time.perf_counter() - t0)
         t0 = time.perf_counter()
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_cache = allocate_kv_cache(mc.num_layers, self.num_kv_blocks, self.block_size,

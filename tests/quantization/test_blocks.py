@@ -1,0 +1,90 @@
+"""The block layouts (quantization/blocks.py) and the C++ `linear` op that reads them
+(csrc/linear_cpu.h): every kind at every batch size equals x @ dequantize(W)^T + bias up to
+float32 summation order; GGUF blocks split bit for bit into what gguf's own dequantizer
+gives; quantizers stay within half a step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.layers import cpu_ops
+from tokenmill.quantization import CPULinearKernel
+from tokenmill.quantization.blocks import dequantize, pack_q4, quantize_q4, quantize_q8_0, unpack_q4
+from tokenmill.quantization.gguf import split_blocks
+
+pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
+
+
+def random_kernel(kind: int, n: int, k: int, group: int, seed: int) -> CPULinearKernel:
+    gen = torch.Generator().manual_seed(seed)
+    if kind == CPULinearKernel.Q8_0:
+        q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        d = (torch.rand(n, k // 32, generator=gen) * 0.02).half()
+        return CPULinearKernel(kind, 32, (q, d))
+    q = pack_q4(torch.randint(0, 16, (n, k), generator=gen))
+    d = (torch.rand(n, k // group, generator=gen) * 0.02).half()
+    m = (torch.randn(n, k // group, generator=gen) * 0.05).half()
+    return CPULinearKernel(kind, group, (q, d, m))
+
+
+@pytest.mark.parametrize("kind,group", [(CPULinearKernel.Q8_0, 32), (CPULinearKernel.Q4, 32),
+                                        (CPULinearKernel.Q4, 64), (CPULinearKernel.Q4, 192)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_equals_dequantized_product(kind, group, m, bias):
+    n, k = 300, 576  # n not a multiple of any tile or thread split
+    kernel = random_kernel(kind, n, k, group, seed=m + group)
+    x = torch.randn(m, k)
+    b = torch.randn(n) if bias else None
+    ref = x @ dequantize(kernel).T + (0 if b is None else b)
+    torch.testing.assert_close(cpu_ops.linear(x, kernel, b), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_gather_rows_and_pack_round_trip():
+    kernel = random_kernel(CPULinearKernel.Q4, 50, 96, 32, seed=0)
+    ids = torch.tensor([49, 0, 7, 7])
+    torch.testing.assert_close(cpu_ops.gather_rows(ids, kernel), dequantize(kernel)[ids])
+    values = torch.randint(0, 16, (3, 64))
+    assert torch.equal(unpack_q4(pack_q4(values)).long(), values)
+    with pytest.raises(RuntimeError, match="row out of range"):
+        cpu_ops.gather_rows(torch.tensor([50]), kernel)
+
+
+def test_nibble_order_is_llama_cpp():
+    """Byte j of a block holds weight j (low nibble) and weight j + 16 (high nibble)."""
+    values = torch.arange(32).remainder(16).view(1, 32)
+    values[0, 16:] = 15 - values[0, 16:]
+    packed = pack_q4(values)
+    assert [packed[0, j].item() & 0xF for j in range(16)] == list(range(16))
+    assert [packed[0, j].item() >> 4 for j in range(16)] == [15 - j for j in range(16)]
+
+
+def test_quantizers_stay_within_half_a_step():
+    w = torch.randn(64, 256) * torch.logspace(-2, 1, 256)  # columns of very different scales
+    q, d = quantize_q8_0(w)
+    err = (dequantize(CPULinearKernel(CPULinearKernel.Q8_0, 32, (q, d))) - w).abs()
+    assert (err <= d.float().repeat_interleave(32, 1) * 0.5 + 1e-6).all()
+    kernel = CPULinearKernel(CPULinearKernel.Q4, 32, quantize_q4(w, 32))
+    err = (dequantize(kernel) - w).abs()
+    step = kernel.tensors[1].float().repeat_interleave(32, 1)
+    assert (err <= step * 0.5 + 2e-3 * w.abs().amax(1, keepdim=True)).all()  # + fp16 rounding
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q4(w, 48)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_split_bit_for_bit(type_name):
+    import gguf
+
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    w = np.random.default_rng(0).standard_normal((24, 128)).astype(np.float32)
+    raw = gguf.quants.quantize(w, qtype)  # (24, bytes per row) uint8, llama.cpp's blocks
+    expected = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, qtype)))
+    tensors = split_blocks(torch.from_numpy(raw), type_name)
+    kind, group = (CPULinearKernel.Q8_0, 32) if type_name == "Q8_0" else (CPULinearKernel.Q4, 32)
+    kernel = CPULinearKernel(kind, group, tensors)
+    assert torch.equal(dequantize(kernel), expected)
+    x = torch.randn(2, 128)
+    torch.testing.assert_close(cpu_ops.linear(x, kernel), x @ expected.T, atol=1e-4, rtol=1e-4)

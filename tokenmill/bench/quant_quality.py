@@ -1,0 +1,159 @@
+"""How much each weight format changes the model: mean KL divergence of the next-token
+distribution against float32, top-1 agreement, and perplexity, over natural English text.
+
+The text is found on the machine at run time: the docstrings of Python's standard library
+(prose paragraphs only; doctest lines and code-like lines are dropped), so nothing is copied
+into the repository. It is cut into windows of --window tokens, each scored by teacher
+forcing through the engine itself (a prefill with prompt logprobs; the model's
+`compute_logits` is wrapped to keep the full distributions), so every format is measured on
+the kernels that serve it.
+
+The float32 reference is the model with quantization=None: for a GGUF file, the float32
+expansion of its own blocks (for the shipped SmolLM2 Q4_1 file there is no other float
+checkpoint), so GGUF-native Q4_1 with float activations computes the very same weights and
+only summation order differs; int8 / int4 quantize that float32 model again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import math
+import re
+import sys
+import time
+
+import torch
+
+from tokenmill.bench.machine import describe_machine
+
+_MODULES = ("argparse", "asyncio", "collections", "concurrent.futures", "contextlib", "csv",
+            "dataclasses", "datetime", "decimal", "difflib", "email.message", "enum",
+            "fractions", "functools", "gzip", "heapq", "http.client", "http.server", "inspect",
+            "ipaddress", "itertools", "json", "logging", "mailbox", "multiprocessing", "os",
+            "pathlib", "pickle", "pprint", "queue", "random", "re", "sched", "selectors",
+            "shutil", "smtplib", "socket", "socketserver", "sqlite3", "statistics", "string",
+            "subprocess", "tarfile", "tempfile", "textwrap", "threading", "timeit", "typing",
+            "unittest", "urllib.parse", "urllib.request", "uuid", "warnings", "weakref",
+            "xml.dom.minidom", "zipfile")
+
+
+def _prose(doc: str) -> list[str]:
+    """The paragraphs of a docstring that read as English sentences."""
+    out = []
+    for para in re.split(r"\n\s*\n", doc):
+        lines = [ln.strip() for ln in para.splitlines()]
+        if not lines or any(ln.startswith((">>>", "...", "$", "#")) for ln in lines):
+            continue
+        text = " ".join(lines)
+        letters = sum(c.isalpha() or c == " " for c in text)
+        if len(text) >= 80 and letters / len(text) > 0.9 and text.count("(") < 4:
+            out.append(text)
+    return out
+
+
+def natural_text(min_chars: int) -> str:
+    """At least `min_chars` of prose from the standard library's docstrings, in a fixed
+    order (the same text on every machine with the same Python)."""
+    seen, paragraphs, total = set(), [], 0
+    for name in _MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        objects = [module] + [getattr(module, a) for a in sorted(vars(module))
+                              if not a.startswith("_")]
+        for obj in objects:
+            doc = inspect.getdoc(obj) if (inspect.ismodule(obj) or inspect.isclass(obj)
+                                          or inspect.isroutine(obj)) else None
+            for p in _prose(doc or ""):
+                if p not in seen:
+                    seen.add(p)
+                    paragraphs.append(p)
+                    total += len(p)
+        if total >= min_chars:
+            break
+    return "\n\n".join(paragraphs)
+
+
+def score_windows(llm, windows: list[list[int]]) -> list[torch.Tensor]:
+    """Teacher-forced next-token log-probabilities, (len(w) - 1, V) per window."""
+    from tokenmill import SamplingParams
+
+    model = llm.engine.runner.model
+    real = model.compute_logits
+    captured: list[torch.Tensor] = []
+
+    def keep(hidden: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        logits = real(hidden, idx)
+        if idx.numel() > 1:  # the prompt-logprobs call; the sampling call takes one row
+            captured.append(logits.float().log_softmax(-1))
+        return logits
+
+    model.compute_logits = keep
+    try:
+        out = []
+        for w in windows:  # one at a time: the captures come back in order
+            captured.clear()
+            llm.generate([w], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+            out.append(torch.cat(captured))
+            if out[-1].shape[0] != len(w) - 1:
+                raise RuntimeError("a window was not scored in full")
+        return out
+    finally:
+        model.compute_logits = real
+
+
+def compare(ref: list[torch.Tensor], got: list[torch.Tensor],
+            windows: list[list[int]]) -> dict[str, float]:
+    kl = agree = nll = n = 0.0
+    for r, g, w in zip(ref, got, windows, strict=True):
+        targets = torch.tensor(w[1:])
+        kl += float((r.exp() * (r - g)).sum())
+        agree += float((r.argmax(-1) == g.argmax(-1)).sum())
+        nll -= float(g.gather(1, targets.unsqueeze(1)).sum())
+        n += r.shape[0]
+    return {"kl": kl / n, "top1": agree / n, "ppl": math.exp(nll / n), "tokens": n}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tokenmill import LLM
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF Q4_1)")
+    p.add_argument("--methods", default="gguf,int8,int4",
+                   help="comma-separated quantization methods to compare with float32")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens of text to score")
+    p.add_argument("--window", type=int, default=512)
+    args = p.parse_args(argv)
+
+    print(describe_machine())
+    opts = dict(enable_prefix_caching=False, max_model_len=args.window + 8)
+    t0 = time.perf_counter()
+    ref_llm = LLM(args.model, quantization=None, **opts)
+    tok = ref_llm.engine.tokenizer
+    ids: list[int] = []
+    chars = 4 * args.tokens
+    while len(ids) < args.tokens:
+        ids = tok.encode(natural_text(chars), add_special_tokens=False)
+        chars *= 2
+    windows = [ids[i:i + args.window] for i in range(0, args.tokens, args.window)]
+    windows = [w for w in windows if len(w) > 1]
+    print(f"text: {sum(len(w) - 1 for w in windows)} scored tokens of standard-library "
+          f"docstrings (Python {sys.version.split()[0]}), windows of {args.window}")
+    ref = score_windows(ref_llm, windows)
+    base = compare(ref, ref, windows)
+    del ref_llm
+    rows = [("float32", base)]
+    for method in [m for m in args.methods.split(",") if m]:
+        llm = LLM(args.model, quantization=method, **opts)
+        rows.append((method, compare(ref, score_windows(llm, windows), windows)))
+        del llm
+    print(f"\n{'weights':<10} {'mean KL':>10} {'top-1 agree':>12} {'perplexity':>11} "
+          f"{'ppl vs f32':>11}")
+    for name, r in rows:
+        print(f"{name:<10} {r['kl']:>10.5f} {100 * r['top1']:>11.2f}% {r['ppl']:>11.3f} "
+              f"{100 * (r['ppl'] / base['ppl'] - 1):>+10.2f}%")
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    return 0

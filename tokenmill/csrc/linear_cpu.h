@@ -1,0 +1,331 @@
+// Linear layers on CPU, one entry point for every weight format: y = x @ W^T (+ bias).
+//
+// A layer's weight is described by (kind, group, tensors), built by its quantization method
+// object (tokenmill/quantization/, `CPULinearKernel`); the modules' forward and the fused
+// decode call (decode_layers_cpu.cpp) both call `linear` with it, so a format is written once.
+//
+//   kind 0  dense float32      tensors = {W (N, K) float32}
+//   kind 1  Q8_0 blocks        tensors = {q (N, K) int8, d (N, K/32) float16}
+//                              w[n, k] = d[n, k/32] * q[n, k]
+//   kind 2  4-bit groups       tensors = {q (N, K/2) uint8, d (N, K/G) float16,
+//                                         m (N, K/G) float16}
+//                              w[n, k] = d[n, k/G] * q4[n, k] + m[n, k/G]
+//           Within each 32 weights (16 bytes), byte j holds weight j in its low nibble and
+//           weight j + 16 in its high nibble: llama.cpp's Q4_0 / Q4_1 block order, so GGUF
+//           blocks are used bit for bit. G is a multiple of 32 (GGUF 32, AWQ / GPTQ 128).
+//
+// Small M (1-4 rows, a decode step): bound by reading the weight once. Each weight row is
+// streamed once for all rows of x (which stay in L1); rows of W are split in one contiguous
+// range per thread. Quantized weights are expanded to float32 in registers and multiplied
+// with float32 activations: for 4-bit, sum_k (d q + m) x = d sum q x + m sum x, with the group
+// sums of x computed once per call. The result equals the dense float32 product of the
+// dequantized weight up to summation order (no activation rounding).
+// Larger M (prefill, batches): each thread expands a tile of rows to float32 and multiplies
+// it with one single-threaded GEMM (the tile stays in cache).
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/Half.h>
+#include "vec_utils.h"
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+constexpr int64_t kV = Vec::size();
+constexpr int64_t kBlock = 32;            // weights per quantization block
+constexpr int64_t kChunks = kBlock / kV;  // vectors per block (4 with AVX2, 2 with AVX-512)
+
+static void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name,
+              " must be a float32 CPU tensor");
+}
+
+// ---- expanding quantized blocks into float vectors -----------------------------------------
+// 32 int8 weights -> kChunks vectors, in order.
+static inline void expand_q8(const int8_t* q, Vec* out) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)
+  for (int c = 0; c < 2; ++c)
+    out[c] = Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * c)))));
+#elif defined(CPU_CAPABILITY_AVX2) && defined(__AVX2__)
+  for (int c = 0; c < 4; ++c)
+    out[c] = Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * c)))));
+#else
+  float buf[kBlock];
+  for (int i = 0; i < kBlock; ++i) buf[i] = static_cast<float>(q[i]);
+  for (int c = 0; c < kChunks; ++c) out[c] = Vec::loadu(buf + c * kV);
+#endif
+}
+
+// 16 bytes of nibbles -> the 32 4-bit values (0..15) as kChunks vectors, in weight order.
+static inline void expand_q4(const uint8_t* q, Vec* out) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  out[0] = Vec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask))));
+  out[1] = Vec(_mm512_cvtepi32_ps(
+      _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask))));
+#elif defined(CPU_CAPABILITY_AVX2) && defined(__AVX2__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(bytes, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+  out[0] = Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
+  out[1] = Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))));
+  out[2] = Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)));
+  out[3] = Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))));
+#else
+  float buf[kBlock];
+  for (int j = 0; j < 16; ++j) {
+    buf[j] = static_cast<float>(q[j] & 0x0F);
+    buf[j + 16] = static_cast<float>(q[j] >> 4);
+  }
+  for (int c = 0; c < kChunks; ++c) out[c] = Vec::loadu(buf + c * kV);
+#endif
+}
+
+// F16C where compiled for it: c10::Half's portable conversion costs more than a block's math.
+static inline float half_to_float(const at::Half& h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
+// ---- small M: one row range [n0, n1) of y ---------------------------------------------------
+template <int M>
+static void dense_rows(const float* x, const float* W, const float* bias, float* y,
+                       int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* w = W + n * K;
+    Vec a0[M], a1[M];  // two accumulators per x row hide the FMA latency
+    for (int m = 0; m < M; ++m) a0[m] = a1[m] = Vec(0.f);
+    int64_t k = 0;
+    for (; k + 2 * kV <= K; k += 2 * kV) {
+      const Vec w0 = Vec::loadu(w + k), w1 = Vec::loadu(w + k + kV);
+      for (int m = 0; m < M; ++m) {
+        a0[m] = at::vec::fmadd(w0, Vec::loadu(x + m * K + k), a0[m]);
+        a1[m] = at::vec::fmadd(w1, Vec::loadu(x + m * K + k + kV), a1[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      float s = hsum(a0[m] + a1[m]);
+      for (int64_t j = k; j < K; ++j) s += w[j] * x[m * K + j];
+      y[m * N + n] = bias ? s + bias[n] : s;
+    }
+  }
+}
+
+// Two partial dot products per x row (even and odd vectors of a block) keep two FMA chains
+// in flight: one chain per block ran at half the speed (FMA latency bound).
+template <int M>
+static void q8_rows(const float* x, const int8_t* Q, const at::Half* D, const float* bias,
+                    float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t nb = K / kBlock;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* q = Q + n * K;
+    const at::Half* d = D + n * nb;
+    Vec acc[M][2];
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = Vec(0.f);
+    for (int64_t b = 0; b < nb; ++b) {
+      Vec w[kChunks];
+      expand_q8(q + b * kBlock, w);
+      const Vec scale(half_to_float(d[b]));
+      for (int c = 0; c < kChunks; ++c) w[c] = w[c] * scale;
+      for (int m = 0; m < M; ++m) {
+        const float* xb = x + m * K + b * kBlock;
+        for (int c = 0; c < kChunks; ++c)
+          acc[m][c & 1] = at::vec::fmadd(w[c], Vec::loadu(xb + c * kV), acc[m][c & 1]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      y[m * N + n] = hsum(acc[m][0] + acc[m][1]) + (bias ? bias[n] : 0.f);
+  }
+}
+
+// xsum (M, K/G): the group sums of x, which the 4-bit zero points multiply.
+template <int M>
+static void q4_rows(const float* x, const float* xsum, const uint8_t* Q, const at::Half* D,
+                    const at::Half* Mn, const float* bias, float* y, int64_t K, int64_t N,
+                    int64_t G, int64_t n0, int64_t n1) {
+  const int64_t ng = K / G, bpg = G / kBlock;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* q = Q + n * (K / 2);
+    const at::Half *d = D + n * ng, *mn = Mn + n * ng;
+    Vec acc[M][2];
+    float zero_part[M];
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = Vec(0.f), zero_part[m] = 0.f;
+    for (int64_t g = 0; g < ng; ++g) {
+      const Vec scale(half_to_float(d[g]));
+      for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+        Vec w[kChunks];
+        expand_q4(q + b * (kBlock / 2), w);
+        for (int c = 0; c < kChunks; ++c) w[c] = w[c] * scale;
+        for (int m = 0; m < M; ++m) {
+          const float* xb = x + m * K + b * kBlock;
+          for (int c = 0; c < kChunks; ++c)
+            acc[m][c & 1] = at::vec::fmadd(w[c], Vec::loadu(xb + c * kV), acc[m][c & 1]);
+        }
+      }
+      const float mg = half_to_float(mn[g]);
+      for (int m = 0; m < M; ++m) zero_part[m] += mg * xsum[m * ng + g];
+    }
+    for (int m = 0; m < M; ++m)
+      y[m * N + n] = hsum(acc[m][0] + acc[m][1]) + zero_part[m] + (bias ? bias[n] : 0.f);
+  }
+}
+
+// ---- expanding rows of a quantized weight into float32 (the large-M path, embeddings) ------
+static void expand_rows(int64_t kind, int64_t G, const std::vector<torch::Tensor>& t,
+                        const int64_t* rows, int64_t count, int64_t K, float* out) {
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t n = rows ? rows[i] : i;
+    float* o = out + i * K;
+    if (kind == 1) {
+      const int8_t* q = t[0].data_ptr<int8_t>() + n * K;
+      const at::Half* d = t[1].data_ptr<at::Half>() + n * (K / kBlock);
+      for (int64_t b = 0; b < K / kBlock; ++b) {
+        Vec w[kChunks];
+        expand_q8(q + b * kBlock, w);
+        const Vec scale(half_to_float(d[b]));
+        for (int c = 0; c < kChunks; ++c) (w[c] * scale).store(o + b * kBlock + c * kV);
+      }
+    } else {
+      const uint8_t* q = t[0].data_ptr<uint8_t>() + n * (K / 2);
+      const at::Half* d = t[1].data_ptr<at::Half>() + n * (K / G);
+      const at::Half* mn = t[2].data_ptr<at::Half>() + n * (K / G);
+      for (int64_t b = 0; b < K / kBlock; ++b) {
+        Vec w[kChunks];
+        expand_q4(q + b * (kBlock / 2), w);
+        const int64_t g = b * kBlock / G;
+        const Vec scale(half_to_float(d[g])), zero(half_to_float(mn[g]));
+        for (int c = 0; c < kChunks; ++c)
+          at::vec::fmadd(w[c], scale, zero).store(o + b * kBlock + c * kV);
+      }
+    }
+  }
+}
+
+static void check_weight(int64_t kind, int64_t G, const std::vector<torch::Tensor>& t,
+                         int64_t K) {
+  if (kind == 0) {
+    TORCH_CHECK(t.size() == 1, "dense weight: one tensor");
+    check_f32(t[0], "W");
+    TORCH_CHECK(t[0].dim() == 2 && t[0].size(1) == K && t[0].is_contiguous(),
+                "W must be a contiguous (N, K) matrix");
+    return;
+  }
+  TORCH_CHECK(K % kBlock == 0, "quantized weights need K divisible by 32");
+  const int64_t N = t[0].size(0);
+  if (kind == 1) {
+    TORCH_CHECK(t.size() == 2 && t[0].scalar_type() == torch::kInt8 &&
+                t[1].scalar_type() == torch::kHalf, "Q8_0 weight: int8 q, float16 d");
+    TORCH_CHECK(t[0].sizes() == torch::IntArrayRef({N, K}) &&
+                t[1].sizes() == torch::IntArrayRef({N, K / kBlock}), "Q8_0 shapes");
+  } else {
+    TORCH_CHECK(kind == 2, "unknown weight kind ", kind);
+    TORCH_CHECK(G % kBlock == 0 && K % G == 0, "4-bit group size must be a multiple of 32 "
+                "dividing K");
+    TORCH_CHECK(t.size() == 3 && t[0].scalar_type() == torch::kUInt8 &&
+                t[1].scalar_type() == torch::kHalf && t[2].scalar_type() == torch::kHalf,
+                "4-bit weight: uint8 q, float16 d and m");
+    TORCH_CHECK(t[0].sizes() == torch::IntArrayRef({N, K / 2}) &&
+                t[1].sizes() == torch::IntArrayRef({N, K / G}) &&
+                t[2].sizes() == t[1].sizes(), "4-bit shapes");
+  }
+  for (const auto& x : t) TORCH_CHECK(x.is_contiguous() && x.device().is_cpu(),
+                                      "quantized tensors must be contiguous CPU tensors");
+}
+
+template <int M>
+static void small_m_range(int64_t kind, int64_t G, const std::vector<torch::Tensor>& t,
+                          const float* x, const float* xsum, const float* b, float* y,
+                          int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  if (kind == 0)
+    dense_rows<M>(x, t[0].data_ptr<float>(), b, y, K, N, n0, n1);
+  else if (kind == 1)
+    q8_rows<M>(x, t[0].data_ptr<int8_t>(), t[1].data_ptr<at::Half>(), b, y, K, N, n0, n1);
+  else
+    q4_rows<M>(x, xsum, t[0].data_ptr<uint8_t>(), t[1].data_ptr<at::Half>(),
+               t[2].data_ptr<at::Half>(), b, y, K, N, G, n0, n1);
+}
+
+// y = x @ W^T + bias for x (M, K) float32 and the weight (kind, G, tensors).
+inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
+                            const std::vector<torch::Tensor>& t,
+                            c10::optional<torch::Tensor> bias) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && !t.empty(), "linear takes x (M, K) and a weight");
+  const int64_t M = x.size(0), K = x.size(1), N = t[0].size(0);
+  check_weight(kind, G, t, K);
+  x = x.contiguous();
+  const float* b = nullptr;
+  torch::Tensor bias_c;
+  if (bias.has_value()) {
+    bias_c = bias->contiguous();
+    check_f32(bias_c, "bias");
+    TORCH_CHECK(bias_c.numel() == N, "bias size");
+    b = bias_c.data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t threads = at::get_num_threads();
+  if (M <= 4) {
+    torch::Tensor xsum;  // (M, K/G) group sums of x for the 4-bit zero points
+    if (kind == 2) xsum = x.view({M, K / G, G}).sum(-1).contiguous();
+    const float* xs = kind == 2 ? xsum.data_ptr<float>() : nullptr;
+    // One contiguous range of rows per thread: each core streams its own part of W.
+    const int64_t grain = std::max<int64_t>(16, (N + threads - 1) / threads);
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+      switch (M) {
+        case 1: small_m_range<1>(kind, G, t, xp, xs, b, yp, K, N, n0, n1); break;
+        case 2: small_m_range<2>(kind, G, t, xp, xs, b, yp, K, N, n0, n1); break;
+        case 3: small_m_range<3>(kind, G, t, xp, xs, b, yp, K, N, n0, n1); break;
+        default: small_m_range<4>(kind, G, t, xp, xs, b, yp, K, N, n0, n1); break;
+      }
+    });
+    return y;
+  }
+  TORCH_CHECK(kind != 0, "dense weights with more than 4 rows go through the GEMM libraries");
+  // Tiles of rows expanded to float32 (<= 256 KiB each) and one GEMM per tile, run
+  // single-threaded inside the parallel region; y's columns [n0, n1) come from tile n0.
+  const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(256, (65536 / K) / 16 * 16));
+  at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t t0, int64_t t1) {
+    // OpenMP workers do not inherit the caller's inference mode; without it, writing into y
+    // (an inference tensor when the engine made it) would be refused.
+    c10::InferenceMode inference;
+    auto w = torch::empty({tile, K}, x.options());
+    for (int64_t ti = t0; ti < t1; ++ti) {
+      const int64_t n0 = ti * tile, rows = std::min(tile, N - n0);
+      std::vector<int64_t> ids(rows);
+      for (int64_t i = 0; i < rows; ++i) ids[i] = n0 + i;
+      expand_rows(kind, G, t, ids.data(), rows, K, w.data_ptr<float>());
+      auto part = at::mm(x, w.narrow(0, 0, rows).t());  // (M, rows)
+      y.narrow(1, n0, rows).copy_(part);
+    }
+  });
+  if (b) y.add_(bias_c);
+  return y;
+}
+
+// Rows `ids` of a quantized weight as float32 (ids.size(), K): embedding lookups.
+inline torch::Tensor gather_rows(torch::Tensor ids, int64_t kind, int64_t G,
+                                 const std::vector<torch::Tensor>& t, int64_t K) {
+  check_weight(kind, G, t, K);
+  TORCH_CHECK(kind != 0, "gather_rows is for quantized weights");
+  auto idx = ids.to(torch::kInt64).contiguous().view({-1});
+  const int64_t count = idx.numel(), N = t[0].size(0);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "row out of range");
+  auto out = torch::empty({count, K}, torch::dtype(torch::kFloat32));
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, count, 16, [&](int64_t i0, int64_t i1) {
+    expand_rows(kind, G, t, ip + i0, i1 - i0, K, op + i0 * K);
+  });
+  return out;
+}

@@ -1,0 +1,71 @@
+"""Weight formats: one method object per linear layer (base.py), vLLM's names.
+
+    None / "none"  dense weights in the model's dtype (unquantized.py)
+    "int8"         Q8_0 blocks quantized at load from a float checkpoint (load_time.py)
+    "int4"         4-bit groups quantized at load from a float checkpoint (load_time.py)
+    "awq", "gptq"  4-bit checkpoints in those published layouts (int4_checkpoints.py)
+    "gguf"         a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks as stored (gguf.py)
+
+`quantization_config(model_config, device, prepack)` builds the model's config; anything the
+model, its checkpoint or the device cannot run is a ValueError at start-up naming what is
+supported. Every quantized format ends in the two block layouts of blocks.py, which the C++
+kernels (csrc/linear_cpu.h) read in every path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenmill.quantization.base import (
+    CPULinearKernel,
+    LinearMethodBase,
+    QuantizationConfig,
+    set_weight_attrs,
+)
+from tokenmill.quantization.unquantized import UnquantizedConfig, UnquantizedLinearMethod
+
+if TYPE_CHECKING:
+    from tokenmill.config import ModelConfig
+
+QUANTIZATION_METHODS = ("int8", "int4", "awq", "gptq", "gguf")
+
+__all__ = ["QUANTIZATION_METHODS", "CPULinearKernel", "LinearMethodBase", "QuantizationConfig",
+           "UnquantizedConfig", "UnquantizedLinearMethod", "quantization_config",
+           "set_weight_attrs"]
+
+
+def quantization_config(model: ModelConfig, device: torch.device,
+                        prepack: bool) -> QuantizationConfig:
+    """The weight format of `model` on `device` (model.quantization already validated by
+    ModelConfig against the checkpoint)."""
+    name = model.quantization
+    if name is None:
+        return UnquantizedConfig(prepack)
+    config: QuantizationConfig
+    if name == "int8":
+        from tokenmill.quantization.load_time import Int8Config
+        config = Int8Config()
+    elif name == "int4":
+        from tokenmill.quantization.load_time import Int4Config
+        config = Int4Config()
+    elif name in ("awq", "gptq"):
+        from tokenmill.quantization.int4_checkpoints import Int4CheckpointConfig
+        config = Int4CheckpointConfig(name, model.hf_quant_config or {}, prepack)
+    elif name == "gguf":
+        from tokenmill.model_loader.gguf_loader import gguf_tensor_types
+        from tokenmill.models import resolve_model_class
+        from tokenmill.quantization.gguf import GGUFConfig
+
+        assert model.gguf_file is not None
+        mapping = getattr(resolve_model_class(model.architecture), "packed_modules_mapping", {})
+        config = GGUFConfig(gguf_tensor_types(model.gguf_file), prepack, mapping)
+    else:
+        raise ValueError(f"unknown quantization {name!r}; supported: "
+                         f"{', '.join(QUANTIZATION_METHODS)} or None")
+    if model.dtype != torch.float32:
+        raise ValueError(f"quantization={name!r} computes in float32 on CPU; dtype is "
+                         f"{model.dtype}")
+    config.check_device(device)
+    return config

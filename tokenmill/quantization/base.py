@@ -1,0 +1,133 @@
+"""The interface every weight format implements, in the shape of vLLM's `LinearMethodBase`.
+
+A linear layer (and the embedding / LM head) owns a method object; the layer never looks at
+its weight tensors itself:
+
+- `create_weights(layer, input_size, output_sizes, dtype)` registers the parameters the
+  checkpoint fills, each tagged with how it shards (`set_weight_attrs`: which dims are the
+  output and input features, and how many stored units one feature takes on each, e.g. 1/8 for
+  eight 4-bit values packed in an int32, 1/G for one scale per group of G inputs), so that the
+  layers' weight loaders (layers/linear.py) narrow any format the same way;
+- `process_weights_after_loading(layer)` turns what was loaded into what the kernels read
+  (quantize a float weight, unpack a checkpoint's int32 words, split GGUF blocks, prepack a
+  oneDNN weight) and frees what no kernel reads;
+- `apply(layer, x, bias)` computes x @ W^T + bias;
+- `cpu_kernel(layer)` describes the weight to the C++ `linear` op (csrc/linear_cpu.h) as a
+  `CPULinearKernel`: the fused decode call (models/cpu_decode.py) takes each layer's weight
+  through it, so a new format is written once, here, and runs in every path;
+- `embed(layer, ids)` looks rows up (embedding tables; tied LM heads share them).
+
+Invariant: after `process_weights_after_loading`, every tensor `cpu_kernel` names is a
+parameter of the layer (moved to huge pages with the rest) and nothing else holds the weight.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.layers import cpu_ops
+
+
+@dataclass(frozen=True)
+class CPULinearKernel:
+    """A weight as csrc/linear_cpu.h reads it: (kind, group size, tensors)."""
+
+    DENSE = 0  # (W (N, K) float32,)
+    Q8_0 = 1  # (q (N, K) int8, d (N, K/32) float16): w = d q
+    Q4 = 2  # (q (N, K/2) uint8, d (N, K/G) float16, m (N, K/G) float16): w = d q + m
+
+    kind: int
+    group: int
+    tensors: tuple[torch.Tensor, ...]
+
+    def as_args(self) -> tuple[int, int, list[torch.Tensor]]:
+        return self.kind, self.group, list(self.tensors)
+
+
+def set_weight_attrs(param: nn.Parameter, output_dim: int | None = None,
+                     input_dim: int | None = None, output_ratio: Fraction = Fraction(1),
+                     input_ratio: Fraction = Fraction(1)) -> nn.Parameter:
+    """Tag how `param` shards: `output_dim` / `input_dim` are its dims along the layer's output
+    and input features (None: it does not split along them), `*_ratio` the stored units per
+    feature on that dim (1/8: eight features per int32 word; 1/G: one scale per group)."""
+    param.output_dim, param.input_dim = output_dim, input_dim
+    param.output_ratio, param.input_ratio = Fraction(output_ratio), Fraction(input_ratio)
+    return param
+
+
+def new_param(shape: tuple[int, ...], dtype: torch.dtype, **attrs: Any) -> nn.Parameter:
+    return set_weight_attrs(nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False),
+                            **attrs)
+
+
+def replace_param(layer: nn.Module, name: str, value: torch.Tensor | None) -> None:
+    """Drop `layer.<name>` (a parameter) and, unless value is None, register `value` in its
+    place: weights processed after loading stay parameters (huge pages, device moves)."""
+    if name in layer._parameters:
+        del layer._parameters[name]
+    if value is not None:
+        layer.register_parameter(name, nn.Parameter(value, requires_grad=False))
+
+
+class LinearMethodBase(ABC):
+    """How one layer stores and multiplies its weight (see module doc)."""
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       dtype: torch.dtype) -> None:
+        """Register the layer's weight parameters for this rank: input_size features in,
+        sum(output_sizes) out (several for merged layers: qkv, gate_up)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027
+        """Turn loaded tensors into what `apply` reads (default: nothing to do)."""
+
+    @abstractmethod
+    def cpu_kernel(self, layer: nn.Module) -> CPULinearKernel | None:
+        """The weight as the C++ `linear` op reads it, or None where it cannot (not on CPU,
+        not float32 activations)."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (M, K) → (M, N). Default: the C++ op on the method's CPU kernel."""
+        kernel = self.cpu_kernel(layer) if cpu_ops.fused(x) else None
+        if kernel is None:
+            raise RuntimeError(f"{type(self).__name__} runs only on CPU with the C++ kernels "
+                               "built and float32 activations")
+        return cpu_ops.linear(x, kernel, bias)
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (T,) of the weight as (T, K) activations (embedding tables)."""
+        kernel = self.cpu_kernel(layer)
+        if kernel is None:
+            raise RuntimeError(f"{type(self).__name__} cannot look rows up here")
+        return cpu_ops.gather_rows(ids, kernel)
+
+
+class QuantizationConfig(ABC):
+    """A weight format for a whole model: picks each layer's method object."""
+
+    name: str
+
+    @abstractmethod
+    def linear_method(self, prefix: str) -> LinearMethodBase:
+        """The method of the linear layer at module path `prefix` (e.g.
+        'model.layers.0.self_attn.qkv_proj')."""
+
+    def embedding_method(self, prefix: str) -> LinearMethodBase:
+        """The method of an embedding table or LM head (default: the linear layers')."""
+        return self.linear_method(prefix)
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise ValueError when this format cannot run on `device` (default: CPU only)."""
+        if device.type != "cpu":
+            raise ValueError(f"quantization={self.name!r} runs on CPU only for now "
+                             f"(kernels in tokenmill/csrc); device is {device.type}")
+        if not cpu_ops.ops_available():
+            raise ValueError(f"quantization={self.name!r} needs the C++ CPU kernels, which "
+                             "could not be built here (no compiler, or TOKENMILL_CPU_KERNELS=0)")

@@ -1,0 +1,36 @@
+"""The method objects of block-quantized weights (Q8_0 and Q4 layouts, quantization/blocks.py):
+what every quantized format becomes after loading, whatever its checkpoint held.
+
+Subclasses differ only in what the checkpoint holds and how `process_weights_after_loading`
+turns it into blocks (`set_blocks`); the kernel descriptor, `apply` (the C++ `linear`
+op at every M) and row lookups are shared. The blocks are the layer's parameters `blocks_q`,
+`blocks_d` and, for 4-bit, `blocks_m`; no float copy of the weight is kept.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.quantization.base import CPULinearKernel, LinearMethodBase, replace_param
+
+
+class BlockLinearMethod(LinearMethodBase):
+    def __init__(self, kind: int, group: int) -> None:
+        if kind not in (CPULinearKernel.Q8_0, CPULinearKernel.Q4):
+            raise ValueError(f"not a block kind: {kind}")
+        self.kind, self.group = kind, group
+
+    @staticmethod
+    def set_blocks(layer: nn.Module, q: torch.Tensor, d: torch.Tensor,
+                   m: torch.Tensor | None = None) -> None:
+        for name, value in (("blocks_q", q), ("blocks_d", d), ("blocks_m", m)):
+            replace_param(layer, name, None if value is None else value.contiguous())
+
+    def cpu_kernel(self, layer: nn.Module) -> CPULinearKernel | None:
+        q = getattr(layer, "blocks_q", None)
+        if q is None or not q.is_cpu:
+            return None
+        names = ("blocks_q", "blocks_d") + (("blocks_m",) if self.kind == CPULinearKernel.Q4
+                                             else ())
+        return CPULinearKernel(self.kind, self.group, tuple(getattr(layer, n) for n in names))

@@ -1,0 +1,82 @@
+"""Dense weights in the model's dtype (float32 on CPU, bf16 / fp16 on CUDA): one method among
+the others.
+
+On CPU float32 a step of at most cpu_ops.SMALL_M rows (a decode of a few sequences) reads the
+dense weight through the C++ `linear` op, which streams it at close to memory bandwidth;
+larger steps go through a oneDNN-prepacked copy (layers/cpu_gemm.py: 180-210 GFLOP/s against
+70-140 for `F.linear`). Keeping both costs the weights' memory twice, so the copy is made only
+when `prepack` is on: EngineConfig's "auto" turns it on for models whose float32 weights are
+at most PREPACK_AUTO_MAX_BYTES (the decode path keeps its speed either way; only large
+batches pay, about 1.5x, without it). Without the C++ ops, the dense copy is freed once packed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.layers import cpu_ops
+from tokenmill.layers.cpu_gemm import onednn_available, packed_linear, prepack
+from tokenmill.quantization.base import (
+    CPULinearKernel,
+    LinearMethodBase,
+    QuantizationConfig,
+    new_param,
+)
+
+# "auto" prepacks models up to this many bytes of float32 weights (1.3B parameters): their
+# second copy fits beside them on the 24 GiB development machines with room for the KV cache.
+PREPACK_AUTO_MAX_BYTES = 5 << 30
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    def __init__(self, prepack: bool = True) -> None:
+        self.prepack = prepack
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       dtype: torch.dtype) -> None:
+        layer.weight = new_param((sum(output_sizes), input_size), dtype, output_dim=0,
+                                 input_dim=1)
+        layer.packed_weight = None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        w = layer.weight
+        # runs_gemm False: an embedding table only looked up (layers/vocab_embedding.py).
+        if self.prepack and getattr(layer, "runs_gemm", True) and \
+                onednn_available(w.device, w.dtype):
+            layer.packed_weight = prepack(w)
+            if not cpu_ops.ops_available() and not getattr(layer, "looks_up_rows", False):
+                del layer._parameters["weight"]  # nothing reads the dense copy: free it
+
+    def cpu_kernel(self, layer: nn.Module) -> CPULinearKernel | None:
+        w = getattr(layer, "weight", None)
+        if w is None or w.dtype != torch.float32 or not w.is_cpu:
+            return None
+        return CPULinearKernel(CPULinearKernel.DENSE, 0, (w,))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        if 0 < x.shape[0] <= cpu_ops.SMALL_M and cpu_ops.fused(x):
+            kernel = self.cpu_kernel(layer)
+            if kernel is not None:
+                return cpu_ops.linear(x, kernel, bias)
+        if layer.packed_weight is not None:
+            return packed_linear(x, layer.packed_weight, bias)
+        return F.linear(x, layer.weight, bias)
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, layer.weight)
+
+
+class UnquantizedConfig(QuantizationConfig):
+    name = "none"
+
+    def __init__(self, prepack: bool = True) -> None:
+        self.method = UnquantizedLinearMethod(prepack)
+
+    def linear_method(self, prefix: str) -> LinearMethodBase:
+        return self.method
+
+    def check_device(self, device: torch.device) -> None:
+        pass  # runs everywhere torch does
