@@ -37,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weight format: int8 / int4 quantize a float checkpoint at load; "
                         "awq / gptq read such checkpoints (the default for them); gguf "
                         "serves a GGUF file's blocks as stored")
+    g.add_argument("--int8-activations", action="store_true", default=None,
+                   help="quantized weights: decode steps multiply int8-quantized activations "
+                        "(llama.cpp's numbers; faster, slightly less exact)")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV cache size: bytes or e.g. 512MiB, 4GiB (default 2GiB)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
@@ -63,7 +66,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    names = ["dtype", "max_model_len", "load_format", "quantization", "kv_cache_memory",
+    names = ["dtype", "max_model_len", "load_format", "quantization", "int8_activations",
+             "kv_cache_memory",
              "num_kv_blocks", "block_size", "max_num_seqs",
              "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
              "preemption_mode", "swap_space", "device", "seed", "prepack_weights",

@@ -46,10 +46,14 @@ class ModelConfig:
     # "gptq" or "gguf"; hf_quant_config is the checkpoint's own quantization_config.
     quantization: str | None = None
     hf_quant_config: dict[str, Any] | None = None
+    # Quantized weights in decode-sized steps (M <= 4) multiply int8-quantized activations
+    # (llama.cpp's numbers, faster) instead of float32 ones (exact for the weights).
+    int8_activations: bool = False
 
     @staticmethod
     def from_path(path: str | None, dtype: str = "auto", max_model_len: int | None = None,
-                  load_format: str = "auto", quantization: str | None = None) -> ModelConfig:
+                  load_format: str = "auto", quantization: str | None = None,
+                  int8_activations: bool = False) -> ModelConfig:
         from tokenmill.model_loader.default_model import default_model_path
         from tokenmill.model_loader.gguf_cache import converted_folder, load_full_config
         from tokenmill.model_loader.gguf_loader import find_gguf_file, gguf_hf_config
@@ -85,7 +89,8 @@ class ModelConfig:
             raise ValueError(f"load_format='dummy' draws float weights: it works with "
                              f"quantization None, int8 or int4, not {quantization!r}")
         return dataclasses.replace(config, load_format=load_format, quantization=quantization,
-                                   hf_quant_config=hf_quant)
+                                   hf_quant_config=hf_quant,
+                                   int8_activations=bool(int8_activations))
 
     @staticmethod
     def _build(path: str, hf_config: Any, gguf_file: str | None, dtype: str,
@@ -284,7 +289,7 @@ class EngineConfig:
         groups: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {},
                                               "parallel": {}, "engine": {}}
         owners = {"dtype": "model", "max_model_len": "model", "load_format": "model",
-                  "quantization": "model",
+                  "quantization": "model", "int8_activations": "model",
                   "block_size": "cache", "kv_cache_memory": "cache", "num_kv_blocks": "cache",
                   "enable_prefix_caching": "cache", "swap_space": "cache",
                   "max_num_batched_tokens": "scheduler", "max_num_seqs": "scheduler",

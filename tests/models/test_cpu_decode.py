@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolcha
 
 def run(path: str, prompts: list[list[int]], quantization: str | None = None):
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
-    llm = LLM(path, quantization=quantization)
+    method, _, acts = (quantization or "").partition("+")
+    llm = LLM(path, quantization=method or None, int8_activations=acts == "int8acts")
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert_kv_all_free(llm.engine)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
@@ -45,7 +46,7 @@ def with_random_norms_and_biases(folder: str, out) -> str:
 # int8 / int4: quantized weights take the same fused call through their method objects.
 @pytest.mark.parametrize("kind,quantization", [("llama", None), ("qwen2", None),
                                                ("qwen3", None), ("llama", "int8"),
-                                               ("qwen2", "int4")])
+                                               ("qwen2", "int4"), ("llama", "int4+int8acts")])
 def test_same_outputs_as_module_path(kind, quantization, tiny_model, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 

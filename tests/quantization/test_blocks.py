@@ -88,3 +88,26 @@ def test_gguf_blocks_split_bit_for_bit(type_name):
     assert torch.equal(dequantize(kernel), expected)
     x = torch.randn(2, 128)
     torch.testing.assert_close(cpu_ops.linear(x, kernel), x @ expected.T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind,group", [(CPULinearKernel.Q8_0, 32), (CPULinearKernel.Q4, 32),
+                                        (CPULinearKernel.Q4, 64)])
+@pytest.mark.parametrize("m", [1, 3, 4, 5])
+def test_int8_activations_round_only_the_activations(kind, group, m):
+    """With int8 activations a decode-sized product equals the float32 one of the same weight
+    on x rounded per 32-block (amax / 127 steps), except the 4-bit offsets, which multiply
+    the exact sums of x; larger M stays exact."""
+    n, k = 200, 576
+    kernel = random_kernel(kind, n, k, group, seed=m)
+    fast = CPULinearKernel(kind, group, kernel.tensors, int8_activations=True)
+    x = torch.randn(m, k) * torch.logspace(-1, 1, k)  # blocks of very different ranges
+    w = dequantize(kernel)
+    blocks = x.view(m, k // 32, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    x_rounded = (torch.round(blocks / d) * d).view(m, k)
+    offsets = (kernel.tensors[2].float().repeat_interleave(group, 1)
+               if kind == CPULinearKernel.Q4 else torch.zeros_like(w))
+    expected = (x_rounded if m <= 4 else x) @ (w - offsets).T + x @ offsets.T
+    torch.testing.assert_close(cpu_ops.linear(x, fast), expected, atol=1e-3, rtol=1e-4)
+    if m <= 4:
+        assert not torch.allclose(cpu_ops.linear(x, kernel), expected, atol=1e-3, rtol=1e-4)

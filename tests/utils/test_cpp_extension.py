@@ -15,8 +15,11 @@ from tokenmill.utils import cpp_extension
 
 
 def test_runtime_isa_follows_the_cpu_flags(monkeypatch):
-    for capability, isa in [("AVX512", "avx512"), ("AVX2", "avx2"), ("DEFAULT", "generic")]:
+    for capability, vnni, isa in [("AVX512", True, "avx512"), ("AVX512", False, "avx2"),
+                                  ("AVX2", True, "avx2"), ("DEFAULT", False, "generic")]:
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        monkeypatch.setattr(cpp_extension, "cpu_flags",
+                            lambda v=vnni: {"avx2", "fma"} | ({"avx512_vnni"} if v else set()))
         assert cpp_extension.runtime_isa() == isa
         assert ("-mavx2" in cpp_extension.cflags()) == (isa != "generic")
         assert ("-mavx512f" in cpp_extension.cflags()) == (isa == "avx512")

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from tokenmill.bench.machine import describe_machine
 from tokenmill.bench.workloads import load_workload
 
 
@@ -34,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --llama-cpp: run llama.cpp on an F32 copy of the GGUF file (the "
                         "float32 weights tokenmill uses) as well as on the file as it is")
     p.add_argument("--llama-cpp-threads", type=int, default=None)
+    p.add_argument("--compare-quantization", default=None, metavar="M1,M2",
+                   help="one tokenmill engine per weight format in the same run, e.g. "
+                        "none,int8,gguf,gguf+int8acts")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--png", default=None, help="plot inter-token latency by position here")
     add_engine_args(p)
@@ -102,10 +106,21 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or default_model_path()
     (req,) = load_workload(model, "single-stream", args.workload_seed)
     prompt, n_out = req.prompt_token_ids, args.output_len
-    print(f"single-stream: {len(prompt)} prompt tokens, {n_out} output tokens; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    llm = LLM(model, **engine_options(args))
-    engines = {"tokenmill": lambda: run_tokenmill_once(llm, prompt, n_out)}
+    print(f"single-stream: {len(prompt)} prompt tokens, {n_out} output tokens")
+    print(describe_machine())
+    options = engine_options(args)
+    engines = {}
+    # --compare-quantization: one engine per weight format, all in this run (their ratios
+    # are what compares); else the one --quantization (or dense) engine.
+    methods = (args.compare_quantization.split(",") if args.compare_quantization
+               else [options.pop("quantization", None)])
+    for spec in methods:  # "+int8acts": int8_activations=True
+        method, _, acts = (spec or "").partition("+")
+        options["quantization"] = None if method in ("", "none") else method
+        options["int8_activations"] = acts == "int8acts" or options.get("int8_activations")
+        llm = LLM(model, **options)
+        label = "tokenmill" if spec is None else f"tokenmill {spec}"
+        engines[label] = lambda llm=llm: run_tokenmill_once(llm, prompt, n_out)
     if args.llama_cpp:
         threads = args.llama_cpp_threads or torch.get_num_threads()
         for label, f32 in [("", False)] + [(" F32", True)] * args.llama_cpp_f32:
@@ -131,10 +146,14 @@ def run(args: argparse.Namespace) -> int:
         itl = f"{r['itl_p50_ms']:.1f}/{r['itl_p90_ms']:.1f}/{r['itl_p99_ms']:.1f}"
         print(f"{name:<36}{r['ttft_s']:>8.3f}{r['decode_tokens_per_s']:>14.1f}{itl:>22}"
               f"{r['e2e_s']:>8.2f}")
-    ours = results["tokenmill"]["decode_tokens_per_s"]
-    for name, r in list(results.items())[1:]:
-        print(f"tokenmill / {name}: decode {ours / r['decode_tokens_per_s']:.2f}x, "
-              f"TTFT {r['ttft_s'] / results['tokenmill']['ttft_s']:.2f}x faster")
+    for ours in [n for n in results if n.startswith("tokenmill")]:
+        for name, r in results.items():
+            if name == ours or (name.startswith("tokenmill") and list(results).index(name)
+                                > list(results).index(ours)):
+                continue
+            print(f"{ours} / {name}: decode "
+                  f"{results[ours]['decode_tokens_per_s'] / r['decode_tokens_per_s']:.2f}x, "
+                  f"TTFT {r['ttft_s'] / results[ours]['ttft_s']:.2f}x faster")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -4,9 +4,11 @@ distribution against float32, top-1 agreement, and perplexity, over natural Engl
 The text is found on the machine at run time: the docstrings of Python's standard library
 (prose paragraphs only; doctest lines and code-like lines are dropped), so nothing is copied
 into the repository. It is cut into windows of --window tokens, each scored by teacher
-forcing through the engine itself (a prefill with prompt logprobs; the model's
-`compute_logits` is wrapped to keep the full distributions), so every format is measured on
-the kernels that serve it.
+forcing through the engine itself: a prefill with prompt logprobs, chunked into steps of
+--step-tokens (default 4, so every linear layer runs the decode-sized kernels that
+single-stream generation uses, int8 activations included; 512 measures the batched kernels),
+with the model's `compute_logits` wrapped during the prompt-logprobs pass to keep the full
+distributions. A method may carry "+int8acts" (e.g. gguf+int8acts): int8_activations=True.
 
 The float32 reference is the model with quantization=None: for a GGUF file, the float32
 expansion of its own blocks (for the shipped SmolLM2 Q4_1 file there is no other float
@@ -81,17 +83,27 @@ def score_windows(llm, windows: list[list[int]]) -> list[torch.Tensor]:
     """Teacher-forced next-token log-probabilities, (len(w) - 1, V) per window."""
     from tokenmill import SamplingParams
 
-    model = llm.engine.runner.model
-    real = model.compute_logits
+    runner = llm.engine.runner
+    model = runner.model
+    real, real_prompt_logprobs = model.compute_logits, runner._prompt_logprobs
     captured: list[torch.Tensor] = []
+    in_prompt_logprobs = [False]
 
     def keep(hidden: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         logits = real(hidden, idx)
-        if idx.numel() > 1:  # the prompt-logprobs call; the sampling call takes one row
+        if in_prompt_logprobs[0]:  # not the sampling call
             captured.append(logits.float().log_softmax(-1))
         return logits
 
+    def prompt_logprobs(*args: object) -> None:
+        in_prompt_logprobs[0] = True
+        try:
+            real_prompt_logprobs(*args)
+        finally:
+            in_prompt_logprobs[0] = False
+
     model.compute_logits = keep
+    runner._prompt_logprobs = prompt_logprobs
     try:
         out = []
         for w in windows:  # one at a time: the captures come back in order
@@ -103,6 +115,7 @@ def score_windows(llm, windows: list[list[int]]) -> list[torch.Tensor]:
         return out
     finally:
         model.compute_logits = real
+        runner._prompt_logprobs = real_prompt_logprobs
 
 
 def compare(ref: list[torch.Tensor], got: list[torch.Tensor],
@@ -122,14 +135,17 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF Q4_1)")
-    p.add_argument("--methods", default="gguf,int8,int4",
+    p.add_argument("--methods", default="gguf,gguf+int8acts,int8,int8+int8acts,int4",
                    help="comma-separated quantization methods to compare with float32")
     p.add_argument("--tokens", type=int, default=4096, help="tokens of text to score")
     p.add_argument("--window", type=int, default=512)
+    p.add_argument("--step-tokens", type=int, default=4,
+                   help="prefill chunk per step (4: the decode kernels; 512: the GEMM ones)")
     args = p.parse_args(argv)
 
     print(describe_machine())
-    opts = dict(enable_prefix_caching=False, max_model_len=args.window + 8)
+    opts = dict(enable_prefix_caching=False, max_model_len=args.window + 8,
+                max_num_batched_tokens=args.step_tokens)
     t0 = time.perf_counter()
     ref_llm = LLM(args.model, quantization=None, **opts)
     tok = ref_llm.engine.tokenizer
@@ -146,14 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     base = compare(ref, ref, windows)
     del ref_llm
     rows = [("float32", base)]
-    for method in [m for m in args.methods.split(",") if m]:
-        llm = LLM(args.model, quantization=method, **opts)
-        rows.append((method, compare(ref, score_windows(llm, windows), windows)))
+    for spec in [m for m in args.methods.split(",") if m]:
+        method, _, acts = spec.partition("+")
+        llm = LLM(args.model, quantization=method, int8_activations=acts == "int8acts", **opts)
+        rows.append((spec, compare(ref, score_windows(llm, windows), windows)))
         del llm
-    print(f"\n{'weights':<10} {'mean KL':>10} {'top-1 agree':>12} {'perplexity':>11} "
+    print(f"\n{'weights':<15} {'mean KL':>10} {'top-1 agree':>12} {'perplexity':>11} "
           f"{'ppl vs f32':>11}")
     for name, r in rows:
-        print(f"{name:<10} {r['kl']:>10.5f} {100 * r['top1']:>11.2f}% {r['ppl']:>11.3f} "
+        print(f"{name:<15} {r['kl']:>10.5f} {100 * r['top1']:>11.2f}% {r['ppl']:>11.3f} "
               f"{100 * (r['ppl'] / base['ppl'] - 1):>+10.2f}%")
     print(f"({time.perf_counter() - t0:.0f} s)")
     return 0

@@ -28,6 +28,9 @@
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/Half.h>
 #include "vec_utils.h"
+#include <algorithm>
+#include <cmath>
+#include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -94,6 +97,15 @@ static inline float half_to_float(const at::Half& h) {
   return static_cast<float>(h);
 #endif
 }
+
+#if defined(__AVX2__)
+static inline float hsum8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(s);
+}
+#endif
 
 // ---- small M: one row range [n0, n1) of y ---------------------------------------------------
 template <int M>
@@ -178,6 +190,134 @@ static void q4_rows(const float* x, const float* xsum, const uint8_t* Q, const a
   }
 }
 
+// ---- small M with int8 activations (llama.cpp's Q8 activations) ---------------------------
+// Each row of x is quantized per 32-block (xq = round(x / dx), dx = amax / 127), and a block's
+// dot product is an integer one: 32 multiply-adds in one or two instructions (AVX-512 VNNI
+// vpdpbusd, else AVX2 vpmaddubsw + vpmaddwd) instead of expanding the weights to float32.
+// The 4-bit offsets still multiply the exact float32 group sums of x. Lossy: the activations'
+// rounding (benchmarks/quant_quality.py measures it); used only where asked for.
+struct QuantizedRows {  // M rows of x, quantized per 32-block
+  std::vector<int8_t> q;  // (M, K)
+  std::vector<float> d;   // (M, K/32)
+};
+
+static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * K / kBlock)};
+  for (int64_t b = 0; b < M * K / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f;
+    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    r.d[b] = d;
+    for (int i = 0; i < kBlock; ++i)
+      r.q[b * kBlock + i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+  }
+  return r;
+}
+
+#if defined(__AVX2__)
+// Sum of u8 w times s8 x over 32 lanes, as 8 int32 partial sums.
+static inline __m256i dot_u8s8(__m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+#endif
+}
+
+// The 32 4-bit values of a block as u8 lanes in weight order (low nibbles, then high).
+static inline __m256i nibbles_u8(const uint8_t* q) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+}
+#endif
+
+template <int M>
+static void q8_rows_i8(const QuantizedRows& xr, const int8_t* Q, const at::Half* D,
+                       const float* bias, float* y, int64_t K, int64_t N, int64_t n0,
+                       int64_t n1) {
+  const int64_t nb = K / kBlock;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* q = Q + n * K;
+    const at::Half* d = D + n * nb;
+#if defined(__AVX2__)
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * kBlock));
+      const __m256i aw = _mm256_sign_epi8(w, w);  // |w| as u8; the sign moves onto x
+      const float db = half_to_float(d[b]);
+      for (int m = 0; m < M; ++m) {
+        const __m256i x = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(xr.q.data() + m * K + b * kBlock));
+        const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(aw, _mm256_sign_epi8(x, w)));
+        acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(db * xr.d[m * nb + b]), acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m * N + n] = hsum8(acc[m]) + (bias ? bias[n] : 0.f);
+#else
+    for (int m = 0; m < M; ++m) {
+      float s = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dot = 0;
+        for (int i = 0; i < kBlock; ++i)
+          dot += q[b * kBlock + i] * xr.q[m * K + b * kBlock + i];
+        s += half_to_float(d[b]) * xr.d[m * nb + b] * static_cast<float>(dot);
+      }
+      y[m * N + n] = s + (bias ? bias[n] : 0.f);
+    }
+#endif
+  }
+}
+
+template <int M>
+static void q4_rows_i8(const QuantizedRows& xr, const float* xsum, const uint8_t* Q,
+                       const at::Half* D, const at::Half* Mn, const float* bias, float* y,
+                       int64_t K, int64_t N, int64_t G, int64_t n0, int64_t n1) {
+  const int64_t nb = K / kBlock, ng = K / G, bpg = G / kBlock;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* q = Q + n * (K / 2);
+    const at::Half *d = D + n * ng, *mn = Mn + n * ng;
+    float zero_part[M];
+    for (int m = 0; m < M; ++m) zero_part[m] = 0.f;
+#if defined(__AVX2__)
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; ++g) {
+      const float dg = half_to_float(d[g]);
+      for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+        const __m256i w = nibbles_u8(q + b * (kBlock / 2));
+        for (int m = 0; m < M; ++m) {
+          const __m256i x = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(xr.q.data() + m * K + b * kBlock));
+          const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(w, x));
+          acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dg * xr.d[m * nb + b]), acc[m]);
+        }
+      }
+      const float mg = half_to_float(mn[g]);
+      for (int m = 0; m < M; ++m) zero_part[m] += mg * xsum[m * ng + g];
+    }
+    for (int m = 0; m < M; ++m)
+      y[m * N + n] = hsum8(acc[m]) + zero_part[m] + (bias ? bias[n] : 0.f);
+#else
+    for (int m = 0; m < M; ++m) {
+      float s = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dot = 0;
+        for (int j = 0; j < 16; ++j) {
+          const uint8_t byte = q[b * 16 + j];
+          dot += (byte & 0x0F) * xr.q[m * K + b * kBlock + j];
+          dot += (byte >> 4) * xr.q[m * K + b * kBlock + 16 + j];
+        }
+        s += half_to_float(d[b * kBlock / G]) * xr.d[m * nb + b] * static_cast<float>(dot);
+      }
+      for (int64_t g = 0; g < ng; ++g) s += half_to_float(mn[g]) * xsum[m * ng + g];
+      y[m * N + n] = s + (bias ? bias[n] : 0.f);
+    }
+#endif
+  }
+}
+
 // ---- expanding rows of a quantized weight into float32 (the large-M path, embeddings) ------
 static void expand_rows(int64_t kind, int64_t G, const std::vector<torch::Tensor>& t,
                         const int64_t* rows, int64_t count, int64_t K, float* out) {
@@ -242,9 +382,15 @@ static void check_weight(int64_t kind, int64_t G, const std::vector<torch::Tenso
 
 template <int M>
 static void small_m_range(int64_t kind, int64_t G, const std::vector<torch::Tensor>& t,
-                          const float* x, const float* xsum, const float* b, float* y,
-                          int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  if (kind == 0)
+                          const float* x, const float* xsum, const QuantizedRows* xr,
+                          const float* b, float* y, int64_t K, int64_t N, int64_t n0,
+                          int64_t n1) {
+  if (xr != nullptr && kind == 1)
+    q8_rows_i8<M>(*xr, t[0].data_ptr<int8_t>(), t[1].data_ptr<at::Half>(), b, y, K, N, n0, n1);
+  else if (xr != nullptr && kind == 2)
+    q4_rows_i8<M>(*xr, xsum, t[0].data_ptr<uint8_t>(), t[1].data_ptr<at::Half>(),
+                  t[2].data_ptr<at::Half>(), b, y, K, N, G, n0, n1);
+  else if (kind == 0)
     dense_rows<M>(x, t[0].data_ptr<float>(), b, y, K, N, n0, n1);
   else if (kind == 1)
     q8_rows<M>(x, t[0].data_ptr<int8_t>(), t[1].data_ptr<at::Half>(), b, y, K, N, n0, n1);
@@ -253,10 +399,11 @@ static void small_m_range(int64_t kind, int64_t G, const std::vector<torch::Tens
                t[2].data_ptr<at::Half>(), b, y, K, N, G, n0, n1);
 }
 
-// y = x @ W^T + bias for x (M, K) float32 and the weight (kind, G, tensors).
+// y = x @ W^T + bias for x (M, K) float32 and the weight (kind, G, tensors). int8_acts: a
+// quantized weight with at most 4 rows of x multiplies int8-quantized activations.
 inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
                             const std::vector<torch::Tensor>& t,
-                            c10::optional<torch::Tensor> bias) {
+                            c10::optional<torch::Tensor> bias, bool int8_acts = false) {
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2 && !t.empty(), "linear takes x (M, K) and a weight");
   const int64_t M = x.size(0), K = x.size(1), N = t[0].size(0);
@@ -276,17 +423,30 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
   float* yp = y.data_ptr<float>();
   const int64_t threads = at::get_num_threads();
   if (M <= 4) {
-    torch::Tensor xsum;  // (M, K/G) group sums of x for the 4-bit zero points
-    if (kind == 2) xsum = x.view({M, K / G, G}).sum(-1).contiguous();
-    const float* xs = kind == 2 ? xsum.data_ptr<float>() : nullptr;
+    // (M, K/G) group sums of x for the 4-bit offsets (a plain loop: a torch op here cost
+    // about 4 us a call, a fifth of a small layer's time)
+    std::vector<float> xsum(kind == 2 ? M * (K / G) : 0);
+    for (size_t i = 0; i < xsum.size(); ++i) {
+      const float* xg = xp + i * G;
+      float s = 0.f;
+      for (int64_t j = 0; j < G; ++j) s += xg[j];
+      xsum[i] = s;
+    }
+    const float* xs = kind == 2 ? xsum.data() : nullptr;
+    QuantizedRows xq;
+    const QuantizedRows* xr = nullptr;
+    if (int8_acts && kind != 0) {
+      xq = quantize_rows(xp, M, K);
+      xr = &xq;
+    }
     // One contiguous range of rows per thread: each core streams its own part of W.
     const int64_t grain = std::max<int64_t>(16, (N + threads - 1) / threads);
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
       switch (M) {
-        case 1: small_m_range<1>(kind, G, t, xp, xs, b, yp, K, N, n0, n1); break;
-        case 2: small_m_range<2>(kind, G, t, xp, xs, b, yp, K, N, n0, n1); break;
-        case 3: small_m_range<3>(kind, G, t, xp, xs, b, yp, K, N, n0, n1); break;
-        default: small_m_range<4>(kind, G, t, xp, xs, b, yp, K, N, n0, n1); break;
+        case 1: small_m_range<1>(kind, G, t, xp, xs, xr, b, yp, K, N, n0, n1); break;
+        case 2: small_m_range<2>(kind, G, t, xp, xs, xr, b, yp, K, N, n0, n1); break;
+        case 3: small_m_range<3>(kind, G, t, xp, xs, xr, b, yp, K, N, n0, n1); break;
+        default: small_m_range<4>(kind, G, t, xp, xs, xr, b, yp, K, N, n0, n1); break;
       }
     });
     return y;

@@ -43,13 +43,14 @@ def linear(x: torch.Tensor, kernel: Any, bias: torch.Tensor | None = None) -> to
     quantization.CPULinearKernel: dense float32, Q8_0 or 4-bit blocks; csrc/linear_cpu.h).
     Dense weights take it for M <= SMALL_M only; quantized ones at every M."""
     with scope("tokenmill::linear"):  # a GEMM in benchmarks/profile_step.py
-        return _ops().linear(x, *kernel.as_args(), bias)
+        kind, group, tensors, int8_acts = kernel.as_args()
+        return _ops().linear(x, kind, group, tensors, bias, int8_acts)
 
 
 def gather_rows(ids: torch.Tensor, kernel: Any) -> torch.Tensor:
     """Rows `ids` (T,) of a quantized weight as float32 (T, K)."""
     K = kernel.tensors[0].shape[1] * (2 if kernel.kind == kernel.Q4 else 1)
-    return _ops().gather_rows(ids, *kernel.as_args(), K)
+    return _ops().gather_rows(ids, kernel.kind, kernel.group, list(kernel.tensors), K)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

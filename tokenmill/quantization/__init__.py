@@ -40,19 +40,22 @@ def quantization_config(model: ModelConfig, device: torch.device,
                         prepack: bool) -> QuantizationConfig:
     """The weight format of `model` on `device` (model.quantization already validated by
     ModelConfig against the checkpoint)."""
-    name = model.quantization
+    name, int8_acts = model.quantization, model.int8_activations
     if name is None:
+        if int8_acts:
+            raise ValueError("int8_activations applies to quantized weights; pass a "
+                             "quantization method too")
         return UnquantizedConfig(prepack)
     config: QuantizationConfig
     if name == "int8":
         from tokenmill.quantization.load_time import Int8Config
-        config = Int8Config()
+        config = Int8Config(int8_acts)
     elif name == "int4":
         from tokenmill.quantization.load_time import Int4Config
-        config = Int4Config()
+        config = Int4Config(int8_activations=int8_acts)
     elif name in ("awq", "gptq"):
         from tokenmill.quantization.int4_checkpoints import Int4CheckpointConfig
-        config = Int4CheckpointConfig(name, model.hf_quant_config or {}, prepack)
+        config = Int4CheckpointConfig(name, model.hf_quant_config or {}, prepack, int8_acts)
     elif name == "gguf":
         from tokenmill.model_loader.gguf_loader import gguf_tensor_types
         from tokenmill.models import resolve_model_class
@@ -60,7 +63,7 @@ def quantization_config(model: ModelConfig, device: torch.device,
 
         assert model.gguf_file is not None
         mapping = getattr(resolve_model_class(model.architecture), "packed_modules_mapping", {})
-        config = GGUFConfig(gguf_tensor_types(model.gguf_file), prepack, mapping)
+        config = GGUFConfig(gguf_tensor_types(model.gguf_file), prepack, mapping, int8_acts)
     else:
         raise ValueError(f"unknown quantization {name!r}; supported: "
                          f"{', '.join(QUANTIZATION_METHODS)} or None")

@@ -16,10 +16,12 @@ from tokenmill.quantization.base import CPULinearKernel, LinearMethodBase, repla
 
 
 class BlockLinearMethod(LinearMethodBase):
-    def __init__(self, kind: int, group: int) -> None:
+    def __init__(self, kind: int, group: int, int8_activations: bool = False) -> None:
         if kind not in (CPULinearKernel.Q8_0, CPULinearKernel.Q4):
             raise ValueError(f"not a block kind: {kind}")
         self.kind, self.group = kind, group
+        # Decode-sized steps multiply int8-quantized activations (EngineConfig option).
+        self.int8_activations = int8_activations
 
     @staticmethod
     def set_blocks(layer: nn.Module, q: torch.Tensor, d: torch.Tensor,
@@ -33,4 +35,5 @@ class BlockLinearMethod(LinearMethodBase):
             return None
         names = ("blocks_q", "blocks_d") + (("blocks_m",) if self.kind == CPULinearKernel.Q4
                                              else ())
-        return CPULinearKernel(self.kind, self.group, tuple(getattr(layer, n) for n in names))
+        return CPULinearKernel(self.kind, self.group, tuple(getattr(layer, n) for n in names),
+                               self.int8_activations)

@@ -55,9 +55,9 @@ def split_blocks(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, ...]:
 class GGUFBlockMethod(BlockLinearMethod):
     """A layer whose GGUF tensors are all of one block type."""
 
-    def __init__(self, type_name: str) -> None:
+    def __init__(self, type_name: str, int8_activations: bool = False) -> None:
         self.type_name = type_name
-        super().__init__(BLOCK_TYPES[type_name][1], 32)
+        super().__init__(BLOCK_TYPES[type_name][1], 32, int8_activations)
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
@@ -80,7 +80,9 @@ class GGUFConfig(QuantizationConfig):
     name = "gguf"
 
     def __init__(self, tensor_types: dict[str, str], prepack: bool,
-                 packed_modules: dict[str, tuple[str, int | str]]) -> None:
+                 packed_modules: dict[str, tuple[str, int | str]],
+                 int8_activations: bool = False) -> None:
+        self.int8_activations = int8_activations
         # HF parameter name ("model.layers.0.self_attn.q_proj.weight") → GGML type name
         self.tensor_types = tensor_types
         self.dense = UnquantizedLinearMethod(prepack)
@@ -107,7 +109,7 @@ class GGUFConfig(QuantizationConfig):
             raise ValueError(f"{prefix} merges tensors of GGUF types {sorted(types)}; "
                              "quantization='gguf' needs one type per merged layer")
         (t,) = types
-        return self.dense if t in DENSE_TYPES else GGUFBlockMethod(t)
+        return self.dense if t in DENSE_TYPES else GGUFBlockMethod(t, self.int8_activations)
 
     def embedding_method(self, prefix: str) -> LinearMethodBase:
         return self.linear_method(prefix)

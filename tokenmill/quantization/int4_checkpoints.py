@@ -60,8 +60,8 @@ def _awq_unorder(values: torch.Tensor) -> torch.Tensor:
 
 
 class _ZeroPointMethod(BlockLinearMethod):
-    def __init__(self, group: int) -> None:
-        super().__init__(CPULinearKernel.Q4, group)
+    def __init__(self, group: int, int8_activations: bool) -> None:
+        super().__init__(CPULinearKernel.Q4, group, int8_activations)
 
     def _group(self, input_size: int) -> int:
         G = input_size if self.group == -1 else self.group
@@ -72,8 +72,8 @@ class _ZeroPointMethod(BlockLinearMethod):
 
     def cpu_kernel(self, layer: nn.Module) -> CPULinearKernel | None:
         kernel = super().cpu_kernel(layer)
-        return None if kernel is None else CPULinearKernel(kernel.kind, layer.group_size,
-                                                           kernel.tensors)
+        return None if kernel is None else CPULinearKernel(
+            kernel.kind, layer.group_size, kernel.tensors, kernel.int8_activations)
 
 
 class AWQLinearMethod(_ZeroPointMethod):
@@ -99,8 +99,8 @@ class AWQLinearMethod(_ZeroPointMethod):
 
 
 class GPTQLinearMethod(_ZeroPointMethod):
-    def __init__(self, group: int, zeros_minus_one: bool) -> None:
-        super().__init__(group)
+    def __init__(self, group: int, int8_activations: bool, zeros_minus_one: bool) -> None:
+        super().__init__(group, int8_activations)
         self.zeros_minus_one = zeros_minus_one
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
@@ -137,7 +137,8 @@ class GPTQLinearMethod(_ZeroPointMethod):
 class Int4CheckpointConfig(QuantizationConfig):
     """From a checkpoint's `quantization_config` (config.json)."""
 
-    def __init__(self, name: str, hf_quant_config: dict[str, Any], prepack: bool) -> None:
+    def __init__(self, name: str, hf_quant_config: dict[str, Any], prepack: bool,
+                 int8_activations: bool = False) -> None:
         self.name = name
         cfg = hf_quant_config
         method = str(cfg.get("quant_method", "")).lower()
@@ -154,13 +155,13 @@ class Int4CheckpointConfig(QuantizationConfig):
                 raise ValueError(f"AWQ version {version!r} (zero_point="
                                  f"{cfg.get('zero_point', True)}) is not supported; the GEMM "
                                  "layout with zero points is")
-            self.method: BlockLinearMethod = AWQLinearMethod(group)
+            self.method: BlockLinearMethod = AWQLinearMethod(group, int8_activations)
         else:
             fmt = str(cfg.get("checkpoint_format", "gptq")).lower()
             if fmt not in ("gptq", "gptq_v2"):
                 raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported "
                                  "(gptq, gptq_v2)")
-            self.method = GPTQLinearMethod(group, zeros_minus_one=fmt == "gptq")
+            self.method = GPTQLinearMethod(group, int8_activations, zeros_minus_one=fmt == "gptq")
         self.skip = list(cfg.get("modules_to_not_convert") or [])
         self.dense = UnquantizedLinearMethod(prepack)
 

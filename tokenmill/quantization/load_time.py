@@ -51,8 +51,8 @@ class LoadTimeQuantMethod(BlockLinearMethod):
 class Int8Config(QuantizationConfig):
     name = "int8"
 
-    def __init__(self) -> None:
-        self.method = LoadTimeQuantMethod(CPULinearKernel.Q8_0, 32)
+    def __init__(self, int8_activations: bool = False) -> None:
+        self.method = LoadTimeQuantMethod(CPULinearKernel.Q8_0, 32, int8_activations)
 
     def linear_method(self, prefix: str) -> LinearMethodBase:
         return self.method
@@ -61,9 +61,9 @@ class Int8Config(QuantizationConfig):
 class Int4Config(QuantizationConfig):
     name = "int4"
 
-    def __init__(self, group: int = 32) -> None:
-        self.method = LoadTimeQuantMethod(CPULinearKernel.Q4, group)
-        self.embedding = LoadTimeQuantMethod(CPULinearKernel.Q8_0, 32)
+    def __init__(self, group: int = 32, int8_activations: bool = False) -> None:
+        self.method = LoadTimeQuantMethod(CPULinearKernel.Q4, group, int8_activations)
+        self.embedding = LoadTimeQuantMethod(CPULinearKernel.Q8_0, 32, int8_activations)
 
     def linear_method(self, prefix: str) -> LinearMethodBase:
         return self.method

@@ -1,8 +1,8 @@
 """Builds and loads the C++ CPU kernels in tokenmill/csrc/ with torch.utils.cpp_extension.
 
 Each kernel exists in three builds, chosen at run time by this CPU's flags (never the build
-machine's): "avx512" (AVX-512 F/BW/VL/DQ, ATen's 16-lane Vectorized), "avx2" (AVX2 + FMA +
-F16C, 8 lanes) and "generic" (portable code). `pip install` compiles all three (setup.py
+machine's): "avx512" (AVX-512 F/BW/VL/DQ + VNNI, ATen's 16-lane Vectorized), "avx2" (AVX2 + FMA
++ F16C, 8 lanes) and "generic" (portable code). `pip install` compiles all three (setup.py
 imports this file for the flags) into tokenmill/_C/ as `<name>_<isa>`; when those are missing
 or do not load (no compiler at install time, another torch), the kernel is compiled on first
 use instead and cached by torch under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR),
@@ -42,11 +42,27 @@ _modules: dict[str, object | None] = {}
 ISAS = ("avx512", "avx2", "generic")
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux reports them (empty where /proc/cpuinfo is absent)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
 def runtime_isa() -> str:
-    """The build this CPU runs, from its flags as torch reads them at run time (torch says
-    AVX512 only where AVX-512 F/BW/VL/DQ all exist)."""
-    return {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability(),
-                                                     "generic")
+    """The build this CPU runs, from its flags at run time: "avx512" where torch finds AVX-512
+    F/BW/VL/DQ and the CPU also has AVX-512 VNNI (the int8 dot products), else "avx2"
+    where torch finds AVX2 or AVX-512, else "generic"."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability == "AVX512" and "avx512_vnni" in cpu_flags():
+        return "avx512"
+    return "avx2" if capability in ("AVX2", "AVX512") else "generic"
 
 
 def cflags(isa: str | None = None) -> list[str]:
@@ -59,7 +75,7 @@ def cflags(isa: str | None = None) -> list[str]:
     if isa == "avx2":
         flags += ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     elif isa == "avx512":
-        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
                   "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
     return flags
 
