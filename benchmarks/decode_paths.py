@@ -5,8 +5,8 @@ in one process on one model, so that the machine's drift hits every way alike.
 
 Ways (models/cpu_decode.py):
 - modules: every layer through its nn.Module forward (the path of any other step);
-- loop:    the Python loop calling the C++ ops directly (attention through the backend);
 - fused:   all layers in one C++ call (csrc/decode_layers_cpu.cpp), the default.
+--quantization runs both on quantized weights (the same method objects in both ways).
 Each round runs, for every way in turn, one request (the `single-stream` prompt, 128 tokens)
 for --tokens greedy tokens and records its inter-token latencies. Prints the median ITL and
 decode tokens/s of each way over all rounds, and its speed relative to `modules`.
@@ -27,7 +27,7 @@ from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.bench.workloads import load_workload  # noqa: E402
 from tokenmill.model_loader.default_model import default_model_path  # noqa: E402
 
-WAYS = {"modules": (False, False), "loop": (True, False), "fused": (True, True)}
+WAYS = {"modules": False, "fused": True}
 
 
 def itls(llm: LLM, prompt: list[int], tokens: int) -> list[float]:
@@ -47,20 +47,21 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--quantization", default=None)
     args = ap.parse_args()
     model = args.model or default_model_path()
     (req,) = load_workload(model, "single-stream", 0)
-    llm = LLM(model)
+    llm = LLM(model, quantization=args.quantization)
     decode = llm.engine.runner.model.model.small_batch_decode
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.rounds} rounds "
           f"of {args.tokens} tokens per way")
     gaps: dict[str, list[float]] = {w: [] for w in WAYS}
     itls(llm, req.prompt_token_ids, 8)  # warm-up
     for _ in range(args.rounds):
-        for way, (enabled, fused) in WAYS.items():
-            decode.enabled, decode.fused = enabled, fused
+        for way, enabled in WAYS.items():
+            decode.enabled = enabled
             gaps[way] += itls(llm, req.prompt_token_ids, args.tokens)
-    decode.enabled = decode.fused = True
+    decode.enabled = True
     base = statistics.median(gaps["modules"])
     print(f"{'way':<10}{'ITL p50 ms':>12}{'tok/s':>8}{'vs modules':>12}")
     for way, g in gaps.items():

@@ -16,8 +16,8 @@ work) and splits them into the engine's named scopes (schedule,
 prepare_inputs, forward, logits, sample, process_outputs) and, inside forward, into GEMMs,
 attention and the rest (norms, RoPE, activations, copies). A small decode step whose layers
 run in one C++ call (models/cpu_decode.py) shows that call as forward.fused_layers (its GEMMs,
-attention and ops are not split); --no-fused-decode runs those steps through the Python loop
-over the same ops instead, which the profiler can split.
+attention and ops are not split); --no-fused-decode runs those steps through the modules,
+which the profiler can split.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.bench.workloads import make_workload  # noqa: E402
 
 GEMM_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm",
-            "tokenmill::linear_small_m"}
+            "tokenmill::linear"}
 FUSED = "tokenmill::decode_layers"
 SCOPES = ["schedule", "prepare_inputs", "forward", "logits", "sample", "process_outputs"]
 
@@ -138,7 +138,7 @@ def main() -> None:
     args = ap.parse_args()
     llm = LLM(args.model, prepack_weights=args.prepack, attention_backend=args.attention_backend,
               enable_prefix_caching=False)
-    llm.engine.runner.model.model.small_batch_decode.fused = args.fused
+    llm.engine.runner.model.model.small_batch_decode.enabled = args.fused
     tok = llm.get_tokenizer()
     vocab = llm.engine.config.model.vocab_size
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tokenmill.bench.alternate import alternate  # noqa: E402
 from tokenmill.layers import cpu_ops  # noqa: E402
 from tokenmill.layers.cpu_gemm import packed_linear, prepack  # noqa: E402
+from tokenmill.quantization import CPULinearKernel  # noqa: E402
 from tokenmill.utils import huge_pages  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -60,10 +61,12 @@ def main() -> None:
                                              for w, p in zip(weights, packed, strict=True)],
     }
     if cpu_ops.ops_available():
-        paths["tokenmill linear_small_m"] = lambda: [cpu_ops.linear_small_m(xs[w.shape[1]], w)
-                                                     for w in weights]
-        paths["linear_small_m, huge pages"] = lambda: [
-            cpu_ops.linear_small_m(xs[w.shape[1]], w) for w in huge]
+        dense = [CPULinearKernel(CPULinearKernel.DENSE, 0, (w,)) for w in weights]
+        dense_huge = [CPULinearKernel(CPULinearKernel.DENSE, 0, (w,)) for w in huge]
+        paths["tokenmill linear (small M)"] = lambda: [
+            cpu_ops.linear(xs[k.tensors[0].shape[1]], k) for k in dense]
+        paths["tokenmill linear, huge pages"] = lambda: [
+            cpu_ops.linear(xs[k.tensors[0].shape[1]], k) for k in dense_huge]
     print(f"THP mode: {huge_pages.thp_mode() or 'none'}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{nbytes / 1e6:.0f} MB of float32 weights, {args.rows} row(s)")

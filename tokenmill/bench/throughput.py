@@ -18,6 +18,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from tokenmill.bench.machine import describe_machine
 from tokenmill.bench.workloads import BenchRequest, load_workload
 
 
@@ -30,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-hf", action="store_true",
                    help="also run Hugging Face transformers static batching on the same requests")
     p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--compare-quantization", default=None, metavar="M1,M2",
+                   help="one tokenmill run per weight format, in this order, e.g. none,int8 "
+                        "(\"+int8acts\" suffix: int8 activations)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--png", default=None, help="write a bar chart of total tokens/s here")
     add_engine_args(p)
@@ -89,19 +93,32 @@ def run(args: argparse.Namespace) -> int:
     reqs = load_workload(model, args.workload, args.workload_seed, args.num_requests)
     print(f"workload {args.workload}: {len(reqs)} requests, "
           f"{sum(len(r.prompt_token_ids) for r in reqs)} prompt + "
-          f"{sum(r.output_len for r in reqs)} output tokens; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
-    results = {"tokenmill": rates(reqs, run_tokenmill(model, reqs, engine_options(args)))}
+          f"{sum(r.output_len for r in reqs)} output tokens")
+    print(describe_machine())
+    options = engine_options(args)
+    results = {}
+    if args.compare_quantization:
+        for spec in args.compare_quantization.split(","):
+            method, _, acts = spec.partition("+")
+            opts = options | {"quantization": None if method == "none" else method,
+                              "int8_activations": acts == "int8acts"}
+            results[f"tokenmill {spec}"] = rates(reqs, run_tokenmill(model, reqs, opts))
+        first = next(iter(results.values()))["total_tokens_per_s"]
+        for name, r in results.items():
+            print(f"{name}: {r['total_tokens_per_s']:.1f} total tokens/s, "
+                  f"{r['total_tokens_per_s'] / first:.2f}x the first")
+    else:
+        results["tokenmill"] = rates(reqs, run_tokenmill(model, reqs, options))
     hf_name = f"hf_static_bs{args.hf_batch_size}"
     if args.compare_hf:
         results[hf_name] = rates(reqs, run_hf(model, reqs, args.hf_batch_size))
 
-    print(f"\n{'engine':<20}{'time s':>10}{'req/s':>10}{'out tok/s':>12}{'total tok/s':>13}")
+    print(f"\n{'engine':<28}{'time s':>10}{'req/s':>10}{'out tok/s':>12}{'total tok/s':>13}")
     for name, r in results.items():
-        print(f"{name:<20}{r['seconds']:>10.1f}{r['requests_per_s']:>10.3f}"
+        print(f"{name:<28}{r['seconds']:>10.1f}{r['requests_per_s']:>10.3f}"
               f"{r['output_tokens_per_s']:>12.1f}{r['total_tokens_per_s']:>13.1f}")
     summary: dict = {"workload": args.workload, "results": results}
-    if args.compare_hf:
+    if args.compare_hf and "tokenmill" in results:
         ratio = (results["tokenmill"]["total_tokens_per_s"]
                  / results[hf_name]["total_tokens_per_s"])
         summary["ratio_tokenmill_over_hf"] = ratio
