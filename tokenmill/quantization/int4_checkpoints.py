@@ -70,6 +70,18 @@ class _ZeroPointMethod(BlockLinearMethod):
                              "inputs: groups must be a multiple of 32 dividing the input size")
         return G
 
+    def _zeros_and_scales(self, layer: nn.Module, input_size: int, N: int) -> int:
+        """Register qzeros (K/G, N/8) int32 and scales (K/G, N) float16, laid out alike in
+        both formats; returns N."""
+        G = self._group(input_size)
+        layer.group_size = G
+        layer.qzeros = new_param((input_size // G, N // 8), torch.int32, input_dim=0,
+                                 output_dim=1, input_ratio=Fraction(1, G),
+                                 output_ratio=Fraction(1, 8))
+        layer.scales = new_param((input_size // G, N), torch.float16, input_dim=0, output_dim=1,
+                                 input_ratio=Fraction(1, G))
+        return N
+
     def cpu_kernel(self, layer: nn.Module) -> CPULinearKernel | None:
         kernel = super().cpu_kernel(layer)
         return None if kernel is None else CPULinearKernel(
@@ -79,15 +91,9 @@ class _ZeroPointMethod(BlockLinearMethod):
 class AWQLinearMethod(_ZeroPointMethod):
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
-        G, N = self._group(input_size), sum(output_sizes)
-        layer.group_size = G
+        N = self._zeros_and_scales(layer, input_size, sum(output_sizes))
         layer.qweight = new_param((input_size, N // 8), torch.int32, input_dim=0, output_dim=1,
                                   output_ratio=Fraction(1, 8))
-        layer.qzeros = new_param((input_size // G, N // 8), torch.int32, input_dim=0,
-                                 output_dim=1, input_ratio=Fraction(1, G),
-                                 output_ratio=Fraction(1, 8))
-        layer.scales = new_param((input_size // G, N), torch.float16, input_dim=0, output_dim=1,
-                                 input_ratio=Fraction(1, G))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q = _awq_unorder(unpack_int32(layer.qweight.data, 1))  # (K, N)
@@ -105,15 +111,9 @@ class GPTQLinearMethod(_ZeroPointMethod):
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
-        G, N = self._group(input_size), sum(output_sizes)
-        layer.group_size = G
+        N = self._zeros_and_scales(layer, input_size, sum(output_sizes))
         layer.qweight = new_param((input_size // 8, N), torch.int32, input_dim=0, output_dim=1,
                                   input_ratio=Fraction(1, 8))
-        layer.qzeros = new_param((input_size // G, N // 8), torch.int32, input_dim=0,
-                                 output_dim=1, input_ratio=Fraction(1, G),
-                                 output_ratio=Fraction(1, 8))
-        layer.scales = new_param((input_size // G, N), torch.float16, input_dim=0, output_dim=1,
-                                 input_ratio=Fraction(1, G))
         layer.g_idx = new_param((input_size,), torch.int32, input_dim=0)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
