@@ -5,7 +5,6 @@ Face's on those weights."""
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 
@@ -14,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import assert_kv_all_free, hf_greedy
+from tests.quantization.reference import hf_with_effective_weights
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers import cpu_ops
 from tokenmill.quantization.blocks import dequantize
@@ -94,7 +94,6 @@ def write_checkpoint(src: str, out, method: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("method", ["awq", "gptq"])
 def test_checkpoint_loads_to_its_dequantized_weights(method, tiny_model, tmp_path):
     src, shared = tiny_model("qwen2")  # q/k/v biases, an untied head: every part of a layer
-    hf = copy.deepcopy(shared)  # gets the loaded weights below; the session's copy stays
     ref = write_checkpoint(src, tmp_path / method, method)
     llm = LLM(str(tmp_path / method))  # the format comes from config.json
     assert llm.engine.config.model.quantization == method
@@ -114,23 +113,7 @@ def test_checkpoint_loads_to_its_dequantized_weights(method, tiny_model, tmp_pat
             step = expected.abs().max() / 15
             torch.testing.assert_close(loaded, expected, atol=1e-2 * step, rtol=0)
     # Greedy output equals HF's forward on the weights tokenmill loaded.
-    with torch.no_grad():
-        for i, layer in enumerate(layers):
-            w = {n: dequantize(layer.get_submodule(n).quant_method.cpu_kernel(
-                layer.get_submodule(n))) for n in ("self_attn.qkv_proj", "self_attn.o_proj",
-                                                   "mlp.gate_up_proj", "mlp.down_proj")}
-            attn, mlp = hf.model.layers[i].self_attn, hf.model.layers[i].mlp
-            q, k = attn.q_proj.out_features, attn.k_proj.out_features
-            hf_w = {"q": w["self_attn.qkv_proj"][:q], "k": w["self_attn.qkv_proj"][q:q + k],
-                    "v": w["self_attn.qkv_proj"][q + k:]}
-            attn.q_proj.weight.copy_(hf_w["q"])
-            attn.k_proj.weight.copy_(hf_w["k"])
-            attn.v_proj.weight.copy_(hf_w["v"])
-            attn.o_proj.weight.copy_(w["self_attn.o_proj"])
-            inter = mlp.gate_proj.out_features
-            mlp.gate_proj.weight.copy_(w["mlp.gate_up_proj"][:inter])
-            mlp.up_proj.weight.copy_(w["mlp.gate_up_proj"][inter:])
-            mlp.down_proj.weight.copy_(w["mlp.down_proj"])
+    hf = hf_with_effective_weights(shared, llm.engine.runner.model)
     prompts = [[5, 900, 31, 7, 4000], list(range(100, 140))]
     expected = [hf_greedy(hf, p, 12) for p in prompts]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),

@@ -1,6 +1,9 @@
 """int8 / int4 quantized at load from a float checkpoint: the layers hold only their blocks,
 and greedy output equals Hugging Face's forward on the dequantized weights (a
-dequantize-then-float32 reference built here), for tied and untied heads."""
+dequantize-then-float32 reference built here), for tied and untied heads. int4's
+activation-aware search: each layer's blocks are exactly Q4(W s) for the scale it chose,
+the search never does worse than plain rounding, and it does better where a few input
+channels carry outsized activations."""
 
 from __future__ import annotations
 
@@ -10,9 +13,11 @@ import pytest
 import torch
 
 from tests.conftest import assert_kv_all_free, hf_greedy
+from tests.quantization.reference import MERGED, hf_with_effective_weights
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers import cpu_ops
 from tokenmill.quantization import CPULinearKernel
+from tokenmill.quantization.awq_search import search_scale
 from tokenmill.quantization.blocks import dequantize, quantize_q4, quantize_q8_0
 
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
@@ -29,11 +34,10 @@ def reference_model(hf: torch.nn.Module, quantization: str) -> torch.nn.Module:
     def q4(w: torch.Tensor) -> torch.Tensor:
         return dequantize(CPULinearKernel(CPULinearKernel.Q4, 32, quantize_q4(w, 32)))
 
-    layer_fn = q8 if quantization == "int8" else q4
     with torch.no_grad():
         for name, module in ref.named_modules():
             if isinstance(module, torch.nn.Linear):
-                fn = q8 if name == "lm_head" else layer_fn
+                fn = q8 if name == "lm_head" or quantization == "int8" else q4
                 module.weight.copy_(fn(module.weight))
         emb = ref.get_input_embeddings()
         if ref.lm_head.weight is not emb.weight:
@@ -45,9 +49,12 @@ def reference_model(hf: torch.nn.Module, quantization: str) -> torch.nn.Module:
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_greedy_equals_dequantized_reference(kind, quantization, tiny_model):
     path, hf = tiny_model(kind)
-    ref = reference_model(hf, quantization)
+    ref = reference_model(hf, quantization)  # embedding / head (and int8 layers) in Q8_0
     llm = LLM(path, quantization=quantization)
     model = llm.engine.runner.model
+    if quantization == "int4":  # layers: W s rounded, x / s at run time
+        check_int4_blocks(hf, model)
+        ref = hf_with_effective_weights(ref, model)
     for module in model.modules():  # no float copy of a quantized weight is kept
         if hasattr(module, "blocks_q"):
             assert getattr(module, "weight", None) is None
@@ -57,6 +64,36 @@ def test_greedy_equals_dequantized_reference(kind, quantization, tiny_model):
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(ref, p, 16) for p in prompts]
     assert_kv_all_free(llm.engine)
+
+
+def check_int4_blocks(hf: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Each 4-bit layer holds Q4(W / input_scale) of the checkpoint's W, in groups of 64 (the
+    tiny models' inputs, 64 and 128, are multiples): recomputed here from the stored scale,
+    whose reciprocal is rounded, so equal up to a hundredth of a step."""
+    for i, layer in enumerate(model.model.layers):
+        for ours, theirs in MERGED.items():
+            lin = layer.get_submodule(ours)
+            kernel = lin.quant_method.cpu_kernel(lin)
+            w = torch.cat([hf.model.layers[i].get_submodule(t).weight for t in theirs])
+            if kernel.input_scale is not None:
+                w = w / kernel.input_scale
+            assert kernel.group == 64
+            want = CPULinearKernel(CPULinearKernel.Q4, 64, quantize_q4(w.detach(), 64))
+            step = want.tensors[1].float().max()
+            torch.testing.assert_close(dequantize(kernel), dequantize(want), rtol=0,
+                                       atol=1e-2 * float(step), msg=f"{i} {ours}")
+
+
+def test_scale_search_never_loses_and_wins_on_outliers():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 256, generator=gen)
+    x = torch.randn(512, 256, generator=gen)
+    s, rtn, best = search_scale(w, x, 32)
+    assert best <= rtn
+    x[:, [3, 70, 200]] *= 30  # three outlier channels, as in SmolLM2's activations
+    s, rtn, best = search_scale(w, x, 32)
+    assert s is not None and best < 0.8 * rtn
+    assert s[[3, 70, 200]].min() > s.median()  # the outliers' columns got finer steps
 
 
 def test_quantized_weights_are_smaller(tiny_model):

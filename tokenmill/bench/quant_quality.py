@@ -2,8 +2,9 @@
 distribution against float32, top-1 agreement, and perplexity, over natural English text.
 
 The text is found on the machine at run time: the docstrings of Python's standard library
-(prose paragraphs only; doctest lines and code-like lines are dropped), so nothing is copied
-into the repository. It is cut into windows of --window tokens, each scored by teacher
+(prose paragraphs only; doctest lines and code-like lines are dropped; the same source as
+int4's calibration, quantization/awq_search.py, so int4's figures are in-domain), so nothing
+is copied into the repository. It is cut into windows of --window tokens, each scored by teacher
 forcing through the engine itself: a prefill with prompt logprobs, chunked into steps of
 --step-tokens (default 4, so every linear layer runs the decode-sized kernels that
 single-stream generation uses, int8 activations included; 512 measures the batched kernels),
@@ -19,64 +20,14 @@ only summation order differs; int8 / int4 quantize that float32 model again.
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import math
-import re
 import sys
 import time
 
 import torch
 
 from tokenmill.bench.machine import describe_machine
-
-_MODULES = ("argparse", "asyncio", "collections", "concurrent.futures", "contextlib", "csv",
-            "dataclasses", "datetime", "decimal", "difflib", "email.message", "enum",
-            "fractions", "functools", "gzip", "heapq", "http.client", "http.server", "inspect",
-            "ipaddress", "itertools", "json", "logging", "mailbox", "multiprocessing", "os",
-            "pathlib", "pickle", "pprint", "queue", "random", "re", "sched", "selectors",
-            "shutil", "smtplib", "socket", "socketserver", "sqlite3", "statistics", "string",
-            "subprocess", "tarfile", "tempfile", "textwrap", "threading", "timeit", "typing",
-            "unittest", "urllib.parse", "urllib.request", "uuid", "warnings", "weakref",
-            "xml.dom.minidom", "zipfile")
-
-
-def _prose(doc: str) -> list[str]:
-    """The paragraphs of a docstring that read as English sentences."""
-    out = []
-    for para in re.split(r"\n\s*\n", doc):
-        lines = [ln.strip() for ln in para.splitlines()]
-        if not lines or any(ln.startswith((">>>", "...", "$", "#")) for ln in lines):
-            continue
-        text = " ".join(lines)
-        letters = sum(c.isalpha() or c == " " for c in text)
-        if len(text) >= 80 and letters / len(text) > 0.9 and text.count("(") < 4:
-            out.append(text)
-    return out
-
-
-def natural_text(min_chars: int) -> str:
-    """At least `min_chars` of prose from the standard library's docstrings, in a fixed
-    order (the same text on every machine with the same Python)."""
-    seen, paragraphs, total = set(), [], 0
-    for name in _MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        objects = [module] + [getattr(module, a) for a in sorted(vars(module))
-                              if not a.startswith("_")]
-        for obj in objects:
-            doc = inspect.getdoc(obj) if (inspect.ismodule(obj) or inspect.isclass(obj)
-                                          or inspect.isroutine(obj)) else None
-            for p in _prose(doc or ""):
-                if p not in seen:
-                    seen.add(p)
-                    paragraphs.append(p)
-                    total += len(p)
-        if total >= min_chars:
-            break
-    return "\n\n".join(paragraphs)
+from tokenmill.quantization.awq_search import calibration_text
 
 
 def score_windows(llm, windows: list[list[int]]) -> list[torch.Tensor]:
@@ -152,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     ids: list[int] = []
     chars = 4 * args.tokens
     while len(ids) < args.tokens:
-        ids = tok.encode(natural_text(chars), add_special_tokens=False)
+        ids = tok.encode(calibration_text(chars), add_special_tokens=False)
         chars *= 2
     windows = [ids[i:i + args.window] for i in range(0, args.tokens, args.window)]
     windows = [w for w in windows if len(w) > 1]

@@ -5,7 +5,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "y = x @ W^T (+ bias) for a (kind, group, tensors) weight",
         py::arg("x"), py::arg("kind"), py::arg("group"), py::arg("tensors"), py::arg("bias"),
-        py::arg("int8_acts") = false);
+        py::arg("int8_acts") = false, py::arg("input_scale") = py::none());
   m.def("gather_rows", &gather_rows, "rows of a quantized weight as float32");
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual) * weight, x + residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");

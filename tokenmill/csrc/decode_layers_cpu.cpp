@@ -24,13 +24,13 @@
 namespace {
 constexpr size_t kNormsPerLayer = 2;    // in_norm, post_norm
 constexpr size_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down (bias None where absent)
-// kind, group, tensors, int8 activations, bias (as cpu_ops.linear takes them)
+// kind, group, tensors, int8 activations, input scale, bias (as cpu_ops.linear takes them)
 using LinearDesc = std::tuple<int64_t, int64_t, std::vector<torch::Tensor>, bool,
-                              c10::optional<torch::Tensor>>;
+                              c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>;
 
 torch::Tensor run_linear(const LinearDesc& d, const torch::Tensor& x) {
-  return linear(x, std::get<0>(d), std::get<1>(d), std::get<2>(d), std::get<4>(d),
-                std::get<3>(d));
+  return linear(x, std::get<0>(d), std::get<1>(d), std::get<2>(d), std::get<5>(d),
+                std::get<3>(d), std::get<4>(d));
 }
 }  // namespace
 

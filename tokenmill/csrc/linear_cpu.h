@@ -401,13 +401,21 @@ static void small_m_range(int64_t kind, int64_t G, const std::vector<torch::Tens
 
 // y = x @ W^T + bias for x (M, K) float32 and the weight (kind, G, tensors). int8_acts: a
 // quantized weight with at most 4 rows of x multiplies int8-quantized activations.
+// input_scale (K,): x is multiplied by it first (activation-aware 4-bit weights store W / s
+// per input channel and take x * s; quantization/awq_search.py).
 inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
                             const std::vector<torch::Tensor>& t,
-                            c10::optional<torch::Tensor> bias, bool int8_acts = false) {
+                            c10::optional<torch::Tensor> bias, bool int8_acts = false,
+                            c10::optional<torch::Tensor> input_scale = c10::nullopt) {
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2 && !t.empty(), "linear takes x (M, K) and a weight");
   const int64_t M = x.size(0), K = x.size(1), N = t[0].size(0);
   check_weight(kind, G, t, K);
+  if (input_scale.has_value()) {
+    check_f32(*input_scale, "input_scale");
+    TORCH_CHECK(input_scale->numel() == K, "input_scale must have one value per input");
+    x = x * input_scale->view({1, K});
+  }
   x = x.contiguous();
   const float* b = nullptr;
   torch::Tensor bias_c;

@@ -43,8 +43,8 @@ def linear(x: torch.Tensor, kernel: Any, bias: torch.Tensor | None = None) -> to
     quantization.CPULinearKernel: dense float32, Q8_0 or 4-bit blocks; csrc/linear_cpu.h).
     Dense weights take it for M <= SMALL_M only; quantized ones at every M."""
     with scope("tokenmill::linear"):  # a GEMM in benchmarks/profile_step.py
-        kind, group, tensors, int8_acts = kernel.as_args()
-        return _ops().linear(x, kind, group, tensors, bias, int8_acts)
+        kind, group, tensors, int8_acts, input_scale = kernel.as_args()
+        return _ops().linear(x, kind, group, tensors, bias, int8_acts, input_scale)
 
 
 def gather_rows(ids: torch.Tensor, kernel: Any) -> torch.Tensor:

@@ -35,8 +35,10 @@ from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinea
 from tokenmill.utils.cpp_extension import load_cpu_extension
 from tokenmill.utils.profiling import scope
 
-# A linear layer as decode_layers takes it: (kind, group, tensors, int8 activations, bias).
-LinearArgs = tuple[int, int, list[torch.Tensor], bool, torch.Tensor | None]
+# A linear layer as decode_layers takes it: (kind, group, tensors, int8 activations, input
+# scale or None, bias or None).
+LinearArgs = tuple[int, int, list[torch.Tensor], bool, torch.Tensor | None,
+                   torch.Tensor | None]
 
 
 @functools.cache

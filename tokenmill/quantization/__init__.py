@@ -2,7 +2,8 @@
 
     None / "none"  dense weights in the model's dtype (unquantized.py)
     "int8"         Q8_0 blocks quantized at load from a float checkpoint (load_time.py)
-    "int4"         4-bit groups quantized at load from a float checkpoint (load_time.py)
+    "int4"         4-bit groups quantized at load from a float checkpoint, with an
+                   activation-aware scale search (load_time.py, awq_search.py)
     "awq", "gptq"  4-bit checkpoints in those published layouts (int4_checkpoints.py)
     "gguf"         a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks as stored (gguf.py)
 
@@ -14,6 +15,7 @@ kernels (csrc/linear_cpu.h) read in every path.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,10 +32,24 @@ if TYPE_CHECKING:
     from tokenmill.config import ModelConfig
 
 QUANTIZATION_METHODS = ("int8", "int4", "awq", "gptq", "gguf")
+logger = logging.getLogger(__name__)
 
 __all__ = ["QUANTIZATION_METHODS", "CPULinearKernel", "LinearMethodBase", "QuantizationConfig",
            "UnquantizedConfig", "UnquantizedLinearMethod", "quantization_config",
            "set_weight_attrs"]
+
+
+def _calibration(model: ModelConfig) -> dict[str, torch.Tensor] | None:
+    """Calibration activations for int4's activation-aware search, from the float checkpoint
+    as an HF folder (a GGUF file's converted folder); None, logged, where there is none."""
+    folder = model.converted_dir if model.gguf_file is not None else model.path
+    if model.load_format == "dummy" or folder is None:
+        logger.info("int4: no float checkpoint folder to calibrate on (%s); plain "
+                    "round-to-nearest", "dummy weights" if folder else "GGUF cache off")
+        return None
+    from tokenmill.quantization.awq_search import collect_activations
+
+    return collect_activations(folder)
 
 
 def quantization_config(model: ModelConfig, device: torch.device,
@@ -52,7 +68,7 @@ def quantization_config(model: ModelConfig, device: torch.device,
         config = Int8Config(int8_acts)
     elif name == "int4":
         from tokenmill.quantization.load_time import Int4Config
-        config = Int4Config(int8_activations=int8_acts)
+        config = Int4Config(int8_activations=int8_acts, activations=_calibration(model))
     elif name in ("awq", "gptq"):
         from tokenmill.quantization.int4_checkpoints import Int4CheckpointConfig
         config = Int4CheckpointConfig(name, model.hf_quant_config or {}, prepack, int8_acts)

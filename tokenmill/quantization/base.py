@@ -48,9 +48,13 @@ class CPULinearKernel:
     # Quantized kinds at M <= 4: multiply int8-quantized activations (llama.cpp's numbers,
     # faster) instead of float32 ones (exact against the dequantized weight).
     int8_activations: bool = False
+    # (K,): x is multiplied by it before the product (activation-aware 4-bit weights hold
+    # W / s per input channel; quantization/awq_search.py). None: no scaling.
+    input_scale: torch.Tensor | None = None
 
-    def as_args(self) -> tuple[int, int, list[torch.Tensor], bool]:
-        return self.kind, self.group, list(self.tensors), self.int8_activations
+    def as_args(self) -> tuple[int, int, list[torch.Tensor], bool, torch.Tensor | None]:
+        return (self.kind, self.group, list(self.tensors), self.int8_activations,
+                self.input_scale)
 
 
 def set_weight_attrs(param: nn.Parameter, output_dim: int | None = None,

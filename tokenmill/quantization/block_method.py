@@ -4,7 +4,8 @@ what every quantized format becomes after loading, whatever its checkpoint held.
 Subclasses differ only in what the checkpoint holds and how `process_weights_after_loading`
 turns it into blocks (`set_blocks`); the kernel descriptor, `apply` (the C++ `linear`
 op at every M) and row lookups are shared. The blocks are the layer's parameters `blocks_q`,
-`blocks_d` and, for 4-bit, `blocks_m`; no float copy of the weight is kept.
+`blocks_d` and, for 4-bit, `blocks_m` (and `input_scale` where an activation-aware search
+scaled the weight's input channels); no float copy of the weight is kept.
 """
 
 from __future__ import annotations
@@ -35,5 +36,6 @@ class BlockLinearMethod(LinearMethodBase):
             return None
         names = ("blocks_q", "blocks_d") + (("blocks_m",) if self.kind == CPULinearKernel.Q4
                                              else ())
-        return CPULinearKernel(self.kind, self.group, tuple(getattr(layer, n) for n in names),
-                               self.int8_activations)
+        group = getattr(layer, "group_size", self.group)  # set where it varies by layer
+        return CPULinearKernel(self.kind, group, tuple(getattr(layer, n) for n in names),
+                               self.int8_activations, getattr(layer, "input_scale", None))

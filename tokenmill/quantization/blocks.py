@@ -77,8 +77,15 @@ def from_zero_points(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
     return pack_q4(q.t()), d, m
 
 
+def effective_weight(kernel: CPULinearKernel) -> torch.Tensor:
+    """The float32 (N, K) weight the kernel multiplies x by: the stored one, times the input
+    scale per input channel where there is one (y = (x s) Wq^T = x (Wq s)^T)."""
+    w = dequantize(kernel)
+    return w if kernel.input_scale is None else w * kernel.input_scale.float()
+
+
 def dequantize(kernel: CPULinearKernel) -> torch.Tensor:
-    """The float32 (N, K) weight a kernel describes."""
+    """The float32 (N, K) weight a kernel's tensors hold."""
     t = kernel.tensors
     if kernel.kind == CPULinearKernel.DENSE:
         return t[0].float()

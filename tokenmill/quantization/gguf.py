@@ -112,5 +112,10 @@ class GGUFConfig(QuantizationConfig):
         return self.dense if t in DENSE_TYPES else GGUFBlockMethod(t, self.int8_activations)
 
     def embedding_method(self, prefix: str) -> LinearMethodBase:
-        return self.linear_method(prefix)
+        """As linear_method, but float activations always: rounding them cost most agreement
+        in the logits (benchmarks/RESULTS.md)."""
+        method = self.linear_method(prefix)
+        if isinstance(method, GGUFBlockMethod) and method.int8_activations:
+            return GGUFBlockMethod(method.type_name)
+        return method
 

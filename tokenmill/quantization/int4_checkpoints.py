@@ -82,11 +82,6 @@ class _ZeroPointMethod(BlockLinearMethod):
                                  input_ratio=Fraction(1, G))
         return N
 
-    def cpu_kernel(self, layer: nn.Module) -> CPULinearKernel | None:
-        kernel = super().cpu_kernel(layer)
-        return None if kernel is None else CPULinearKernel(
-            kernel.kind, layer.group_size, kernel.tensors, kernel.int8_activations)
-
 
 class AWQLinearMethod(_ZeroPointMethod):
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],

@@ -4,10 +4,15 @@ in-flight quantization; nothing to prepare offline).
 - int8: Q8_0, one float16 scale per 32 weights. Per-output-channel int8 kept only 91% top-1
   agreement on SmolLM2, whose activations carry outliers 15-34x their RMS; 32-blocks keep
   97-99% (benchmarks/quant_quality.py).
-- int4: 4-bit groups of `group` (32 by default) with a scale and an offset each (asymmetric
-  round to nearest), the Q4_1 numbers at G = 32.
+- int4: 4-bit groups of `group` (64 by default; 32 in a layer whose inputs 64 does not
+  divide) with a scale and an offset each (asymmetric round to nearest), after an
+  activation-aware scale search per layer (awq_search.py) when calibration activations are
+  given. 64 rather than Q4_1's 32: 4.5 bits a weight instead of 5, and a float checkpoint that
+  is itself a Q4_1 expansion (SmolLM2's, from its GGUF) is not reproduced exactly, so the
+  measured loss is that of 4-bit quantization and not zero.
 Embedding tables and the LM head go to Q8_0 in both modes, as llama.cpp's Q4 files keep them
-in 8 bits: 4-bit logits cost far more agreement than 4-bit layers.
+in 8 bits, and multiply float activations even with int8_activations: the logits are where
+rounding the activations cost most agreement (benchmarks/RESULTS.md).
 
 The checkpoint fills a float `weight` like the unquantized method's (same loaders, same
 sharding); `process_weights_after_loading` replaces it by its blocks.
@@ -18,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.quantization.awq_search import search_scale
 from tokenmill.quantization.base import (
     CPULinearKernel,
     LinearMethodBase,
@@ -30,12 +36,20 @@ from tokenmill.quantization.blocks import quantize_q4, quantize_q8_0
 
 
 class LoadTimeQuantMethod(BlockLinearMethod):
+    def __init__(self, kind: int, group: int, int8_activations: bool = False,
+                 activations: dict[str, torch.Tensor] | None = None) -> None:
+        super().__init__(kind, group, int8_activations)
+        # module path → calibration inputs (rows, K), for the 4-bit scale search
+        self.activations = activations or {}
+
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
-        if input_size % self.group:
+        # The method's group where it divides the layer's inputs, else blocks of 32.
+        layer.group_size = self.group if input_size % self.group == 0 else 32
+        if input_size % 32:
             raise ValueError(f"{'int8' if self.kind == CPULinearKernel.Q8_0 else 'int4'} "
-                             f"quantization needs input sizes divisible by {self.group}; a "
-                             f"layer of this model has {input_size}")
+                             f"quantization needs input sizes divisible by 32; a layer of "
+                             f"this model has {input_size}")
         layer.weight = new_param((sum(output_sizes), input_size), dtype, output_dim=0,
                                  input_dim=1)
 
@@ -44,8 +58,14 @@ class LoadTimeQuantMethod(BlockLinearMethod):
         replace_param(layer, "weight", None)
         if self.kind == CPULinearKernel.Q8_0:
             self.set_blocks(layer, *quantize_q8_0(w))
-        else:
-            self.set_blocks(layer, *quantize_q4(w, self.group))
+            return
+        group = layer.group_size
+        x = self.activations.pop(getattr(layer, "prefix", ""), None)
+        s = None if x is None else search_scale(w, x, group)[0]
+        if s is not None:  # the kernel multiplies x by 1 / s, the weight holds W s
+            w = w * s
+            replace_param(layer, "input_scale", (1.0 / s).float().contiguous())
+        self.set_blocks(layer, *quantize_q4(w, group))
 
 
 class Int8Config(QuantizationConfig):
@@ -53,17 +73,23 @@ class Int8Config(QuantizationConfig):
 
     def __init__(self, int8_activations: bool = False) -> None:
         self.method = LoadTimeQuantMethod(CPULinearKernel.Q8_0, 32, int8_activations)
+        self.embedding = LoadTimeQuantMethod(CPULinearKernel.Q8_0, 32)
 
     def linear_method(self, prefix: str) -> LinearMethodBase:
         return self.method
+
+    def embedding_method(self, prefix: str) -> LinearMethodBase:
+        return self.embedding
 
 
 class Int4Config(QuantizationConfig):
     name = "int4"
 
-    def __init__(self, group: int = 32, int8_activations: bool = False) -> None:
-        self.method = LoadTimeQuantMethod(CPULinearKernel.Q4, group, int8_activations)
-        self.embedding = LoadTimeQuantMethod(CPULinearKernel.Q8_0, 32, int8_activations)
+    def __init__(self, group: int = 64, int8_activations: bool = False,
+                 activations: dict[str, torch.Tensor] | None = None) -> None:
+        self.method = LoadTimeQuantMethod(CPULinearKernel.Q4, group, int8_activations,
+                                          activations)
+        self.embedding = LoadTimeQuantMethod(CPULinearKernel.Q8_0, 32)
 
     def linear_method(self, prefix: str) -> LinearMethodBase:
         return self.method
