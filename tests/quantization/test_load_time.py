@@ -67,9 +67,9 @@ def test_greedy_equals_dequantized_reference(kind, quantization, tiny_model):
 
 
 def check_int4_blocks(hf: torch.nn.Module, model: torch.nn.Module) -> None:
-    """Each 4-bit layer holds Q4(W / input_scale) of the checkpoint's W, in groups of 64 (the
-    tiny models' inputs, 64 and 128, are multiples): recomputed here from the stored scale,
-    whose reciprocal is rounded, so equal up to a hundredth of a step."""
+    """Each 4-bit layer holds Q4(W / input_scale) of the checkpoint's W, in groups of 32:
+    recomputed here from the stored scale, whose reciprocal is rounded, so equal up to a
+    hundredth of a step."""
     for i, layer in enumerate(model.model.layers):
         for ours, theirs in MERGED.items():
             lin = layer.get_submodule(ours)
@@ -77,8 +77,8 @@ def check_int4_blocks(hf: torch.nn.Module, model: torch.nn.Module) -> None:
             w = torch.cat([hf.model.layers[i].get_submodule(t).weight for t in theirs])
             if kernel.input_scale is not None:
                 w = w / kernel.input_scale
-            assert kernel.group == 64
-            want = CPULinearKernel(CPULinearKernel.Q4, 64, quantize_q4(w.detach(), 64))
+            assert kernel.group == 32
+            want = CPULinearKernel(CPULinearKernel.Q4, 32, quantize_q4(w.detach(), 32))
             step = want.tensors[1].float().max()
             torch.testing.assert_close(dequantize(kernel), dequantize(want), rtol=0,
                                        atol=1e-2 * float(step), msg=f"{i} {ours}")
@@ -114,3 +114,20 @@ def test_unknown_or_impossible_methods_fail_at_start_up(tiny_model):
         LLM(path, quantization="gguf")
     with pytest.raises(ValueError, match="computes in float32"):
         LLM(path, quantization="int8", dtype="bfloat16")
+    with pytest.raises(ValueError, match="int8_activations applies to quantized weights"):
+        LLM(path, int8_activations=True)
+
+
+def test_cli_flags_reach_the_engine():
+    import argparse
+
+    from tokenmill.cli import add_engine_args, engine_options
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    opts = engine_options(p.parse_args(["--quantization", "gguf", "--int8-activations",
+                                        "--no-prepack-weights"]))
+    assert opts == {"quantization": "gguf", "int8_activations": True,
+                    "prepack_weights": False}
+    with pytest.raises(SystemExit):  # argparse names the choices
+        p.parse_args(["--quantization", "fp3"])

@@ -51,6 +51,14 @@ def _summarise(ttft: float, token_times: list[float], start: float) -> dict:
             "itl_ms": [g * 1e3 for g in gaps], "e2e_s": token_times[-1] - start}
 
 
+def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of the model's parameters, bytes of the oneDNN-packed copies beside them)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    packed = sum(m.packed_weight.numel() * m.packed_weight.element_size()
+                 for m in model.modules() if getattr(m, "packed_weight", None) is not None)
+    return params, packed
+
+
 def run_tokenmill_once(llm, prompt: list[int], output_len: int) -> dict:
     from tokenmill import SamplingParams
 
@@ -120,6 +128,9 @@ def run(args: argparse.Namespace) -> int:
         options["int8_activations"] = acts == "int8acts" or options.get("int8_activations")
         llm = LLM(model, **options)
         label = "tokenmill" if spec is None else f"tokenmill {spec}"
+        params, packed = weight_bytes(llm.engine.runner.model)
+        print(f"{label}: weights held {params / 1e6:.0f} MB"
+              + (f" + {packed / 1e6:.0f} MB oneDNN-packed copies" if packed else ""))
         engines[label] = lambda llm=llm: run_tokenmill_once(llm, prompt, n_out)
     if args.llama_cpp:
         threads = args.llama_cpp_threads or torch.get_num_threads()

@@ -9,7 +9,8 @@ forcing through the engine itself: a prefill with prompt logprobs, chunked into 
 --step-tokens (default 4, so every linear layer runs the decode-sized kernels that
 single-stream generation uses, int8 activations included; 512 measures the batched kernels),
 with the model's `compute_logits` wrapped during the prompt-logprobs pass to keep the full
-distributions. A method may carry "+int8acts" (e.g. gguf+int8acts): int8_activations=True.
+distributions. A method may carry "+int8acts" (e.g. gguf+int8acts): int8_activations=True;
+"int4/64" sets int4's group size; "int4+rtn" turns its activation-aware search off.
 
 The float32 reference is the model with quantization=None: for a GGUF file, the float32
 expansion of its own blocks (for the shipped SmolLM2 Q4_1 file there is no other float
@@ -82,11 +83,13 @@ def compare(ref: list[torch.Tensor], got: list[torch.Tensor],
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tokenmill import LLM
+    from tokenmill import LLM, quantization
+    from tokenmill.quantization import load_time
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF Q4_1)")
-    p.add_argument("--methods", default="gguf,gguf+int8acts,int8,int8+int8acts,int4",
+    p.add_argument("--methods",
+                   default="gguf,gguf+int8acts,int8,int8+int8acts,int4,int4/64,int4/64+rtn",
                    help="comma-separated quantization methods to compare with float32")
     p.add_argument("--tokens", type=int, default=4096, help="tokens of text to score")
     p.add_argument("--window", type=int, default=512)
@@ -114,10 +117,17 @@ def main(argv: list[str] | None = None) -> int:
     del ref_llm
     rows = [("float32", base)]
     for spec in [m for m in args.methods.split(",") if m]:
-        method, _, acts = spec.partition("+")
-        llm = LLM(args.model, quantization=method, int8_activations=acts == "int8acts", **opts)
-        rows.append((spec, compare(ref, score_windows(llm, windows), windows)))
-        del llm
+        name, _, flag = spec.partition("+")
+        method, _, group = name.partition("/")
+        load_time.INT4_GROUP = int(group or 32)
+        quantization.INT4_CALIBRATION = flag != "rtn"
+        try:
+            llm = LLM(args.model, quantization=method, int8_activations=flag == "int8acts",
+                      **opts)
+            rows.append((spec, compare(ref, score_windows(llm, windows), windows)))
+            del llm
+        finally:
+            load_time.INT4_GROUP, quantization.INT4_CALIBRATION = 32, True
     print(f"\n{'weights':<15} {'mean KL':>10} {'top-1 agree':>12} {'perplexity':>11} "
           f"{'ppl vs f32':>11}")
     for name, r in rows:

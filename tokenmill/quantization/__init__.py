@@ -39,10 +39,17 @@ __all__ = ["QUANTIZATION_METHODS", "CPULinearKernel", "LinearMethodBase", "Quant
            "set_weight_attrs"]
 
 
+# False: int4 rounds to nearest without its activation-aware search (benchmarks compare)
+INT4_CALIBRATION = True
+
+
 def _calibration(model: ModelConfig) -> dict[str, torch.Tensor] | None:
     """Calibration activations for int4's activation-aware search, from the float checkpoint
     as an HF folder (a GGUF file's converted folder); None, logged, where there is none."""
     folder = model.converted_dir if model.gguf_file is not None else model.path
+    if not INT4_CALIBRATION:
+        logger.info("int4: scale search off; plain round-to-nearest")
+        return None
     if model.load_format == "dummy" or folder is None:
         logger.info("int4: no float checkpoint folder to calibrate on (%s); plain "
                     "round-to-nearest", "dummy weights" if folder else "GGUF cache off")

@@ -4,12 +4,12 @@ in-flight quantization; nothing to prepare offline).
 - int8: Q8_0, one float16 scale per 32 weights. Per-output-channel int8 kept only 91% top-1
   agreement on SmolLM2, whose activations carry outliers 15-34x their RMS; 32-blocks keep
   97-99% (benchmarks/quant_quality.py).
-- int4: 4-bit groups of `group` (64 by default; 32 in a layer whose inputs 64 does not
-  divide) with a scale and an offset each (asymmetric round to nearest), after an
-  activation-aware scale search per layer (awq_search.py) when calibration activations are
-  given. 64 rather than Q4_1's 32: 4.5 bits a weight instead of 5, and a float checkpoint that
-  is itself a Q4_1 expansion (SmolLM2's, from its GGUF) is not reproduced exactly, so the
-  measured loss is that of 4-bit quantization and not zero.
+- int4: 4-bit groups of INT4_GROUP (32, Q4_1's; 32 also in a layer whose inputs a larger
+  group does not divide) with a scale and an offset each (asymmetric round to nearest), after
+  an activation-aware scale search per layer (awq_search.py) when calibration activations are
+  given. NOTE: a float checkpoint that is itself a Q4_1 expansion (SmolLM2's, from its GGUF)
+  comes back exactly at G = 32; benchmarks/quant_quality.py's "int4/64" measures groups of 64,
+  where the loss is real.
 Embedding tables and the LM head go to Q8_0 in both modes, as llama.cpp's Q4 files keep them
 in 8 bits, and multiply float activations even with int8_activations: the logits are where
 rounding the activations cost most agreement (benchmarks/RESULTS.md).
@@ -33,6 +33,9 @@ from tokenmill.quantization.base import (
 )
 from tokenmill.quantization.block_method import BlockLinearMethod
 from tokenmill.quantization.blocks import quantize_q4, quantize_q8_0
+
+# int4's group size (a module setting: benchmarks/quant_quality.py's "int4/64" changes it)
+INT4_GROUP = 32
 
 
 class LoadTimeQuantMethod(BlockLinearMethod):
@@ -85,9 +88,10 @@ class Int8Config(QuantizationConfig):
 class Int4Config(QuantizationConfig):
     name = "int4"
 
-    def __init__(self, group: int = 64, int8_activations: bool = False,
+    def __init__(self, group: int | None = None, int8_activations: bool = False,
                  activations: dict[str, torch.Tensor] | None = None) -> None:
-        self.method = LoadTimeQuantMethod(CPULinearKernel.Q4, group, int8_activations,
+        self.method = LoadTimeQuantMethod(CPULinearKernel.Q4, group or INT4_GROUP,
+                                          int8_activations,
                                           activations)
         self.embedding = LoadTimeQuantMethod(CPULinearKernel.Q8_0, 32)
 
