@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from functools import lru_cache
 from typing import Any
 
@@ -111,52 +111,34 @@ def gguf_num_tensors(path: str) -> int:
     return len(_reader(path).tensors)
 
 
-def iterate_gguf(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 tensor) for every tensor of the file, dequantized."""
+def iterate_gguf(path: str, hf_config: Any,
+                 raw_types: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) for every tensor of the file: float32, dequantized, except
+    tensors of a type in `raw_types` (GGML names, e.g. "Q4_1"), which come as their raw block
+    rows, uint8 (rows, bytes per row), under `<module>.qweight` (quantization/gguf.py splits
+    them). The q/k un-permutation moves whole rows, so raw blocks stay untouched."""
     import gguf
 
     r = _reader(path)
     permute = _field(r, "general.architecture") == "llama"
     for t in r.tensors:
         name = _hf_name(t.name)
-        data = gguf.quants.dequantize(t.data, t.tensor_type)
-        data = np.require(data, np.float32, ["C", "W"])  # torch wants writable memory
-        if permute and (".q_proj." in name or ".k_proj." in name):
-            heads = (hf_config.num_attention_heads if ".q_proj." in name
-                     else hf_config.num_key_value_heads)
-            data = _unpermute_qk(data, heads)
-        yield name, torch.from_numpy(data)
-
-
-def gguf_tensor_types(path: str) -> dict[str, str]:
-    """HF parameter name → GGML type name ("Q4_1", "F32", ...) of every tensor of the file."""
-    return {_hf_name(t.name): t.tensor_type.name for t in _reader(path).tensors}
-
-
-def iterate_gguf_raw(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Like iterate_gguf, but block-quantized tensors (Q4_0, Q4_1, Q8_0) come as their raw
-    block rows, uint8 (rows, bytes per row), under `<module>.qweight` (quantization/gguf.py
-    splits them); float tensors come as float32 under their own names. The q/k un-permutation
-    moves whole rows, blocks untouched."""
-    from tokenmill.quantization.gguf import BLOCK_TYPES
-
-    r = _reader(path)
-    permute = _field(r, "general.architecture") == "llama"
-    for t in r.tensors:
-        name = _hf_name(t.name)
-        if t.tensor_type.name in BLOCK_TYPES:
+        if t.tensor_type.name in raw_types:
             data = np.array(t.data, dtype=np.uint8, copy=True)  # (rows, bytes), writable
             name = name[:-len("weight")] + "qweight"
         else:
-            import gguf
-
-            data = np.require(gguf.quants.dequantize(t.data, t.tensor_type), np.float32,
-                              ["C", "W"])
+            data = gguf.quants.dequantize(t.data, t.tensor_type)
+            data = np.require(data, np.float32, ["C", "W"])  # torch wants writable memory
         if permute and (".q_proj." in name or ".k_proj." in name):
             heads = (hf_config.num_attention_heads if ".q_proj." in name
                      else hf_config.num_key_value_heads)
             data = _unpermute_qk(data, heads)
         yield name, torch.from_numpy(np.ascontiguousarray(data))
+
+
+def gguf_tensor_types(path: str) -> dict[str, str]:
+    """HF parameter name → GGML type name ("Q4_1", "F32", ...) of every tensor of the file."""
+    return {_hf_name(t.name): t.tensor_type.name for t in _reader(path).tensors}
 
 
 def _hf_name(name: str) -> str:

@@ -1,8 +1,9 @@
 """GGUF weights served in their own block form (`quantization="gguf"`), as llama.cpp does.
 
-The loader (model_loader/gguf_loader.py `iterate_gguf_raw`) hands each quantized tensor over as
-its raw uint8 block rows (N, bytes per row), memory-mapped by the gguf package; llama.cpp's
-q/k row permutation moves whole rows, so un-permuting raw rows needs no requantizing.
+The loader (model_loader/gguf_loader.py `iterate_gguf` with raw_types) hands each quantized
+tensor over as its raw uint8 block rows (N, bytes per row), read from the gguf package's
+memory map; llama.cpp's q/k row permutation moves whole rows, so un-permuting raw rows needs
+no requantizing.
 `process_weights_after_loading` splits the rows' blocks into the kernels' struct-of-arrays
 form, bit for bit:
 
