@@ -12,6 +12,7 @@ turns: each of --repeats rounds runs one request on every engine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -19,6 +20,7 @@ import time
 import torch
 
 from tokenmill.bench.machine import describe_machine
+from tokenmill.bench.weight_specs import weights_as
 from tokenmill.bench.workloads import load_workload
 
 
@@ -37,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-cpp-threads", type=int, default=None)
     p.add_argument("--compare-quantization", default=None, metavar="M1,M2",
                    help="one tokenmill engine per weight format in the same run, e.g. "
-                        "none,int8,gguf,gguf+int8acts")
+                        "none,int8,gguf,gguf+int8acts (tokenmill/bench/weight_specs.py)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--png", default=None, help="plot inter-token latency by position here")
     add_engine_args(p)
@@ -120,13 +122,10 @@ def run(args: argparse.Namespace) -> int:
     engines = {}
     # --compare-quantization: one engine per weight format, all in this run (their ratios
     # are what compares); else the one --quantization (or dense) engine.
-    methods = (args.compare_quantization.split(",") if args.compare_quantization
-               else [options.pop("quantization", None)])
-    for spec in methods:  # "+int8acts": int8_activations=True
-        method, _, acts = (spec or "").partition("+")
-        options["quantization"] = None if method in ("", "none") else method
-        options["int8_activations"] = acts == "int8acts" or options.get("int8_activations")
-        llm = LLM(model, **options)
+    specs = args.compare_quantization.split(",") if args.compare_quantization else [None]
+    for spec in specs:  # weight_specs.py
+        with weights_as(spec) if spec else contextlib.nullcontext({}) as weights:
+            llm = LLM(model, **(options | weights))
         label = "tokenmill" if spec is None else f"tokenmill {spec}"
         params, packed = weight_bytes(llm.engine.runner.model)
         print(f"{label}: weights held {params / 1e6:.0f} MB"

@@ -9,8 +9,9 @@ forcing through the engine itself: a prefill with prompt logprobs, chunked into 
 --step-tokens (default 4, so every linear layer runs the decode-sized kernels that
 single-stream generation uses, int8 activations included; 512 measures the batched kernels),
 with the model's `compute_logits` wrapped during the prompt-logprobs pass to keep the full
-distributions. A method may carry "+int8acts" (e.g. gguf+int8acts): int8_activations=True;
-"int4/64" sets int4's group size; "int4+rtn" turns its activation-aware search off.
+distributions. Methods are weight specs (bench/weight_specs.py): "gguf+int8acts" sets
+int8_activations, "int4/64" int4's group size, "int4+rtn" turns its activation-aware search
+off.
 
 The float32 reference is the model with quantization=None: for a GGUF file, the float32
 expansion of its own blocks (for the shipped SmolLM2 Q4_1 file there is no other float
@@ -28,6 +29,7 @@ import time
 import torch
 
 from tokenmill.bench.machine import describe_machine
+from tokenmill.bench.weight_specs import weights_as
 from tokenmill.quantization.awq_search import calibration_text
 
 
@@ -83,8 +85,7 @@ def compare(ref: list[torch.Tensor], got: list[torch.Tensor],
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tokenmill import LLM, quantization
-    from tokenmill.quantization import load_time
+    from tokenmill import LLM
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF Q4_1)")
@@ -116,18 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     base = compare(ref, ref, windows)
     del ref_llm
     rows = [("float32", base)]
-    for spec in [m for m in args.methods.split(",") if m]:
-        name, _, flag = spec.partition("+")
-        method, _, group = name.partition("/")
-        load_time.INT4_GROUP = int(group or 32)
-        quantization.INT4_CALIBRATION = flag != "rtn"
-        try:
-            llm = LLM(args.model, quantization=method, int8_activations=flag == "int8acts",
-                      **opts)
-            rows.append((spec, compare(ref, score_windows(llm, windows), windows)))
-            del llm
-        finally:
-            load_time.INT4_GROUP, quantization.INT4_CALIBRATION = 32, True
+    for spec in [m for m in args.methods.split(",") if m]:  # weight_specs.py
+        with weights_as(spec) as weights:
+            llm = LLM(args.model, **weights, **opts)
+        rows.append((spec, compare(ref, score_windows(llm, windows), windows)))
+        del llm
     print(f"\n{'weights':<15} {'mean KL':>10} {'top-1 agree':>12} {'perplexity':>11} "
           f"{'ppl vs f32':>11}")
     for name, r in rows:

@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tokenmill.bench.machine import describe_machine
+from tokenmill.bench.weight_specs import weights_as
 from tokenmill.bench.workloads import BenchRequest, load_workload
 
 
@@ -32,8 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run Hugging Face transformers static batching on the same requests")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--compare-quantization", default=None, metavar="M1,M2",
-                   help="one tokenmill run per weight format, in this order, e.g. none,int8 "
-                        "(\"+int8acts\" suffix: int8 activations)")
+                   help="one tokenmill run per weight format, in this order, e.g. none,int8,"
+                        "gguf+int8acts (tokenmill/bench/weight_specs.py)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--png", default=None, help="write a bar chart of total tokens/s here")
     add_engine_args(p)
@@ -98,11 +99,10 @@ def run(args: argparse.Namespace) -> int:
     options = engine_options(args)
     results = {}
     if args.compare_quantization:
-        for spec in args.compare_quantization.split(","):
-            method, _, acts = spec.partition("+")
-            opts = options | {"quantization": None if method == "none" else method,
-                              "int8_activations": acts == "int8acts"}
-            results[f"tokenmill {spec}"] = rates(reqs, run_tokenmill(model, reqs, opts))
+        for spec in args.compare_quantization.split(","):  # weight_specs.py
+            with weights_as(spec) as weights:
+                seconds = run_tokenmill(model, reqs, options | weights)
+            results[f"tokenmill {spec}"] = rates(reqs, seconds)
         first = next(iter(results.values()))["total_tokens_per_s"]
         for name, r in results.items():
             print(f"{name}: {r['total_tokens_per_s']:.1f} total tokens/s, "
