@@ -7,23 +7,15 @@ import platform
 
 import torch
 
+from tokenmill.utils.cpp_extension import cpu_flags, cpuinfo_field
+
 _FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
                       "avx512_fp16", "avx_vnni", "amx_tile")
 
 
 def describe_machine() -> str:
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
+    model = cpuinfo_field("model name") or platform.processor() or platform.machine()
+    flags = cpu_flags()
     shown = " ".join(f for f in _FLAGS_OF_INTEREST if f in flags) or "n/a"
     return (f"CPU: {model}; flags: {shown}; torch {torch.__version__} "
             f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")

@@ -42,17 +42,22 @@ _modules: dict[str, object | None] = {}
 ISAS = ("avx512", "avx2", "generic")
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux reports them (empty where /proc/cpuinfo is absent)."""
+def cpuinfo_field(name: str) -> str | None:
+    """The first CPU's `name` line of /proc/cpuinfo ("flags", "model name"), or None."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() == "flags":
-                    return set(value.split())
+                if key.strip() == name:
+                    return value.strip()
     except OSError:
         pass
-    return set()
+    return None
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux reports them (empty where /proc/cpuinfo is absent)."""
+    return set((cpuinfo_field("flags") or "").split())
 
 
 def runtime_isa() -> str:
