@@ -275,9 +275,10 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
 
 // Rows `ids` of a quantized weight as float32 (ids.size(), K): embedding lookups.
 inline torch::Tensor gather_rows(torch::Tensor ids, int64_t kind, int64_t G,
-                                 const std::vector<torch::Tensor>& t, int64_t K) {
+                                 const std::vector<torch::Tensor>& t) {
+  TORCH_CHECK(kind != 0 && !t.empty(), "gather_rows is for quantized weights");
+  const int64_t K = t[0].size(1) * (kind == 2 ? 2 : 1);  // 4-bit: two weights a byte
   check_weight(kind, G, t, K);
-  TORCH_CHECK(kind != 0, "gather_rows is for quantized weights");
   auto idx = ids.to(torch::kInt64).contiguous().view({-1});
   const int64_t count = idx.numel(), N = t[0].size(0);
   const int64_t* ip = idx.data_ptr<int64_t>();

@@ -49,8 +49,7 @@ def linear(x: torch.Tensor, kernel: Any, bias: torch.Tensor | None = None) -> to
 
 def gather_rows(ids: torch.Tensor, kernel: Any) -> torch.Tensor:
     """Rows `ids` (T,) of a quantized weight as float32 (T, K)."""
-    K = kernel.tensors[0].shape[1] * (2 if kernel.kind == kernel.Q4 else 1)
-    return _ops().gather_rows(ids, kernel.kind, kernel.group, list(kernel.tensors), K)
+    return _ops().gather_rows(ids, kernel.kind, kernel.group, list(kernel.tensors))
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

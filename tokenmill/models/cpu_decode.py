@@ -10,7 +10,7 @@ methods know takes this path and none is written twice. Results are bitwise equa
 modules' forward (tests/models/test_cpu_decode.py).
 
 It is opt-in by an allow-list: it runs only layers whose every part is exactly one of the
-types in `_ALLOWED` (a subclass, such as Qwen3's attention with its q/k norms, is another
+types `_allowed()` names (a subclass, such as Qwen3's attention with its q/k norms, is another
 model and goes through the modules), with no tensor parallelism, float32 activations and KV
 cache on CPU, every linear layer's method giving a CPU kernel, and a step whose every query
 goes to the CPU paged-attention kernel. Anything else runs the modules, whose layers call the
