@@ -69,6 +69,9 @@ def quantization_config(model: ModelConfig, device: torch.device,
             raise ValueError("int8_activations applies to quantized weights; pass a "
                              "quantization method too")
         return UnquantizedConfig(prepack)
+    if model.dtype != torch.float32:  # before int4's calibration, which takes seconds
+        raise ValueError(f"quantization={name!r} computes in float32 on CPU; dtype is "
+                         f"{model.dtype}")
     config: QuantizationConfig
     if name == "int8":
         from tokenmill.quantization.load_time import Int8Config
@@ -90,8 +93,5 @@ def quantization_config(model: ModelConfig, device: torch.device,
     else:
         raise ValueError(f"unknown quantization {name!r}; supported: "
                          f"{', '.join(QUANTIZATION_METHODS)} or None")
-    if model.dtype != torch.float32:
-        raise ValueError(f"quantization={name!r} computes in float32 on CPU; dtype is "
-                         f"{model.dtype}")
     config.check_device(device)
     return config
