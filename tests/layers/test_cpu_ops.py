@@ -33,9 +33,11 @@ def test_dense_linear_matches_f_linear(m, k, n, bias):
                                atol=2e-4, rtol=1e-5)
 
 
-def test_dense_linear_rejects_more_rows():
-    with pytest.raises(RuntimeError, match="more than 4 rows"):
-        cpu_ops.linear(torch.randn(5, 8), dense(torch.randn(3, 8)))
+def test_dense_linear_takes_up_to_16_rows_and_rejects_more():
+    x, w = torch.randn(16, 8), torch.randn(3, 8)
+    torch.testing.assert_close(cpu_ops.linear(x, dense(w)), x @ w.T)
+    with pytest.raises(RuntimeError, match="more than 16 rows"):
+        cpu_ops.linear(torch.randn(17, 8), dense(w))
 
 
 @pytest.mark.parametrize("rows", [1, 4, 5, 33])

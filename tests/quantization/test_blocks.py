@@ -91,23 +91,35 @@ def test_gguf_blocks_split_bit_for_bit(type_name):
 
 
 @pytest.mark.parametrize("kind,group", [(CPULinearKernel.Q8_0, 32), (CPULinearKernel.Q4, 32),
-                                        (CPULinearKernel.Q4, 64)])
-@pytest.mark.parametrize("m", [1, 3, 4, 5])
-def test_int8_activations_round_only_the_activations(kind, group, m):
-    """With int8 activations a decode-sized product equals the float32 one of the same weight
-    on x rounded per 32-block (amax / 127 steps), except the 4-bit offsets, which multiply
-    the exact sums of x; larger M stays exact."""
-    n, k = 200, 576
+                                        (CPULinearKernel.Q4, 64), (CPULinearKernel.Q4, 128)])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 7, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_activations_round_only_the_activations(kind, group, m, bias):
+    """With int8 activations a product of any size (decode-sized: linear_int8_acts.h; batched:
+    linear_int8_gemm.h) equals the float32 one of the same weight on x rounded per 32-block
+    (amax / 127 steps), except the 4-bit offsets, which multiply the exact sums of x."""
+    n, k = 200 if m <= 4 else 305, 1152  # n: a partial group of 16 rows and of 32
     kernel = random_kernel(kind, n, k, group, seed=m)
     fast = CPULinearKernel(kind, group, kernel.tensors, int8_activations=True)
     x = torch.randn(m, k) * torch.logspace(-1, 1, k)  # blocks of very different ranges
+    b = torch.randn(n) if bias else None
     w = dequantize(kernel)
     blocks = x.view(m, k // 32, 32)
     d = blocks.abs().amax(-1, keepdim=True) / 127
-    x_rounded = (torch.round(blocks / d) * d).view(m, k)
+    x_rounded = (torch.round(blocks * (1 / d)) * d).view(m, k)  # as the kernels: x * (1 / d)
     offsets = (kernel.tensors[2].float().repeat_interleave(group, 1)
                if kind == CPULinearKernel.Q4 else torch.zeros_like(w))
-    expected = (x_rounded if m <= 4 else x) @ (w - offsets).T + x @ offsets.T
-    torch.testing.assert_close(cpu_ops.linear(x, fast), expected, atol=1e-3, rtol=1e-4)
-    if m <= 4:
-        assert not torch.allclose(cpu_ops.linear(x, kernel), expected, atol=1e-3, rtol=1e-4)
+    expected = x_rounded @ (w - offsets).T + x @ offsets.T + (0 if b is None else b)
+    torch.testing.assert_close(cpu_ops.linear(x, fast, b), expected, atol=1e-3, rtol=1e-4)
+    assert not torch.allclose(cpu_ops.linear(x, kernel, b), expected, atol=1e-3, rtol=1e-4)
+
+
+def test_batched_int8_activations_equal_the_decode_kernels():
+    """The batched kernel and the decode-sized one are the same math: 64 rows at once equal
+    the same rows four at a time, up to float32 summation order."""
+    for kind, group in [(CPULinearKernel.Q8_0, 32), (CPULinearKernel.Q4, 64)]:
+        kernel = random_kernel(kind, 100, 576, group, seed=group)
+        fast = CPULinearKernel(kind, group, kernel.tensors, int8_activations=True)
+        x = torch.randn(64, 576)
+        rows = torch.cat([cpu_ops.linear(x[i:i + 4].contiguous(), fast) for i in range(0, 64, 4)])
+        torch.testing.assert_close(cpu_ops.linear(x, fast), rows, atol=1e-4, rtol=1e-5)

@@ -46,6 +46,15 @@ def test_every_build_installed_and_they_agree(name):
         for module in builds.values():
             assert module.argmax_rows(x).tolist() == x.argmax(-1).tolist()
             torch.testing.assert_close(module.linear(xs, 0, 0, [w], None), xs @ w.T)
+        # int8 activations, decode-sized and batched (the AVX-512 build's VNNI GEMM, the
+        # others' row kernels): every build computes the same numbers
+        q = torch.randint(-127, 128, (40, 256), dtype=torch.int8)
+        d = torch.rand(40, 8).half() * 0.01
+        xb = torch.randn(37, 256)
+        outputs = [module.linear(xb[:m], 1, 32, [q, d], None, True)
+                   for module in builds.values() for m in (3, 37)]
+        for i in range(2, len(outputs)):
+            torch.testing.assert_close(outputs[i], outputs[i % 2], atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump")

@@ -19,13 +19,23 @@
 // range per thread. Quantized weights are expanded to float32 in registers and multiplied
 // with float32 activations: for 4-bit, sum_k (d q + m) x = d sum q x + m sum x, with the group
 // sums of x computed once per call. The result equals the dense float32 product of the
-// dequantized weight up to summation order (no activation rounding).
-// With int8_acts, decode-sized products round the activations instead (linear_int8_acts.h).
-// Larger M (prefill, batches): each thread expands a tile of rows to float32 and multiplies
-// it with one single-threaded GEMM (the tile stays in cache).
+// dequantized weight up to summation order (no activation rounding). 5-16 rows: the same
+// kernels, four rows at a time.
+// With int8_acts, products round the activations instead: the row kernels of
+// linear_int8_acts.h, and from 12 rows the VNNI GEMM of linear_int8_gemm.h where the build has
+// it (same math, other summation order).
+// Larger M with float activations (prefill, batches): each thread expands a tile of rows to
+// float32 and multiplies it with one single-threaded GEMM (the tile stays in cache).
 #pragma once
-#include "linear_int8_acts.h"
+#include "linear_int8_gemm.h"
 #include "quant_blocks.h"
+
+// Up to this many rows of x, float activations go through the row kernels below, four rows
+// at a time: expanding tiles for a GEMM (the larger-M path) cost 2-3x more at 5-16 rows.
+constexpr int64_t kRowKernelMaxRows = 16;
+// From this many rows, int8 activations go through the VNNI GEMM (linear_int8_gemm.h): below
+// it, its per-call repack of W costs more than the row kernels' conversions (measured at 5-8 rows on the 49152-row LM head).
+constexpr int64_t kVnniGemmMinRows = 12;
 
 // ---- small M: one row range [n0, n1) of y ---------------------------------------------------
 template <int M>
@@ -113,12 +123,16 @@ static void q4_rows(const float* x, const float* xsum, const uint8_t* Q, const a
 // ---- expanding rows of a quantized weight into float32 (the large-M path, embeddings) ------
 static void expand_rows(int64_t kind, int64_t G, const std::vector<torch::Tensor>& t,
                         const int64_t* rows, int64_t count, int64_t K, float* out) {
+  // pointers taken once: data_ptr<T>()'s checks cost more than expanding a short row
+  const void* q_base = t[0].data_ptr();
+  const at::Half* d_base = t[1].data_ptr<at::Half>();
+  const at::Half* m_base = kind == 2 ? t[2].data_ptr<at::Half>() : nullptr;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t n = rows ? rows[i] : i;
     float* o = out + i * K;
     if (kind == 1) {
-      const int8_t* q = t[0].data_ptr<int8_t>() + n * K;
-      const at::Half* d = t[1].data_ptr<at::Half>() + n * (K / kBlock);
+      const int8_t* q = static_cast<const int8_t*>(q_base) + n * K;
+      const at::Half* d = d_base + n * (K / kBlock);
       for (int64_t b = 0; b < K / kBlock; ++b) {
         Vec w[kChunks];
         expand_q8(q + b * kBlock, w);
@@ -126,9 +140,9 @@ static void expand_rows(int64_t kind, int64_t G, const std::vector<torch::Tensor
         for (int c = 0; c < kChunks; ++c) (w[c] * scale).store(o + b * kBlock + c * kV);
       }
     } else {
-      const uint8_t* q = t[0].data_ptr<uint8_t>() + n * (K / 2);
-      const at::Half* d = t[1].data_ptr<at::Half>() + n * (K / G);
-      const at::Half* mn = t[2].data_ptr<at::Half>() + n * (K / G);
+      const uint8_t* q = static_cast<const uint8_t*>(q_base) + n * (K / 2);
+      const at::Half* d = d_base + n * (K / G);
+      const at::Half* mn = m_base + n * (K / G);
       for (int64_t b = 0; b < K / kBlock; ++b) {
         Vec w[kChunks];
         expand_q4(q + b * (kBlock / 2), w);
@@ -174,7 +188,7 @@ static void check_weight(int64_t kind, int64_t G, const std::vector<torch::Tenso
 
 template <int M>
 static void small_m_range(int64_t kind, int64_t G, const std::vector<torch::Tensor>& t,
-                          const float* x, const float* xsum, const QuantizedRows* xr,
+                          const float* x, const float* xsum, const QRows* xr,
                           const float* b, float* y, int64_t K, int64_t N, int64_t n0,
                           int64_t n1) {
   if (xr != nullptr && kind == 1)
@@ -192,7 +206,7 @@ static void small_m_range(int64_t kind, int64_t G, const std::vector<torch::Tens
 }
 
 // y = x @ W^T + bias for x (M, K) float32 and the weight (kind, G, tensors). int8_acts: a
-// quantized weight with at most 4 rows of x multiplies int8-quantized activations.
+// quantized weight multiplies int8-quantized activations (any M).
 // input_scale (K,): x is multiplied by it first (activation-aware 4-bit weights store W / s
 // per input channel and take x * s; quantization/awq_search.py).
 inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
@@ -222,36 +236,47 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t threads = at::get_num_threads();
-  if (M <= 4) {
-    // (M, K/G) group sums of x for the 4-bit offsets (a plain loop: a torch op here cost
-    // about 4 us a call, a fifth of a small layer's time)
-    std::vector<float> xsum(kind == 2 ? M * (K / G) : 0);
-    for (size_t i = 0; i < xsum.size(); ++i) {
-      const float* xg = xp + i * G;
-      float s = 0.f;
-      for (int64_t j = 0; j < G; ++j) s += xg[j];
-      xsum[i] = s;
-    }
-    const float* xs = kind == 2 ? xsum.data() : nullptr;
-    QuantizedRows xq;
-    const QuantizedRows* xr = nullptr;
-    if (int8_acts && kind != 0) {
-      xq = quantize_rows(xp, M, K);
-      xr = &xq;
-    }
-    // One contiguous range of rows per thread: each core streams its own part of W.
+  // (M, K/G) group sums of x for the 4-bit offsets (a plain loop: a torch op here cost
+  // about 4 us a call, a fifth of a small layer's time)
+  const bool int8_path = int8_acts && kind != 0;
+  std::vector<float> xsum(kind == 2 && (M <= kRowKernelMaxRows || int8_path) ? M * (K / G) : 0);
+  for (size_t i = 0; i < xsum.size(); ++i) {
+    const float* xg = xp + i * G;
+    float s = 0.f;
+    for (int64_t j = 0; j < G; ++j) s += xg[j];
+    xsum[i] = s;
+  }
+  const float* xs = kind == 2 && !xsum.empty() ? xsum.data() : nullptr;
+  QuantizedRows xq;
+  if (int8_path) xq = quantize_rows(xp, M, K);
+#if defined(TOKENMILL_VNNI_GEMM)
+  if (int8_path && M >= kVnniGemmMinRows) {
+    int8_gemm(kind, G, t, xq, xs, b, yp, M, K, N);
+    return y;
+  }
+#endif
+  if (M <= kRowKernelMaxRows || int8_path) {
+    // Four rows of x at a time through the decode-sized kernels; one contiguous range of
+    // W's rows per thread, so each core streams its own part of W once per four rows.
     const int64_t grain = std::max<int64_t>(16, (N + threads - 1) / threads);
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-      switch (M) {
-        case 1: small_m_range<1>(kind, G, t, xp, xs, xr, b, yp, K, N, n0, n1); break;
-        case 2: small_m_range<2>(kind, G, t, xp, xs, xr, b, yp, K, N, n0, n1); break;
-        case 3: small_m_range<3>(kind, G, t, xp, xs, xr, b, yp, K, N, n0, n1); break;
-        default: small_m_range<4>(kind, G, t, xp, xs, xr, b, yp, K, N, n0, n1); break;
+      for (int64_t m = 0; m < M; m += 4) {
+        const QRows xrows = rows_from(xq, m, K);
+        const QRows* xr = int8_path ? &xrows : nullptr;
+        const float* xm = xp + m * K;
+        const float* xsm = xs ? xs + m * (K / G) : nullptr;
+        float* ym = yp + m * N;
+        switch (std::min<int64_t>(4, M - m)) {
+          case 1: small_m_range<1>(kind, G, t, xm, xsm, xr, b, ym, K, N, n0, n1); break;
+          case 2: small_m_range<2>(kind, G, t, xm, xsm, xr, b, ym, K, N, n0, n1); break;
+          case 3: small_m_range<3>(kind, G, t, xm, xsm, xr, b, ym, K, N, n0, n1); break;
+          default: small_m_range<4>(kind, G, t, xm, xsm, xr, b, ym, K, N, n0, n1); break;
+        }
       }
     });
     return y;
   }
-  TORCH_CHECK(kind != 0, "dense weights with more than 4 rows go through the GEMM libraries");
+  TORCH_CHECK(kind != 0, "dense weights with more than 16 rows go through the GEMM libraries");
   // Tiles of rows expanded to float32 (<= 256 KiB each) and one GEMM per tile, run
   // single-threaded inside the parallel region; y's columns [n0, n1) come from tile n0.
   const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(256, (65536 / K) / 16 * 16));

@@ -14,17 +14,47 @@ struct QuantizedRows {  // M rows of x, quantized per 32-block
   std::vector<float> d;   // (M, K/32)
 };
 
+// Rows [m0, ...) of a QuantizedRows, as the kernels index them.
+struct QRows {
+  const int8_t* q;  // (rows, K)
+  const float* d;   // (rows, K/32)
+};
+
+static inline QRows rows_from(const QuantizedRows& r, int64_t m0, int64_t K) {
+  return {r.q.data() + m0 * K, r.d.data() + m0 * (K / kBlock)};
+}
+
+// xq = round-half-even(x / dx), dx = amax / 127 per 32-block. Vectorized where compiled for
+// it; every build rounds the same way (the default rounding mode, as std::nearbyint).
+static void quantize_block(const float* xb, int8_t* q, float* d) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)
+  const __m512 a0 = _mm512_loadu_ps(xb), a1 = _mm512_loadu_ps(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+  const float dx = amax / 127.f, inv = dx > 0.f ? 1.f / dx : 0.f;
+  const __m512 vinv = _mm512_set1_ps(inv);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q),
+                   _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a0, vinv))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
+                   _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a1, vinv))));
+  *d = dx;
+#else
+  float amax = 0.f;
+  for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+  const float dx = amax / 127.f, inv = dx > 0.f ? 1.f / dx : 0.f;
+  *d = dx;
+  for (int i = 0; i < kBlock; ++i) q[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+#endif
+}
+
 static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
   QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * K / kBlock)};
-  for (int64_t b = 0; b < M * K / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-    r.d[b] = d;
-    for (int i = 0; i < kBlock; ++i)
-      r.q[b * kBlock + i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
-  }
+  const int64_t nb = M * K / kBlock;
+  auto run = [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      quantize_block(x + b * kBlock, r.q.data() + b * kBlock, r.d.data() + b);
+  };
+  if (M <= 4) run(0, nb);  // a decode step: not worth waking the thread pool
+  else at::parallel_for(0, nb, 256, run);
   return r;
 }
 
@@ -46,7 +76,7 @@ static inline __m256i nibbles_u8(const uint8_t* q) {
 #endif
 
 template <int M>
-static void q8_rows_i8(const QuantizedRows& xr, const int8_t* Q, const at::Half* D,
+static void q8_rows_i8(const QRows& xr, const int8_t* Q, const at::Half* D,
                        const float* bias, float* y, int64_t K, int64_t N, int64_t n0,
                        int64_t n1) {
   const int64_t nb = K / kBlock;
@@ -62,7 +92,7 @@ static void q8_rows_i8(const QuantizedRows& xr, const int8_t* Q, const at::Half*
       const float db = half_to_float(d[b]);
       for (int m = 0; m < M; ++m) {
         const __m256i x = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(xr.q.data() + m * K + b * kBlock));
+            reinterpret_cast<const __m256i*>(xr.q + m * K + b * kBlock));
         const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(aw, _mm256_sign_epi8(x, w)));
         acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(db * xr.d[m * nb + b]), acc[m]);
       }
@@ -84,7 +114,7 @@ static void q8_rows_i8(const QuantizedRows& xr, const int8_t* Q, const at::Half*
 }
 
 template <int M>
-static void q4_rows_i8(const QuantizedRows& xr, const float* xsum, const uint8_t* Q,
+static void q4_rows_i8(const QRows& xr, const float* xsum, const uint8_t* Q,
                        const at::Half* D, const at::Half* Mn, const float* bias, float* y,
                        int64_t K, int64_t N, int64_t G, int64_t n0, int64_t n1) {
   const int64_t nb = K / kBlock, ng = K / G, bpg = G / kBlock;
@@ -102,7 +132,7 @@ static void q4_rows_i8(const QuantizedRows& xr, const float* xsum, const uint8_t
         const __m256i w = nibbles_u8(q + b * (kBlock / 2));
         for (int m = 0; m < M; ++m) {
           const __m256i x = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(xr.q.data() + m * K + b * kBlock));
+              reinterpret_cast<const __m256i*>(xr.q + m * K + b * kBlock));
           const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(w, x));
           acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dg * xr.d[m * nb + b]), acc[m]);
         }
