@@ -13,6 +13,7 @@ from tokenmill.layers import cpu_ops
 from tokenmill.quantization import CPULinearKernel
 from tokenmill.quantization.blocks import dequantize, pack_q4, quantize_q4, quantize_q8_0, unpack_q4
 from tokenmill.quantization.gguf import split_blocks
+from tokenmill.utils.cpp_extension import runtime_isa
 
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
 
@@ -29,17 +30,46 @@ def random_kernel(kind: int, n: int, k: int, group: int, seed: int) -> CPULinear
     return CPULinearKernel(kind, group, (q, d, m))
 
 
+def round_blocks(x: torch.Tensor, levels: int) -> torch.Tensor:
+    """x rounded per 32-block to integers of +-levels steps, as the kernels do (x * (1 / d))."""
+    blocks = x.view(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / levels
+    return (torch.round(blocks * (1 / d)) * d).view_as(x)
+
+
+def expected_product(x: torch.Tensor, kernel: CPULinearKernel, levels: int | None,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ dequantize(W)^T (+ bias) with x rounded to `levels` (None: exact), except the 4-bit
+    offsets, which multiply the exact sums of x."""
+    w = dequantize(kernel)
+    offsets = (kernel.tensors[2].float().repeat_interleave(kernel.group, 1)
+               if kernel.kind == CPULinearKernel.Q4 else torch.zeros_like(w))
+    xr = x if levels is None else round_blocks(x, levels)
+    return xr @ (w - offsets).T + x @ offsets.T + (0 if bias is None else bias)
+
+
+# Float activations: exact up to 16 rows; above, the AVX-512 VNNI build rounds them to int16
+# per 32-block for its integer GEMM (linear_int8_gemm.h), the others expand float32 tiles.
+VNNI_BUILD = runtime_isa() == "avx512"
+
+
 @pytest.mark.parametrize("kind,group", [(CPULinearKernel.Q8_0, 32), (CPULinearKernel.Q4, 32),
                                         (CPULinearKernel.Q4, 64), (CPULinearKernel.Q4, 192)])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 17, 64])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_equals_dequantized_product(kind, group, m, bias):
     n, k = 300, 576  # n not a multiple of any tile or thread split
     kernel = random_kernel(kind, n, k, group, seed=m + group)
-    x = torch.randn(m, k)
+    x = torch.randn(m, k) * torch.logspace(-1, 1, k)  # blocks of very different ranges
     b = torch.randn(n) if bias else None
-    ref = x @ dequantize(kernel).T + (0 if b is None else b)
-    torch.testing.assert_close(cpu_ops.linear(x, kernel, b), ref, atol=1e-4, rtol=1e-4)
+    levels = 32767 if VNNI_BUILD and m > 16 else None
+    expected = expected_product(x, kernel, levels, b)
+    torch.testing.assert_close(cpu_ops.linear(x, kernel, b), expected, atol=2e-4, rtol=1e-4)
+    if levels is not None:  # and the rounding is what it says: 16-bit, not exact
+        assert not torch.allclose(expected_product(x, kernel, None, b), expected,
+                                  atol=1e-6, rtol=1e-7)
+        torch.testing.assert_close(expected_product(x, kernel, None, b), expected,
+                                   atol=5e-3, rtol=1e-3)
 
 
 def test_gather_rows_and_pack_round_trip():
@@ -103,13 +133,7 @@ def test_int8_activations_round_only_the_activations(kind, group, m, bias):
     fast = CPULinearKernel(kind, group, kernel.tensors, int8_activations=True)
     x = torch.randn(m, k) * torch.logspace(-1, 1, k)  # blocks of very different ranges
     b = torch.randn(n) if bias else None
-    w = dequantize(kernel)
-    blocks = x.view(m, k // 32, 32)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
-    x_rounded = (torch.round(blocks * (1 / d)) * d).view(m, k)  # as the kernels: x * (1 / d)
-    offsets = (kernel.tensors[2].float().repeat_interleave(group, 1)
-               if kind == CPULinearKernel.Q4 else torch.zeros_like(w))
-    expected = x_rounded @ (w - offsets).T + x @ offsets.T + (0 if b is None else b)
+    expected = expected_product(x, kernel, 127, b)
     torch.testing.assert_close(cpu_ops.linear(x, fast, b), expected, atol=1e-3, rtol=1e-4)
     assert not torch.allclose(cpu_ops.linear(x, kernel, b), expected, atol=1e-3, rtol=1e-4)
 

@@ -239,19 +239,28 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
   // (M, K/G) group sums of x for the 4-bit offsets (a plain loop: a torch op here cost
   // about 4 us a call, a fifth of a small layer's time)
   const bool int8_path = int8_acts && kind != 0;
-  std::vector<float> xsum(kind == 2 && (M <= kRowKernelMaxRows || int8_path) ? M * (K / G) : 0);
-  for (size_t i = 0; i < xsum.size(); ++i) {
-    const float* xg = xp + i * G;
-    float s = 0.f;
-    for (int64_t j = 0; j < G; ++j) s += xg[j];
-    xsum[i] = s;
-  }
+  const bool tiles = kind != 0 && !int8_path && M > kRowKernelMaxRows && !kVnniGemm;
+  std::vector<float> xsum(kind == 2 && !tiles ? M * (K / G) : 0);
+  auto group_sums = [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* xg = xp + i * G;
+      float s = 0.f;
+      for (int64_t j = 0; j < G; ++j) s += xg[j];
+      xsum[i] = s;
+    }
+  };
+  if (M <= 4) group_sums(0, xsum.size());
+  else at::parallel_for(0, xsum.size(), 1024, group_sums);
   const float* xs = kind == 2 && !xsum.empty() ? xsum.data() : nullptr;
   QuantizedRows xq;
   if (int8_path) xq = quantize_rows(xp, M, K);
 #if defined(TOKENMILL_VNNI_GEMM)
   if (int8_path && M >= kVnniGemmMinRows) {
     int8_gemm(kind, G, t, xq, xs, b, yp, M, K, N);
+    return y;
+  }
+  if (kind != 0 && !int8_path && M > kRowKernelMaxRows) {
+    int16_gemm(kind, G, t, xp, xs, b, yp, M, K, N);
     return y;
   }
 #endif

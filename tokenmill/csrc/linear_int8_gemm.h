@@ -25,14 +25,22 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(CPU_CAPABILITY_AVX512)
 #define TOKENMILL_VNNI_GEMM 1
+constexpr bool kVnniGemm = true;
+#else
+constexpr bool kVnniGemm = false;
+#endif
+
+#if defined(TOKENMILL_VNNI_GEMM)
 
 namespace int8_gemm_detail {
 constexpr int kLanes = 16;  // output rows per repacked group (one zmm of int32 / float)
 constexpr int kMR = 6;      // rows of x per micro-kernel call
-// Per block of one group: 8 chunks x 16 rows x 4 bytes of weights, then 16 int32 (minus the
-// Q8_0 offset correction), 16 float scales, 16 float 4-bit offsets.
-constexpr int64_t kWeightBytes = 8 * 64;
-constexpr int64_t kBlockBytes = kWeightBytes + 3 * 64;
+// Per block of one group: the weights as chunks x 16 rows x 4 bytes (8 chunks of 4 bytes for
+// 8-bit activations, 16 chunks of 2 int16 for 16-bit ones), then 16 int32 (minus the Q8_0
+// offset correction), 16 float scales, 16 float 4-bit offsets.
+constexpr int64_t chunks(int bits) { return bits == 8 ? 8 : 16; }
+constexpr int64_t weight_bytes(int bits) { return chunks(bits) * 64; }
+constexpr int64_t block_bytes(int bits) { return weight_bytes(bits) + 3 * 64; }
 
 // Rows [n0, n0 + rows) of W (rows <= 16; missing rows are zeros) into `buf`.
 // The weight's tensors as raw pointers (data_ptr<T>() checks cost more than a block's repack).
@@ -43,18 +51,19 @@ struct WeightPtrs {
 };
 
 static void repack(int64_t kind, int64_t G, const WeightPtrs& wp, int64_t K, int64_t n0,
-                   int64_t rows, uint8_t* buf) {
-  const int64_t nb = K / kBlock;
+                   int64_t rows, int bits, uint8_t* buf) {
+  const int64_t nb = K / kBlock, wbytes = weight_bytes(bits), bbytes = block_bytes(bits);
   alignas(64) uint8_t block[kLanes][kBlock];  // one block of each row, bytes in weight order
-  const __m512i gather_idx =
-      _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                         _mm512_set1_epi32(kBlock / 4));
+  alignas(64) int16_t wide[kLanes][kBlock];   // the same as int16 (16-bit activations)
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  // dwords per row of `block` (8) or `wide` (16)
+  const __m512i gather_idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(bits == 8 ? 8 : 16));
   const __m512i c128 = _mm512_set1_epi8(static_cast<char>(0x80));
   if (rows < kLanes) std::memset(block, 0, sizeof(block));
   for (int64_t b = 0; b < nb; ++b) {
-    uint8_t* o = buf + b * kBlockBytes;
-    float* scale = reinterpret_cast<float*>(o + kWeightBytes + 64);
-    float* offset = reinterpret_cast<float*>(o + kWeightBytes + 128);
+    uint8_t* o = buf + b * bbytes;
+    float* scale = reinterpret_cast<float*>(o + wbytes + 64);
+    float* offset = reinterpret_cast<float*>(o + wbytes + 128);
     for (int l = 0; l < kLanes; ++l) {
       const int64_t n = n0 + l;
       if (l >= rows) {
@@ -78,49 +87,61 @@ static void repack(int64_t kind, int64_t G, const WeightPtrs& wp, int64_t K, int
       }
     }
     __m512i comp = _mm512_setzero_si512();
-    for (int c = 0; c < 8; ++c) {
-      const __m512i w = _mm512_i32gather_epi32(gather_idx, block[0] + 4 * c, 4);
-      _mm512_store_si512(o + c * 64, w);
-      if (kind == 1) comp = _mm512_dpbusd_epi32(comp, c128, w);  // 128 * sum(w) per row
+    if (bits == 8) {
+      for (int c = 0; c < 8; ++c) {
+        const __m512i w = _mm512_i32gather_epi32(gather_idx, block[0] + 4 * c, 4);
+        _mm512_store_si512(o + c * 64, w);
+        if (kind == 1) comp = _mm512_dpbusd_epi32(comp, c128, w);  // 128 * sum(w) per row
+      }
+    } else {  // signed x signed products: no offset to correct
+      for (int l = 0; l < kLanes; ++l) {
+        const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(block[l]));
+        _mm512_store_si512(wide[l], kind == 1 ? _mm512_cvtepi8_epi16(v) : _mm512_cvtepu8_epi16(v));
+      }
+      for (int c = 0; c < 16; ++c)
+        _mm512_store_si512(o + c * 64, _mm512_i32gather_epi32(gather_idx, wide[0] + 2 * c, 4));
     }
-    _mm512_store_si512(o + kWeightBytes, _mm512_sub_epi32(_mm512_setzero_si512(), comp));
+    _mm512_store_si512(o + wbytes, _mm512_sub_epi32(_mm512_setzero_si512(), comp));
   }
 }
 
 // y[m0 + i, n0 + 16 j + l] for i < MR, j < NT groups; `valid` rows in the last group.
-// xa: activations as the kernel's signed (4-bit) or offset-unsigned (Q8_0) bytes.
-template <int KIND, int MR, int NT>
+// xa: activations as BITS-bit integers: int16, or bytes, signed (4-bit weights) or
+// offset-unsigned (Q8_0 weights).
+template <int KIND, int BITS, int MR, int NT>
 static void micro(int64_t bpg, const uint8_t* xa, const float* dx,
                   const float* xsum, const uint8_t* buf, int64_t group_bytes, float* y,
                   const float* bias, int64_t K, int64_t N, int64_t m0, int64_t n0, int valid) {
+  constexpr int64_t kW = weight_bytes(BITS), kB = block_bytes(BITS), kX = BITS / 8;
   const int64_t nb = K / kBlock, ng = nb / bpg;
   __m512 acc[MR][NT];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk[NT];
-    for (int j = 0; j < NT; ++j) blk[j] = buf + j * group_bytes + b * kBlockBytes;
+    for (int j = 0; j < NT; ++j) blk[j] = buf + j * group_bytes + b * kB;
     __m512i s[MR][NT];
     for (int j = 0; j < NT; ++j) {
-      const __m512i init = _mm512_load_si512(blk[j] + kWeightBytes);  // 0 for 4-bit
+      const __m512i init = _mm512_load_si512(blk[j] + kW);  // 0 but for Q8_0 x u8
       for (int i = 0; i < MR; ++i) s[i][j] = init;
     }
-    for (int c = 0; c < 8; ++c) {
+    for (int c = 0; c < chunks(BITS); ++c) {
       __m512i w[NT];
       for (int j = 0; j < NT; ++j) w[j] = _mm512_load_si512(blk[j] + c * 64);
       for (int i = 0; i < MR; ++i) {
-        int32_t four;
-        std::memcpy(&four, xa + (m0 + i) * K + b * kBlock + 4 * c, 4);
+        int32_t four;  // 4 bytes of x: 4 int8 or 2 int16 values
+        std::memcpy(&four, xa + ((m0 + i) * K + b * kBlock) * kX + 4 * c, 4);
         const __m512i xb = _mm512_set1_epi32(four);
         for (int j = 0; j < NT; ++j)
-          s[i][j] = KIND == 1 ? _mm512_dpbusd_epi32(s[i][j], xb, w[j])
-                              : _mm512_dpbusd_epi32(s[i][j], w[j], xb);
+          s[i][j] = BITS == 16  ? _mm512_dpwssd_epi32(s[i][j], xb, w[j])
+                    : KIND == 1 ? _mm512_dpbusd_epi32(s[i][j], xb, w[j])
+                                : _mm512_dpbusd_epi32(s[i][j], w[j], xb);
       }
     }
     const bool group_end = KIND == 2 && (b + 1) % bpg == 0;
     for (int j = 0; j < NT; ++j) {
-      const __m512 dw = _mm512_load_ps(reinterpret_cast<const float*>(blk[j] + kWeightBytes + 64));
-      const __m512 mw = _mm512_load_ps(reinterpret_cast<const float*>(blk[j] + kWeightBytes + 128));
+      const __m512 dw = _mm512_load_ps(reinterpret_cast<const float*>(blk[j] + kW + 64));
+      const __m512 mw = _mm512_load_ps(reinterpret_cast<const float*>(blk[j] + kW + 128));
       for (int i = 0; i < MR; ++i) {
         const __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(dx[(m0 + i) * nb + b]));
         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][j]), sc, acc[i][j]);
@@ -139,17 +160,17 @@ static void micro(int64_t bpg, const uint8_t* xa, const float* dx,
   }
 }
 
-template <int KIND, int NT>
+template <int KIND, int BITS, int NT>
 static void rows_of_x(int64_t bpg, const uint8_t* xa, const float* dx,
                       const float* xsum, const uint8_t* buf, int64_t group_bytes, float* y,
                       const float* bias, int64_t K, int64_t M, int64_t N, int64_t n0,
                       int valid) {
   int64_t m = 0;
   for (; m + kMR <= M; m += kMR)
-    micro<KIND, kMR, NT>(bpg, xa, dx, xsum, buf, group_bytes, y, bias, K, N, m, n0, valid);
+    micro<KIND, BITS, kMR, NT>(bpg, xa, dx, xsum, buf, group_bytes, y, bias, K, N, m, n0, valid);
   switch (M - m) {
 #define TM_TAIL(R) \
-  case R: micro<KIND, R, NT>(bpg, xa, dx, xsum, buf, group_bytes, y, bias, K, N, m, n0, valid); break;
+  case R: micro<KIND, BITS, R, NT>(bpg, xa, dx, xsum, buf, group_bytes, y, bias, K, N, m, n0, valid); break;
     TM_TAIL(1) TM_TAIL(2) TM_TAIL(3) TM_TAIL(4) TM_TAIL(5)
 #undef TM_TAIL
     default: break;
@@ -158,25 +179,18 @@ static void rows_of_x(int64_t bpg, const uint8_t* xa, const float* dx,
 }  // namespace int8_gemm_detail
 #endif
 
-// y (M, N) = x @ W^T (+ bias) with x quantized per 32-block (xr) for a quantized weight;
-// xsum (M, K/G): float group sums of x for 4-bit weights (else nullptr).
 #if defined(TOKENMILL_VNNI_GEMM)
-static void int8_gemm(int64_t kind, int64_t G, const std::vector<torch::Tensor>& t,
-                      const QuantizedRows& xr, const float* xsum, const float* bias, float* y,
-                      int64_t M, int64_t K, int64_t N) {
-  using namespace int8_gemm_detail;
-  std::vector<uint8_t> flipped;  // Q8_0: activations as u8 (q + 128)
-  const uint8_t* xa = reinterpret_cast<const uint8_t*>(xr.q.data());
-  if (kind == 1) {
-    flipped.resize(xr.q.size());
-    for (size_t i = 0; i < flipped.size(); ++i)
-      flipped[i] = static_cast<uint8_t>(xr.q[i]) ^ 0x80;
-    xa = flipped.data();
-  }
+namespace int8_gemm_detail {
+// y (M, N) = x @ W^T (+ bias) for a quantized weight, x given as BITS-bit integers xa with
+// one scale per 32-block (dx (M, K/32)); xsum (M, K/G): float group sums of x for 4-bit
+// weights (else nullptr).
+static void gemm(int64_t kind, int64_t G, const std::vector<torch::Tensor>& t,
+                 const uint8_t* xa, const float* dx, int bits, const float* xsum,
+                 const float* bias, float* y, int64_t M, int64_t K, int64_t N) {
   const WeightPtrs wp{static_cast<const uint8_t*>(t[0].data_ptr()),
                       t[1].data_ptr<at::Half>(), kind == 2 ? t[2].data_ptr<at::Half>() : nullptr};
   const int64_t groups = (N + kLanes - 1) / kLanes;
-  const int64_t group_bytes = (K / kBlock) * kBlockBytes;
+  const int64_t group_bytes = (K / kBlock) * block_bytes(bits);
   const int64_t bpg = kind == 2 ? G / kBlock : 1;
   at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     // pairs of groups (32 rows) per micro-kernel; the last pair may hold one group
@@ -189,18 +203,61 @@ static void int8_gemm(int64_t kind, int64_t G, const std::vector<torch::Tensor>&
       const int nt = rows > kLanes ? 2 : 1;
       for (int j = 0; j < nt; ++j)
         repack(kind, G, wp, K, n0 + j * kLanes, std::min<int64_t>(kLanes, rows - j * kLanes),
-               buf + j * group_bytes);
-      const int valid = static_cast<int>(rows - (nt - 1) * kLanes);
-      const float* dx = xr.d.data();
-      if (kind == 1 && nt == 2)
-        rows_of_x<1, 2>(bpg, xa, dx, xsum, buf, group_bytes, y, bias, K, M, N, n0, valid);
-      else if (kind == 1)
-        rows_of_x<1, 1>(bpg, xa, dx, xsum, buf, group_bytes, y, bias, K, M, N, n0, valid);
-      else if (nt == 2)
-        rows_of_x<2, 2>(bpg, xa, dx, xsum, buf, group_bytes, y, bias, K, M, N, n0, valid);
-      else
-        rows_of_x<2, 1>(bpg, xa, dx, xsum, buf, group_bytes, y, bias, K, M, N, n0, valid);
+               bits, buf + j * group_bytes);
+      const int v = static_cast<int>(rows - (nt - 1) * kLanes);  // valid rows, last group
+      const int variant = (kind == 1 ? 0 : 4) + (bits == 16 ? 2 : 0) + (nt == 2 ? 1 : 0);
+      switch (variant) {
+#define TM_CASE(I, KIND, BITS, NT)                                                          \
+  case I:                                                                                   \
+    rows_of_x<KIND, BITS, NT>(bpg, xa, dx, xsum, buf, group_bytes, y, bias, K, M, N, n0, v); \
+    break;
+        TM_CASE(0, 1, 8, 1) TM_CASE(1, 1, 8, 2) TM_CASE(2, 1, 16, 1) TM_CASE(3, 1, 16, 2)
+        TM_CASE(4, 2, 8, 1) TM_CASE(5, 2, 8, 2) TM_CASE(6, 2, 16, 1) TM_CASE(7, 2, 16, 2)
+#undef TM_CASE
+      }
     }
   });
-#endif
 }
+}  // namespace int8_gemm_detail
+
+// int8 activations (xr, as linear_int8_acts.h quantizes them).
+static void int8_gemm(int64_t kind, int64_t G, const std::vector<torch::Tensor>& t,
+                      const QuantizedRows& xr, const float* xsum, const float* bias, float* y,
+                      int64_t M, int64_t K, int64_t N) {
+  std::vector<uint8_t> flipped;  // Q8_0: activations as u8 (q + 128)
+  const uint8_t* xa = reinterpret_cast<const uint8_t*>(xr.q.data());
+  if (kind == 1) {
+    flipped.resize(xr.q.size());
+    for (size_t i = 0; i < flipped.size(); ++i)
+      flipped[i] = static_cast<uint8_t>(xr.q[i]) ^ 0x80;
+    xa = flipped.data();
+  }
+  int8_gemm_detail::gemm(kind, G, t, xa, xr.d.data(), 8, xsum, bias, y, M, K, N);
+}
+
+// Float activations, rounded to int16 per 32-block (dx = amax / 32767: a relative error of
+// at most 1.5e-5 of the block's largest value, against 4e-3 for int8) so that the products
+// are vpdpwssd's integer ones: half vpdpbusd's rate, still above float32 FMAs.
+static void int16_gemm(int64_t kind, int64_t G, const std::vector<torch::Tensor>& t,
+                       const float* x, const float* xsum, const float* bias, float* y,
+                       int64_t M, int64_t K, int64_t N) {
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> dx(M * K / kBlock);
+  at::parallel_for(0, M * K / kBlock, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const __m512 a0 = _mm512_loadu_ps(x + b * kBlock), a1 = _mm512_loadu_ps(x + b * kBlock + 16);
+      const float amax =
+          _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+      const float d = amax / 32767.f, inv = d > 0.f ? 1.f / d : 0.f;
+      const __m512 vinv = _mm512_set1_ps(inv);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq.data() + b * kBlock),
+                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a0, vinv))));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq.data() + b * kBlock + 16),
+                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a1, vinv))));
+      dx[b] = d;
+    }
+  });
+  int8_gemm_detail::gemm(kind, G, t, reinterpret_cast<const uint8_t*>(xq.data()), dx.data(),
+                         16, xsum, bias, y, M, K, N);
+}
+#endif
