@@ -1,8 +1,11 @@
-"""GFLOP/s of the two CPU GEMM paths for more than SMALL_M rows, on SmolLM2's shapes, by rows:
-oneDNN with the prepacked weight (what layers/linear.py uses) against F.linear (MKL sgemm) on
-the dense weight, timed in alternation.
+"""GFLOP/s of the CPU GEMM paths on SmolLM2's shapes, by rows, timed in alternation:
+oneDNN with the prepacked float32 weight (what dense layers use), F.linear (MKL sgemm) on the
+dense weight, and tokenmill's `linear` op on quantized weights (csrc/linear_cpu.h): Q8_0 and
+4-bit groups of 32, with float activations (exact at <= 16 rows; int16 per 32-block through
+the AVX-512 VNNI GEMM above, float32 tiles elsewhere) or int8 ones.
 
     python benchmarks/gemm_paths.py [--rows 16 64 128 256 512 2048]
+        [--paths onednn,mkl,q8,q8+int8acts,q4,q4+int8acts]
 """
 
 from __future__ import annotations
@@ -16,7 +19,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tokenmill.bench.alternate import alternate  # noqa: E402
+from tokenmill.bench.machine import describe_machine  # noqa: E402
+from tokenmill.layers import cpu_ops  # noqa: E402
 from tokenmill.layers.cpu_gemm import packed_linear, prepack  # noqa: E402
+from tokenmill.quantization import CPULinearKernel  # noqa: E402
+from tokenmill.quantization.blocks import quantize_q4, quantize_q8_0  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 
@@ -31,29 +38,47 @@ def gflops_pair(paths, x: torch.Tensor, calls: int, n: int, reps: int = 7) -> li
     return [2.0 * m * n * k / t / 1e9 for t in alternate(fns, reps, calls, warmup=calls).values()]
 
 
+def path(name: str, w: torch.Tensor):
+    """(gemm, weight) of one named path for the float32 weight w."""
+    if name == "onednn":
+        return packed_linear, prepack(w)
+    if name == "mkl":
+        return F.linear, w
+    base, _, acts = name.partition("+")
+    if base not in ("q8", "q4") or acts not in ("", "int8acts"):
+        raise SystemExit(f"unknown path {name!r}: onednn, mkl, q8, q4, q8+int8acts, q4+int8acts")
+    kind, tensors = ((CPULinearKernel.Q8_0, quantize_q8_0(w)) if base == "q8"
+                     else (CPULinearKernel.Q4, quantize_q4(w, 32)))
+    kernel = CPULinearKernel(kind, 32, tuple(tensors), int8_activations=acts == "int8acts")
+    return cpu_ops.linear, kernel
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="*", default=[16, 64, 128, 256, 512, 2048])
+    ap.add_argument("--paths", default="onednn,mkl",
+                    help="comma-separated: onednn, mkl, q8, q4, q8+int8acts, q4+int8acts")
     args = ap.parse_args()
+    names = args.paths.split(",")
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; GFLOP/s "
-          "prepacked oneDNN / F.linear")
-    print(f"{'rows':>6}" + "".join(f"{name:>16}" for name in SHAPES) + f"{'all':>16}")
+    print(describe_machine())
+    print(f"GFLOP/s {' / '.join(names)}")
+    width = 6 * len(names) + 4
+    print(f"{'rows':>6}" + "".join(f"{name:>{width}}" for name in SHAPES) + f"{'all':>{width}}")
     for m in args.rows:
-        cells, times = [], [0.0, 0.0]
+        cells, times = [], [0.0] * len(names)
         total = 0.0
         for n, k in SHAPES.values():
             w, x = torch.randn(n, k), torch.randn(m, k)
             calls = max(1, 40_000_000 // (m * n * k))  # ~80 MFLOP per timing
-            a, b = gflops_pair([(packed_linear, prepack(w)), (F.linear, w)], x, calls, n)
-            cells.append(f"{a:.0f} / {b:.0f}")
+            rates = gflops_pair([path(name, w) for name in names], x, calls, n)
+            cells.append(" / ".join(f"{r:.0f}" for r in rates))
             flop = 2.0 * m * n * k
             total += flop
-            times[0] += flop / a
-            times[1] += flop / b
-        cells.append(f"{total / times[0]:.0f} / {total / times[1]:.0f}")
-        print(f"{m:>6}" + "".join(f"{c:>16}" for c in cells))
+            times = [t + flop / r for t, r in zip(times, rates, strict=True)]
+        cells.append(" / ".join(f"{total / t:.0f}" for t in times))
+        print(f"{m:>6}" + "".join(f"{c:>{width}}" for c in cells))
 
 
 if __name__ == "__main__":
