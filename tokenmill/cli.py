@@ -36,9 +36,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["none", "int8", "int4", "awq", "gptq", "gguf"],
                    help="weight format: int8 / int4 quantize a float checkpoint at load; "
                         "awq / gptq read such checkpoints (the default for them); gguf "
-                        "serves a GGUF file's blocks as stored")
+                        "serves a GGUF file's blocks as stored (the default for a quantized "
+                        "GGUF on AVX-512 VNNI CPUs); none: dense, a GGUF expanded to float32")
     g.add_argument("--int8-activations", action="store_true", default=None,
-                   help="quantized weights: decode steps multiply int8-quantized activations "
+                   help="quantized weights: every step multiplies int8-quantized activations "
                         "(llama.cpp's numbers; faster, slightly less exact)")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV cache size: bytes or e.g. 512MiB, 4GiB (default 2GiB)")

@@ -43,11 +43,12 @@ class ModelConfig:
     # shape, no checkpoint read (vLLM's name; benchmarks of real shapes, model_loader/loader.py)
     load_format: str = "auto"
     # The weight format (tokenmill/quantization/): None (dense), "int8", "int4", "awq",
-    # "gptq" or "gguf"; hf_quant_config is the checkpoint's own quantization_config.
+    # "gptq" or "gguf"; hf_quant_config is the checkpoint's own quantization_config. Unset
+    # in EngineConfig.create, a quantized GGUF may become "gguf" (default_quantization).
     quantization: str | None = None
     hf_quant_config: dict[str, Any] | None = None
-    # Quantized weights in decode-sized steps (M <= 4) multiply int8-quantized activations
-    # (llama.cpp's numbers, faster) instead of float32 ones (exact for the weights).
+    # Quantized weights multiply int8-quantized activations in every step (llama.cpp's
+    # numbers, faster) instead of float32 ones (exact for the weights up to 16 tokens a step).
     int8_activations: bool = False
 
     @staticmethod
@@ -308,6 +309,11 @@ class EngineConfig:
                 groups["cache"][size] = parse_size(groups["cache"][size])
         device = resolve_device(groups["engine"].get("device"))
         model_cfg = ModelConfig.from_path(model, **groups["model"])
+        if "quantization" not in groups["model"]:  # none asked for ("none" is an answer)
+            from tokenmill.quantization import default_quantization
+
+            model_cfg = dataclasses.replace(
+                model_cfg, quantization=default_quantization(model_cfg, device))
         sched = SchedulerConfig(**groups["scheduler"])
         if not sched.enable_chunked_prefill:
             # Without chunking a whole prompt must fit in one step (vLLM's rule too).

@@ -12,7 +12,7 @@ from tokenmill.quantization import load_time
 
 def test_specs_become_engine_options_and_settings_are_restored():
     with weights_as("none") as w:
-        assert w == {"quantization": None, "int8_activations": False}
+        assert w == {"quantization": "none", "int8_activations": False}
     with weights_as("gguf+int8acts") as w:
         assert w == {"quantization": "gguf", "int8_activations": True}
     with weights_as("int4/64+rtn") as w:

@@ -1,6 +1,7 @@
 """The shipped SmolLM2 GGUF (Q4_1 layers, Q8_0 tied embedding) served from its own blocks:
-the layers hold the file's blocks bit for bit (no float copy), and greedy output equals the
-float32 expansion of the same file (identical weights: only summation order differs)."""
+the layers hold the file's blocks bit for bit (no float copy), greedy output equals the
+float32 expansion of the same file (identical weights: only summation order differs), and
+it is the default where the CPU's kernels have the VNNI GEMM."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_blocks_are_the_files_weights(native):
 
 
 def test_greedy_equals_float32_expansion(native, smollm2_path):
-    dense = LLM(smollm2_path, quantization=None, max_model_len=512)
+    dense = LLM(smollm2_path, quantization="none", max_model_len=512)
     prompts = [[1, 504, 3458, 282, 4649, 314], list(range(2000, 2100))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -60,3 +61,34 @@ def test_unsupported_tensor_types_are_named(monkeypatch, smollm2_path):
         **real(path), "model.layers.0.mlp.down_proj.weight": "Q4_K"})
     with pytest.raises(ValueError, match="Q4_K cannot be served natively.*Q8_0, Q4_1, Q4_0"):
         LLM(smollm2_path, quantization="gguf", max_model_len=64)
+
+
+@pytest.mark.parametrize("isa,device,expected", [("avx512", "cpu", "gguf"), ("avx2", "cpu", None),
+                                                 ("generic", "cpu", None),
+                                                 ("avx512", "cuda", None)])
+def test_default_serves_the_blocks_where_that_pays(monkeypatch, smollm2_path, isa, device,
+                                                   expected):
+    from tokenmill.config import ModelConfig
+    from tokenmill.quantization import default_quantization
+    from tokenmill.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "runtime_isa", lambda: isa)
+    assert default_quantization(ModelConfig.from_path(smollm2_path), device) == expected
+
+
+def test_default_is_only_a_default(monkeypatch, smollm2_path, tiny_model):
+    from tokenmill.config import EngineConfig
+    from tokenmill.model_loader import gguf_loader
+    from tokenmill.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "runtime_isa", lambda: "avx512")
+    assert EngineConfig.create(smollm2_path, device="cpu").model.quantization == "gguf"
+    # "none" asks for the float32 expansion; an explicit method is kept
+    assert EngineConfig.create(smollm2_path, quantization="none").model.quantization is None
+    assert EngineConfig.create(smollm2_path, quantization="int8").model.quantization == "int8"
+    # an HF folder, and a file with types its blocks are not served in, stay dense
+    assert EngineConfig.create(tiny_model("llama")[0]).model.quantization is None
+    real = gguf_loader.gguf_tensor_types
+    monkeypatch.setattr(gguf_loader, "gguf_tensor_types", lambda path: {
+        **real(path), "model.layers.0.mlp.down_proj.weight": "Q4_K"})
+    assert EngineConfig.create(smollm2_path, device="cpu").model.quantization is None

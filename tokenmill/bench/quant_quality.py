@@ -13,7 +13,7 @@ distributions. Methods are weight specs (bench/weight_specs.py): "gguf+int8acts"
 int8_activations, "int4/64" int4's group size, "int4+rtn" turns its activation-aware search
 off.
 
-The float32 reference is the model with quantization=None: for a GGUF file, the float32
+The float32 reference is the model with quantization="none": for a GGUF file, the float32
 expansion of its own blocks (for the shipped SmolLM2 Q4_1 file there is no other float
 checkpoint), so GGUF-native Q4_1 with float activations computes the very same weights and
 only summation order differs; int8 / int4 quantize that float32 model again.
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = dict(enable_prefix_caching=False, max_model_len=args.window + 8,
                 max_num_batched_tokens=args.step_tokens)
     t0 = time.perf_counter()
-    ref_llm = LLM(args.model, quantization=None, **opts)
+    ref_llm = LLM(args.model, quantization="none", **opts)
     tok = ref_llm.engine.tokenizer
     ids: list[int] = []
     chars = 4 * args.tokens

@@ -27,7 +27,7 @@ def weights_as(spec: str) -> Iterator[dict[str, Any]]:
     load_time.INT4_GROUP = int(group) if group else saved[0]
     quantization.INT4_CALIBRATION = flag != "rtn"
     try:
-        yield {"quantization": None if method in ("", "none") else method,
+        yield {"quantization": "none" if method in ("", "none") else method,
                "int8_activations": flag == "int8acts"}
     finally:
         load_time.INT4_GROUP, quantization.INT4_CALIBRATION = saved

@@ -45,8 +45,9 @@ class CPULinearKernel:
     kind: int
     group: int
     tensors: tuple[torch.Tensor, ...]
-    # Quantized kinds at M <= 4: multiply int8-quantized activations (llama.cpp's numbers,
-    # faster) instead of float32 ones (exact against the dequantized weight).
+    # Quantized kinds: multiply int8-quantized activations at every M (llama.cpp's numbers,
+    # faster) instead of float32 ones (exact against the dequantized weight up to M = 16,
+    # int16-rounded above on VNNI builds; csrc/linear_cpu.h).
     int8_activations: bool = False
     # (K,): x is multiplied by it before the product (activation-aware 4-bit weights hold
     # W / s per input channel; quantization/awq_search.py). None: no scaling.

@@ -21,7 +21,7 @@ class BlockLinearMethod(LinearMethodBase):
         if kind not in (CPULinearKernel.Q8_0, CPULinearKernel.Q4):
             raise ValueError(f"not a block kind: {kind}")
         self.kind, self.group = kind, group
-        # Decode-sized steps multiply int8-quantized activations (EngineConfig option).
+        # Every step multiplies int8-quantized activations (EngineConfig option).
         self.int8_activations = int8_activations
 
     @staticmethod

@@ -92,7 +92,7 @@ class GGUFConfig(QuantizationConfig):
         if bad:
             raise ValueError(f"GGUF tensor types {', '.join(bad)} cannot be served natively "
                              f"(quantization='gguf' supports {', '.join(SUPPORTED_TYPES)}); "
-                             "pass quantization=None to serve the file dequantized to float32")
+                             "pass quantization='none' to serve the file dequantized to float32")
 
     def _types_of(self, prefix: str) -> set[str]:
         """The GGUF types of the checkpoint tensors that make up the module at `prefix`."""
