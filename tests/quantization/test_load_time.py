@@ -131,3 +131,18 @@ def test_cli_flags_reach_the_engine():
                     "prepack_weights": False}
     with pytest.raises(SystemExit):  # argparse names the choices
         p.parse_args(["--quantization", "fp3"])
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_int8_activations_spare_the_attention_input(tiny_model, method):
+    """With int8 activations every quantized linear layer rounds them except qkv_proj (its
+    input is the RMSNorm output, whose outliers int8 rounding hurts most) and the LM head."""
+    path, _ = tiny_model("llama")
+    model = LLM(path, quantization=method, int8_activations=True).engine.runner.model
+    layer = model.model.layers[0]
+    acts = {name: lin.quant_method.cpu_kernel(lin).int8_activations
+            for name, lin in [("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
+                              ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj),
+                              ("embedding (and tied head)", model.model.embed_tokens)]}
+    assert acts == {"qkv": False, "o": True, "gate_up": True, "down": True,
+                    "embedding (and tied head)": False}

@@ -26,6 +26,7 @@ from tokenmill.quantization.base import (
     CPULinearKernel,
     LinearMethodBase,
     QuantizationConfig,
+    int8_activations_for,
     new_param,
     replace_param,
 )
@@ -110,7 +111,9 @@ class GGUFConfig(QuantizationConfig):
             raise ValueError(f"{prefix} merges tensors of GGUF types {sorted(types)}; "
                              "quantization='gguf' needs one type per merged layer")
         (t,) = types
-        return self.dense if t in DENSE_TYPES else GGUFBlockMethod(t, self.int8_activations)
+        if t in DENSE_TYPES:
+            return self.dense
+        return GGUFBlockMethod(t, int8_activations_for(prefix, self.int8_activations))
 
     def embedding_method(self, prefix: str) -> LinearMethodBase:
         """As linear_method, but float activations always: rounding them cost most agreement

@@ -28,6 +28,7 @@ from tokenmill.quantization.base import (
     CPULinearKernel,
     LinearMethodBase,
     QuantizationConfig,
+    int8_activations_for,
     new_param,
     replace_param,
 )
@@ -150,20 +151,23 @@ class Int4CheckpointConfig(QuantizationConfig):
                 raise ValueError(f"AWQ version {version!r} (zero_point="
                                  f"{cfg.get('zero_point', True)}) is not supported; the GEMM "
                                  "layout with zero points is")
-            self.method: BlockLinearMethod = AWQLinearMethod(group, int8_activations)
+            self.methods: dict[bool, BlockLinearMethod] = {
+                acts: AWQLinearMethod(group, acts) for acts in (False, True)}
         else:
             fmt = str(cfg.get("checkpoint_format", "gptq")).lower()
             if fmt not in ("gptq", "gptq_v2"):
                 raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported "
                                  "(gptq, gptq_v2)")
-            self.method = GPTQLinearMethod(group, int8_activations, zeros_minus_one=fmt == "gptq")
+            self.methods = {acts: GPTQLinearMethod(group, acts, zeros_minus_one=fmt == "gptq")
+                            for acts in (False, True)}  # by int8 activations
+        self.int8_activations = int8_activations
         self.skip = list(cfg.get("modules_to_not_convert") or [])
         self.dense = UnquantizedLinearMethod(prepack)
 
     def linear_method(self, prefix: str) -> LinearMethodBase:
         if any(s in prefix for s in self.skip):
             return self.dense
-        return self.method
+        return self.methods[int8_activations_for(prefix, self.int8_activations)]
 
     def embedding_method(self, prefix: str) -> LinearMethodBase:
         return self.dense  # these checkpoints keep the embedding and LM head in float

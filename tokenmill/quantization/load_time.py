@@ -28,6 +28,7 @@ from tokenmill.quantization.base import (
     CPULinearKernel,
     LinearMethodBase,
     QuantizationConfig,
+    int8_activations_for,
     new_param,
     replace_param,
 )
@@ -75,11 +76,14 @@ class Int8Config(QuantizationConfig):
     name = "int8"
 
     def __init__(self, int8_activations: bool = False) -> None:
+        self.int8_activations = int8_activations
         self.method = LoadTimeQuantMethod(CPULinearKernel.Q8_0, 32, int8_activations)
         self.embedding = LoadTimeQuantMethod(CPULinearKernel.Q8_0, 32)
 
     def linear_method(self, prefix: str) -> LinearMethodBase:
-        return self.method
+        if int8_activations_for(prefix, self.int8_activations):
+            return self.method
+        return self.embedding  # the same Q8_0 blocks with float activations
 
     def embedding_method(self, prefix: str) -> LinearMethodBase:
         return self.embedding
@@ -90,13 +94,14 @@ class Int4Config(QuantizationConfig):
 
     def __init__(self, group: int | None = None, int8_activations: bool = False,
                  activations: dict[str, torch.Tensor] | None = None) -> None:
-        self.method = LoadTimeQuantMethod(CPULinearKernel.Q4, group or INT4_GROUP,
-                                          int8_activations,
-                                          activations)
+        self.methods = {acts: LoadTimeQuantMethod(CPULinearKernel.Q4, group or INT4_GROUP,
+                                                  acts, activations)
+                        for acts in (False, True)}  # by int8 activations
+        self.int8_activations = int8_activations
         self.embedding = LoadTimeQuantMethod(CPULinearKernel.Q8_0, 32)
 
     def linear_method(self, prefix: str) -> LinearMethodBase:
-        return self.method
+        return self.methods[int8_activations_for(prefix, self.int8_activations)]
 
     def embedding_method(self, prefix: str) -> LinearMethodBase:
         return self.embedding
