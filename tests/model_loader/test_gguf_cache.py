@@ -1,6 +1,8 @@
 """The converted copy of a GGUF model: made once, read instead of the GGUF file afterwards, equal
 to what the GGUF file gives (config, tokenizer, chat template, every weight), keyed on the
-file's identity, and optional: off, or unwritable, the GGUF file is read directly."""
+file's identity, and optional: off, or unwritable, the GGUF file is read directly. The
+float32 weights are written only when a start needs them: never for a file served in its own
+blocks."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.engine.tokenizer import load_tokenizer
+from tokenmill.model_loader.gguf_cache import converted_weights
 from tokenmill.model_loader.gguf_loader import gguf_hf_config, iterate_gguf
 from tokenmill.model_loader.loader import iterate_weights
 
@@ -21,10 +24,15 @@ def test_converted_copy_equals_the_gguf_file(smollm2_path, tmp_path, monkeypatch
     first = ModelConfig.from_path(smollm2_path)
     assert first.converted_dir is not None and first.converted_dir.startswith(str(tmp_path))
     assert first.gguf_file == smollm2_path
-    mtime = os.path.getmtime(os.path.join(first.converted_dir, "model.safetensors"))
+    weights = os.path.join(first.converted_dir, "model.safetensors")
+    assert not os.path.exists(weights)  # written when a start first needs them
+    assert converted_weights(first.converted_dir, smollm2_path) == first.converted_dir
+    mtime = os.path.getmtime(weights)
     again = ModelConfig.from_path(smollm2_path)  # reuses the folder, does not rewrite it
     assert again.converted_dir == first.converted_dir
-    assert os.path.getmtime(os.path.join(first.converted_dir, "model.safetensors")) == mtime
+    assert converted_weights(again.converted_dir, smollm2_path) == first.converted_dir
+    assert os.path.getmtime(weights) == mtime
+    assert [f for f in os.listdir(first.converted_dir) if ".tmp" in f] == []
 
     direct = gguf_hf_config(smollm2_path)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -65,3 +73,16 @@ def test_cache_is_keyed_on_the_file_and_optional(smollm2_path, tmp_path, monkeyp
     with caplog.at_level(logging.WARNING):
         cfg = ModelConfig.from_path(str(copy))
     assert cfg.converted_dir is None and "cannot cache" in caplog.text
+
+
+def test_serving_the_blocks_writes_no_float32_weights(smollm2_path, tmp_path, monkeypatch):
+    from tokenmill import LLM
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    llm = LLM(smollm2_path, quantization="gguf", max_model_len=256)
+    folder = llm.engine.config.model.converted_dir
+    assert folder is not None and os.listdir(folder)  # config and tokenizer are cached
+    assert not os.path.exists(os.path.join(folder, "model.safetensors"))
+    dense = LLM(smollm2_path, quantization="none", max_model_len=256)  # needs them: writes
+    assert os.path.isfile(os.path.join(folder, "model.safetensors"))
+    assert dense.engine.config.model.converted_dir == folder

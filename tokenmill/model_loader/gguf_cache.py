@@ -4,15 +4,17 @@ Reading a GGUF file costs seconds that have nothing to do with serving: the gguf
 every metadata array in Python (the 49k-token vocabulary and merges, twice: once for the config,
 once inside transformers for the tokenizer), transformers converts that vocabulary into a fast
 tokenizer, and every tensor is dequantized in numpy. The first load therefore writes what it
-built into a folder that reads like a Hugging Face model: config.json, the tokenizer files
-(with the chat template) and float32 weights in model.safetensors; later loads read that.
+built into a folder that reads like a Hugging Face model: config.json and the tokenizer files
+(with the chat template) at once, float32 weights in model.safetensors the first time a start
+needs them (`converted_weights`: the file served dequantized, int4's calibration); a file
+served in its own blocks (quantization="gguf") never writes them. Later loads read that.
 
 Layout: $TOKENMILL_CACHE_DIR (default ~/.cache/tokenmill)/gguf/<key>/ where the key hashes the
 file's absolute path, size and modification time and the format version, so an edited or
 replaced file is converted again. The folder is written under a temporary name and renamed
 when complete: a crashed or concurrent first start never leaves a half folder in use.
-TOKENMILL_GGUF_CACHE=0 turns the cache off; models whose float32 weights would exceed
-_MAX_CACHED_BYTES are never cached (the copy would cost more disk than it saves time).
+TOKENMILL_GGUF_CACHE=0 turns the cache off; the weights of models whose float32 weights would
+exceed _MAX_CACHED_BYTES are never cached (the copy would cost more disk than it saves time).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: weights written on demand
 _FULL_CONFIG = "tokenmill_full_config.json"
 _MAX_CACHED_BYTES = 4 << 30
 
@@ -57,7 +59,7 @@ def converted_folder(gguf_path: str) -> str | None:
     if os.environ.get("TOKENMILL_GGUF_CACHE", "1") == "0":
         return None
     folder = _folder_for(gguf_path)
-    if (folder / "model.safetensors").is_file() and (folder / _FULL_CONFIG).is_file():
+    if (folder / _FULL_CONFIG).is_file():
         return str(folder)
     try:
         return _convert(gguf_path, folder)
@@ -74,20 +76,41 @@ def load_full_config(folder: str) -> Any:
         return PretrainedConfig(**json.load(f))
 
 
-def _convert(gguf_path: str, folder: Path) -> str | None:
+def converted_weights(folder: str, gguf_path: str) -> str | None:
+    """`folder` once it holds the float32 weights of `gguf_path` (written now if missing);
+    None where they are not cached (too large, or the disk refuses): read the GGUF file."""
     from safetensors.torch import save_file
-    from transformers import AutoTokenizer
+    from tqdm import tqdm
 
-    from tokenmill.model_loader.gguf_loader import (
-        gguf_hf_config,
-        gguf_num_elements,
-        gguf_num_tensors,
-        iterate_gguf,
-    )
+    from tokenmill.model_loader.gguf_loader import gguf_num_elements, gguf_num_tensors, iterate_gguf
 
+    target = Path(folder) / "model.safetensors"
+    if target.is_file():
+        return folder
     if 4 * gguf_num_elements(gguf_path) > _MAX_CACHED_BYTES:  # float32 once converted
         return None
-    from tqdm import tqdm
+    t0 = time.perf_counter()
+    tensors = tqdm(iterate_gguf(gguf_path, load_full_config(folder)),
+                   total=gguf_num_tensors(gguf_path), desc="converting GGUF", unit="tensor")
+    fd, tmp = tempfile.mkstemp(prefix="model.safetensors.tmp-", dir=folder)
+    os.close(fd)
+    try:
+        save_file({n: t.contiguous() for n, t in tensors}, tmp, metadata={"source": gguf_path})
+        os.replace(tmp, target)  # whole or absent: a concurrent start writes its own tmp
+    except OSError as e:
+        logger.warning("cannot cache the float32 weights in %s (%s)", folder, e)
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    logger.info("GGUF weights converted to float32 in %.1f s", time.perf_counter() - t0)
+    return folder
+
+
+def _convert(gguf_path: str, folder: Path) -> str | None:
+    from transformers import AutoTokenizer
+
+    from tokenmill.model_loader.gguf_loader import gguf_hf_config
 
     hf_config = gguf_hf_config(gguf_path)
     logger.info("first start with %s: converting it once into %s (later starts skip this)",
@@ -101,10 +124,6 @@ def _convert(gguf_path: str, folder: Path) -> str | None:
         # which skips importing the architecture's config class (about 1.4 s of imports).
         src_dir, name = os.path.split(gguf_path)
         AutoTokenizer.from_pretrained(src_dir, gguf_file=name).save_pretrained(tmp)
-        tensors = tqdm(iterate_gguf(gguf_path, hf_config), total=gguf_num_tensors(gguf_path),
-                       desc="converting GGUF", unit="tensor")
-        weights = {n: t.contiguous() for n, t in tensors}
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"source": gguf_path})
         with open(tmp / _FULL_CONFIG, "w") as f:  # written last: it marks the folder complete
             json.dump(hf_config.to_dict(), f, indent=1)
         try:

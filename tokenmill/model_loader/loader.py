@@ -19,6 +19,7 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.distributed import ParallelState
+from tokenmill.model_loader.gguf_cache import converted_weights
 from tokenmill.model_loader.gguf_loader import iterate_gguf
 from tokenmill.model_loader.safetensors_loader import iterate_safetensors
 from tokenmill.models import resolve_model_class
@@ -41,9 +42,11 @@ def iterate_weights(config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     if config.quantization == "gguf":  # the file's own blocks, not a float32 conversion
         assert config.gguf_file is not None
         return iterate_gguf(config.gguf_file, config.hf_config, raw_types=BLOCK_TYPES)
-    if config.converted_dir is not None:
-        return iterate_safetensors(config.converted_dir)
     if config.gguf_file is not None:
+        folder = (converted_weights(config.converted_dir, config.gguf_file)
+                  if config.converted_dir is not None else None)
+        if folder is not None:
+            return iterate_safetensors(folder)
         return iterate_gguf(config.gguf_file, config.hf_config)
     return iterate_safetensors(config.path)
 

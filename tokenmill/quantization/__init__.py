@@ -50,13 +50,21 @@ INT4_CALIBRATION = True
 def _calibration(model: ModelConfig) -> dict[str, torch.Tensor] | None:
     """Calibration activations for int4's activation-aware search, from the float checkpoint
     as an HF folder (a GGUF file's converted folder); None, logged, where there is none."""
-    folder = model.converted_dir if model.gguf_file is not None else model.path
     if not INT4_CALIBRATION:
         logger.info("int4: scale search off; plain round-to-nearest")
         return None
-    if model.load_format == "dummy" or folder is None:
-        logger.info("int4: no float checkpoint folder to calibrate on (%s); plain "
-                    "round-to-nearest", "dummy weights" if folder else "GGUF cache off")
+    if model.load_format == "dummy":
+        logger.info("int4: dummy weights, nothing to calibrate on; plain round-to-nearest")
+        return None
+    folder: str | None = model.path
+    if model.gguf_file is not None:  # its float32 expansion, written once into the cache
+        from tokenmill.model_loader.gguf_cache import converted_weights
+
+        folder = (converted_weights(model.converted_dir, model.gguf_file)
+                  if model.converted_dir is not None else None)
+    if folder is None:
+        logger.info("int4: no float checkpoint folder to calibrate on (GGUF cache off or too "
+                    "large); plain round-to-nearest")
         return None
     from tokenmill.quantization.awq_search import collect_activations
 
