@@ -11,6 +11,7 @@ import subprocess
 import pytest
 import torch
 
+from tokenmill.quantization.blocks import pack_q4
 from tokenmill.utils import cpp_extension
 
 
@@ -52,6 +53,12 @@ def test_every_build_installed_and_they_agree(name):
         d = torch.rand(40, 8).half() * 0.01
         xb = torch.randn(37, 256)
         outputs = [module.linear(xb[:m], 1, 32, [q, d], None, True)
+                   for module in builds.values() for m in (3, 37)]
+        for i in range(2, len(outputs)):
+            torch.testing.assert_close(outputs[i], outputs[i % 2], atol=1e-4, rtol=1e-5)
+        # and 4-bit weights (the AVX2 build's own tiled GEMM from 12 rows)
+        q4 = [pack_q4(torch.randint(0, 16, (40, 256))), d, torch.randn(40, 8).half() * 0.01]
+        outputs = [module.linear(xb[:m], 2, 32, q4, None, True)
                    for module in builds.values() for m in (3, 37)]
         for i in range(2, len(outputs)):
             torch.testing.assert_close(outputs[i], outputs[i % 2], atol=1e-4, rtol=1e-5)

@@ -22,8 +22,8 @@
 // dequantized weight up to summation order (no activation rounding). 5-16 rows: the same
 // kernels, four rows at a time.
 // With int8_acts, products round the activations instead: the row kernels of
-// linear_int8_acts.h, and from 12 rows the VNNI GEMM of linear_int8_gemm.h where the build has
-// it (same math, other summation order).
+// linear_int8_acts.h, and from 12 rows the GEMMs of linear_int8_gemm.h where the build has
+// them (AVX-512 VNNI: every kind; AVX2: 4-bit weights) (same math, other summation order).
 // Larger M with float activations (prefill, batches): each thread expands a tile of rows to
 // float32 and multiplies it with one single-threaded GEMM (the tile stays in cache).
 #pragma once
@@ -261,6 +261,12 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
   }
   if (kind != 0 && !int8_path && M > kRowKernelMaxRows) {
     int16_gemm(kind, G, t, xp, xs, b, yp, M, K, N);
+    return y;
+  }
+#endif
+#if defined(TOKENMILL_AVX2_Q4_GEMM)
+  if (int8_path && kind == 2 && M >= kVnniGemmMinRows) {
+    q4_int8_gemm_avx2(G, t, xq, xs, b, yp, M, K, N);
     return y;
   }
 #endif

@@ -29,6 +29,13 @@ constexpr bool kVnniGemm = true;
 #else
 constexpr bool kVnniGemm = false;
 #endif
+#if !defined(TOKENMILL_VNNI_GEMM) && defined(__AVX2__) && defined(CPU_CAPABILITY_AVX2)
+// AVX2 without VNNI: 4-bit weights only. A 4-bit x int8 vpmaddubsw pair is at most
+// 15 * 127 * 2 = 3810, so a block's 8 results add up in int16 (30480 < 32767) and one
+// vpmaddwd per block widens them: ~1.7x fewer instructions than float32 FMAs. Q8_0 weights
+// cannot do that (127 * 127 * 2 per pair) and stay on the row kernels.
+#define TOKENMILL_AVX2_Q4_GEMM 1
+#endif
 
 #if defined(TOKENMILL_VNNI_GEMM)
 
@@ -259,5 +266,111 @@ static void int16_gemm(int64_t kind, int64_t G, const std::vector<torch::Tensor>
   });
   int8_gemm_detail::gemm(kind, G, t, reinterpret_cast<const uint8_t*>(xq.data()), dx.data(),
                          16, xsum, bias, y, M, K, N);
+}
+#endif
+
+#if defined(TOKENMILL_AVX2_Q4_GEMM)
+namespace q4_avx2_detail {
+constexpr int kLanes = 8;   // output rows per repacked group (one ymm)
+constexpr int kMR = 4;      // rows of x per micro-kernel call
+// Per block of one group: 8 chunks x 8 rows x 4 weights (u8, 0..15), 8 float scales, 8 offsets.
+constexpr int64_t kWeightBytes = 8 * 32;
+constexpr int64_t kBlockBytes = kWeightBytes + 2 * 32;
+
+static void repack(const uint8_t* Q, const at::Half* D, const at::Half* Mn, int64_t K,
+                   int64_t G, int64_t n0, int64_t rows, uint8_t* buf) {
+  const int64_t nb = K / kBlock;
+  alignas(32) uint8_t block[kLanes][kBlock];
+  if (rows < kLanes) std::memset(block, 0, sizeof(block));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* o = buf + b * kBlockBytes;
+    float* scale = reinterpret_cast<float*>(o + kWeightBytes);
+    float* offset = reinterpret_cast<float*>(o + kWeightBytes + 32);
+    for (int l = 0; l < kLanes; ++l) {
+      if (l >= rows) {
+        scale[l] = offset[l] = 0.f;
+        continue;
+      }
+      const int64_t n = n0 + l;
+      const __m128i bytes =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(Q + n * (K / 2) + b * 16));
+      _mm_store_si128(reinterpret_cast<__m128i*>(block[l]), _mm_and_si128(bytes, low4));
+      _mm_store_si128(reinterpret_cast<__m128i*>(block[l] + 16),
+                      _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+      const int64_t g = n * (K / G) + b * kBlock / G;
+      scale[l] = half_to_float(D[g]);
+      offset[l] = half_to_float(Mn[g]);
+    }
+    for (int c = 0; c < 8; ++c)  // [chunk][row][4 weights]
+      for (int l = 0; l < kLanes; ++l) std::memcpy(o + c * 32 + l * 4, block[l] + 4 * c, 4);
+  }
+}
+
+template <int MR>
+static void micro(int64_t bpg, const int8_t* xq, const float* dx, const float* xsum,
+                  const uint8_t* buf, float* y, const float* bias, int64_t K, int64_t N,
+                  int64_t m0, int64_t n0, int valid) {
+  const int64_t nb = K / kBlock, ng = nb / bpg;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = buf + b * kBlockBytes;
+    __m256i s[MR];
+    for (int i = 0; i < MR; ++i) s[i] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(blk + c * 32));
+      for (int i = 0; i < MR; ++i) {
+        int32_t four;
+        std::memcpy(&four, xq + (m0 + i) * K + b * kBlock + 4 * c, 4);
+        s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(w, _mm256_set1_epi32(four)));
+      }
+    }
+    const __m256 dw = _mm256_load_ps(reinterpret_cast<const float*>(blk + kWeightBytes));
+    const bool group_end = (b + 1) % bpg == 0;
+    const __m256 mw = _mm256_load_ps(reinterpret_cast<const float*>(blk + kWeightBytes + 32));
+    for (int i = 0; i < MR; ++i) {
+      const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[i], ones));
+      acc[i] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dw, _mm256_set1_ps(dx[(m0 + i) * nb + b])),
+                               acc[i]);
+      if (group_end)
+        acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xsum[(m0 + i) * ng + b / bpg]), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    alignas(32) float out[kLanes];
+    _mm256_store_ps(out, acc[i]);
+    for (int l = 0; l < valid; ++l)
+      y[(m0 + i) * N + n0 + l] = out[l] + (bias ? bias[n0 + l] : 0.f);
+  }
+}
+}  // namespace q4_avx2_detail
+
+// 4-bit weights (kind 2) x int8 activations (xr), M rows: the AVX2 counterpart of int8_gemm.
+static void q4_int8_gemm_avx2(int64_t G, const std::vector<torch::Tensor>& t,
+                              const QuantizedRows& xr, const float* xsum, const float* bias,
+                              float* y, int64_t M, int64_t K, int64_t N) {
+  using namespace q4_avx2_detail;
+  const uint8_t* Q = t[0].data_ptr<uint8_t>();
+  const at::Half* D = t[1].data_ptr<at::Half>();
+  const at::Half* Mn = t[2].data_ptr<at::Half>();
+  const int64_t groups = (N + kLanes - 1) / kLanes, bpg = G / kBlock;
+  const int64_t group_bytes = (K / kBlock) * kBlockBytes;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    auto storage = std::make_unique<uint8_t[]>(group_bytes + 32);
+    uint8_t* buf = reinterpret_cast<uint8_t*>(
+        (reinterpret_cast<uintptr_t>(storage.get()) + 31) & ~uintptr_t(31));
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n0 = g * kLanes;
+      const int valid = static_cast<int>(std::min<int64_t>(kLanes, N - n0));
+      repack(Q, D, Mn, K, G, n0, valid, buf);
+      int64_t m = 0;
+      for (; m + kMR <= M; m += kMR)
+        micro<kMR>(bpg, xr.q.data(), xr.d.data(), xsum, buf, y, bias, K, N, m, n0, valid);
+      for (; m < M; ++m)
+        micro<1>(bpg, xr.q.data(), xr.d.data(), xsum, buf, y, bias, K, N, m, n0, valid);
+    }
+  });
 }
 #endif
