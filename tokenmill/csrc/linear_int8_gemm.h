@@ -272,7 +272,7 @@ static void int16_gemm(int64_t kind, int64_t G, const std::vector<torch::Tensor>
 #if defined(TOKENMILL_AVX2_Q4_GEMM)
 namespace q4_avx2_detail {
 constexpr int kLanes = 8;   // output rows per repacked group (one ymm)
-constexpr int kMR = 4;      // rows of x per micro-kernel call
+constexpr int kMR = 6;      // rows of x per micro-kernel call (6 x 2 of the 16 ymm registers)
 // Per block of one group: 8 chunks x 8 rows x 4 weights (u8, 0..15), 8 float scales, 8 offsets.
 constexpr int64_t kWeightBytes = 8 * 32;
 constexpr int64_t kBlockBytes = kWeightBytes + 2 * 32;
@@ -368,8 +368,13 @@ static void q4_int8_gemm_avx2(int64_t G, const std::vector<torch::Tensor>& t,
       int64_t m = 0;
       for (; m + kMR <= M; m += kMR)
         micro<kMR>(bpg, xr.q.data(), xr.d.data(), xsum, buf, y, bias, K, N, m, n0, valid);
-      for (; m < M; ++m)
-        micro<1>(bpg, xr.q.data(), xr.d.data(), xsum, buf, y, bias, K, N, m, n0, valid);
+      switch (M - m) {
+#define TM_TAIL(R) \
+  case R: micro<R>(bpg, xr.q.data(), xr.d.data(), xsum, buf, y, bias, K, N, m, n0, valid); break;
+        TM_TAIL(1) TM_TAIL(2) TM_TAIL(3) TM_TAIL(4) TM_TAIL(5)
+#undef TM_TAIL
+        default: break;
+      }
     }
   });
 }
