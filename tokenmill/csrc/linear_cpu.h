@@ -33,8 +33,9 @@
 // Up to this many rows of x, float activations go through the row kernels below, four rows
 // at a time: expanding tiles for a GEMM (the larger-M path) cost 2-3x more at 5-16 rows.
 constexpr int64_t kRowKernelMaxRows = 16;
-// From this many rows, int8 activations go through the VNNI GEMM (linear_int8_gemm.h): below
-// it, its per-call repack of W costs more than the row kernels' conversions (measured at 5-8 rows on the 49152-row LM head).
+// From this many rows, int8 activations go through the GEMMs of linear_int8_gemm.h: below it,
+// their per-call repack of W costs more than the row kernels' conversions (measured at 5-8
+// rows on the 49152-row LM head).
 constexpr int64_t kVnniGemmMinRows = 12;
 
 // ---- small M: one row range [n0, n1) of y ---------------------------------------------------

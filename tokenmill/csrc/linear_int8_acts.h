@@ -2,6 +2,7 @@
 // linear_cpu.h, which dispatches to them.
 #pragma once
 #include "quant_blocks.h"
+#include <limits>
 
 // ---- small M with int8 activations (llama.cpp's Q8 activations) ---------------------------
 // Each row of x is quantized per 32-block (xq = round(x / dx), dx = amax / 127), and a block's
@@ -24,37 +25,50 @@ static inline QRows rows_from(const QuantizedRows& r, int64_t m0, int64_t K) {
   return {r.q.data() + m0 * K, r.d.data() + m0 * (K / kBlock)};
 }
 
-// xq = round-half-even(x / dx), dx = amax / 127 per 32-block. Vectorized where compiled for
+// xq = round-half-even(x / dx), dx = amax / max(T) per 32-block, T int8_t (the int8
+// activations) or int16_t (linear_int8_gemm.h's float ones). Vectorized where compiled for
 // it; every build rounds the same way (the default rounding mode, as std::nearbyint).
-static void quantize_block(const float* xb, int8_t* q, float* d) {
+template <typename T>
+static void quantize_block(const float* xb, T* q, float* d) {
+  constexpr float kLevels = static_cast<float>(std::numeric_limits<T>::max());
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)
   const __m512 a0 = _mm512_loadu_ps(xb), a1 = _mm512_loadu_ps(xb + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
-  const float dx = amax / 127.f, inv = dx > 0.f ? 1.f / dx : 0.f;
+  const float dx = amax / kLevels, inv = dx > 0.f ? 1.f / dx : 0.f;
   const __m512 vinv = _mm512_set1_ps(inv);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q),
-                   _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a0, vinv))));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
-                   _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a1, vinv))));
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, vinv));
+  const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, vinv));
+  if constexpr (sizeof(T) == 1) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(q1));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtsepi32_epi16(q0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm512_cvtsepi32_epi16(q1));
+  }
   *d = dx;
 #else
   float amax = 0.f;
   for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-  const float dx = amax / 127.f, inv = dx > 0.f ? 1.f / dx : 0.f;
+  const float dx = amax / kLevels, inv = dx > 0.f ? 1.f / dx : 0.f;
   *d = dx;
-  for (int i = 0; i < kBlock; ++i) q[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+  for (int i = 0; i < kBlock; ++i) q[i] = static_cast<T>(std::nearbyint(xb[i] * inv));
 #endif
+}
+
+// x (M, K) quantized per 32-block into q (M, K) and d (M, K/32).
+template <typename T>
+static void quantize_blocks(const float* x, int64_t M, int64_t K, T* q, float* d) {
+  const int64_t nb = M * K / kBlock;
+  auto run = [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) quantize_block(x + b * kBlock, q + b * kBlock, d + b);
+  };
+  if (M <= 4) run(0, nb);  // a decode step: not worth waking the thread pool
+  else at::parallel_for(0, nb, 256, run);
 }
 
 static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
   QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * K / kBlock)};
-  const int64_t nb = M * K / kBlock;
-  auto run = [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      quantize_block(x + b * kBlock, r.q.data() + b * kBlock, r.d.data() + b);
-  };
-  if (M <= 4) run(0, nb);  // a decode step: not worth waking the thread pool
-  else at::parallel_for(0, nb, 256, run);
+  quantize_blocks(x, M, K, r.q.data(), r.d.data());
   return r;
 }
 

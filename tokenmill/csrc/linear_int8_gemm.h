@@ -1,5 +1,6 @@
-// Batched products (M > 4 rows: prefill chunks, decode batches) of quantized weights with
-// int8 activations, included by linear_cpu.h, which dispatches to `int8_gemm`.
+// Batched products (prefill chunks, decode batches) of quantized weights with activations
+// rounded to integers per 32-block: int8 (`int8_gemm`, `q4_int8_gemm_avx2`) or, for float
+// activations, int16 (`int16_gemm`); included by linear_cpu.h, which dispatches to them.
 //
 // The math is the decode-sized kernels' (linear_int8_acts.h): x quantized per 32-block,
 // each block's dot product an integer one, scaled by (weight scale x activation scale), the
@@ -13,7 +14,8 @@
 // The repack happens per call, in a thread-local buffer (the weight keeps one layout, shared
 // with the decode kernels; the repack costs one pass over W, which M rows amortize). Measured
 // 2.3-2.7x oneDNN's prepacked float32 GEMM on SmolLM2's shapes at M = 64-256 (Zen 4, 2 threads).
-// Builds without VNNI run the decode kernels four rows at a time instead (linear_cpu.h).
+// AVX2 builds have a GEMM for 4-bit weights only (below); otherwise they run the decode
+// kernels four rows at a time (linear_cpu.h).
 //
 // vpdpbusd multiplies unsigned by signed bytes: Q8_0 weights are signed, so the activations
 // enter as u8 (q + 128) and the block's 128 * sum(w) is subtracted (computed at repack);
@@ -49,7 +51,6 @@ constexpr int64_t chunks(int bits) { return bits == 8 ? 8 : 16; }
 constexpr int64_t weight_bytes(int bits) { return chunks(bits) * 64; }
 constexpr int64_t block_bytes(int bits) { return weight_bytes(bits) + 3 * 64; }
 
-// Rows [n0, n0 + rows) of W (rows <= 16; missing rows are zeros) into `buf`.
 // The weight's tensors as raw pointers (data_ptr<T>() checks cost more than a block's repack).
 struct WeightPtrs {
   const uint8_t* q;  // Q8_0: int8 (N, K); 4-bit: nibbles (N, K/2)
@@ -57,6 +58,7 @@ struct WeightPtrs {
   const at::Half* m;  // 4-bit offsets, else nullptr
 };
 
+// Rows [n0, n0 + rows) of W (rows <= 16; missing rows are zeros) into `buf`.
 static void repack(int64_t kind, int64_t G, const WeightPtrs& wp, int64_t K, int64_t n0,
                    int64_t rows, int bits, uint8_t* buf) {
   const int64_t nb = K / kBlock, wbytes = weight_bytes(bits), bbytes = block_bytes(bits);
@@ -82,12 +84,8 @@ static void repack(int64_t kind, int64_t G, const WeightPtrs& wp, int64_t K, int
         scale[l] = half_to_float(wp.d[n * nb + b]);
         offset[l] = 0.f;
       } else {
-        const uint8_t* q = wp.q + n * (K / 2) + b * (kBlock / 2);
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-        const __m128i low4 = _mm_set1_epi8(0x0F);
-        _mm_store_si128(reinterpret_cast<__m128i*>(block[l]), _mm_and_si128(bytes, low4));
-        _mm_store_si128(reinterpret_cast<__m128i*>(block[l] + 16),
-                        _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(block[l]),
+                           nibbles_u8(wp.q + n * (K / 2) + b * (kBlock / 2)));
         const int64_t g = n * (K / G) + b * kBlock / G;
         scale[l] = half_to_float(wp.d[g]);
         offset[l] = half_to_float(wp.m[g]);
@@ -183,11 +181,7 @@ static void rows_of_x(int64_t bpg, const uint8_t* xa, const float* dx,
     default: break;
   }
 }
-}  // namespace int8_gemm_detail
-#endif
 
-#if defined(TOKENMILL_VNNI_GEMM)
-namespace int8_gemm_detail {
 // y (M, N) = x @ W^T (+ bias) for a quantized weight, x given as BITS-bit integers xa with
 // one scale per 32-block (dx (M, K/32)); xsum (M, K/G): float group sums of x for 4-bit
 // weights (else nullptr).
@@ -250,20 +244,7 @@ static void int16_gemm(int64_t kind, int64_t G, const std::vector<torch::Tensor>
                        int64_t M, int64_t K, int64_t N) {
   std::vector<int16_t> xq(M * K);
   std::vector<float> dx(M * K / kBlock);
-  at::parallel_for(0, M * K / kBlock, 256, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const __m512 a0 = _mm512_loadu_ps(x + b * kBlock), a1 = _mm512_loadu_ps(x + b * kBlock + 16);
-      const float amax =
-          _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
-      const float d = amax / 32767.f, inv = d > 0.f ? 1.f / d : 0.f;
-      const __m512 vinv = _mm512_set1_ps(inv);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq.data() + b * kBlock),
-                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a0, vinv))));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq.data() + b * kBlock + 16),
-                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a1, vinv))));
-      dx[b] = d;
-    }
-  });
+  quantize_blocks(x, M, K, xq.data(), dx.data());
   int8_gemm_detail::gemm(kind, G, t, reinterpret_cast<const uint8_t*>(xq.data()), dx.data(),
                          16, xsum, bias, y, M, K, N);
 }
@@ -282,7 +263,6 @@ static void repack(const uint8_t* Q, const at::Half* D, const at::Half* Mn, int6
   const int64_t nb = K / kBlock;
   alignas(32) uint8_t block[kLanes][kBlock];
   if (rows < kLanes) std::memset(block, 0, sizeof(block));
-  const __m128i low4 = _mm_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     uint8_t* o = buf + b * kBlockBytes;
     float* scale = reinterpret_cast<float*>(o + kWeightBytes);
@@ -293,11 +273,8 @@ static void repack(const uint8_t* Q, const at::Half* D, const at::Half* Mn, int6
         continue;
       }
       const int64_t n = n0 + l;
-      const __m128i bytes =
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(Q + n * (K / 2) + b * 16));
-      _mm_store_si128(reinterpret_cast<__m128i*>(block[l]), _mm_and_si128(bytes, low4));
-      _mm_store_si128(reinterpret_cast<__m128i*>(block[l] + 16),
-                      _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(block[l]),
+                         nibbles_u8(Q + n * (K / 2) + b * (kBlock / 2)));
       const int64_t g = n * (K / G) + b * kBlock / G;
       scale[l] = half_to_float(D[g]);
       offset[l] = half_to_float(Mn[g]);

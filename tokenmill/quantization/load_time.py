@@ -76,14 +76,13 @@ class Int8Config(QuantizationConfig):
     name = "int8"
 
     def __init__(self, int8_activations: bool = False) -> None:
+        self.methods = {acts: LoadTimeQuantMethod(CPULinearKernel.Q8_0, 32, acts)
+                        for acts in (False, True)}  # by int8 activations
         self.int8_activations = int8_activations
-        self.method = LoadTimeQuantMethod(CPULinearKernel.Q8_0, 32, int8_activations)
-        self.embedding = LoadTimeQuantMethod(CPULinearKernel.Q8_0, 32)
+        self.embedding = self.methods[False]
 
     def linear_method(self, prefix: str) -> LinearMethodBase:
-        if int8_activations_for(prefix, self.int8_activations):
-            return self.method
-        return self.embedding  # the same Q8_0 blocks with float activations
+        return self.methods[int8_activations_for(prefix, self.int8_activations)]
 
     def embedding_method(self, prefix: str) -> LinearMethodBase:
         return self.embedding
