@@ -1,8 +1,8 @@
 """GFLOP/s of the CPU GEMM paths on SmolLM2's shapes, by rows, timed in alternation:
 oneDNN with the prepacked float32 weight (what dense layers use), F.linear (MKL sgemm) on the
 dense weight, and tokenmill's `linear` op on quantized weights (csrc/linear_cpu.h): Q8_0 and
-4-bit groups of 32, with float activations (exact at <= 16 rows; int16 per 32-block through
-the AVX-512 VNNI GEMM above, float32 tiles elsewhere) or int8 ones.
+4-bit groups of 32, with float activations (int16 per 32-block on AVX-512 VNNI builds;
+elsewhere exact: float32 row kernels up to 16 rows, float32 tiles above) or int8 ones.
 
     python benchmarks/gemm_paths.py [--rows 16 64 128 256 512 2048]
         [--paths onednn,mkl,q8,q8+int8acts,q4,q4+int8acts]

@@ -2,9 +2,10 @@
 
     python benchmarks/profile_step.py [--scenario single|decode64|mixed|all] [--steps 10]
                                       [--no-prepack-weights] [--attention-backend torch]
+                                      [--quantization none|int8|gguf...] [--int8-activations]
                                       [--json out.json]
 
-Scenarios (SmolLM2 float32 unless --model):
+Scenarios (SmolLM2 in the default weight format unless --model / --quantization):
 - single:   one request, 128 prompt tokens, decode steps (batch 1);
 - decode64: 64 requests of 256 prompt tokens (the `uniform` workload), decode steps at batch 64;
 - mixed:    the `mixed` workload (128 requests at once), steps 8.. of the run, where prefill
@@ -134,16 +135,20 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
     ap.add_argument("--no-fused-decode", dest="fused", action="store_false",
                     help="small decode steps through the Python loop, not one C++ call")
+    ap.add_argument("--quantization", default=None,
+                    help="weight format (tokenmill serve's --quantization); default: the model's")
+    ap.add_argument("--int8-activations", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     llm = LLM(args.model, prepack_weights=args.prepack, attention_backend=args.attention_backend,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, quantization=args.quantization,
+              int8_activations=args.int8_activations)
     llm.engine.runner.model.model.small_batch_decode.enabled = args.fused
     tok = llm.get_tokenizer()
     vocab = llm.engine.config.model.vocab_size
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"prepack_weights={args.prepack}, attention_backend={args.attention_backend}, "
-          f"fused_decode={args.fused}")
+          f"fused_decode={args.fused}, quantization={llm.engine.config.model.quantization}")
     names = ["single", "decode64", "mixed"] if args.scenario == "all" else [args.scenario]
     results = []
     for name in names:

@@ -1,7 +1,7 @@
 """The block layouts (quantization/blocks.py) and the C++ `linear` op that reads them
 (csrc/linear_cpu.h): every kind at every batch size equals x @ dequantize(W)^T + bias up to
-float32 summation order; GGUF blocks split bit for bit into what gguf's own dequantizer
-gives; quantizers stay within half a step."""
+float32 summation order and the activation rounding each path states; GGUF blocks split bit
+for bit into what gguf's own dequantizer gives; quantizers stay within half a step."""
 
 from __future__ import annotations
 
@@ -48,8 +48,9 @@ def expected_product(x: torch.Tensor, kernel: CPULinearKernel, levels: int | Non
     return xr @ (w - offsets).T + x @ offsets.T + (0 if bias is None else bias)
 
 
-# Float activations: exact up to 16 rows; above, the AVX-512 VNNI build rounds them to int16
-# per 32-block for its integer GEMM (linear_int8_gemm.h), the others expand float32 tiles.
+# Float activations: the AVX-512 VNNI build rounds them to int16 per 32-block at every batch
+# size (its row kernels, linear_rows_vnni.h, and its GEMM, linear_int8_gemm.h); the others
+# are exact (float32 row kernels up to 16 rows, float32 tiles above).
 VNNI_BUILD = runtime_isa() == "avx512"
 
 
@@ -58,11 +59,13 @@ VNNI_BUILD = runtime_isa() == "avx512"
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 17, 64])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_equals_dequantized_product(kind, group, m, bias):
-    n, k = 300, 576  # n not a multiple of any tile or thread split
+    # n not a multiple of any tile or thread split; k: 18 blocks (16 + 2), or 21 with 4-bit
+    # groups of 32 (an odd last block, which the VNNI row kernels take alone)
+    n, k = 300, 672 if group == 32 and kind == CPULinearKernel.Q4 and m % 2 else 576
     kernel = random_kernel(kind, n, k, group, seed=m + group)
     x = torch.randn(m, k) * torch.logspace(-1, 1, k)  # blocks of very different ranges
     b = torch.randn(n) if bias else None
-    levels = 32767 if VNNI_BUILD and m > 16 else None
+    levels = 32767 if VNNI_BUILD else None
     expected = expected_product(x, kernel, levels, b)
     torch.testing.assert_close(cpu_ops.linear(x, kernel, b), expected, atol=2e-4, rtol=1e-4)
     if levels is not None:  # and the rounding is what it says: 16-bit, not exact
@@ -116,7 +119,9 @@ def test_gguf_blocks_split_bit_for_bit(type_name):
     kernel = CPULinearKernel(kind, group, tensors)
     assert torch.equal(dequantize(kernel), expected)
     x = torch.randn(2, 128)
-    torch.testing.assert_close(cpu_ops.linear(x, kernel), x @ expected.T, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cpu_ops.linear(x, kernel),
+                               expected_product(x, kernel, 32767 if VNNI_BUILD else None),
+                               atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind,group", [(CPULinearKernel.Q8_0, 32), (CPULinearKernel.Q4, 32),
@@ -127,7 +132,8 @@ def test_int8_activations_round_only_the_activations(kind, group, m, bias):
     """With int8 activations a product of any size (decode-sized: linear_int8_acts.h; batched:
     linear_int8_gemm.h) equals the float32 one of the same weight on x rounded per 32-block
     (amax / 127 steps), except the 4-bit offsets, which multiply the exact sums of x."""
-    n, k = 200 if m <= 4 else 305, 1152  # n: a partial group of 16 rows and of 32
+    # n: a partial group of 16 rows and of 32; k: 36 blocks (16 + 16 + 4), or 37 (odd)
+    n, k = 200 if m <= 4 else 305, 1184 if group == 32 and m % 2 else 1152
     kernel = random_kernel(kind, n, k, group, seed=m)
     fast = CPULinearKernel(kind, group, kernel.tensors, int8_activations=True)
     x = torch.randn(m, k) * torch.logspace(-1, 1, k)  # blocks of very different ranges

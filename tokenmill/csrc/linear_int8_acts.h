@@ -10,18 +10,23 @@
 // vpdpbusd, else AVX2 vpmaddubsw + vpmaddwd) instead of expanding the weights to float32.
 // The 4-bit offsets still multiply the exact float32 group sums of x. Lossy: the activations'
 // rounding (benchmarks/quant_quality.py measures it); used only where asked for.
-struct QuantizedRows {  // M rows of x, quantized per 32-block
-  std::vector<int8_t> q;  // (M, K)
-  std::vector<float> d;   // (M, K/32)
+template <typename T>
+struct BlockRows {  // M rows of x, quantized per 32-block to T (int8_t or int16_t)
+  std::vector<T> q;      // (M, K)
+  std::vector<float> d;  // (M, K/32)
 };
+using QuantizedRows = BlockRows<int8_t>;
 
-// Rows [m0, ...) of a QuantizedRows, as the kernels index them.
-struct QRows {
-  const int8_t* q;  // (rows, K)
+// Rows [m0, ...) of a BlockRows, as the kernels index them.
+template <typename T>
+struct BlockRowsView {
+  const T* q;       // (rows, K)
   const float* d;   // (rows, K/32)
 };
+using QRows = BlockRowsView<int8_t>;
 
-static inline QRows rows_from(const QuantizedRows& r, int64_t m0, int64_t K) {
+template <typename T>
+static inline BlockRowsView<T> rows_from(const BlockRows<T>& r, int64_t m0, int64_t K) {
   return {r.q.data() + m0 * K, r.d.data() + m0 * (K / kBlock)};
 }
 
@@ -66,8 +71,9 @@ static void quantize_blocks(const float* x, int64_t M, int64_t K, T* q, float* d
   else at::parallel_for(0, nb, 256, run);
 }
 
-static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
-  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * K / kBlock)};
+template <typename T = int8_t>
+static BlockRows<T> quantize_rows(const float* x, int64_t M, int64_t K) {
+  BlockRows<T> r{std::vector<T>(M * K), std::vector<float>(M * K / kBlock)};
   quantize_blocks(x, M, K, r.q.data(), r.d.data());
   return r;
 }

@@ -46,8 +46,8 @@ class CPULinearKernel:
     group: int
     tensors: tuple[torch.Tensor, ...]
     # Quantized kinds: multiply int8-quantized activations at every M (llama.cpp's numbers,
-    # faster) instead of float32 ones (exact against the dequantized weight up to M = 16,
-    # int16-rounded above on VNNI builds; csrc/linear_cpu.h).
+    # faster) instead of float32 ones (int16-rounded per 32-block on AVX-512 VNNI builds,
+    # exact against the dequantized weight elsewhere; csrc/linear_cpu.h).
     int8_activations: bool = False
     # (K,): x is multiplied by it before the product (activation-aware 4-bit weights hold
     # W / s per input channel; quantization/awq_search.py). None: no scaling.
