@@ -135,17 +135,26 @@ static void q4_rows_vnni(const T* xq, const float* xd, const float* xsum, const 
       for (int m = 0; m < M; ++m)
         scale[m] = _mm512_mul_ps(wscale, _mm512_maskz_loadu_ps(first_lanes(count),
                                                                 xd + m * nb + c0));
-      int64_t i = 0;
-      for (; i + 2 <= count; i += 2) {
+      // Blocks i and i + 1 into accumulator A. A is a template argument: with a run-time
+      // index the compiler kept the accumulators on the stack (a store and a load per FMA).
+      auto pair = [&]<int A>(int64_t i) {
         const int64_t b = c0 + i;
         __m512i w[2];
         pair_weights<T>(q + b * (kBlock / 2), w);
         const __m512i idx = _mm512_add_epi32(lane_block, _mm512_set1_epi32(i));
         for (int m = 0; m < M; ++m) {
           const __m512 dot = _mm512_cvtepi32_ps(pair_dot<T>(w, xq + m * K + b * kBlock));
-          acc[m][(i >> 1) & 1] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(idx, scale[m]),
-                                                 acc[m][(i >> 1) & 1]);
+          acc[m][A] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(idx, scale[m]), acc[m][A]);
         }
+      };
+      int64_t i = 0;
+      for (; i + 4 <= count; i += 4) {
+        pair.template operator()<0>(i);
+        pair.template operator()<1>(i + 2);
+      }
+      if (i + 2 <= count) {
+        pair.template operator()<0>(i);
+        i += 2;
       }
       if (i < count) {  // a last odd block
         const int64_t b = c0 + i;
@@ -182,7 +191,8 @@ static void q8_rows_vnni(const int16_t* xq, const float* xd, const int8_t* Q, co
       for (int m = 0; m < M; ++m)
         scale[m] = _mm512_mul_ps(wscale, _mm512_maskz_loadu_ps(first_lanes(count),
                                                                 xd + m * nb + c0));
-      for (int64_t i = 0; i < count; ++i) {
+      // block i into accumulator A (a template argument: see q4_rows_vnni)
+      auto block = [&]<int A>(int64_t i) {
         const int64_t b = c0 + i;
         const __m512i w = _mm512_cvtepi8_epi16(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * kBlock)));
@@ -190,10 +200,15 @@ static void q8_rows_vnni(const int16_t* xq, const float* xd, const int8_t* Q, co
         for (int m = 0; m < M; ++m) {
           const __m512 dot = _mm512_cvtepi32_ps(
               _mm512_madd_epi16(w, _mm512_loadu_si512(xq + m * K + b * kBlock)));
-          acc[m][i & 1] =
-              _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(idx, scale[m]), acc[m][i & 1]);
+          acc[m][A] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(idx, scale[m]), acc[m][A]);
         }
+      };
+      int64_t i = 0;
+      for (; i + 2 <= count; i += 2) {
+        block.template operator()<0>(i);
+        block.template operator()<1>(i + 1);
       }
+      if (i < count) block.template operator()<0>(i);
     }
     for (int m = 0; m < M; ++m)
       y[m * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) +
