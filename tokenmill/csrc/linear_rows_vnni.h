@@ -58,6 +58,16 @@ static inline __m512 block_scales(const at::Half* d, int64_t G, int64_t b0, int6
   return _mm512_load_ps(s);
 }
 
+// Per row m of x: weight scale x activation scale of blocks [c0, c0 + count) (xd (M, nb)).
+template <int M>
+static inline void chunk_scales(const at::Half* d, int64_t G, const float* xd, int64_t nb,
+                                int64_t c0, int64_t count, __m512* scale) {
+  const __m512 wscale = block_scales(d, G, c0, count);
+  for (int m = 0; m < M; ++m)
+    scale[m] = _mm512_mul_ps(wscale,
+                             _mm512_maskz_loadu_ps(first_lanes(count), xd + m * nb + c0));
+}
+
 // sum_g m[g] * xsum[g] for each row of x, as 16 lanes to add up (the 4-bit offsets' part).
 template <int M>
 static inline void offset_parts(const at::Half* mn, const float* xsum, int64_t ng,
@@ -130,11 +140,8 @@ static void q4_rows_vnni(const T* xq, const float* xd, const float* xsum, const 
     for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t c0 = 0; c0 < nb; c0 += 16) {  // 16 blocks share one vector of scales
       const int64_t count = std::min<int64_t>(16, nb - c0);
-      const __m512 wscale = block_scales(d, G, c0, count);
       __m512 scale[M];
-      for (int m = 0; m < M; ++m)
-        scale[m] = _mm512_mul_ps(wscale, _mm512_maskz_loadu_ps(first_lanes(count),
-                                                                xd + m * nb + c0));
+      chunk_scales<M>(d, G, xd, nb, c0, count, scale);
       // Blocks i and i + 1 into accumulator A. A is a template argument: with a run-time
       // index the compiler kept the accumulators on the stack (a store and a load per FMA).
       auto pair = [&]<int A>(int64_t i) {
@@ -186,11 +193,8 @@ static void q8_rows_vnni(const int16_t* xq, const float* xd, const int8_t* Q, co
     for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t c0 = 0; c0 < nb; c0 += 16) {
       const int64_t count = std::min<int64_t>(16, nb - c0);
-      const __m512 wscale = block_scales(D + n * nb, kBlock, c0, count);
       __m512 scale[M];
-      for (int m = 0; m < M; ++m)
-        scale[m] = _mm512_mul_ps(wscale, _mm512_maskz_loadu_ps(first_lanes(count),
-                                                                xd + m * nb + c0));
+      chunk_scales<M>(D + n * nb, kBlock, xd, nb, c0, count, scale);
       // block i into accumulator A (a template argument: see q4_rows_vnni)
       auto block = [&]<int A>(int64_t i) {
         const int64_t b = c0 + i;
