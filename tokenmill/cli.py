@@ -64,6 +64,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="CUDA: run decode steps eagerly, without CUDA graphs")
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--speculative-config", dest="speculative_config", default=None,
+                   help='speculative decoding as JSON (vLLM\'s flag), e.g. \'{"method": '
+                        '"ngram", "num_speculative_tokens": 3}\'')
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -72,7 +75,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
              "num_kv_blocks", "block_size", "max_num_seqs",
              "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
              "preemption_mode", "swap_space", "device", "seed", "prepack_weights",
-             "attention_backend", "enforce_eager"]
+             "attention_backend", "enforce_eager", "speculative_config"]
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 

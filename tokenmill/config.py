@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.utils import parse_size
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -273,6 +274,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs (vLLM's name).
     enforce_eager: bool = False
+    # Speculative decoding (vLLM's --speculative-config; spec_decode/config.py); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         from tokenmill.attention.base import BACKEND_NAMES
@@ -297,7 +300,7 @@ class EngineConfig:
                   "enable_chunked_prefill": "scheduler", "preemption_mode": "scheduler",
                   "tensor_parallel_size": "parallel", "device": "engine", "seed": "engine",
                   "prepack_weights": "engine", "attention_backend": "engine",
-                  "enforce_eager": "engine"}
+                  "enforce_eager": "engine", "speculative_config": "engine"}
         for name, value in options.items():
             if name not in owners:
                 raise ValueError(f"unknown engine option {name!r}; known: "
@@ -329,4 +332,6 @@ class EngineConfig:
                             device=device, seed=int(groups["engine"].get("seed", 0)),
                             prepack_weights=groups["engine"].get("prepack_weights", "auto"),
                             attention_backend=groups["engine"].get("attention_backend", "auto"),
-                            enforce_eager=bool(groups["engine"].get("enforce_eager", False)))
+                            enforce_eager=bool(groups["engine"].get("enforce_eager", False)),
+                            speculative=SpeculativeConfig.parse(
+                                groups["engine"].get("speculative_config")))

@@ -30,10 +30,20 @@ class ScheduledRequest:
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     banned_token_ids: list[int] = field(default_factory=list)  # min_tokens: EOS/stop ids
+    # Speculative decoding: the drafts fed after the last token (token_ids ends with them);
+    # the step samples at the last 1 + len(spec_token_ids) positions and verifies them, the
+    # bans at draft position j (>= 1) being spec_banned_token_ids[j - 1].
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_banned_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_sample_positions(self) -> int:
+        """Positions whose logits this step samples: the last one, and one per draft."""
+        return 1 + len(self.spec_token_ids) if self.sample else 0
 
     @property
     def prompt_logprob_positions(self) -> range:
@@ -74,7 +84,9 @@ class PositionLogprobs:
 @dataclass
 class ModelRunnerOutput:
     req_ids: list[str]
-    sampled_token_ids: list[list[int]]  # parallel to req_ids; [] for a request that did not sample
+    # parallel to req_ids; [] for a request that did not sample; with drafts, the accepted
+    # drafts then one sampled token (1 to 1 + len(spec_token_ids) tokens)
+    sampled_token_ids: list[list[int]]
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)  # sampled tokens
     # req_id → (index of the first prompt token covered, its logprobs)
     prompt_logprobs: dict[str, tuple[int, PositionLogprobs]] = field(default_factory=dict)

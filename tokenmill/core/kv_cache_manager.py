@@ -193,7 +193,8 @@ class KVCacheManager:
         if is_new and request.num_computed_tokens == 0 and request.num_preemptions == 0:
             self.prefix_queries += request.num_prompt_tokens
             self.prefix_hits += min(num_computed, request.num_prompt_tokens)
-        self._offer_full_blocks(request, num_computed + num_new_tokens)
+        # Only verified tokens enter the prefix cache: drafts past num_tokens are not offered.
+        self._offer_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return new_ids
 
     def fork(self, parent: Request, child: Request, num_tokens: int | None = None) -> None:

@@ -4,7 +4,11 @@ Invariants:
 - `all_token_ids == prompt_token_ids + output_token_ids`; `num_tokens == len(all_token_ids)`.
 - `0 <= num_computed_tokens <= num_tokens`: the tokens whose K/V sit in the cache. The scheduler
   drives everything from this one number: prefill chunks, decode, resumption after preemption
-  (reset to 0: recompute) and, later, prefix-cache hits and speculative tokens.
+  (reset to 0: recompute), prefix-cache hits and speculative tokens.
+- `spec_token_ids`: draft tokens scheduled after the last token and not yet verified. Between
+  `schedule()` and `update_from_output()` they are counted in `num_computed_tokens` (their
+  K/V is being written), which may then exceed `num_tokens` by their number; verification
+  rolls it back to the accepted ones. They never enter `all_token_ids` unverified.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None  # for the queue-time metric
+        self.spec_token_ids: list[int] = []  # drafts in flight this step (see the invariants)
 
     @property
     def num_tokens(self) -> int:
@@ -76,10 +81,11 @@ class Request:
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
 
-    def banned_token_ids(self) -> list[int]:
-        """Tokens the sampler must not pick now: EOS and stop ids until min_tokens are out."""
+    def banned_token_ids(self, ahead: int = 0) -> list[int]:
+        """Tokens the sampler must not pick now (or `ahead` tokens from now, for a draft
+        position): EOS and stop ids until min_tokens are out."""
         params = self.sampling_params
-        if self.num_output_tokens >= params.min_tokens:
+        if self.num_output_tokens + ahead >= params.min_tokens:
             return []
         eos = [] if params.ignore_eos else sorted(self.eos_token_ids)
         return eos + params.stop_token_ids

@@ -15,6 +15,12 @@ Parallel sampling (n > 1): the first sample (the leader) is queued alone; the ot
 follower forks those blocks (shared, reference-counted) and computes only the last prompt token
 itself, so it samples its own first token; the partly filled last block is copied on write.
 
+Speculative decoding: with a proposer, a decoding request may also get draft tokens after its
+last token (`Request.spec_token_ids`), from the same token budget; the runner verifies them and
+`update_from_output` rolls `num_computed_tokens` back past the rejected ones (their K/V slots
+are simply overwritten later). Drafts go only to steps small enough that verifying costs
+about what a plain decode step does (SPEC_MAX_STEP_TOKENS).
+
 Invariant: every block in the pool is free when no request is running or waiting.
 """
 
@@ -28,11 +34,25 @@ from tokenmill.core.interface import ModelRunnerOutput, ScheduledRequest, Schedu
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.stop import check_stop
+from tokenmill.spec_decode import NgramProposer, SpeculativeConfig
+
+# Drafts are scheduled only while the whole step stays within this many tokens: up to 4 rows,
+# the CPU kernels read each weight once for all of them (csrc/linear_cpu.h), so a verify step
+# costs about a decode step; beyond, every 4 more rows read the weights again and drafting
+# stops paying. A measured cost model per device is the next step.
+SPEC_MAX_STEP_TOKENS = 4
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
+        self.speculative = speculative
+        self.proposer = (None if speculative is None else NgramProposer(
+            speculative.num_speculative_tokens, speculative.prompt_lookup_min,
+            speculative.prompt_lookup_max))
+        self.num_draft_tokens = 0  # drafts verified, in all (spec_decode metrics)
+        self.num_accepted_tokens = 0
         self.kv = kv
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -95,11 +115,13 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
 
+        spec_room = SPEC_MAX_STEP_TOKENS - len(self.running)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while self.kv.allocate_slots(request, n) is None:
+            drafts = self._drafts(request, n, min(spec_room, budget - n))
+            while self.kv.allocate_slots(request, n + len(drafts)) is None:
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
                 preempted.append(victim)
@@ -107,8 +129,10 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 break  # it preempted itself: nobody after it can run either
+            request.spec_token_ids = drafts
+            spec_room -= len(drafts)
             scheduled.append((request, n))
-            budget -= n
+            budget -= n + len(drafts)
             i += 1
 
         while (not preempted and self.waiting and budget > 0
@@ -126,6 +150,16 @@ class Scheduler:
             budget -= n
 
         return self._make_output(scheduled, preempted)
+
+    def _drafts(self, request: Request, n: int, room: int) -> list[int]:
+        """Draft tokens for a decoding request (n = 1), at most `room` of them, none past
+        max_tokens or the model's length."""
+        if self.proposer is None or n != 1 or room <= 0:
+            return []
+        left = min(request.max_tokens - request.num_output_tokens,
+                   self.max_model_len - request.num_tokens)
+        k = min(self.speculative.num_speculative_tokens, room, left - 1)
+        return self.proposer.propose(request.all_token_ids, k) if k > 0 else []
 
     def _admit(self, request: Request, budget: int) -> int | None:
         """Give a waiting request its blocks (a cache hit, swap-in or new ones); the number of
@@ -160,9 +194,10 @@ class Scheduler:
             start = request.num_computed_tokens
             self.num_prompt_tokens_computed += max(0, min(start + n, request.num_prompt_tokens)
                                                    - start)
+            drafts = request.spec_token_ids
             out.scheduled.append(ScheduledRequest(
                 req_id=request.request_id,
-                token_ids=request.all_token_ids[start:start + n],
+                token_ids=request.all_token_ids[start:start + n] + drafts,
                 start_pos=start,
                 block_ids=self.kv.get_block_ids(request.request_id),
                 sample=start + n == request.num_tokens,
@@ -170,10 +205,14 @@ class Scheduler:
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids,
                 banned_token_ids=request.banned_token_ids(),
+                spec_token_ids=drafts,
+                spec_banned_token_ids=[request.banned_token_ids(j)
+                                       for j in range(1, len(drafts) + 1)],
             ))
             # NOTE: advanced here, not after the forward pass, so the next schedule() sees the
-            # tokens in flight; update_from_output only appends sampled tokens.
-            request.num_computed_tokens = start + n
+            # tokens in flight (drafts included); update_from_output appends sampled tokens
+            # and rolls back rejected drafts.
+            request.num_computed_tokens = start + n + len(drafts)
             if request.request_id in self._followers:
                 self._maybe_fork(request)
         return out
@@ -226,6 +265,12 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or not token_ids:
                 continue  # aborted during the step, or a partial prefill chunk
+            if drafts := request.spec_token_ids:
+                accepted = len(token_ids) - 1  # the accepted drafts, then one sampled token
+                request.num_computed_tokens -= len(drafts) - accepted
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += accepted
+                request.spec_token_ids = []
             for token_id in token_ids:
                 request.append_output_token(token_id)
                 status = check_stop(request, self.max_model_len)

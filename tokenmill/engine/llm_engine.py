@@ -69,7 +69,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_kv_blocks, config.cache.block_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching,
                                  num_swap_blocks=self.runner.num_swap_blocks)
-        self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len,
+                                   config.speculative)
         eos = set(config.model.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -229,7 +230,9 @@ class LLMEngine:
                               num_preemptions=self.scheduler.num_preemptions,
                               prefix_cache_queries=self.kv.prefix_queries,
                               prefix_cache_hits=self.kv.prefix_hits,
-                              num_prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed)
+                              num_prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
+                              spec_decode_num_draft_tokens=self.scheduler.num_draft_tokens,
+                              spec_decode_num_accepted_tokens=self.scheduler.num_accepted_tokens)
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -124,7 +124,8 @@ class OutputProcessor:
         new_ids = request.output_token_ids[len(s.token_ids):]
         s.token_ids.extend(new_ids)
         if lps is not None and s.logprobs is not None:
-            for j in range(len(lps.token_ids)):
+            # a verify step's tokens past a stop (EOS, max_tokens) were never appended
+            for j in range(min(len(lps.token_ids), len(new_ids))):
                 s.logprobs.append(self._to_dict(lps, j))
                 s.cumulative_logprob += lps.logprobs[j][0]
         if request.is_finished:

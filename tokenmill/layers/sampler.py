@@ -37,16 +37,24 @@ class Sampler:
                  ) -> tuple[torch.Tensor, PositionLogprobs | None]:
         """logits (S, V) → sampled ids (S,) and, if any row asked, their logprobs."""
         b = SamplingBatch.build(rows, logits.shape[-1], logits.device)
-        logits = logits.float()
-        logprobs = None
-        if b.max_logprobs is not None:
-            raw = logits.log_softmax(dim=-1)
-        logits = b.apply_bias_and_bans(logits)
-        logits = b.apply_penalties(logits)
+        raw, logits = self.target_logits(logits, b)
         sampled = cpu_ops.argmax(logits) if b.all_greedy else self._sample(logits, b, rows)
-        if b.max_logprobs is not None:
-            logprobs = gather_logprobs(raw, sampled, b.max_logprobs)
+        logprobs = None if raw is None else gather_logprobs(raw, sampled, b.max_logprobs)
         return sampled, logprobs
+
+    @staticmethod
+    def target_logits(logits: torch.Tensor, b: SamplingBatch
+                      ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(raw logprobs if any row asked for logprobs, logits after bias, bans and penalties):
+        what greedy rows take the argmax of and random rows sample from (after `probs`)."""
+        logits = logits.float()
+        raw = logits.log_softmax(dim=-1) if b.max_logprobs is not None else None
+        return raw, b.apply_penalties(b.apply_bias_and_bans(logits))
+
+    @staticmethod
+    def probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+        """The distribution random rows draw from: temperature, min_p, top-k, top-p."""
+        return b.apply_top_k_top_p(b.apply_min_p(logits / b.temperature[:, None])).softmax(-1)
 
     def _generator(self, row: ScheduledRequest) -> torch.Generator:
         g = self._generators.get(row.req_id)
@@ -56,18 +64,25 @@ class Sampler:
             self._generators[row.req_id] = g
         return g
 
-    def _sample(self, logits: torch.Tensor, b: SamplingBatch,
-                rows: list[ScheduledRequest]) -> torch.Tensor:
-        greedy_ids = cpu_ops.argmax(logits) if b.any_greedy else None
-        probs = b.apply_top_k_top_p(b.apply_min_p(logits / b.temperature[:, None]))
-        probs = probs.softmax(dim=-1)
+    def noise(self, like: torch.Tensor, b: SamplingBatch, rows: list[ScheduledRequest],
+              kind: str = "exponential") -> torch.Tensor:
+        """I.i.d. noise shaped like `like` (S, ...): Exp(1) or U(0, 1), a seeded request's rows
+        from its own generator (so its tokens do not depend on the rest of the batch)."""
         # Every seeded generator exists before any draws: a step that fails part-way then
         # leaves no request's random stream advanced.
         generators = [(i, self._generator(rows[i])) for i in b.seeded_rows]
-        noise = torch.empty_like(probs).exponential_(generator=self._global)
+        draw = (lambda t, g: t.exponential_(generator=g)) if kind == "exponential" else (
+            lambda t, g: t.uniform_(generator=g))
+        out = draw(torch.empty_like(like, dtype=torch.float32), self._global)
         for i, g in generators:
-            noise[i].exponential_(generator=g)
-        sampled = cpu_ops.argmax(probs / noise)
+            draw(out[i], g)
+        return out
+
+    def _sample(self, logits: torch.Tensor, b: SamplingBatch,
+                rows: list[ScheduledRequest]) -> torch.Tensor:
+        greedy_ids = cpu_ops.argmax(logits) if b.any_greedy else None
+        probs = self.probs(logits, b)
+        sampled = cpu_ops.argmax(probs / self.noise(probs, b, rows))
         if greedy_ids is not None:
             sampled = torch.where(b.is_greedy, greedy_ids, sampled)
         return sampled

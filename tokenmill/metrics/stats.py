@@ -21,6 +21,13 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt tokens of admitted requests, total
     prefix_cache_hits: int = 0  # of which served from the prefix cache
     num_prompt_tokens_computed: int = 0  # prefill work actually done, total
+    spec_decode_num_draft_tokens: int = 0  # draft tokens verified, total
+    spec_decode_num_accepted_tokens: int = 0  # of which accepted
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        return (self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens
+                if self.spec_decode_num_draft_tokens else 0.0)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

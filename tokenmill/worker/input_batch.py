@@ -8,7 +8,8 @@ For B scheduled sequences with query lengths q_i (T = sum q_i tokens):
     block_tables   (B, max_blocks)  padded with the null block 0
     query_start_loc (B+1,) prefix sums of q_i
     seq_lens       (B,)   start_pos_i + q_i: the context each query sees
-    logits_indices (S,)   the last token of each sequence that samples this step
+    logits_indices (P,)   the last token of each sequence that samples this step, or with
+                          k draft tokens its last k + 1 tokens (the positions verified)
 """
 
 from __future__ import annotations
@@ -68,7 +69,13 @@ class InputBatch:
                          + torch.tensor(starts, dtype=torch.long)[row])
             slots = (block_tables[row, positions // block_size] * block_size
                      + positions % block_size)
-            logits_indices = qsl[1:][torch.tensor(sample_rows, dtype=torch.long)] - 1
+            counts = [reqs[i].num_sample_positions for i in sample_rows]
+            if all(c == 1 for c in counts):
+                logits_indices = qsl[1:][torch.tensor(sample_rows, dtype=torch.long)] - 1
+            else:
+                ends = [query_start_locs[i + 1] for i in sample_rows]
+                logits_indices = torch.tensor([e - c + t for e, c in zip(ends, counts, strict=True)
+                                               for t in range(c)], dtype=torch.long)
         to = lambda t: t.to(device, non_blocking=True)
         return InputBatch(
             input_ids=to(input_ids), positions=to(positions), slot_mapping=to(slots),

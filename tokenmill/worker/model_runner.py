@@ -17,7 +17,13 @@ from tokenmill.attention import get_attention_backend
 from tokenmill.attention.kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks
 from tokenmill.attention.triton_paged import TritonPagedAttention
 from tokenmill.config import EngineConfig
-from tokenmill.core.interface import ModelRunnerOutput, PositionLogprobs, SchedulerOutput
+from tokenmill.core.interface import (
+    ModelRunnerOutput,
+    PositionLogprobs,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from tokenmill.layers.rejection_sampler import verify
 from tokenmill.layers.sampler import Sampler, gather_logprobs
 from tokenmill.model_loader import load_model
 from tokenmill.utils import cdiv
@@ -137,15 +143,28 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden, batch.logits_indices)  # (S, V)
             with scope("sample"):
                 rows = [sched.scheduled[i] for i in batch.sample_rows]
-                tokens, logprobs = self.sampler(logits, rows)
-                tokens = tokens.tolist()  # the step's one host sync
-            for j, (i, t) in enumerate(zip(batch.sample_rows, tokens, strict=True)):
-                out.sampled_token_ids[i] = [t]
-                k = rows[j].sampling_params.logprobs
-                if logprobs is not None and k is not None:
-                    out.logprobs[req_ids[i]] = _select(logprobs, j, 1 + k)
+                if any(r.spec_token_ids for r in rows):
+                    self._verify(logits, rows, batch.sample_rows, out)
+                else:
+                    tokens, logprobs = self.sampler(logits, rows)
+                    tokens = tokens.tolist()  # the step's one host sync
+                    for j, (i, t) in enumerate(zip(batch.sample_rows, tokens, strict=True)):
+                        out.sampled_token_ids[i] = [t]
+                        k = rows[j].sampling_params.logprobs
+                        if logprobs is not None and k is not None:
+                            out.logprobs[req_ids[i]] = _select(logprobs, j, 1 + k)
         self._prompt_logprobs(sched, batch, hidden, out)
         return out
+
+    def _verify(self, logits: torch.Tensor, rows: list[ScheduledRequest],
+                sample_rows: list[int], out: ModelRunnerOutput) -> None:
+        """A step with draft tokens: each row's accepted drafts and next token (logits (P, V),
+        num_sample_positions rows per request; layers/rejection_sampler.py)."""
+        emitted, logprobs = verify(self.sampler, logits, rows)
+        for i, tokens, lps in zip(sample_rows, emitted, logprobs, strict=True):
+            out.sampled_token_ids[i] = tokens
+            if lps is not None:
+                out.logprobs[out.req_ids[i]] = lps
 
     def _prompt_logprobs(self, sched: SchedulerOutput, batch: InputBatch, hidden: torch.Tensor,
                          out: ModelRunnerOutput) -> None:
