@@ -11,6 +11,8 @@ import pytest
 
 from tests.conftest import assert_kv_all_free, generate_greedy
 from tokenmill import LLM, SamplingParams
+from tokenmill.metrics.prometheus import PrometheusMetrics
+from tokenmill.metrics.stats import StepTimings
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
          "prompt_lookup_min": 1}
@@ -88,6 +90,17 @@ def test_sampled_requests_keep_max_tokens_and_logprobs_per_token():
     stats = llm.engine.stats()
     assert stats.spec_decode_num_accepted_tokens > 0
     assert_kv_all_free(llm.engine)
+    # /metrics: vLLM's spec_decode counters under our prefix, as the engine counted them
+    metrics = PrometheusMetrics("m")
+    metrics.record(stats, StepTimings())
+    text = metrics.render().decode()
+    for name, value in [("num_drafts", stats.spec_decode_num_drafts),
+                        ("num_draft_tokens", stats.spec_decode_num_draft_tokens),
+                        ("num_accepted_tokens", stats.spec_decode_num_accepted_tokens)]:
+        assert f'tokenmill:spec_decode_{name}_total{{model_name="m"}} {float(value)}' in text
+    per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+    assert sum(per_pos) == stats.spec_decode_num_accepted_tokens
+    assert list(per_pos) == sorted(per_pos, reverse=True)  # position j needs j - 1 accepted
 
 
 def test_bad_speculative_config_fails_at_start(tiny_model):

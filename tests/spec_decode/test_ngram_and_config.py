@@ -1,10 +1,17 @@
-"""The n-gram proposer (prompt lookup) and the speculative config's validation."""
+"""The n-gram proposer (prompt lookup), the draft-length policy and the speculative config's
+validation."""
 
 from __future__ import annotations
 
 import pytest
 
 from tokenmill.spec_decode import NgramProposer, SpeculativeConfig
+from tokenmill.spec_decode.policy import (
+    INITIAL_ACCEPTANCE,
+    VERIFY_COST_PER_DRAFT,
+    draft_length,
+    update_acceptance,
+)
 
 
 def test_ngram_drafts_what_followed_the_latest_match():
@@ -46,3 +53,32 @@ def test_config_parses_vllm_json_and_refuses_what_it_cannot_do():
         SpeculativeConfig.parse({"method": "ngram", "model": "x"})
     with pytest.raises(ValueError, match="not valid JSON"):
         SpeculativeConfig.parse("{method: ngram}")
+
+
+def test_ngram_reports_the_length_of_its_match():
+    p = NgramProposer(k=2, min_n=1, max_n=3)
+    assert p.propose_with_match([8, 9, 4, 4, 0, 0, 9, 7, 1, 8, 9]) == ([4, 4], 2)
+    assert p.propose_with_match([1, 2, 3]) == ([], 0)
+
+
+def test_draft_length_follows_the_running_acceptance():
+    assert draft_length(0.9, 3, long_match=False) == 3
+    assert draft_length(0.5, 3, long_match=False) == 1
+    assert draft_length(0.1, 3, long_match=False) == 0  # open-ended text: verify not worth it
+    assert draft_length(0.1, 3, long_match=True) == 1  # a long match is probed
+    assert draft_length(0.9, 0, long_match=True) == 0  # nothing proposed
+    # the rule: expected tokens per unit of verify cost, against 1 for a plain step
+    a, c = 0.6, VERIFY_COST_PER_DRAFT
+    rates = [sum(a ** j for j in range(k + 1)) / (1 + c * k) for k in range(4)]
+    assert draft_length(a, 3, False) == max(range(4), key=rates.__getitem__)
+
+
+def test_acceptance_estimate_moves_toward_what_was_verified():
+    a = INITIAL_ACCEPTANCE
+    for _ in range(20):
+        a = update_acceptance(a, 3, 3)  # all accepted
+    assert a > 0.95
+    for _ in range(20):
+        a = update_acceptance(a, 0, 3)  # first rejected: one observation, a failure
+    assert a < 0.05
+    assert update_acceptance(0.5, 1, 3) == pytest.approx(0.5 + 0.2 * 0.5 - 0.2 * 0.6)

@@ -17,6 +17,7 @@ import enum
 import time
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.policy import INITIAL_ACCEPTANCE
 
 
 class RequestStatus(enum.IntEnum):
@@ -64,6 +65,7 @@ class Request:
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None  # for the queue-time metric
         self.spec_token_ids: list[int] = []  # drafts in flight this step (see the invariants)
+        self.spec_acceptance = INITIAL_ACCEPTANCE  # running, per draft token (spec_decode/policy)
 
     @property
     def num_tokens(self) -> int:

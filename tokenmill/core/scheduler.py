@@ -19,7 +19,8 @@ Speculative decoding: with a proposer, a decoding request may also get draft tok
 last token (`Request.spec_token_ids`), from the same token budget; the runner verifies them and
 `update_from_output` rolls `num_computed_tokens` back past the rejected ones (their K/V slots
 are simply overwritten later). Drafts go only to steps small enough that verifying costs
-about what a plain decode step does (SPEC_MAX_STEP_TOKENS).
+about what a plain decode step does (SPEC_MAX_STEP_TOKENS), and only as many as the request's
+running acceptance makes worth verifying (spec_decode/policy.py).
 
 Invariant: every block in the pool is free when no request is running or waiting.
 """
@@ -35,6 +36,7 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.stop import check_stop
 from tokenmill.spec_decode import NgramProposer, SpeculativeConfig
+from tokenmill.spec_decode.policy import draft_length, update_acceptance
 
 # Drafts are scheduled only while the whole step stays within this many tokens: up to 4 rows,
 # the CPU kernels read each weight once for all of them (csrc/linear_cpu.h), so a verify step
@@ -51,8 +53,11 @@ class Scheduler:
         self.proposer = (None if speculative is None else NgramProposer(
             speculative.num_speculative_tokens, speculative.prompt_lookup_min,
             speculative.prompt_lookup_max))
-        self.num_draft_tokens = 0  # drafts verified, in all (spec_decode metrics)
-        self.num_accepted_tokens = 0
+        # spec_decode metrics (vLLM's names): verify events, draft tokens, accepted ones, and
+        # accepted ones by draft position
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_accepted_per_pos = [0] * (speculative.num_speculative_tokens
+                                           if speculative else 0)
         self.kv = kv
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -159,7 +164,11 @@ class Scheduler:
         left = min(request.max_tokens - request.num_output_tokens,
                    self.max_model_len - request.num_tokens)
         k = min(self.speculative.num_speculative_tokens, room, left - 1)
-        return self.proposer.propose(request.all_token_ids, k) if k > 0 else []
+        if k <= 0:
+            return []
+        drafts, matched = self.proposer.propose_with_match(request.all_token_ids, k)
+        long_match = matched == self.speculative.prompt_lookup_max
+        return drafts[:draft_length(request.spec_acceptance, len(drafts), long_match)]
 
     def _admit(self, request: Request, budget: int) -> int | None:
         """Give a waiting request its blocks (a cache hit, swap-in or new ones); the number of
@@ -268,8 +277,13 @@ class Scheduler:
             if drafts := request.spec_token_ids:
                 accepted = len(token_ids) - 1  # the accepted drafts, then one sampled token
                 request.num_computed_tokens -= len(drafts) - accepted
+                request.spec_acceptance = update_acceptance(request.spec_acceptance,
+                                                            accepted, len(drafts))
+                self.num_drafts += 1
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_tokens += accepted
+                for j in range(accepted):
+                    self.num_accepted_per_pos[j] += 1
                 request.spec_token_ids = []
             for token_id in token_ids:
                 request.append_output_token(token_id)

@@ -231,8 +231,11 @@ class LLMEngine:
                               prefix_cache_queries=self.kv.prefix_queries,
                               prefix_cache_hits=self.kv.prefix_hits,
                               num_prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
+                              spec_decode_num_drafts=self.scheduler.num_drafts,
                               spec_decode_num_draft_tokens=self.scheduler.num_draft_tokens,
-                              spec_decode_num_accepted_tokens=self.scheduler.num_accepted_tokens)
+                              spec_decode_num_accepted_tokens=self.scheduler.num_accepted_tokens,
+                              spec_decode_num_accepted_tokens_per_pos=tuple(
+                                  self.scheduler.num_accepted_per_pos))
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -43,12 +43,14 @@ class PrometheusMetrics:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the cache")
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prefix cache hits / queries")
+        self.spec_events = counter("spec_decode_num_drafts", "Verify events (drafts of a "
+                                   "request in one step)")
         self.spec_drafts = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens",
                                      "Draft tokens accepted")
         self._preemptions_seen = 0
         self._prefix_seen = (0, 0)
-        self._spec_seen = (0, 0)
+        self._spec_seen = (0, 0, 0)
 
     def record(self, stats: SchedulerStats, step: StepTimings) -> None:
         self.running.set(stats.num_running)
@@ -66,10 +68,12 @@ class PrometheusMetrics:
         self.prefix_hits.inc(hits - self._prefix_seen[1])
         self._prefix_seen = (queries, hits)
         self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
-        drafts, accepted = stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens
-        self.spec_drafts.inc(drafts - self._spec_seen[0])
-        self.spec_accepted.inc(accepted - self._spec_seen[1])
-        self._spec_seen = (drafts, accepted)
+        seen = (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
+                stats.spec_decode_num_accepted_tokens)
+        for metric, now, before in zip((self.spec_events, self.spec_drafts, self.spec_accepted),
+                                       seen, self._spec_seen, strict=True):
+            metric.inc(now - before)
+        self._spec_seen = seen
         self.prompt_tokens.inc(step.prompt_tokens)
         self.generation_tokens.inc(step.generation_tokens)
         self.finished.inc(step.finished)

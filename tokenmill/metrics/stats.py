@@ -21,8 +21,16 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt tokens of admitted requests, total
     prefix_cache_hits: int = 0  # of which served from the prefix cache
     num_prompt_tokens_computed: int = 0  # prefill work actually done, total
+    spec_decode_num_drafts: int = 0  # verify events (a request's drafts in one step), total
     spec_decode_num_draft_tokens: int = 0  # draft tokens verified, total
     spec_decode_num_accepted_tokens: int = 0  # of which accepted
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # by draft position
+
+    @property
+    def spec_decode_mean_accepted_length(self) -> float:
+        """Tokens a verify step emits on average: the accepted drafts plus one."""
+        return (1 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts
+                if self.spec_decode_num_drafts else 0.0)
 
     @property
     def spec_decode_acceptance_rate(self) -> float:

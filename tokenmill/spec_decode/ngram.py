@@ -18,6 +18,11 @@ class NgramProposer:
 
     def propose(self, token_ids: list[int], k: int | None = None) -> list[int]:
         """Up to k tokens continuing `token_ids` (empty: no match)."""
+        return self.propose_with_match(token_ids, k)[0]
+
+    def propose_with_match(self, token_ids: list[int], k: int | None = None
+                           ) -> tuple[list[int], int]:
+        """(up to k tokens continuing `token_ids`, the length of the suffix matched; 0: none)."""
         k = self.k if k is None else k
         tokens = np.asarray(token_ids, dtype=np.int64)
         L = len(tokens)
@@ -27,5 +32,5 @@ class NgramProposer:
             hits = np.flatnonzero((windows == tokens[L - n:]).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n  # the most recent occurrence's continuation
-                return tokens[start:start + k].tolist()
-        return []
+                return tokens[start:start + k].tolist(), n
+        return [], 0

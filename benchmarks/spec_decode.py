@@ -1,0 +1,132 @@
+"""Speculative decoding against none, single stream on SmolLM2, in one run: decode tokens/s,
+acceptance, and whether greedy output stayed the same.
+
+    python benchmarks/spec_decode.py [--rounds 2] [--max-tokens 128] [--quantization gguf]
+                                     [--speculative-config JSON] [--batch64]
+
+Workloads (chat-templated, greedy, built at run time from text on the machine):
+- repetitive: edits and rewrites that quote their input (source code and docstrings of the
+  standard library), where the answer repeats much of the prompt;
+- chat: general questions; stories: open-ended stories (little to look up).
+Each prompt runs once per engine per round, engines alternating (the machine drifts); decode
+tokens/s = (output tokens - 1) / (time of the full request - time of the same request cut to
+one token), medians over rounds, summed over a workload's prompts. --batch64 also runs the
+`uniform` workload (64 requests at once) through both engines: speculation must not slow it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import shlex
+import statistics
+import sys
+import textwrap
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.bench.machine import describe_machine  # noqa: E402
+from tokenmill.bench.workloads import make_workload  # noqa: E402
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+         "prompt_lookup_min": 2}
+
+
+def workloads() -> dict[str, list[str]]:
+    code = [inspect.getsource(f) for f in (textwrap.dedent, shlex.quote, textwrap.indent)]
+    docs = [inspect.getdoc(m)[:700] for m in (json, argparse)]
+    return {
+        "repetitive": [
+            f"Rename the function in this code to `strip_indent` and return the whole code:\n"
+            f"```python\n{code[0]}```",
+            f"Add type hints to this function and return it in full:\n```python\n{code[1]}```",
+            f"Rewrite this text with every sentence on its own line:\n\n{docs[0]}",
+            f"Copy this code, adding a comment above each line:\n```python\n{code[2]}```",
+            f"Fix any typos in the following text and return it unchanged otherwise:\n\n{docs[1]}",
+        ],
+        "chat": ["What are the benefits of regular exercise?", "Explain how a hash table works.",
+                 "Give me three tips for learning a new language.",
+                 "How do I make a good cup of tea?"],
+        "stories": ["Write a short story about a dragon who learns to cook.",
+                    "Tell me a story about a lighthouse keeper and a storm.",
+                    "Write a fairy tale about a clever fox."],
+    }
+
+
+def timed(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    start = time.perf_counter()
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    return time.perf_counter() - start, out.token_ids
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--quantization", default=None, help="both engines' weights (default: "
+                    "the model's default format)")
+    ap.add_argument("--speculative-config", default=json.dumps(NGRAM))
+    ap.add_argument("--batch64", action="store_true")
+    args = ap.parse_args()
+    spec = json.loads(args.speculative_config)
+    engines = {"none": LLM(None, quantization=args.quantization),
+               spec["method"]: LLM(None, quantization=args.quantization,
+                                   speculative_config=spec)}
+    tok = engines["none"].get_tokenizer()
+    print(describe_machine())
+    weights = engines["none"].engine.config.model.quantization or "float32"
+    print(f"SmolLM2-135M-Instruct, weights {weights}, speculative config {json.dumps(spec)}, "
+          f"greedy, max_tokens {args.max_tokens}, {args.rounds} rounds")
+    print(f"\n{'workload':<12}{'engine':<8}{'decode tok/s':>13}{'speed-up':>10}{'accepted':>10}"
+          f"{'tokens/verify':>15}{'same output':>13}")
+    for name, texts in workloads().items():
+        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}],
+                                                      tokenize=False, add_generation_prompt=True),
+                              add_special_tokens=False) for t in texts]
+        rates: dict[str, float] = {}
+        outputs: dict[str, list[list[int]]] = {}
+        for label, llm in engines.items():
+            before = llm.engine.stats()
+            secs, toks = 0.0, 0
+            for p in prompts:
+                full, first = [], []
+                for _ in range(args.rounds):
+                    t_full, ids = timed(llm, p, args.max_tokens)
+                    first.append(timed(llm, p, 1)[0])
+                    full.append(t_full)
+                secs += statistics.median(full) - statistics.median(first)
+                toks += len(ids) - 1
+                outputs.setdefault(label, []).append(ids)
+            rates[label] = toks / secs
+            after = llm.engine.stats()
+            drafts = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+            accepted = (after.spec_decode_num_accepted_tokens
+                        - before.spec_decode_num_accepted_tokens)
+            events = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+            same = outputs[label] == outputs["none"]
+            print(f"{name:<12}{label:<8}{rates[label]:>13.1f}{rates[label] / rates['none']:>9.2f}x"
+                  f"{(f'{accepted / drafts:.0%}' if drafts else '-'):>10}"
+                  f"{(f'{1 + accepted / events:.2f}' if events else '-'):>15}"
+                  f"{'yes' if same else 'NO':>13}")
+    if args.batch64:
+        vocab = engines["none"].engine.config.model.vocab_size
+        reqs = make_workload("uniform", vocab, set(tok.all_special_ids))
+        print("\nuniform, 64 requests at once (256 prompt + 128 output tokens each):")
+        for label, llm in engines.items():
+            params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
+                      for r in reqs]
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs], params,
+                         use_tqdm=False)
+            secs = time.perf_counter() - start
+            total = sum(len(r.prompt_token_ids) + r.output_len for r in reqs)
+            print(f"  {label:<8}{total / secs:>8.1f} total tokens/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""How many draft tokens pay for a request this step.
+
+A verify step with k drafts at per-token acceptance a emits 1 + a + ... + a^k tokens on
+average and costs about 1 + c k plain decode steps: on CPU the linear kernels' work grows
+with the rows of a step even where the weights are read once (measured on SmolLM2, 2 cores:
+a 4-token step costs 1.6-1.7x a 1-token one in float32 and in GGUF Q4_1, so c = 0.21). The
+policy takes the k in 0..K with the most tokens per unit of cost, from each request's running
+acceptance: an exponential moving average over the draft positions it has verified (a
+rejected position counts once, the positions after it are not observed), starting at 0.5.
+Open-ended text (acceptance ~10%) then stops drafting instead of paying for rejected verify
+work; a request whose estimate is low still gets one draft when the proposer's match is as
+long as it looks for, so that a passage that starts repeating is noticed.
+"""
+
+from __future__ import annotations
+
+VERIFY_COST_PER_DRAFT = 0.21
+INITIAL_ACCEPTANCE = 0.5
+_ALPHA = 0.2  # weight of one verified position in the running acceptance
+
+
+def draft_length(acceptance: float, available: int, long_match: bool) -> int:
+    """Drafts to verify out of `available`, at running per-token `acceptance`."""
+    best, best_rate = 0, 1.0  # no drafts: one token per plain step
+    expected = 1.0
+    for k in range(1, available + 1):
+        expected += acceptance ** k
+        rate = expected / (1 + VERIFY_COST_PER_DRAFT * k)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return max(best, 1 if long_match and available else 0)
+
+
+def update_acceptance(acceptance: float, accepted: int, drafted: int) -> float:
+    """The running acceptance after a verify step that accepted `accepted` of `drafted`."""
+    for j in range(min(accepted + 1, drafted)):
+        acceptance += _ALPHA * ((1.0 if j < accepted else 0.0) - acceptance)
+    return acceptance
