@@ -13,6 +13,7 @@ from tests.conftest import assert_kv_all_free, generate_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.metrics.stats import StepTimings
+from tokenmill.sampling_params import BeamSearchParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
          "prompt_lookup_min": 1}
@@ -101,6 +102,23 @@ def test_sampled_requests_keep_max_tokens_and_logprobs_per_token():
     per_pos = stats.spec_decode_num_accepted_tokens_per_pos
     assert sum(per_pos) == stats.spec_decode_num_accepted_tokens
     assert list(per_pos) == sorted(per_pos, reverse=True)  # position j needs j - 1 accepted
+
+
+def test_beam_search_and_n_samples_run_unchanged(tiny_model):
+    """Beam search steps one token per request (nothing to draft); n > 1 samples draft each
+    on their own and keep their seeded streams' distribution (greedy: identical)."""
+    path, _ = tiny_model("llama")
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    base, spec = LLM(path, max_model_len=256), LLM(path, max_model_len=256,
+                                                   speculative_config=NGRAM)
+    beams = [[s.tokens for s in llm.beam_search([prompt], BeamSearchParams(3, 12))[0].sequences]
+             for llm in (base, spec)]
+    assert beams[0] == beams[1]
+    params = SamplingParams(n=3, temperature=0, max_tokens=16, ignore_eos=True)
+    outs = [[o.token_ids for o in llm.generate([prompt], params, use_tqdm=False)[0].outputs]
+            for llm in (base, spec)]
+    assert outs[0] == outs[1]
+    assert_kv_all_free(spec.engine)
 
 
 def test_bad_speculative_config_fails_at_start(tiny_model):
