@@ -62,7 +62,8 @@ PROMPTS = ["Repeat this code exactly:\n" + CODE, "Tell me a story about a cat.",
     {},
     {"max_num_batched_tokens": 16},  # prompts in chunks beside verify steps
     {"num_kv_blocks": 15, "block_size": 8},  # 112 tokens for ~230: preemption
-], ids=["default", "chunked", "preemption"])
+    {"num_kv_blocks": 15, "block_size": 8, "preemption_mode": "swap", "swap_space": "64MiB"},
+], ids=["default", "chunked", "preemption", "swap"])
 def test_smollm2_greedy_unchanged_with_drafts_accepted(options):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     base = LLM(None, **options).generate(PROMPTS, params, use_tqdm=False)
@@ -119,6 +120,22 @@ def test_beam_search_and_n_samples_run_unchanged(tiny_model):
             for llm in (base, spec)]
     assert outs[0] == outs[1]
     assert_kv_all_free(spec.engine)
+
+
+def test_cli_flag_reaches_the_config(tiny_model):
+    import argparse
+
+    from tokenmill.cli import add_engine_args, engine_options
+    from tokenmill.config import EngineConfig
+
+    path, _ = tiny_model("llama")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    options = engine_options(parser.parse_args(
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']))
+    config = EngineConfig.create(path, **options)
+    assert (config.speculative.method, config.speculative.num_speculative_tokens) == ("ngram", 2)
+    assert EngineConfig.create(path).speculative is None
 
 
 def test_bad_speculative_config_fails_at_start(tiny_model):
