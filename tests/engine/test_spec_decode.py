@@ -103,6 +103,9 @@ def test_sampled_requests_keep_max_tokens_and_logprobs_per_token():
     per_pos = stats.spec_decode_num_accepted_tokens_per_pos
     assert sum(per_pos) == stats.spec_decode_num_accepted_tokens
     assert list(per_pos) == sorted(per_pos, reverse=True)  # position j needs j - 1 accepted
+    for pos, count in enumerate(per_pos):
+        assert (f'tokenmill:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",'
+                f'position="{pos}"}} {float(count)}') in text
 
 
 def test_beam_search_and_n_samples_run_unchanged(tiny_model):

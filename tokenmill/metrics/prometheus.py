@@ -48,6 +48,12 @@ class PrometheusMetrics:
         self.spec_drafts = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens",
                                      "Draft tokens accepted")
+        self.spec_accepted_per_pos = Counter(
+            "tokenmill:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft", ["model_name", "position"],
+            registry=r)
+        self._model_name = model_name
+        self._per_pos_seen: tuple[int, ...] = ()
         self._preemptions_seen = 0
         self._prefix_seen = (0, 0)
         self._spec_seen = (0, 0, 0)
@@ -74,6 +80,11 @@ class PrometheusMetrics:
                                        seen, self._spec_seen, strict=True):
             metric.inc(now - before)
         self._spec_seen = seen
+        per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+        for pos, now in enumerate(per_pos):
+            before = self._per_pos_seen[pos] if pos < len(self._per_pos_seen) else 0
+            self.spec_accepted_per_pos.labels(self._model_name, str(pos)).inc(now - before)
+        self._per_pos_seen = per_pos
         self.prompt_tokens.inc(step.prompt_tokens)
         self.generation_tokens.inc(step.generation_tokens)
         self.finished.inc(step.finished)
