@@ -49,7 +49,8 @@ class ModelConfig:
     quantization: str | None = None
     hf_quant_config: dict[str, Any] | None = None
     # Quantized weights multiply int8-quantized activations in every step (llama.cpp's
-    # numbers, faster) instead of float32 ones (exact for the weights up to 16 tokens a step).
+    # numbers, faster) instead of float ones (rounded to int16 per 32 values on AVX-512 VNNI
+    # CPUs, exact elsewhere; csrc/linear_cpu.h).
     int8_activations: bool = False
 
     @staticmethod

@@ -3,8 +3,8 @@
     {"method": "ngram", "num_speculative_tokens": 3,
      "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
-Fields a method does not use, unknown fields and methods not built yet are refused with what
-is supported, never ignored.
+Unknown fields, bad values and methods not built yet are refused with what is supported,
+never ignored. (Only "ngram" is built, and it uses every field.)
 """
 
 from __future__ import annotations

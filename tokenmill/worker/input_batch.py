@@ -69,13 +69,10 @@ class InputBatch:
                          + torch.tensor(starts, dtype=torch.long)[row])
             slots = (block_tables[row, positions // block_size] * block_size
                      + positions % block_size)
-            counts = [reqs[i].num_sample_positions for i in sample_rows]
-            if all(c == 1 for c in counts):
-                logits_indices = qsl[1:][torch.tensor(sample_rows, dtype=torch.long)] - 1
-            else:
-                ends = [query_start_locs[i + 1] for i in sample_rows]
-                logits_indices = torch.tensor([e - c + t for e, c in zip(ends, counts, strict=True)
-                                               for t in range(c)], dtype=torch.long)
+            # each sampling sequence's last num_sample_positions tokens (1, or 1 + drafts)
+            logits_indices = torch.tensor(
+                [query_start_locs[i + 1] - c + t for i in sample_rows
+                 for c in [reqs[i].num_sample_positions] for t in range(c)], dtype=torch.long)
         to = lambda t: t.to(device, non_blocking=True)
         return InputBatch(
             input_ids=to(input_ids), positions=to(positions), slot_mapping=to(slots),
