@@ -2,7 +2,15 @@
 acceptance, and whether greedy output stayed the same.
 
     python benchmarks/spec_decode.py [--rounds 2] [--max-tokens 128] [--quantization gguf]
-                                     [--speculative-config JSON] [--batch64]
+                                     [--speculative-config JSON ...] [--batch64]
+                                     [--target offgrid]
+
+Each --speculative-config (repeatable; default n-gram) is one engine beside the one without.
+--target offgrid serves, in float32, a copy of the GGUF file's weights each moved within half a
+quantization step (bench/gguf_f32.py): a float checkpoint of which the file is a faithful
+quantization, as a real full-precision model is (SmolLM2's float32 weights are otherwise its
+Q4_1 blocks expanded, which its own 4-bit copy reproduces exactly and so flatters a quantized
+self-draft); a draft_model config without "model" then drafts with the GGUF file itself.
 
 Workloads (chat-templated, greedy, built at run time from text on the machine):
 - repetitive: edits and rewrites that quote their input (source code and docstrings of the
@@ -28,8 +36,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.bench.gguf_f32 import f32_copy  # noqa: E402
 from tokenmill.bench.machine import describe_machine  # noqa: E402
 from tokenmill.bench.workloads import make_workload  # noqa: E402
+from tokenmill.model_loader.default_model import default_model_path  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}
@@ -70,19 +80,31 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--quantization", default=None, help="both engines' weights (default: "
                     "the model's default format)")
-    ap.add_argument("--speculative-config", default=json.dumps(NGRAM))
+    ap.add_argument("--speculative-config", action="append", default=None)
+    ap.add_argument("--target", choices=["default", "offgrid"], default="default")
     ap.add_argument("--batch64", action="store_true")
     args = ap.parse_args()
-    spec = json.loads(args.speculative_config)
-    engines = {"none": LLM(None, quantization=args.quantization),
-               spec["method"]: LLM(None, quantization=args.quantization,
-                                   speculative_config=spec)}
+    specs = [json.loads(c) for c in args.speculative_config or [json.dumps(NGRAM)]]
+    target, quantization = None, args.quantization
+    if args.target == "offgrid":
+        gguf_file = default_model_path()
+        target, quantization = f32_copy(gguf_file, perturb_seed=0), "none"
+        specs = [s | {"model": gguf_file} if s["method"] == "draft_model" and "model" not in s
+                 else s for s in specs]
+    engines = {"none": LLM(target, quantization=quantization)}
+    for spec in specs:
+        label = spec["method"].replace("draft_model", "draft")
+        if "quantization" in spec:
+            label += f":{spec['quantization']}"
+        engines[label] = LLM(target, quantization=quantization, speculative_config=spec)
     tok = engines["none"].get_tokenizer()
     print(describe_machine())
     weights = engines["none"].engine.config.model.quantization or "float32"
-    print(f"SmolLM2-135M-Instruct, weights {weights}, speculative config {json.dumps(spec)}, "
+    print(f"SmolLM2-135M-Instruct{' off-grid copy' if target else ''}, weights {weights}, "
           f"greedy, max_tokens {args.max_tokens}, {args.rounds} rounds")
-    print(f"\n{'workload':<12}{'engine':<8}{'decode tok/s':>13}{'speed-up':>10}{'accepted':>10}"
+    for label, spec in zip(list(engines)[1:], specs, strict=True):
+        print(f"  {label}: {json.dumps(spec)}")
+    print(f"\n{'workload':<12}{'engine':<12}{'decode tok/s':>13}{'speed-up':>10}{'accepted':>10}"
           f"{'tokens/verify':>15}{'same output':>13}")
     for name, texts in workloads().items():
         prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}],
@@ -109,7 +131,7 @@ def main() -> None:
                         - before.spec_decode_num_accepted_tokens)
             events = after.spec_decode_num_drafts - before.spec_decode_num_drafts
             same = outputs[label] == outputs["none"]
-            print(f"{name:<12}{label:<8}{rates[label]:>13.1f}{rates[label] / rates['none']:>9.2f}x"
+            print(f"{name:<12}{label:<12}{rates[label]:>13.1f}{rates[label] / rates['none']:>9.2f}x"
                   f"{(f'{accepted / drafts:.0%}' if drafts else '-'):>10}"
                   f"{(f'{1 + accepted / events:.2f}' if events else '-'):>15}"
                   f"{'yes' if same else 'NO':>13}")
@@ -125,7 +147,7 @@ def main() -> None:
                          use_tqdm=False)
             secs = time.perf_counter() - start
             total = sum(len(r.prompt_token_ids) + r.output_len for r in reqs)
-            print(f"  {label:<8}{total / secs:>8.1f} total tokens/s")
+            print(f"  {label:<12}{total / secs:>8.1f} total tokens/s")
 
 
 if __name__ == "__main__":

@@ -277,6 +277,9 @@ class EngineConfig:
     enforce_eager: bool = False
     # Speculative decoding (vLLM's --speculative-config; spec_decode/config.py); None: off.
     speculative: SpeculativeConfig | None = None
+    # The draft of speculative method "draft_model" (spec_decode/draft_model.py), resolved and
+    # checked against the target at start-up.
+    draft_model: ModelConfig | None = None
 
     def __post_init__(self) -> None:
         from tokenmill.attention.base import BACKEND_NAMES
@@ -328,11 +331,16 @@ class EngineConfig:
                 raise ValueError(
                     f"max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= "
                     f"max_model_len ({model_cfg.max_model_len}) when chunked prefill is off")
+        speculative = SpeculativeConfig.parse(groups["engine"].get("speculative_config"))
+        draft = None
+        if speculative is not None and speculative.method == "draft_model":
+            from tokenmill.spec_decode.draft_model import draft_model_config
+
+            draft = draft_model_config(speculative, model_cfg, device)
         return EngineConfig(model=model_cfg, cache=CacheConfig(**groups["cache"]),
                             scheduler=sched, parallel=ParallelConfig(**groups["parallel"]),
                             device=device, seed=int(groups["engine"].get("seed", 0)),
                             prepack_weights=groups["engine"].get("prepack_weights", "auto"),
                             attention_backend=groups["engine"].get("attention_backend", "auto"),
                             enforce_eager=bool(groups["engine"].get("enforce_eager", False)),
-                            speculative=SpeculativeConfig.parse(
-                                groups["engine"].get("speculative_config")))
+                            speculative=speculative, draft_model=draft)

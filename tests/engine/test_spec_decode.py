@@ -17,6 +17,8 @@ from tokenmill.sampling_params import BeamSearchParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
          "prompt_lookup_min": 1}
+SELF_INT8 = {"method": "draft_model", "quantization": "int8", "num_speculative_tokens": 3}
+SELF_GGUF = {"method": "draft_model", "quantization": "gguf", "num_speculative_tokens": 3}
 
 
 def repetitive_prompts(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -35,19 +37,30 @@ def repetitive_prompts(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     {},
     {"max_num_batched_tokens": 24},  # chunked prefill beside verify steps
     {"num_kv_blocks": 20, "block_size": 8},  # 152 tokens for 3 requests: preemption
+    {"num_kv_blocks": 20, "block_size": 8, "preemption_mode": "swap", "swap_space": "8MiB"},
     {"enable_prefix_caching": False},
-], ids=["default", "chunked", "preemption", "no-prefix-cache"])
-def test_tiny_model_greedy_output_is_unchanged(tiny_model, options):
-    """A random-weight model rarely continues an earlier n-gram: its drafts are rejected, so
-    this covers the rollback (SmolLM2 below covers acceptance)."""
+], ids=["default", "chunked", "preemption", "swap", "no-prefix-cache"])
+@pytest.mark.parametrize("proposer", ["ngram", "self-int8", "other-model"])
+def test_tiny_model_greedy_output_is_unchanged(tiny_model, options, proposer):
+    """A random-weight model rarely continues an earlier n-gram, and another random model
+    rarely agrees with it: their drafts are rejected, which covers the rollback; its own int8
+    copy agrees on most tokens, which covers acceptance (as SmolLM2 does below)."""
     path, _ = tiny_model("llama")
+    spec_config = {"ngram": NGRAM, "self-int8": SELF_INT8,
+                   "other-model": {"method": "draft_model", "num_speculative_tokens": 3,
+                                   "model": tiny_model("llama-mqa-llama3rope")[0]}}[proposer]
     cases = repetitive_prompts(12)
     options = {"max_model_len": 512, "max_num_seqs": 3} | options  # room for drafts
     base = LLM(path, **options)
     expected = generate_greedy(base, cases)
-    spec = LLM(path, speculative_config=NGRAM, **options)
+    spec = LLM(path, speculative_config=spec_config, **options)
     assert generate_greedy(spec, cases) == expected
-    assert spec.engine.stats().spec_decode_num_draft_tokens > 0
+    stats = spec.engine.stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    if proposer == "self-int8":
+        assert stats.spec_decode_acceptance_rate > 0.8
+    elif proposer == "other-model":
+        assert stats.spec_decode_acceptance_rate < 0.5
     assert_kv_all_free(spec.engine)
     if options.get("num_kv_blocks"):
         assert spec.engine.scheduler.num_preemptions > 0
@@ -79,8 +92,33 @@ def test_smollm2_greedy_unchanged_with_drafts_accepted(options):
         assert spec.engine.scheduler.num_preemptions > 0
 
 
-def test_sampled_requests_keep_max_tokens_and_logprobs_per_token():
-    llm = LLM(None, speculative_config=NGRAM)
+@pytest.mark.parametrize("options", [
+    {"max_num_batched_tokens": 16},  # prompts in chunks; prefix cache hits the second time
+    {"num_kv_blocks": 15, "block_size": 8, "preemption_mode": "swap", "swap_space": "64MiB"},
+], ids=["chunked", "swap"])
+def test_smollm2_self_draft_greedy_unchanged(options):
+    """Float32 SmolLM2 drafted for by its own GGUF Q4_1 blocks: the same tokens, most drafts
+    accepted (its float32 weights are those blocks expanded). Requests of different lengths,
+    so that the batch shrinks to where drafting pays."""
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (48, 9, 20)]
+    base = LLM(None, quantization="none", **options).generate(PROMPTS, params, use_tqdm=False)
+    spec = LLM(None, quantization="none", speculative_config=SELF_GGUF, **options)
+    assert spec.engine.runner.drafter.config.quantization == "gguf"
+    for _ in range(2):
+        outs = spec.generate(PROMPTS, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
+        assert_kv_all_free(spec.engine)
+    stats = spec.engine.stats()
+    assert stats.spec_decode_num_accepted_tokens > 30
+    assert stats.spec_decode_acceptance_rate > 0.9
+    if options.get("num_kv_blocks"):
+        assert spec.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "self-gguf"])
+def test_sampled_requests_keep_max_tokens_and_logprobs_per_token(proposer):
+    llm = (LLM(None, speculative_config=NGRAM) if proposer == "ngram" else
+           LLM(None, quantization="none", speculative_config=SELF_GGUF))
     params = [SamplingParams(temperature=0.7, seed=i, max_tokens=m, ignore_eos=True, logprobs=1)
               for i, m in enumerate([37, 8, 21])]
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -108,13 +146,14 @@ def test_sampled_requests_keep_max_tokens_and_logprobs_per_token():
                 f'position="{pos}"}} {float(count)}') in text
 
 
-def test_beam_search_and_n_samples_run_unchanged(tiny_model):
+@pytest.mark.parametrize("spec_config", [NGRAM, SELF_INT8], ids=["ngram", "self-int8"])
+def test_beam_search_and_n_samples_run_unchanged(tiny_model, spec_config):
     """Beam search steps one token per request (nothing to draft); n > 1 samples draft each
     on their own and keep their seeded streams' distribution (greedy: identical)."""
     path, _ = tiny_model("llama")
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
     base, spec = LLM(path, max_model_len=256), LLM(path, max_model_len=256,
-                                                   speculative_config=NGRAM)
+                                                   speculative_config=spec_config)
     beams = [[s.tokens for s in llm.beam_search([prompt], BeamSearchParams(3, 12))[0].sequences]
              for llm in (base, spec)]
     assert beams[0] == beams[1]
@@ -123,6 +162,49 @@ def test_beam_search_and_n_samples_run_unchanged(tiny_model):
             for llm in (base, spec)]
     assert outs[0] == outs[1]
     assert_kv_all_free(spec.engine)
+
+
+@pytest.mark.parametrize("spec_config", [NGRAM, SELF_INT8], ids=["ngram", "self-int8"])
+def test_aborts_mid_draft_spare_the_others_and_leak_nothing(tiny_model, spec_config):
+    path, _ = tiny_model("llama")
+    llm = LLM(path, max_model_len=512, max_num_seqs=2, speculative_config=spec_config)
+    engine, rng = llm.engine, random.Random(3)
+    cases = repetitive_prompts(30, seed=4)
+    keep = {f"keep-{i}": c for i, c in enumerate(cases[:3])}
+    expected = dict(zip(keep, generate_greedy(LLM(path, max_model_len=512), list(keep.values())),
+                        strict=True))
+    live, done, aborted_with_drafts = [], {}, 0
+    for i, (prompt, max_tokens) in enumerate(cases):
+        rid = f"keep-{i}" if i < 3 else f"rand-{i}"
+        params = SamplingParams(temperature=0 if i < 3 else rng.choice([0, 0.8]),
+                                max_tokens=max_tokens, ignore_eos=True, seed=i)
+        engine.add_request(rid, prompt, params)
+        live.append(rid)
+        for _ in range(rng.randint(0, 3)):
+            for out in engine.step():
+                if out.finished:
+                    live.remove(out.request_id)
+                    done[out.request_id] = out.outputs[0].token_ids
+        decoding = [r for r in live if r.startswith("rand")
+                    and engine.scheduler.requests[r].num_output_tokens]
+        if decoding and rng.random() < 0.5:
+            rid = rng.choice(decoding)
+            aborted_with_drafts += bool(engine.scheduler.requests[rid].proposed_token_ids)
+            assert engine.abort_request(rid)
+            live.remove(rid)
+        engine.kv.check_integrity()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert {r: done[r] for r in keep} == expected
+    assert len(done) < len(cases)  # some were aborted
+    assert engine.stats().spec_decode_num_draft_tokens > 0
+    assert_kv_all_free(engine)
+    if engine.runner.drafter is not None:
+        assert aborted_with_drafts > 0  # a draft model's drafts were waiting to be verified
+        engine.step()  # the last finished ids reach the runner with the next step
+        assert engine.runner.drafter._states == {}
 
 
 def test_cli_flag_reaches_the_config(tiny_model):
@@ -138,7 +220,11 @@ def test_cli_flag_reaches_the_config(tiny_model):
         ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']))
     config = EngineConfig.create(path, **options)
     assert (config.speculative.method, config.speculative.num_speculative_tokens) == ("ngram", 2)
+    assert config.draft_model is None
     assert EngineConfig.create(path).speculative is None
+    config = EngineConfig.create(path, **engine_options(parser.parse_args(
+        ["--speculative-config", '{"method": "draft_model", "quantization": "int8"}'])))
+    assert (config.draft_model.path, config.draft_model.quantization) == (path, "int8")
 
 
 def test_bad_speculative_config_fails_at_start(tiny_model):

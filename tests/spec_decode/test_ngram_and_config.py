@@ -41,16 +41,28 @@ def test_config_parses_vllm_json_and_refuses_what_it_cannot_do():
     assert (cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min) == (2, 5, 1)
     assert SpeculativeConfig.parse(None) is None
     assert SpeculativeConfig.parse({"method": "ngram"}) == SpeculativeConfig()
-    with pytest.raises(ValueError, match="not built yet.*supported: ngram"):
+    with pytest.raises(ValueError, match="not built yet.*supported: ngram, draft_model"):
+        SpeculativeConfig.parse({"method": "suffix"})
+    with pytest.raises(ValueError, match="needs a draft 'model', or a 'quantization'"):
         SpeculativeConfig.parse({"method": "draft_model"})
+    with pytest.raises(ValueError, match="prompt_lookup_max do not apply to method "
+                                         "'draft_model'; it reads model, quantization"):
+        SpeculativeConfig.parse({"method": "draft_model", "model": "x", "prompt_lookup_max": 3})
+    draft = SpeculativeConfig.parse({"method": "draft_model", "quantization": "gguf",
+                                     "num_speculative_tokens": 2})
+    assert (draft.model, draft.quantization, draft.num_speculative_tokens) == (None, "gguf", 2)
     with pytest.raises(ValueError, match="'medusa'; supported: ngram"):
         SpeculativeConfig.parse({"method": "medusa"})
     with pytest.raises(ValueError, match="num_speculative_tokens must be an integer in 1..3"):
         SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 8})
     with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max"):
         SpeculativeConfig.parse({"method": "ngram", "prompt_lookup_min": 5})
-    with pytest.raises(ValueError, match="unknown speculative_config field.*model"):
+    with pytest.raises(ValueError, match="model do not apply to method 'ngram'"):
         SpeculativeConfig.parse({"method": "ngram", "model": "x"})
+    with pytest.raises(ValueError, match="unknown speculative_config field.*draft_tp"):
+        SpeculativeConfig.parse({"method": "ngram", "draft_tp": 2})
+    with pytest.raises(ValueError, match="takes no model or quantization"):
+        SpeculativeConfig(method="ngram", quantization="int8")
     with pytest.raises(ValueError, match="not valid JSON"):
         SpeculativeConfig.parse("{method: ngram}")
 

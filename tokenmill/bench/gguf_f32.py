@@ -16,11 +16,17 @@ import numpy as np
 from tokenmill.model_loader.gguf_cache import cache_root, keyed_name
 
 
-def f32_copy(gguf_path: str) -> str:
-    """Path of an F32 copy of `gguf_path`, writing it on first use."""
+def f32_copy(gguf_path: str, perturb_seed: int | None = None) -> str:
+    """Path of an F32 copy of `gguf_path`, writing it on first use.
+
+    With `perturb_seed`, each weight of a quantized tensor also moves by a seeded uniform
+    amount within half its block's quantization step (`_off_grid`): the copy is then a float
+    checkpoint of which the file is a faithful quantization, as a real full-precision model is,
+    instead of one that its own quantization reproduces exactly."""
     import gguf
 
-    name = keyed_name(gguf_path) + ".F32.gguf"
+    suffix = ".F32.gguf" if perturb_seed is None else f".F32.offgrid{perturb_seed}.gguf"
+    name = keyed_name(gguf_path) + suffix
     out = cache_root() / "gguf-f32" / name
     if out.is_file():
         return str(out)
@@ -41,8 +47,11 @@ def f32_copy(gguf_path: str) -> str:
             val_type = field.types[0]
             sub_type = field.types[-1] if val_type == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(field.name, field.contents(), val_type, sub_type=sub_type)
+        rng = None if perturb_seed is None else np.random.default_rng(perturb_seed)
         for t in reader.tensors:
             data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            if rng is not None and t.tensor_type.name in _LEVELS:
+                data = _off_grid(data, _LEVELS[t.tensor_type.name], rng)
             writer.add_tensor(t.name, data, raw_dtype=gguf.GGMLQuantizationType.F32)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -53,3 +62,16 @@ def f32_copy(gguf_path: str) -> str:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return str(out)
+
+
+# Quantization levels per 32-value block of the GGUF block types: a block's step is its range
+# over (levels - 1).
+_LEVELS = {"Q4_0": 16, "Q4_1": 16, "Q8_0": 256}
+
+
+def _off_grid(data: np.ndarray, levels: int, rng: np.random.Generator) -> np.ndarray:
+    """`data` moved by uniform noise of up to half a quantization step of its 32-block."""
+    blocks = data.reshape(-1, 32)
+    step = (blocks.max(axis=1, keepdims=True) - blocks.min(axis=1, keepdims=True)) / (levels - 1)
+    noise = rng.uniform(-0.5, 0.5, size=blocks.shape).astype(np.float32) * step
+    return (blocks + noise).reshape(data.shape)

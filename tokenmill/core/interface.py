@@ -35,6 +35,9 @@ class ScheduledRequest:
     # bans at draft position j (>= 1) being spec_banned_token_ids[j - 1].
     spec_token_ids: list[int] = field(default_factory=list)
     spec_banned_token_ids: list[list[int]] = field(default_factory=list)
+    # A draft model's work after this step (vLLM's num_lookahead_tokens): draft this many
+    # tokens past the ones the step emits, into slots the scheduler has reserved.
+    num_lookahead_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -90,3 +93,6 @@ class ModelRunnerOutput:
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)  # sampled tokens
     # req_id → (index of the first prompt token covered, its logprobs)
     prompt_logprobs: dict[str, tuple[int, PositionLogprobs]] = field(default_factory=dict)
+    # req_id → a draft model's drafts continuing the tokens this step emitted (requests with
+    # num_lookahead_tokens > 0 that sampled), for the scheduler to verify next step
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

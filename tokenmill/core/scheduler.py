@@ -36,13 +36,21 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.stop import check_stop
 from tokenmill.spec_decode import NgramProposer, SpeculativeConfig
-from tokenmill.spec_decode.policy import draft_length, update_acceptance
+from tokenmill.spec_decode.policy import (
+    DRAFT_MODEL_COST,
+    DRAFT_MODEL_INITIAL_ACCEPTANCE,
+    draft_length,
+    update_acceptance,
+)
 
 # Drafts are scheduled only while the whole step stays within this many tokens: up to 4 rows,
 # the CPU kernels read each weight once for all of them (csrc/linear_cpu.h), so a verify step
 # costs about a decode step; beyond, every 4 more rows read the weights again and drafting
 # stops paying. A measured cost model per device is the next step.
 SPEC_MAX_STEP_TOKENS = 4
+# A draft model whose acceptance says drafting does not pay still drafts once every this many
+# output tokens, so that its running acceptance can recover.
+PROBE_EVERY = 8
 
 
 class Scheduler:
@@ -50,9 +58,13 @@ class Scheduler:
                  speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
         self.speculative = speculative
-        self.proposer = (None if speculative is None else NgramProposer(
-            speculative.num_speculative_tokens, speculative.prompt_lookup_min,
-            speculative.prompt_lookup_max))
+        # n-gram drafts are made here at schedule time; a draft model's come from the runner
+        # after the step before (Request.proposed_token_ids), into reserved lookahead slots
+        self.proposer = (NgramProposer(speculative.num_speculative_tokens,
+                                       speculative.prompt_lookup_min,
+                                       speculative.prompt_lookup_max)
+                         if speculative is not None and speculative.method == "ngram" else None)
+        self.draft_model = speculative is not None and speculative.method == "draft_model"
         # spec_decode metrics (vLLM's names): verify events, draft tokens, accepted ones, and
         # accepted ones by draft position
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
@@ -77,6 +89,9 @@ class Scheduler:
         for r in [request, *(followers or [])]:
             if r.request_id in self.requests:
                 raise ValueError(f"request id {r.request_id!r} is already in use")
+        for r in [request, *(followers or [])]:
+            if self.draft_model:
+                r.spec_acceptance = DRAFT_MODEL_INITIAL_ACCEPTANCE
         self.requests[request.request_id] = request
         self.waiting.append(request)
         if followers:
@@ -117,7 +132,7 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, lookahead)
         preempted: list[Request] = []
 
         spec_room = SPEC_MAX_STEP_TOKENS - len(self.running)
@@ -126,7 +141,8 @@ class Scheduler:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts = self._drafts(request, n, min(spec_room, budget - n))
-            while self.kv.allocate_slots(request, n + len(drafts)) is None:
+            lookahead = self._lookahead(request, n)
+            while self.kv.allocate_slots(request, n + len(drafts) + lookahead) is None:
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
                 preempted.append(victim)
@@ -136,7 +152,7 @@ class Scheduler:
                 break  # it preempted itself: nobody after it can run either
             request.spec_token_ids = drafts
             spec_room -= len(drafts)
-            scheduled.append((request, n))
+            scheduled.append((request, n, lookahead))
             budget -= n + len(drafts)
             i += 1
 
@@ -151,24 +167,44 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append((request, n))
+            scheduled.append((request, n, 0))
             budget -= n
 
         return self._make_output(scheduled, preempted)
 
+    def _tokens_left(self, request: Request) -> int:
+        return min(request.max_tokens - request.num_output_tokens,
+                   self.max_model_len - request.num_tokens)
+
     def _drafts(self, request: Request, n: int, room: int) -> list[int]:
         """Draft tokens for a decoding request (n = 1), at most `room` of them, none past
         max_tokens or the model's length."""
-        if self.proposer is None or n != 1 or room <= 0:
+        if self.speculative is None or n != 1 or room <= 0:
             return []
-        left = min(request.max_tokens - request.num_output_tokens,
-                   self.max_model_len - request.num_tokens)
-        k = min(self.speculative.num_speculative_tokens, room, left - 1)
+        k = min(self.speculative.num_speculative_tokens, room, self._tokens_left(request) - 1)
         if k <= 0:
             return []
+        if self.proposer is None:  # a draft model's, proposed after the last step
+            return request.proposed_token_ids[:k]
         drafts, matched = self.proposer.propose_with_match(request.all_token_ids, k)
         long_match = matched == self.speculative.prompt_lookup_max
         return drafts[:draft_length(request.spec_acceptance, len(drafts), long_match)]
+
+    def _lookahead(self, request: Request, n: int) -> int:
+        """How many tokens a draft model drafts for the request after this step: for a
+        request that samples this step, in a batch small enough for the next step to verify
+        them (SPEC_MAX_STEP_TOKENS split evenly), as many as its acceptance makes worth it
+        (with one every PROBE_EVERY tokens when none is, so that acceptance can recover)."""
+        if not self.draft_model or request.num_computed_tokens + n != request.num_tokens:
+            return 0
+        running = len(self.running)
+        k = min(self.speculative.num_speculative_tokens,
+                (SPEC_MAX_STEP_TOKENS - running) // running,
+                self._tokens_left(request) - 2)  # this step emits at least one
+        if k <= 0:
+            return 0
+        probe = request.num_output_tokens % PROBE_EVERY == 0
+        return draft_length(request.spec_acceptance, k, probe, DRAFT_MODEL_COST)
 
     def _admit(self, request: Request, budget: int) -> int | None:
         """Give a waiting request its blocks (a cache hit, swap-in or new ones); the number of
@@ -192,14 +228,14 @@ class Scheduler:
         request.num_computed_tokens = start
         return n
 
-    def _make_output(self, scheduled: list[tuple[Request, int]],
+    def _make_output(self, scheduled: list[tuple[Request, int, int]],
                      preempted: list[Request]) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_since_last_step,
                               blocks_to_copy=self.kv.take_pending_copies(),
                               blocks_to_swap_out=self._swap_out, blocks_to_swap_in=self._swap_in,
                               preempted_req_ids=[r.request_id for r in preempted])
         self._finished_since_last_step, self._swap_out, self._swap_in = set(), [], []
-        for request, n in scheduled:
+        for request, n, lookahead in scheduled:
             start = request.num_computed_tokens
             self.num_prompt_tokens_computed += max(0, min(start + n, request.num_prompt_tokens)
                                                    - start)
@@ -217,6 +253,7 @@ class Scheduler:
                 spec_token_ids=drafts,
                 spec_banned_token_ids=[request.banned_token_ids(j)
                                        for j in range(1, len(drafts) + 1)],
+                num_lookahead_tokens=lookahead,
             ))
             # NOTE: advanced here, not after the forward pass, so the next schedule() sees the
             # tokens in flight (drafts included); update_from_output appends sampled tokens
@@ -285,6 +322,7 @@ class Scheduler:
                 for j in range(accepted):
                     self.num_accepted_per_pos[j] += 1
                 request.spec_token_ids = []
+            request.proposed_token_ids = runner_out.draft_token_ids.get(req_id, [])
             for token_id in token_ids:
                 request.append_output_token(token_id)
                 status = check_stop(request, self.max_model_len)

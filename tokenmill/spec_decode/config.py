@@ -2,9 +2,12 @@
 
     {"method": "ngram", "num_speculative_tokens": 3,
      "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    {"method": "draft_model", "model": PATH, "quantization": "gguf", "num_speculative_tokens": 3}
 
-Unknown fields, bad values and methods not built yet are refused with what is supported,
-never ignored. (Only "ngram" is built, and it uses every field.)
+`draft_model` without `model` drafts with the target's own checkpoint in another weight format
+(`quantization`, e.g. the GGUF blocks or int8 for a float32 target): self-speculation, no extra
+weights. Unknown fields, fields of another method, bad values and methods not built yet are
+refused with what is supported, never ignored.
 """
 
 from __future__ import annotations
@@ -13,9 +16,12 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # Not built yet; named so that asking for one says so instead of "unknown".
-PLANNED_METHODS = ("suffix", "draft_model", "eagle", "eagle3", "mtp")
+PLANNED_METHODS = ("suffix", "eagle", "eagle3", "mtp")
+# The fields each method reads (besides method and num_speculative_tokens).
+METHOD_FIELDS = {"ngram": ("prompt_lookup_max", "prompt_lookup_min"),
+                 "draft_model": ("model", "quantization")}
 # A verify step of 1 + k tokens costs about a decode step while it stays within 4 tokens:
 # the CPU kernels read each weight once for up to 4 rows (csrc/linear_cpu.h) and the fused
 # decode call takes up to 4 tokens (models/cpu_decode.py); beyond, the weights are read again
@@ -30,6 +36,10 @@ class SpeculativeConfig:
     # ngram: the longest and shortest suffix of the tokens so far to look up earlier in them
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    # draft_model: the draft's checkpoint (None: the target's own) and weight format (None:
+    # the checkpoint's default, as for a target; "none": dense)
+    model: str | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -40,6 +50,12 @@ class SpeculativeConfig:
         if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in 1.."
                              f"{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        if self.method == "ngram" and (self.model is not None or self.quantization is not None):
+            raise ValueError("method 'ngram' drafts from the request's own tokens: it takes no "
+                             "model or quantization (use method 'draft_model')")
+        if self.method == "draft_model" and self.model is None and self.quantization is None:
+            raise ValueError("method 'draft_model' needs a draft 'model', or a 'quantization' "
+                             "for the target's own weights to draft in (e.g. 'gguf', 'int8')")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise ValueError(f"ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
@@ -63,4 +79,11 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"unknown speculative_config field(s) {', '.join(unknown)}; "
                              f"known: {', '.join(sorted(known))}")
+        method = value.get("method", "ngram")
+        foreign = sorted(f for m, names in METHOD_FIELDS.items() if m != method
+                         for f in names if f in value and f not in METHOD_FIELDS.get(method, ()))
+        if foreign and method in METHODS:
+            raise ValueError(f"speculative_config field(s) {', '.join(foreign)} do not apply "
+                             f"to method {method!r}; it reads "
+                             f"{', '.join(METHOD_FIELDS[method])}")
         return SpeculativeConfig(**value)

@@ -26,6 +26,7 @@ from tokenmill.core.interface import (
 from tokenmill.layers.rejection_sampler import verify
 from tokenmill.layers.sampler import Sampler, gather_logprobs
 from tokenmill.model_loader import load_model
+from tokenmill.spec_decode.draft_model import DraftModelProposer
 from tokenmill.utils import cdiv
 from tokenmill.utils.huge_pages import move_parameters_to_huge_pages
 from tokenmill.utils.profiling import scope
@@ -54,19 +55,31 @@ class ModelRunner:
                     mc.dtype, mc.quantization or "dense", self.device,
                     time.perf_counter() - t0)
         t0 = time.perf_counter()
+        draft = config.draft_model
+        self._draft_block_bytes = (0 if draft is None else
+                                   DraftModelProposer.block_bytes(draft, self.block_size))
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_cache = allocate_kv_cache(mc.num_layers, self.num_kv_blocks, self.block_size,
                                           mc.num_kv_heads, mc.head_dim, mc.dtype, self.device)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.0f MiB) in %.1f s",
                     self.num_kv_blocks - 1, self.block_size,
                     (self.num_kv_blocks - 1) * self.block_size,
-                    self.num_kv_blocks * self._block_bytes() / 2**20, time.perf_counter() - t0)
+                    self.num_kv_blocks * (self._block_bytes() + self._draft_block_bytes) / 2**20,
+                    time.perf_counter() - t0)
         self.num_swap_blocks, self.swap_cache = self._allocate_swap()
         self.backend = get_attention_backend(config.attention_backend, self.block_size,
                                              self.device, mc.dtype)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.bind(self.kv_cache[i], self.backend)
         self.sampler = Sampler(config.seed, self.device)
+        self.drafter: DraftModelProposer | None = None
+        if draft is not None:
+            t0 = time.perf_counter()
+            self.drafter = DraftModelProposer(draft, self.num_kv_blocks, self.block_size,
+                                              self.device, self.backend,
+                                              prepack=config.prepack_weights)
+            logger.info("speculative draft model loaded (%s, weights %s) in %.1f s", draft.path,
+                        draft.quantization or "dense", time.perf_counter() - t0)
         self.decode_graphs: DecodeGraphs | None = None
         if (self.device.type == "cuda" and not config.enforce_eager
                 and isinstance(self.backend, TritonPagedAttention)):
@@ -88,7 +101,8 @@ class ModelRunner:
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        per_block = self._block_bytes()
+        # a draft model's K/V take a block of their own beside each target block
+        per_block = self._block_bytes() + self._draft_block_bytes
         n = cache.kv_cache_memory // per_block
         if n < 2:
             raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes holds {n} blocks; "
@@ -124,10 +138,14 @@ class ModelRunner:
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         with scope("prepare_inputs"):
             self.sampler.forget(sched.finished_req_ids)
+            if self.drafter is not None:  # preempted ones' blocks move: their drafts restart
+                self.drafter.forget([*sched.finished_req_ids, *sched.preempted_req_ids])
             if block_ops:
                 try:
                     self._swap(sched)
                     copy_blocks(self.kv_cache, sched.blocks_to_copy)
+                    if self.drafter is not None:
+                        copy_blocks(self.drafter.kv_cache, sched.blocks_to_copy)
                 except Exception as e:
                     raise KVBlockOpsError(f"{type(e).__name__}: {e}") from e
             if sched.is_empty:
@@ -154,6 +172,9 @@ class ModelRunner:
                         if logprobs is not None and k is not None:
                             out.logprobs[req_ids[i]] = _select(logprobs, j, 1 + k)
         self._prompt_logprobs(sched, batch, hidden, out)
+        if self.drafter is not None:
+            with scope("draft"):
+                out.draft_token_ids = self.drafter.propose(sched, out.sampled_token_ids)
         return out
 
     def _verify(self, logits: torch.Tensor, rows: list[ScheduledRequest],
