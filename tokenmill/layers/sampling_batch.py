@@ -99,6 +99,8 @@ class SamplingBatch:
         if not any(top_k) and all(p >= 1.0 for p in top_p):
             return logits
         vocab = logits.shape[-1]
+        if all(p >= 1.0 for p in top_p):
+            return self._top_k_only(logits, top_k)
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # (S, V)
         ranks = torch.arange(vocab, device=logits.device)
         k = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
@@ -109,6 +111,24 @@ class SamplingBatch:
         p = torch.tensor(top_p, dtype=probs.dtype, device=logits.device)
         sorted_logits = sorted_logits.masked_fill(before >= p[:, None], float("-inf"))
         return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+    @staticmethod
+    def _top_k_only(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+        """Top-k without top-p: one partial top-k to each row's k-th largest logit instead of
+        a full sort of the vocabulary (~10x less work at V = 49152). A logit tied with the
+        k-th stays (so may a row keep more than k tokens, on exact ties only)."""
+        vocab = logits.shape[-1]
+        k_max = max(k for k in top_k if k > 0)
+        if k_max >= vocab:
+            return logits
+        top = logits.topk(k_max, dim=-1).values  # (S, k_max), descending
+        k = torch.tensor([min(k, k_max) if k > 0 else k_max for k in top_k],
+                         device=logits.device)
+        kth = top.gather(-1, (k - 1)[:, None])  # (S, 1)
+        no_top_k = torch.tensor([k <= 0 or k >= vocab for k in top_k], device=logits.device)
+        kth = kth.masked_fill(no_top_k[:, None], float("-inf"))
+        return logits.masked_fill(logits < kth, float("-inf"))
 
 
 def _token_counts(token_lists: list[list[int]], S: int, V: int,

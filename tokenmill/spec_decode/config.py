@@ -2,6 +2,7 @@
 
     {"method": "ngram", "num_speculative_tokens": 3,
      "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    {"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_max_tree_depth": 24}
     {"method": "draft_model", "model": PATH, "quantization": "gguf", "num_speculative_tokens": 3}
 
 `draft_model` without `model` drafts with the target's own checkpoint in another weight format
@@ -16,11 +17,14 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "suffix", "draft_model")
 # Not built yet; named so that asking for one says so instead of "unknown".
-PLANNED_METHODS = ("suffix", "eagle", "eagle3", "mtp")
+PLANNED_METHODS = ("eagle", "eagle3", "mtp")
 # The fields each method reads (besides method and num_speculative_tokens).
 METHOD_FIELDS = {"ngram": ("prompt_lookup_max", "prompt_lookup_min"),
+                 "suffix": ("suffix_decoding_max_tree_depth",
+                            "suffix_decoding_max_cached_requests",
+                            "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"),
                  "draft_model": ("model", "quantization")}
 # A verify step of 1 + k tokens costs about a decode step while it stays within 4 tokens:
 # the CPU kernels read each weight once for up to 4 rows (csrc/linear_cpu.h) and the fused
@@ -40,6 +44,13 @@ class SpeculativeConfig:
     # the checkpoint's default, as for a target; "none": dense)
     model: str | None = None
     quantization: str | None = None
+    # suffix (vLLM's names; spec_decode/suffix.py): the longest suffix of a request looked up,
+    # finished requests' outputs kept (vLLM keeps 10000 in a C++ tree; a scan here), draft
+    # length per matched token, and the least share of occurrences a drafted token must have
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -50,12 +61,29 @@ class SpeculativeConfig:
         if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in 1.."
                              f"{MAX_SPECULATIVE_TOKENS}, got {k!r}")
-        if self.method == "ngram" and (self.model is not None or self.quantization is not None):
-            raise ValueError("method 'ngram' drafts from the request's own tokens: it takes no "
-                             "model or quantization (use method 'draft_model')")
+        if self.method != "draft_model" and (self.model is not None
+                                             or self.quantization is not None):
+            raise ValueError(f"method {self.method!r} drafts from tokens already seen: it takes "
+                             "no model or quantization (use method 'draft_model')")
         if self.method == "draft_model" and self.model is None and self.quantization is None:
             raise ValueError("method 'draft_model' needs a draft 'model', or a 'quantization' "
                              "for the target's own weights to draft in (e.g. 'gguf', 'int8')")
+        depth = self.suffix_decoding_max_tree_depth
+        cached = self.suffix_decoding_max_cached_requests
+        if not (isinstance(depth, int) and 1 <= depth <= 1024):
+            raise ValueError(f"suffix_decoding_max_tree_depth must be an integer in 1..1024, got "
+                             f"{depth!r}")
+        if not (isinstance(cached, int) and cached >= 0):
+            raise ValueError(f"suffix_decoding_max_cached_requests must be an integer >= 0, got "
+                             f"{cached!r}")
+        if not (isinstance(self.suffix_decoding_max_spec_factor, int | float)
+                and self.suffix_decoding_max_spec_factor > 0):
+            raise ValueError(f"suffix_decoding_max_spec_factor must be > 0, got "
+                             f"{self.suffix_decoding_max_spec_factor!r}")
+        if not (isinstance(self.suffix_decoding_min_token_prob, int | float)
+                and 0 <= self.suffix_decoding_min_token_prob <= 1):
+            raise ValueError(f"suffix_decoding_min_token_prob must be in [0, 1], got "
+                             f"{self.suffix_decoding_min_token_prob!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise ValueError(f"ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "

@@ -15,6 +15,11 @@ from numpy.lib.stride_tricks import sliding_window_view
 class NgramProposer:
     def __init__(self, k: int, min_n: int, max_n: int) -> None:
         self.k, self.min_n, self.max_n = k, min_n, max_n
+        # a match as long as it looks for is one to draft on even at a low acceptance
+        self.confident_match = max_n
+
+    def observe_output(self, req_id: str, output_token_ids: list[int]) -> None:
+        """A finished request's output: lookup reads only a request's own tokens, so none."""
 
     def propose(self, token_ids: list[int], k: int | None = None) -> list[int]:
         """Up to k tokens continuing `token_ids` (empty: no match)."""
