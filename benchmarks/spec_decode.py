@@ -6,6 +6,8 @@ acceptance, and whether greedy output stayed the same.
                                      [--target offgrid]
 
 Each --speculative-config (repeatable; default n-gram) is one engine beside the one without.
+A suffix proposer's cache of earlier outputs is emptied before each timed request (the rounds
+repeat prompts); a `repeat` section then times a prompt asked a second time, with the cache.
 --target offgrid serves, in float32, a copy of the GGUF file's weights each moved within half a
 quantization step (bench/gguf_f32.py): a float checkpoint of which the file is a faithful
 quantization, as a real full-precision model is (SmolLM2's float32 weights are otherwise its
@@ -34,12 +36,15 @@ import sys
 import textwrap
 import time
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.bench.gguf_f32 import f32_copy  # noqa: E402
 from tokenmill.bench.machine import describe_machine  # noqa: E402
 from tokenmill.bench.workloads import make_workload  # noqa: E402
 from tokenmill.model_loader.default_model import default_model_path  # noqa: E402
+from tokenmill.spec_decode import SuffixProposer  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}
@@ -66,11 +71,28 @@ def workloads() -> dict[str, list[str]]:
     }
 
 
-def timed(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+def timed(llm: LLM, prompt: list[int], max_tokens: int,
+          keep_cache: bool = False) -> tuple[float, list[int]]:
+    """Seconds and output of one greedy request. A suffix proposer's cache of earlier outputs
+    is emptied first unless `keep_cache`: the rounds repeat each prompt, and its own earlier
+    answer would otherwise be drafted from (the `repeat` section measures that case)."""
+    proposer = llm.engine.scheduler.proposer
+    if isinstance(proposer, SuffixProposer) and not keep_cache:
+        proposer.clear()
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     start = time.perf_counter()
     out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
     return time.perf_counter() - start, out.token_ids
+
+
+def timed_llama_cpp(peer, prompt: list[int], n: int) -> float:
+    """Seconds for llama.cpp to make n greedy tokens after `prompt` (its KV reset first)."""
+    peer.reset()
+    start = time.perf_counter()
+    for i, _ in enumerate(peer.generate(prompt, temp=0.0, reset=True)):
+        if i + 1 == n:
+            break
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -83,6 +105,9 @@ def main() -> None:
     ap.add_argument("--speculative-config", action="append", default=None)
     ap.add_argument("--target", choices=["default", "offgrid"], default="default")
     ap.add_argument("--batch64", action="store_true")
+    ap.add_argument("--llama-cpp", action="store_true",
+                    help="also llama.cpp (llama-cpp-python) on the GGUF file, greedy, the same "
+                         "prompts and as many tokens as the engine without speculation made")
     args = ap.parse_args()
     specs = [json.loads(c) for c in args.speculative_config or [json.dumps(NGRAM)]]
     target, quantization = None, args.quantization
@@ -104,6 +129,11 @@ def main() -> None:
           f"greedy, max_tokens {args.max_tokens}, {args.rounds} rounds")
     for label, spec in zip(list(engines)[1:], specs, strict=True):
         print(f"  {label}: {json.dumps(spec)}")
+    peer = None
+    if args.llama_cpp:
+        from tokenmill.bench.latency import load_llama_cpp
+
+        peer = load_llama_cpp(default_model_path(), torch.get_num_threads(), f32=False)
     print(f"\n{'workload':<12}{'engine':<12}{'decode tok/s':>13}{'speed-up':>10}{'accepted':>10}"
           f"{'tokens/verify':>15}{'same output':>13}")
     for name, texts in workloads().items():
@@ -135,6 +165,40 @@ def main() -> None:
                   f"{(f'{accepted / drafts:.0%}' if drafts else '-'):>10}"
                   f"{(f'{1 + accepted / events:.2f}' if events else '-'):>15}"
                   f"{'yes' if same else 'NO':>13}")
+        if peer is not None:
+            secs, toks = 0.0, 0
+            for p, ids in zip(prompts, outputs["none"], strict=True):
+                full = [timed_llama_cpp(peer, p, len(ids)) for _ in range(args.rounds)]
+                first = [timed_llama_cpp(peer, p, 1) for _ in range(args.rounds)]
+                secs += statistics.median(full) - statistics.median(first)
+                toks += len(ids) - 1
+            rate = toks / secs
+            best = max(rates, key=rates.get)
+            print(f"{name:<12}{'llama.cpp':<12}{rate:>13.1f}{rate / rates['none']:>9.2f}x"
+                  f"{'-':>10}{'-':>15}{'-':>13}   fastest here, {best}: {rates[best] / rate:.2f}x "
+                  "llama.cpp")
+    if any(s["method"] == "suffix" for s in specs):
+        # The same chat prompts asked again (an agent's retry, a templated answer): the second
+        # ask is timed, with the first one's output in a suffix proposer's cache.
+        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}],
+                                                      tokenize=False, add_generation_prompt=True),
+                              add_special_tokens=False) for t in workloads()["chat"]]
+        print("\nrepeat: each chat prompt asked twice in a row, the second ask timed")
+        rates = {}
+        for label, llm in engines.items():
+            secs, toks = 0.0, 0
+            for p in prompts:
+                full, first = [], []
+                for _ in range(args.rounds):
+                    timed(llm, p, args.max_tokens)  # the first ask
+                    t_full, ids = timed(llm, p, args.max_tokens, keep_cache=True)
+                    first.append(timed(llm, p, 1, keep_cache=True)[0])
+                    full.append(t_full)
+                secs += statistics.median(full) - statistics.median(first)
+                toks += len(ids) - 1
+            rates[label] = toks / secs
+            print(f"  {label:<12}{rates[label]:>8.1f} decode tok/s "
+                  f"{rates[label] / rates['none']:>6.2f}x")
     if args.batch64:
         vocab = engines["none"].engine.config.model.vocab_size
         reqs = make_workload("uniform", vocab, set(tok.all_special_ids))
@@ -147,7 +211,10 @@ def main() -> None:
                          use_tqdm=False)
             secs = time.perf_counter() - start
             total = sum(len(r.prompt_token_ids) + r.output_len for r in reqs)
-            print(f"  {label:<12}{total / secs:>8.1f} total tokens/s")
+            engine = llm.engine
+            print(f"  {label:<12}{total / secs:>8.1f} total tokens/s   KV cache "
+                  f"{engine.kv.num_usable_blocks * engine.config.cache.block_size} tokens, "
+                  f"{engine.scheduler.num_preemptions} preemptions so far")
 
 
 if __name__ == "__main__":

@@ -14,12 +14,23 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.metrics.stats import StepTimings
 from tokenmill.sampling_params import BeamSearchParams
+from tokenmill.spec_decode.cost_model import SpecCosts
+from tokenmill.spec_decode.policy import DRAFT_MODEL_COST, VERIFY_COST_PER_DRAFT
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
          "prompt_lookup_min": 1}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 3}
 SELF_INT8 = {"method": "draft_model", "quantization": "int8", "num_speculative_tokens": 3}
 SELF_GGUF = {"method": "draft_model", "quantization": "gguf", "num_speculative_tokens": 3}
+
+
+@pytest.fixture
+def smollm2_costs(monkeypatch):
+    """A tiny model's draft forward costs about what its step does (Python overhead, not
+    weights), so measured costs would rightly stop a draft model from drafting: tests on
+    tiny models take SmolLM2's costs instead, to exercise drafting."""
+    monkeypatch.setattr("tokenmill.worker.model_runner.measure_spec_costs",
+                        lambda *args: SpecCosts(VERIFY_COST_PER_DRAFT, DRAFT_MODEL_COST))
 
 
 def repetitive_prompts(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -42,7 +53,7 @@ def repetitive_prompts(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     {"enable_prefix_caching": False},
 ], ids=["default", "chunked", "preemption", "swap", "no-prefix-cache"])
 @pytest.mark.parametrize("proposer", ["ngram", "suffix", "self-int8", "other-model"])
-def test_tiny_model_greedy_output_is_unchanged(tiny_model, options, proposer):
+def test_tiny_model_greedy_output_is_unchanged(smollm2_costs, tiny_model, options, proposer):
     """A random-weight model rarely continues an earlier n-gram, and another random model
     rarely agrees with it: their drafts are rejected, which covers the rollback; its own int8
     copy agrees on most tokens, which covers acceptance (as SmolLM2 does below)."""
@@ -168,7 +179,7 @@ def test_sampled_requests_keep_max_tokens_and_logprobs_per_token(proposer):
 
 
 @pytest.mark.parametrize("spec_config", [NGRAM, SELF_INT8], ids=["ngram", "self-int8"])
-def test_beam_search_and_n_samples_run_unchanged(tiny_model, spec_config):
+def test_beam_search_and_n_samples_run_unchanged(smollm2_costs, tiny_model, spec_config):
     """Beam search steps one token per request (nothing to draft); n > 1 samples draft each
     on their own and keep their seeded streams' distribution (greedy: identical)."""
     path, _ = tiny_model("llama")
@@ -186,7 +197,7 @@ def test_beam_search_and_n_samples_run_unchanged(tiny_model, spec_config):
 
 
 @pytest.mark.parametrize("spec_config", [NGRAM, SELF_INT8], ids=["ngram", "self-int8"])
-def test_aborts_mid_draft_spare_the_others_and_leak_nothing(tiny_model, spec_config):
+def test_aborts_mid_draft_spare_the_others_and_leak_nothing(smollm2_costs, tiny_model, spec_config):
     path, _ = tiny_model("llama")
     llm = LLM(path, max_model_len=512, max_num_seqs=2, speculative_config=spec_config)
     engine, rng = llm.engine, random.Random(3)

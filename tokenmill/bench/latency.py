@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     if args.llama_cpp:
         threads = args.llama_cpp_threads or torch.get_num_threads()
         for label, f32 in [("", False)] + [(" F32", True)] * args.llama_cpp_f32:
-            peer = _llama_cpp(model, threads, f32)
+            peer = load_llama_cpp(model, threads, f32)
             if peer is None:
                 break
             engines[f"llama.cpp{label} (llama-cpp-python)"] = (
@@ -172,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _llama_cpp(model: str, threads: int, f32: bool):
+def load_llama_cpp(model: str, threads: int, f32: bool):
+    """llama-cpp-python on `model` (its F32 copy with `f32`), or None where it cannot run."""
     if not model.endswith(".gguf"):
         print("note: --llama-cpp needs a .gguf model; skipped")
         return None

@@ -18,9 +18,12 @@ itself, so it samples its own first token; the partly filled last block is copie
 Speculative decoding: with a proposer, a decoding request may also get draft tokens after its
 last token (`Request.spec_token_ids`), from the same token budget; the runner verifies them and
 `update_from_output` rolls `num_computed_tokens` back past the rejected ones (their K/V slots
-are simply overwritten later). Drafts go only to steps small enough that verifying costs
-about what a plain decode step does (SPEC_MAX_STEP_TOKENS), and only as many as the request's
-running acceptance makes worth verifying (spec_decode/policy.py).
+are simply overwritten later). Lookup drafts (n-gram, suffix) are made here; a draft model's
+are made by the runner after a step, for requests given lookahead slots for their K/V, and
+scheduled the step after (`Request.proposed_token_ids`). Drafts go only to steps small enough
+that verifying costs about what a plain decode step does (SPEC_MAX_STEP_TOKENS), and only as
+many as the request's running acceptance and the measured costs make worth it
+(spec_decode/policy.py, cost_model.py).
 
 Invariant: every block in the pool is free when no request is running or waiting.
 """
@@ -36,18 +39,16 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.stop import check_stop
 from tokenmill.spec_decode import SpeculativeConfig, make_proposer
+from tokenmill.spec_decode.cost_model import SpecCosts
 from tokenmill.spec_decode.policy import (
     DRAFT_MODEL_COST,
     DRAFT_MODEL_INITIAL_ACCEPTANCE,
+    SPEC_MAX_STEP_TOKENS,
+    VERIFY_COST_PER_DRAFT,
     draft_length,
     update_acceptance,
 )
 
-# Drafts are scheduled only while the whole step stays within this many tokens: up to 4 rows,
-# the CPU kernels read each weight once for all of them (csrc/linear_cpu.h), so a verify step
-# costs about a decode step; beyond, every 4 more rows read the weights again and drafting
-# stops paying. A measured cost model per device is the next step.
-SPEC_MAX_STEP_TOKENS = 4
 # A draft model whose acceptance says drafting does not pay still drafts once every this many
 # output tokens, so that its running acceptance can recover.
 PROBE_EVERY = 8
@@ -55,9 +56,12 @@ PROBE_EVERY = 8
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None,
+                 spec_costs: SpecCosts | None = None) -> None:
         self.config = config
         self.speculative = speculative
+        # what drafting costs, in decode steps (measured by the runner at start-up)
+        self.spec_costs = spec_costs or SpecCosts(VERIFY_COST_PER_DRAFT, DRAFT_MODEL_COST)
         # n-gram and suffix drafts are made here at schedule time; a draft model's come from
         # the runner after the step before (Request.proposed_token_ids), into reserved
         # lookahead slots
@@ -186,7 +190,8 @@ class Scheduler:
             return request.proposed_token_ids[:k]
         drafts, matched = self.proposer.propose_with_match(request.all_token_ids, k)
         long_match = matched >= self.proposer.confident_match
-        return drafts[:draft_length(request.spec_acceptance, len(drafts), long_match)]
+        return drafts[:draft_length(request.spec_acceptance, len(drafts), long_match,
+                                    self.spec_costs.verify_per_draft)]
 
     def _lookahead(self, request: Request, n: int) -> int:
         """How many tokens a draft model drafts for the request after this step: for a
@@ -202,7 +207,8 @@ class Scheduler:
         if k <= 0:
             return 0
         probe = request.num_output_tokens % PROBE_EVERY == 0
-        return draft_length(request.spec_acceptance, k, probe, DRAFT_MODEL_COST)
+        return draft_length(request.spec_acceptance, k, probe,
+                            self.spec_costs.verify_per_draft, self.spec_costs.draft_forward)
 
     def _admit(self, request: Request, budget: int) -> int | None:
         """Give a waiting request its blocks (a cache hit, swap-in or new ones); the number of

@@ -70,7 +70,7 @@ class LLMEngine:
                                  enable_prefix_caching=config.cache.enable_prefix_caching,
                                  num_swap_blocks=self.runner.num_swap_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len,
-                                   config.speculative)
+                                   config.speculative, self.runner.spec_costs)
         eos = set(config.model.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)

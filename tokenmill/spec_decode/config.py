@@ -29,7 +29,7 @@ METHOD_FIELDS = {"ngram": ("prompt_lookup_max", "prompt_lookup_min"),
 # A verify step of 1 + k tokens costs about a decode step while it stays within 4 tokens:
 # the CPU kernels read each weight once for up to 4 rows (csrc/linear_cpu.h) and the fused
 # decode call takes up to 4 tokens (models/cpu_decode.py); beyond, the weights are read again
-# per 4 rows. The scheduler drafts only within that (core/scheduler.py SPEC_MAX_STEP_TOKENS).
+# per 4 rows. The scheduler drafts only within that (policy.py SPEC_MAX_STEP_TOKENS).
 MAX_SPECULATIVE_TOKENS = 3
 
 

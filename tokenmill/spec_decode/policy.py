@@ -1,9 +1,11 @@
 """How many draft tokens pay for a request this step.
 
 A verify step with k drafts at per-token acceptance a emits 1 + a + ... + a^k tokens on
-average and costs about 1 + c k plain decode steps: on CPU the linear kernels' work grows
-with the rows of a step even where the weights are read once (measured on SmolLM2, 2 cores:
-a 4-token step costs 1.6-1.7x a 1-token one in float32 and in GGUF Q4_1, so c = 0.21). The
+average and costs about 1 + (c + d) k plain decode steps: c for each draft the step verifies
+(on CPU the linear kernels' work grows with the rows of a step even where the weights are read
+once: on SmolLM2 with 2 cores a 4-token step costs 1.6-1.7x a 1-token one, c = 0.21), d for
+making it (0 for a lookup, a forward for a draft model); both are measured when the engine
+starts (cost_model.py). The
 policy takes the k in 0..K with the most tokens per unit of cost, from each request's running
 acceptance: an exponential moving average over the draft positions it has verified (a
 rejected position counts once, the positions after it are not observed), starting at 0.5.
@@ -14,6 +16,11 @@ long as it looks for, so that a passage that starts repeating is noticed.
 
 from __future__ import annotations
 
+# Drafts go only to steps of at most this many tokens: up to 4 rows the CPU kernels read each
+# weight once for all of them (csrc/linear_cpu.h) and the fused decode call takes the step
+# (models/cpu_decode.py); beyond, every 4 more rows read the weights again.
+SPEC_MAX_STEP_TOKENS = 4
+# Costs before (or without) measuring them (cost_model.py), from SmolLM2 on 2 cores:
 VERIFY_COST_PER_DRAFT = 0.21
 # One forward of a draft model for one token, in target decode steps: SmolLM2's own GGUF Q4_1
 # blocks drafting for its float32 expansion (5.1 ms against 11.7 ms, 2 cores, AVX-512).
@@ -26,14 +33,15 @@ _ALPHA = 0.2  # weight of one verified position in the running acceptance
 
 
 def draft_length(acceptance: float, available: int, long_match: bool,
-                 draft_cost: float = 0.0) -> int:
-    """Drafts to verify out of `available`, at running per-token `acceptance`; `draft_cost`:
-    what making one draft costs, in plain decode steps (0 for n-gram lookup)."""
+                 verify_cost: float = VERIFY_COST_PER_DRAFT, draft_cost: float = 0.0) -> int:
+    """Drafts to verify out of `available`, at running per-token `acceptance`. Costs in plain
+    decode steps (measured at start-up: cost_model.py): `verify_cost` per draft a verify step
+    takes, `draft_cost` to make one draft (0 for a lookup, a forward for a draft model)."""
     best, best_rate = 0, 1.0  # no drafts: one token per plain step
     expected = 1.0
     for k in range(1, available + 1):
         expected += acceptance ** k
-        rate = expected / (1 + (VERIFY_COST_PER_DRAFT + draft_cost) * k)
+        rate = expected / (1 + (verify_cost + draft_cost) * k)
         if rate > best_rate:
             best, best_rate = k, rate
     return max(best, 1 if long_match and available else 0)

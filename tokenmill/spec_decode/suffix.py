@@ -55,6 +55,11 @@ class SuffixProposer:
             self._outputs.popitem(last=False)
         self._cache = None  # rebuilt at the next query
 
+    def clear(self) -> None:
+        """Forget every cached output."""
+        self._outputs.clear()
+        self._cache = None
+
     def _cached_tokens(self) -> np.ndarray:
         """The cached outputs, each followed by _END, in one array."""
         if self._cache is None:

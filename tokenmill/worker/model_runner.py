@@ -26,7 +26,9 @@ from tokenmill.core.interface import (
 from tokenmill.layers.rejection_sampler import verify
 from tokenmill.layers.sampler import Sampler, gather_logprobs
 from tokenmill.model_loader import load_model
+from tokenmill.spec_decode.cost_model import SpecCosts, measure_spec_costs
 from tokenmill.spec_decode.draft_model import DraftModelProposer
+from tokenmill.spec_decode.policy import SPEC_MAX_STEP_TOKENS
 from tokenmill.utils import cdiv
 from tokenmill.utils.huge_pages import move_parameters_to_huge_pages
 from tokenmill.utils.profiling import scope
@@ -80,6 +82,14 @@ class ModelRunner:
                                               prepack=config.prepack_weights)
             logger.info("speculative draft model loaded (%s, weights %s) in %.1f s", draft.path,
                         draft.quantization or "dense", time.perf_counter() - t0)
+        self.spec_costs: SpecCosts | None = None
+        if config.speculative is not None:
+            self.spec_costs = measure_spec_costs(
+                self.model, self.backend, self.block_size, self.device, SPEC_MAX_STEP_TOKENS,
+                None if self.drafter is None else self.drafter.model)
+            logger.info("speculative decoding costs (in decode steps): %.2f per draft verified,"
+                        " %.2f per draft-model forward", self.spec_costs.verify_per_draft,
+                        self.spec_costs.draft_forward)
         self.decode_graphs: DecodeGraphs | None = None
         if (self.device.type == "cuda" and not config.enforce_eager
                 and isinstance(self.backend, TritonPagedAttention)):

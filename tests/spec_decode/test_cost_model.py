@@ -1,0 +1,31 @@
+"""SpecCosts measured at start-up: a verify step's cost per draft and a draft model's forward,
+in decode steps, reach the scheduler's policy; a dearer verify step means fewer drafts."""
+
+from __future__ import annotations
+
+from tokenmill import LLM
+from tokenmill.spec_decode.cost_model import SpecCosts
+from tokenmill.spec_decode.policy import draft_length
+
+
+def test_engine_measures_costs_and_the_scheduler_uses_them(tiny_model):
+    path, _ = tiny_model("llama")
+    assert LLM(path, max_model_len=256).engine.runner.spec_costs is None  # nothing to weigh
+    llm = LLM(path, max_model_len=256, speculative_config={"method": "draft_model",
+                                                           "quantization": "int8"})
+    costs = llm.engine.runner.spec_costs
+    assert 0 <= costs.verify_per_draft < 5 and 0 < costs.draft_forward < 5
+    assert llm.engine.scheduler.spec_costs is costs
+    ngram = LLM(path, max_model_len=256, speculative_config={"method": "ngram"})
+    assert ngram.engine.runner.spec_costs.draft_forward == 0.0
+
+
+def test_dearer_steps_mean_fewer_drafts():
+    assert draft_length(0.6, 3, False, verify_cost=0.05) == 3
+    assert draft_length(0.6, 3, False, verify_cost=0.3) == 1
+    assert draft_length(0.6, 3, False, verify_cost=1.0) == 0
+    # a draft model's forward adds to each draft's cost
+    assert draft_length(0.9, 3, False, verify_cost=0.2, draft_cost=0.4) == 2
+    assert draft_length(1.0, 3, False, verify_cost=0.2, draft_cost=0.4) == 3
+    assert draft_length(0.9, 3, False, verify_cost=0.2, draft_cost=1.0) == 0
+    assert SpecCosts(0.2).draft_forward == 0.0

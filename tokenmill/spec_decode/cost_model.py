@@ -1,0 +1,66 @@
+"""SpecCosts: what drafting costs on this machine, measured at start-up.
+
+The scheduler's draft-length policy (policy.py) weighs the tokens a draft is expected to add
+against its cost in plain decode steps: each draft token makes the verify step longer
+(`verify_per_draft`), and a draft model runs one forward per draft token (`draft_forward`).
+Both depend on the machine (AVX2 or AVX-512 kernels, memory bandwidth, cores), the model and
+its weight format: on SmolLM2 with 2 cores a 4-token step costs 1.6-1.8x a 1-token one, and
+its GGUF blocks draft at ~0.44 of a float32 step. So the engine times them once when it starts
+with speculation on: single-sequence forward passes of 1 and of 1 + k tokens (and of the draft
+model), the median of a few each after a warm-up, at the first positions of a sequence in the
+null block (block 0, which no request reads). Longer contexts make a verify step's attention
+a little dearer than measured here.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenmill.attention.base import AttentionBackend
+from tokenmill.core.interface import ScheduledRequest, SchedulerOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.input_batch import InputBatch
+
+_WARMUP, _REPEATS = 2, 5
+
+
+@dataclass(frozen=True)
+class SpecCosts:
+    verify_per_draft: float  # a verify step's extra cost per draft token, in decode steps
+    draft_forward: float = 0.0  # one draft-model forward of one token, in decode steps
+
+
+def time_forward(model: nn.Module, backend: AttentionBackend, block_size: int,
+                 device: torch.device, num_tokens: int) -> float:
+    """Median seconds of one single-sequence forward of `num_tokens` tokens plus the logits
+    of its last token (what a decode step computes), in the null block."""
+    row = ScheduledRequest("cost", [0] * num_tokens, 0, [0], True, SamplingParams())
+    batch = InputBatch.build(SchedulerOutput(scheduled=[row]), block_size, device)
+    times = []
+    with torch.inference_mode():
+        for i in range(_WARMUP + _REPEATS):
+            start = time.perf_counter()
+            hidden = model(batch.input_ids, batch.positions, backend.build_metadata(batch))
+            model.compute_logits(hidden, batch.logits_indices)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= _WARMUP:
+                times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_spec_costs(model: nn.Module, backend: AttentionBackend, block_size: int,
+                       device: torch.device, max_step_tokens: int,
+                       draft_model: nn.Module | None = None) -> SpecCosts:
+    """Time a plain step, a verify step of `max_step_tokens` and a draft forward."""
+    plain = time_forward(model, backend, block_size, device, 1)
+    verify = time_forward(model, backend, block_size, device, max_step_tokens)
+    per_draft = max(0.0, verify / plain - 1) / (max_step_tokens - 1)
+    draft = (0.0 if draft_model is None else
+             time_forward(draft_model, backend, block_size, device, 1) / plain)
+    return SpecCosts(verify_per_draft=per_draft, draft_forward=draft)
