@@ -105,6 +105,10 @@ def main() -> None:
     ap.add_argument("--speculative-config", action="append", default=None)
     ap.add_argument("--target", choices=["default", "offgrid"], default="default")
     ap.add_argument("--batch64", action="store_true")
+    ap.add_argument("--workloads", default="repetitive,chat,stories",
+                    help="single-stream workloads to run (comma-separated; '' for none)")
+    ap.add_argument("--kv-cache-memory", default=None, help="every engine's KV budget (a "
+                    "draft model's KV shares it: give it room for both at batch 64)")
     ap.add_argument("--llama-cpp", action="store_true",
                     help="also llama.cpp (llama-cpp-python) on the GGUF file, greedy, the same "
                          "prompts and as many tokens as the engine without speculation made")
@@ -116,12 +120,14 @@ def main() -> None:
         target, quantization = f32_copy(gguf_file, perturb_seed=0), "none"
         specs = [s | {"model": gguf_file} if s["method"] == "draft_model" and "model" not in s
                  else s for s in specs]
-    engines = {"none": LLM(target, quantization=quantization)}
+    engines = {"none": LLM(target, quantization=quantization,
+                           kv_cache_memory=args.kv_cache_memory)}
     for spec in specs:
         label = spec["method"].replace("draft_model", "draft")
         if "quantization" in spec:
             label += f":{spec['quantization']}"
-        engines[label] = LLM(target, quantization=quantization, speculative_config=spec)
+        engines[label] = LLM(target, quantization=quantization, speculative_config=spec,
+                             kv_cache_memory=args.kv_cache_memory)
     tok = engines["none"].get_tokenizer()
     print(describe_machine())
     weights = engines["none"].engine.config.model.quantization or "float32"
@@ -136,7 +142,8 @@ def main() -> None:
         peer = load_llama_cpp(default_model_path(), torch.get_num_threads(), f32=False)
     print(f"\n{'workload':<12}{'engine':<12}{'decode tok/s':>13}{'speed-up':>10}{'accepted':>10}"
           f"{'tokens/verify':>15}{'same output':>13}")
-    for name, texts in workloads().items():
+    chosen = [w for w in args.workloads.split(",") if w]
+    for name, texts in [(w, workloads()[w]) for w in chosen]:
         prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}],
                                                       tokenize=False, add_generation_prompt=True),
                               add_special_tokens=False) for t in texts]
@@ -177,7 +184,7 @@ def main() -> None:
             print(f"{name:<12}{'llama.cpp':<12}{rate:>13.1f}{rate / rates['none']:>9.2f}x"
                   f"{'-':>10}{'-':>15}{'-':>13}   fastest here, {best}: {rates[best] / rate:.2f}x "
                   "llama.cpp")
-    if any(s["method"] == "suffix" for s in specs):
+    if any(s["method"] == "suffix" for s in specs) and "chat" in chosen:
         # The same chat prompts asked again (an agent's retry, a templated answer): the second
         # ask is timed, with the first one's output in a suffix proposer's cache.
         prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}],

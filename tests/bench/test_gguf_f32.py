@@ -37,3 +37,28 @@ def test_f32_copy_has_the_dequantized_weights_and_same_metadata(smollm2_path, tm
 
     mtime = os.stat(path).st_mtime_ns
     assert f32_copy(smollm2_path) == path and os.stat(path).st_mtime_ns == mtime  # cached
+
+
+def test_off_grid_copy_moves_each_weight_within_half_a_step(smollm2_path, tmp_path,
+                                                            monkeypatch):
+    """The perturbed copy (spec_decode.py --target offgrid): each quantized weight moved by
+    less than half its 32-block's step, so the file stays a faithful quantization of it;
+    float tensors (the norms) unchanged."""
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    path = f32_copy(smollm2_path, perturb_seed=0)
+    assert path.endswith(".F32.offgrid0.gguf")
+    src, out = gguf.GGUFReader(smollm2_path), gguf.GGUFReader(path)
+    q41 = next(i for i, t in enumerate(src.tensors)
+               if t.tensor_type == gguf.GGMLQuantizationType.Q4_1)
+    norm = next(i for i, t in enumerate(src.tensors)
+                if t.tensor_type == gguf.GGMLQuantizationType.F32)
+    exact = gguf.quants.dequantize(src.tensors[q41].data, src.tensors[q41].tensor_type)
+    moved = np.asarray(out.tensors[q41].data).reshape(-1, 32) - exact.reshape(-1, 32)
+    blocks = exact.reshape(-1, 32)
+    half_step = (blocks.max(axis=1) - blocks.min(axis=1)) / 15 / 2
+    assert (np.abs(moved) <= half_step[:, None] + 1e-7).all()
+    assert np.abs(moved).mean() > 0.2 * half_step.mean()  # really moved: uniform, mean 1/2
+    np.testing.assert_array_equal(np.asarray(out.tensors[norm].data),
+                                  np.asarray(src.tensors[norm].data))
+    assert f32_copy(smollm2_path, perturb_seed=0) == path  # cached
+    assert f32_copy(smollm2_path) != path  # the exact copy is another file
