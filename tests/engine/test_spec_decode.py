@@ -239,6 +239,23 @@ def test_aborts_mid_draft_spare_the_others_and_leak_nothing(smollm2_costs, tiny_
         assert engine.runner.drafter._states == {}
 
 
+def test_draft_model_waits_for_the_first_token(smollm2_costs, tiny_model):
+    """The step that computes the prompt returns the first token without running the draft
+    model over the prompt; the first decode step asks for drafts, verified the step after."""
+    path, _ = tiny_model("llama")
+    engine = LLM(path, max_model_len=256, speculative_config=SELF_INT8).engine
+    engine.add_request("a", list(range(5, 60)), SamplingParams(temperature=0, max_tokens=20,
+                                                              ignore_eos=True))
+    engine.step()
+    assert engine.scheduler.requests["a"].num_output_tokens == 1
+    assert engine.runner.drafter._states == {}
+    engine.step()
+    assert engine.runner.drafter._states["a"].valid == 55 + 2  # the prompt, two tokens
+    assert len(engine.scheduler.requests["a"].proposed_token_ids) == 3
+    engine.step()
+    assert engine.stats().spec_decode_num_draft_tokens == 3
+
+
 def test_cli_flag_reaches_the_config(tiny_model):
     import argparse
 

@@ -195,10 +195,13 @@ class Scheduler:
 
     def _lookahead(self, request: Request, n: int) -> int:
         """How many tokens a draft model drafts for the request after this step: for a
-        request that samples this step, in a batch small enough for the next step to verify
-        them (SPEC_MAX_STEP_TOKENS split evenly), as many as its acceptance makes worth it
-        (with one every PROBE_EVERY tokens when none is, so that acceptance can recover)."""
-        if not self.draft_model or request.num_computed_tokens + n != request.num_tokens:
+        decoding request (not after its prompt, whose first draft would run the draft model
+        over the whole prompt before the first token is returned), in a batch small enough for
+        the next step to verify them (SPEC_MAX_STEP_TOKENS split evenly), as many as its
+        acceptance makes worth it (one every PROBE_EVERY tokens when none is, so that its
+        acceptance can recover)."""
+        if (not self.draft_model or n != 1 or request.num_output_tokens == 0
+                or request.num_computed_tokens + 1 != request.num_tokens):
             return 0
         running = len(self.running)
         k = min(self.speculative.num_speculative_tokens,
