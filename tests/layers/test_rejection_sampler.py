@@ -109,3 +109,41 @@ def test_logprobs_are_those_of_the_emitted_tokens():
         assert lps[0].token_ids[j][0] == token
         assert lps[0].logprobs[j][0] == pytest.approx(float(raw[j][token]), abs=1e-6)
         assert len(lps[0].token_ids[j]) == 3  # the token and the top 2
+
+
+def sampled_draft_rows(q: torch.Tensor, n: int, with_q: bool) -> list:
+    """n rows, each with one draft drawn from q (passed along as its distribution or not)."""
+    drafts = torch.multinomial(q, n, replacement=True,
+                               generator=torch.Generator().manual_seed(7)).tolist()
+    params = SamplingParams(temperature=1.0)
+    return [dataclasses.replace(spec_row(params, [d], str(i)),
+                                spec_draft_probs=q[None].float() if with_q else None)
+            for i, d in enumerate(drafts)]
+
+
+def test_drafts_sampled_from_a_distribution_follow_the_target():
+    """A draft model's drafts, sampled from its own q: accepted with min(1, p/q), else the
+    residual max(0, p - q); every emitted token follows p, and the acceptance rate is
+    sum(min(p, q)), as the theory says. Verified as if chosen outright (one-hot q) they are
+    exact too, but accepted less often (sum(p q)); drawing from p instead of the residual
+    after a rejection is caught."""
+    n = 20000
+    p = expected(1.0)
+    q = torch.softmax(torch.tensor([0.0, 2.0, 0.5, 1.0, -1.0, 0.0], dtype=torch.float64), 0)
+    logits = torch.stack([LOGITS, SECOND]).repeat(n, 1)
+    emitted, _ = verify(Sampler(1234, CPU), logits, sampled_draft_rows(q, n, with_q=True))
+    assert_follows(torch.tensor([e[0] for e in emitted]), p)
+    accepted = [e for e in emitted if len(e) == 2]
+    rate, expected_rate = len(accepted) / n, float(torch.minimum(p, q).sum())
+    assert abs(rate - expected_rate) < 4 * (expected_rate * (1 - expected_rate) / n) ** 0.5
+    assert_follows(torch.tensor([e[1] for e in accepted]), torch.softmax(SECOND.double(), 0))
+    one_hot, _ = verify(Sampler(1234, CPU), logits, sampled_draft_rows(q, n, with_q=False))
+    assert_follows(torch.tensor([e[0] for e in one_hot]), p)
+    one_hot_rate = sum(len(e) == 2 for e in one_hot) / n
+    assert abs(one_hot_rate - float((p * q).sum())) < 0.015 and one_hot_rate < rate - 0.05
+    g = torch.Generator().manual_seed(1)
+    drafts = torch.multinomial(q, n, replacement=True, generator=g)
+    accept = torch.rand(n, generator=g, dtype=torch.float64) < (p / q)[drafts]
+    from_p = torch.multinomial(p, n, replacement=True, generator=g)
+    with pytest.raises(AssertionError, match="chi2"):
+        assert_follows(torch.where(accept, drafts, from_p), p)

@@ -28,11 +28,11 @@ def make_proposer(path: str) -> DraftModelProposer:
 
 
 def step(proposer: DraftModelProposer, req_id: str, blocks: list[int], tokens: list[int],
-         new: list[int], k: int) -> list[int]:
+         new: list[int], k: int, params: SamplingParams | None = None) -> list[int]:
     """The proposer's drafts after a step that emitted `new` after `tokens`."""
     r = ScheduledRequest(req_id=req_id, token_ids=[tokens[-1]], start_pos=len(tokens) - 1,
                          block_ids=blocks, sample=True,
-                         sampling_params=SamplingParams(temperature=0),
+                         sampling_params=params or SamplingParams(temperature=0),
                          prompt_token_ids=tokens, output_token_ids=[],
                          num_lookahead_tokens=k)
     return proposer.propose(SchedulerOutput(scheduled=[r]), [new])[req_id]
@@ -82,3 +82,31 @@ def test_draft_config_must_fit_the_target(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="speculative draft model: unknown quantization"):
         EngineConfig.create(path, speculative_config={"method": "draft_model",
                                                       "quantization": "fp3"})
+
+
+def test_sampled_requests_draw_drafts_from_q_and_pass_it_on(tiny_model):
+    """A sampled request's drafts are draws from q (its temperature and top-k applied to the
+    draft's logits), q goes along for the rejection rule; seeded requests draw the same
+    drafts every time; greedy requests' drafts are one-hot (no q)."""
+    path, _ = tiny_model("llama")
+    tokens = [5 + (7 * i) % 300 for i in range(21)]
+    params = SamplingParams(temperature=1.5, top_k=40, seed=3)
+
+    def sampled(seed_params: SamplingParams) -> tuple[list[int], torch.Tensor]:
+        proposer = make_proposer(path)
+        drafts = step(proposer, "s", list(range(1, 33)), tokens[:-1], tokens[-1:], 3,
+                      seed_params)
+        return drafts, proposer.last_probs["s"]
+
+    drafts, q = sampled(params)
+    assert q.shape == (3, 49152)
+    torch.testing.assert_close(q.sum(-1), torch.ones(3))
+    assert ((q > 0).sum(-1) <= 40).all()  # top-k applied
+    assert all(q[j, d] > 0 for j, d in enumerate(drafts))
+    assert sampled(params)[0] == drafts  # seeded: reproducible
+    draws = {tuple(sampled(SamplingParams(temperature=1.5, top_k=40, seed=s))[0])
+             for s in range(6)}
+    assert len(draws) > 1  # really drawn, not the argmax
+    greedy = make_proposer(path)
+    step(greedy, "g", list(range(1, 33)), tokens[:-1], tokens[-1:], 3)
+    assert greedy.last_probs == {}

@@ -13,8 +13,12 @@ executor pickles them, which copies.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -35,6 +39,9 @@ class ScheduledRequest:
     # bans at draft position j (>= 1) being spec_banned_token_ids[j - 1].
     spec_token_ids: list[int] = field(default_factory=list)
     spec_banned_token_ids: list[list[int]] = field(default_factory=list)
+    # (len(spec_token_ids), V): the distribution each draft was sampled from (a draft model's,
+    # for a sampled request); None: drafts chosen outright (lookups, greedy drafts), one-hot
+    spec_draft_probs: torch.Tensor | None = None
     # A draft model's work after this step (vLLM's num_lookahead_tokens): draft this many
     # tokens past the ones the step emits, into slots the scheduler has reserved.
     num_lookahead_tokens: int = 0
@@ -96,3 +103,6 @@ class ModelRunnerOutput:
     # req_id → a draft model's drafts continuing the tokens this step emitted (requests with
     # num_lookahead_tokens > 0 that sampled), for the scheduler to verify next step
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id → (len(drafts), V) the distributions those drafts were sampled from, for sampled
+    # requests (greedy ones' drafts are one-hot and have none)
+    draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -66,6 +66,7 @@ class Request:
         self.first_scheduled_time: float | None = None  # for the queue-time metric
         self.spec_token_ids: list[int] = []  # drafts in flight this step (see the invariants)
         self.proposed_token_ids: list[int] = []  # a draft model's, for the next step to verify
+        self.proposed_probs = None  # and the distributions it sampled them from (or None)
         self.spec_acceptance = INITIAL_ACCEPTANCE  # running, per draft token (spec_decode/policy)
 
     @property

@@ -91,8 +91,8 @@ class Scheduler:
         for r in [request, *(followers or [])]:
             if r.request_id in self.requests:
                 raise ValueError(f"request id {r.request_id!r} is already in use")
-        for r in [request, *(followers or [])]:
-            if self.draft_model:
+        if self.draft_model:
+            for r in [request, *(followers or [])]:
                 r.spec_acceptance = DRAFT_MODEL_INITIAL_ACCEPTANCE
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -260,6 +260,9 @@ class Scheduler:
                 spec_token_ids=drafts,
                 spec_banned_token_ids=[request.banned_token_ids(j)
                                        for j in range(1, len(drafts) + 1)],
+                spec_draft_probs=(request.proposed_probs[:len(drafts)]
+                                  if drafts and self.draft_model
+                                  and request.proposed_probs is not None else None),
                 num_lookahead_tokens=lookahead,
             ))
             # NOTE: advanced here, not after the forward pass, so the next schedule() sees the
@@ -330,6 +333,7 @@ class Scheduler:
                     self.num_accepted_per_pos[j] += 1
                 request.spec_token_ids = []
             request.proposed_token_ids = runner_out.draft_token_ids.get(req_id, [])
+            request.proposed_probs = runner_out.draft_probs.get(req_id)
             for token_id in token_ids:
                 request.append_output_token(token_id)
                 status = check_stop(request, self.max_model_len)

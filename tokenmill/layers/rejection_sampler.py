@@ -8,10 +8,12 @@ before it, then temperature, min_p, top-k and top-p give the target distribution
 - greedy rows accept d_j while it is the argmax of position j; the first position that
   disagrees (or the last, when all agree) contributes its argmax;
 - random rows accept d_j with probability min(1, p_j(d_j) / q_j(d_j)) and otherwise draw from
-  the residual max(0, p_j - q_j), normalised; a draft without a distribution (n-gram) has a
-  one-hot q, so the rule is: accept with probability p_j(d_j), else draw from p_j with d_j
-  removed. After k acceptances the bonus token is drawn from p_k. Each emitted token is then
-  distributed as p at its position (Leviathan et al. 2023, SpecInfer).
+  the residual max(0, p_j - q_j), normalised, q_j being the distribution d_j was sampled from
+  (`spec_draft_probs`: a draft model's, for a sampled request); a draft chosen outright
+  (n-gram, suffix, a greedy draft) has a one-hot q, so the rule is: accept with probability
+  p_j(d_j), else draw from p_j with d_j removed. After k acceptances the bonus token is drawn
+  from p_k. Each emitted token is then distributed as p at its position (Leviathan et al.
+  2023, SpecInfer).
 Logprobs of the emitted tokens come from the raw distributions, as without speculation.
 """
 
@@ -54,11 +56,15 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: list[ScheduledRequest]
     chosen = greedy_ids
     if not b.all_greedy:
         probs = sampler.probs(target, b)  # (P, V)
+        q = _draft_distributions(rows, has_draft, safe, probs)  # (P, V)
         uniform = sampler.noise(drafts, b, prow, kind="uniform")  # (P,)
-        accept_random = uniform < probs.gather(-1, safe).squeeze(-1)
-        # rejected: draw from p without the draft (the residual of a one-hot q); last: from p
-        residual = probs.scatter(-1, safe, torch.where(has_draft[:, None], 0.0,
-                                                       probs.gather(-1, safe)))
+        # accept with probability min(1, p(d) / q(d)); q(d) > 0 for a drafted d
+        accept_random = uniform * q.gather(-1, safe).squeeze(-1) < probs.gather(-1, safe
+                                                                                ).squeeze(-1)
+        # rejected: draw from max(0, p - q) normalised; at the last position q = 0: from p.
+        # (p <= q everywhere means p = q, where a draft is never rejected: p then stands in.)
+        residual = (probs - q).clamp_(min=0)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs)
         drawn = cpu_ops.argmax(residual / sampler.noise(residual, b, prow))
         accept = torch.where(b.is_greedy, accept, accept_random)
         chosen = torch.where(b.is_greedy, greedy_ids, drawn)
@@ -76,6 +82,19 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: list[ScheduledRequest]
         emitted.append(tokens)
         first += r.num_sample_positions
     return emitted, _logprobs(raw, rows, emitted, b.max_logprobs)
+
+
+def _draft_distributions(rows: list[ScheduledRequest], has_draft: torch.Tensor,
+                         safe: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """(P, V) q at each sampled position: a draft's own distribution where it came with one,
+    else one-hot at the draft; zero at each row's last position (no draft there)."""
+    q = torch.zeros_like(like).scatter_(-1, safe, has_draft[:, None].to(like.dtype))
+    first = 0
+    for r in rows:
+        if r.spec_draft_probs is not None:
+            q[first:first + len(r.spec_token_ids)] = r.spec_draft_probs.to(like.dtype)
+        first += r.num_sample_positions
+    return q
 
 
 def _logprobs(raw: torch.Tensor | None, rows: list[ScheduledRequest],

@@ -79,7 +79,7 @@ class ModelRunner:
             t0 = time.perf_counter()
             self.drafter = DraftModelProposer(draft, self.num_kv_blocks, self.block_size,
                                               self.device, self.backend,
-                                              prepack=config.prepack_weights)
+                                              prepack=config.prepack_weights, seed=config.seed)
             logger.info("speculative draft model loaded (%s, weights %s) in %.1f s", draft.path,
                         draft.quantization or "dense", time.perf_counter() - t0)
         self.spec_costs: SpecCosts | None = None
@@ -149,7 +149,8 @@ class ModelRunner:
         with scope("prepare_inputs"):
             self.sampler.forget(sched.finished_req_ids)
             if self.drafter is not None:  # preempted ones' blocks move: their drafts restart
-                self.drafter.forget([*sched.finished_req_ids, *sched.preempted_req_ids])
+                self.drafter.forget(sched.finished_req_ids)
+                self.drafter.forget(sched.preempted_req_ids, finished=False)
             if block_ops:
                 try:
                     self._swap(sched)
@@ -185,6 +186,7 @@ class ModelRunner:
         if self.drafter is not None:
             with scope("draft"):
                 out.draft_token_ids = self.drafter.propose(sched, out.sampled_token_ids)
+                out.draft_probs = self.drafter.last_probs
         return out
 
     def _verify(self, logits: torch.Tensor, rows: list[ScheduledRequest],
