@@ -71,6 +71,9 @@ def workloads() -> dict[str, list[str]]:
     }
 
 
+TEMPERATURE = 0.0  # --temperature: sampled requests (seeded) instead of greedy ones
+
+
 def timed(llm: LLM, prompt: list[int], max_tokens: int,
           keep_cache: bool = False) -> tuple[float, list[int]]:
     """Seconds and output of one greedy request. A suffix proposer's cache of earlier outputs
@@ -79,7 +82,7 @@ def timed(llm: LLM, prompt: list[int], max_tokens: int,
     proposer = llm.engine.scheduler.proposer
     if isinstance(proposer, SuffixProposer) and not keep_cache:
         proposer.clear()
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=TEMPERATURE, max_tokens=max_tokens, seed=0)
     start = time.perf_counter()
     out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
     return time.perf_counter() - start, out.token_ids
@@ -112,7 +115,12 @@ def main() -> None:
     ap.add_argument("--llama-cpp", action="store_true",
                     help="also llama.cpp (llama-cpp-python) on the GGUF file, greedy, the same "
                          "prompts and as many tokens as the engine without speculation made")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample (seeded) at this temperature instead of greedy decoding; the "
+                         "output then differs with speculation (its random draws do)")
     args = ap.parse_args()
+    global TEMPERATURE
+    TEMPERATURE = args.temperature
     specs = [json.loads(c) for c in args.speculative_config or [json.dumps(NGRAM)]]
     target, quantization = None, args.quantization
     if args.target == "offgrid":
@@ -132,7 +140,8 @@ def main() -> None:
     print(describe_machine())
     weights = engines["none"].engine.config.model.quantization or "float32"
     print(f"SmolLM2-135M-Instruct{' off-grid copy' if target else ''}, weights {weights}, "
-          f"greedy, max_tokens {args.max_tokens}, {args.rounds} rounds")
+          f"{f'temperature {TEMPERATURE}' if TEMPERATURE else 'greedy'}, max_tokens "
+          f"{args.max_tokens}, {args.rounds} rounds")
     for label, spec in zip(list(engines)[1:], specs, strict=True):
         print(f"  {label}: {json.dumps(spec)}")
     peer = None
@@ -171,7 +180,7 @@ def main() -> None:
             print(f"{name:<12}{label:<12}{rates[label]:>13.1f}{rates[label] / rates['none']:>9.2f}x"
                   f"{(f'{accepted / drafts:.0%}' if drafts else '-'):>10}"
                   f"{(f'{1 + accepted / events:.2f}' if events else '-'):>15}"
-                  f"{'yes' if same else 'NO':>13}")
+                  f"{('yes' if same else 'NO') if TEMPERATURE == 0 else 'n/a':>13}")
         if peer is not None:
             secs, toks = 0.0, 0
             for p, ids in zip(prompts, outputs["none"], strict=True):
