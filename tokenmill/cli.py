@@ -65,8 +65,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: run decode steps eagerly, without CUDA graphs")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--speculative-config", dest="speculative_config", default=None,
-                   help='speculative decoding as JSON (vLLM\'s flag), e.g. \'{"method": '
-                        '"ngram", "num_speculative_tokens": 3}\'')
+                   help='speculative decoding as JSON (vLLM\'s flag): method "ngram", '
+                        '"suffix" or "draft_model" (with "model" and/or "quantization"), e.g. '
+                        '\'{"method": "suffix", "num_speculative_tokens": 3}\'')
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
