@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import openai
 import pytest
 import uvicorn
 
@@ -63,6 +65,27 @@ def start_server(engine: LLMEngine, model: str, api_key: str | None = None,
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def stream_completions(base_url: str, model: str, prompts: list[str],
+                       lengths: list[int]) -> list[str]:
+    """The texts of greedy streaming completions, all sent at once by the openai client."""
+
+    async def one(client: openai.AsyncOpenAI, prompt: str, n: int) -> str:
+        text = ""
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=n,
+                                                 temperature=0, stream=True)
+        async for chunk in stream:
+            text += "".join(c.text for c in chunk.choices)
+        return text
+
+    async def all_of_them() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="x",
+                                      max_retries=0) as client:
+            return await asyncio.gather(*(one(client, p, n)
+                                          for p, n in zip(prompts, lengths, strict=True)))
+
+    return asyncio.run(all_of_them())
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ move; tokenize / detokenize / health / version."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import time
@@ -14,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import start_server
+from tests.server.conftest import start_server, stream_completions
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.llm_engine import LLMEngine
 
@@ -185,21 +184,7 @@ def test_64_concurrent_streams_match_offline(tiny_server, offline):
     prompts = [f"Request {i}: " + "word " * (i % 17) for i in range(64)]
     lengths = [4 + i % 13 for i in range(64)]
 
-    async def one(client: openai.AsyncOpenAI, prompt: str, n: int) -> str:
-        text = ""
-        stream = await client.completions.create(model="tiny-llama", prompt=prompt,
-                                                 max_tokens=n, temperature=0, stream=True)
-        async for chunk in stream:
-            text += "".join(c.text for c in chunk.choices)
-        return text
-
-    async def all_of_them() -> list[str]:
-        async with openai.AsyncOpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="x",
-                                      max_retries=0) as client:
-            return await asyncio.gather(*(one(client, p, n)
-                                          for p, n in zip(prompts, lengths, strict=True)))
-
-    texts = asyncio.run(all_of_them())
+    texts = stream_completions(tiny_server.base_url, "tiny-llama", prompts, lengths)
     outs = offline.generate(prompts, [SamplingParams(temperature=0, max_tokens=n)
                                       for n in lengths], use_tqdm=False)
     assert texts == [o.outputs[0].text for o in outs]

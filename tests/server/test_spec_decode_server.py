@@ -4,14 +4,12 @@ hangs up mid-stream (drafts in flight) gets every KV block and its draft state f
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import httpx
-import openai
 import pytest
 
-from tests.server.conftest import RunningServer, start_server
+from tests.server.conftest import RunningServer, start_server, stream_completions
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.spec_decode.cost_model import SpecCosts
@@ -42,21 +40,7 @@ def test_concurrent_streams_match_offline_greedy(spec_server, tiny_model):
     prompts = [f"Request {i}: " + "word " * (i % 7) for i in range(6)]
     lengths = [12 + 7 * i for i in range(6)]  # they finish apart: the batch shrinks to drafting
 
-    async def one(client: openai.AsyncOpenAI, prompt: str, n: int) -> str:
-        text = ""
-        stream = await client.completions.create(model="tiny-llama", prompt=prompt,
-                                                 max_tokens=n, temperature=0, stream=True)
-        async for chunk in stream:
-            text += "".join(c.text for c in chunk.choices)
-        return text
-
-    async def all_of_them() -> list[str]:
-        async with openai.AsyncOpenAI(base_url=f"{spec_server.base_url}/v1", api_key="x",
-                                      max_retries=0) as client:
-            return await asyncio.gather(*(one(client, p, n)
-                                          for p, n in zip(prompts, lengths, strict=True)))
-
-    texts = asyncio.run(all_of_them())
+    texts = stream_completions(spec_server.base_url, "tiny-llama", prompts, lengths)
     offline = LLM(tiny_model("llama")[0], max_model_len=512)
     outs = offline.generate(prompts, [SamplingParams(temperature=0, max_tokens=n)
                                       for n in lengths], use_tqdm=False)
