@@ -27,15 +27,22 @@ def make_proposer(path: str) -> DraftModelProposer:
                               device=torch.device("cpu"), backend=backend)
 
 
-def step(proposer: DraftModelProposer, req_id: str, blocks: list[int], tokens: list[int],
-         new: list[int], k: int, params: SamplingParams | None = None) -> list[int]:
-    """The proposer's drafts after a step that emitted `new` after `tokens`."""
+def propose(proposer: DraftModelProposer, req_id: str, blocks: list[int], tokens: list[int],
+            new: list[int], k: int, params: SamplingParams | None = None
+            ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+    """The proposer's drafts (and q's) after a step that emitted `new` after `tokens`."""
     r = ScheduledRequest(req_id=req_id, token_ids=[tokens[-1]], start_pos=len(tokens) - 1,
                          block_ids=blocks, sample=True,
                          sampling_params=params or SamplingParams(temperature=0),
                          prompt_token_ids=tokens, output_token_ids=[],
                          num_lookahead_tokens=k)
-    return proposer.propose(SchedulerOutput(scheduled=[r]), [new])[req_id]
+    return proposer.propose(SchedulerOutput(scheduled=[r]), [new])
+
+
+def step(proposer: DraftModelProposer, req_id: str, blocks: list[int], tokens: list[int],
+         new: list[int], k: int) -> list[int]:
+    """The proposer's drafts after a step that emitted `new` after `tokens`."""
+    return propose(proposer, req_id, blocks, tokens, new, k)[0][req_id]
 
 
 def test_drafts_from_kept_kv_equal_drafts_from_scratch(tiny_model):
@@ -93,10 +100,9 @@ def test_sampled_requests_draw_drafts_from_q_and_pass_it_on(tiny_model):
     params = SamplingParams(temperature=1.5, top_k=40, seed=3)
 
     def sampled(seed_params: SamplingParams) -> tuple[list[int], torch.Tensor]:
-        proposer = make_proposer(path)
-        drafts = step(proposer, "s", list(range(1, 33)), tokens[:-1], tokens[-1:], 3,
-                      seed_params)
-        return drafts, proposer.last_probs["s"]
+        drafts, probs = propose(make_proposer(path), "s", list(range(1, 33)), tokens[:-1],
+                                tokens[-1:], 3, seed_params)
+        return drafts["s"], probs["s"]
 
     drafts, q = sampled(params)
     assert q.shape == (3, 49152)
@@ -107,6 +113,6 @@ def test_sampled_requests_draw_drafts_from_q_and_pass_it_on(tiny_model):
     draws = {tuple(sampled(SamplingParams(temperature=1.5, top_k=40, seed=s))[0])
              for s in range(6)}
     assert len(draws) > 1  # really drawn, not the argmax
-    greedy = make_proposer(path)
-    step(greedy, "g", list(range(1, 33)), tokens[:-1], tokens[-1:], 3)
-    assert greedy.last_probs == {}
+    drafts, probs = propose(make_proposer(path), "g", list(range(1, 33)), tokens[:-1],
+                            tokens[-1:], 3)
+    assert len(drafts["g"]) == 3 and probs == {}

@@ -261,8 +261,7 @@ class Scheduler:
                 spec_banned_token_ids=[request.banned_token_ids(j)
                                        for j in range(1, len(drafts) + 1)],
                 spec_draft_probs=(request.proposed_probs[:len(drafts)]
-                                  if drafts and self.draft_model
-                                  and request.proposed_probs is not None else None),
+                                  if drafts and request.proposed_probs is not None else None),
                 num_lookahead_tokens=lookahead,
             ))
             # NOTE: advanced here, not after the forward pass, so the next schedule() sees the

@@ -89,9 +89,10 @@ class Sampler:
 
 
 def _exponential_(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    """Fill `t` with Exp(1) draws as -log(1 - U): on CPU 4x faster than torch's exponential_
-    (a sampled batch of 64 at V = 49152 draws 3M per step). Never 0 (U = 0 would give 0 and
-    then p / 0 = inf or 0 / 0 = nan in the race): clamped to the smallest normal float."""
+    """Fill `t` with Exp(1) draws as -log(1 - U): on CPU 3.3x faster than torch's exponential_
+    (0.58 against 1.9 s for 2000 x 49152 draws; a sampled batch of 64 draws 3M per step).
+    Never 0 (U = 0 would give 0 and then p / 0 = inf or 0 / 0 = nan in the race): clamped to
+    the smallest normal float."""
     return t.uniform_(generator=g).neg_().log1p_().neg_().clamp_(min=_TINY)
 
 

@@ -112,7 +112,6 @@ class SamplingBatch:
         sorted_logits = sorted_logits.masked_fill(before >= p[:, None], float("-inf"))
         return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
-
     @staticmethod
     def _top_k_only(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
         """Top-k without top-p: one partial top-k to each row's k-th largest logit instead of

@@ -81,8 +81,7 @@ _DRAFT_SEED_SALT = 0x5DEECE66D
 @dataclass
 class _DraftState:
     valid: int  # positions whose draft K/V match the request's tokens
-    pending_start: int  # the draft also wrote K/V for `pending` from this position on,
-    pending: list[int]  # its own unverified drafts: valid once the target accepts them
+    pending: list[int]  # drafts whose K/V it also wrote from `valid` on: valid once accepted
 
 
 class DraftModelProposer:
@@ -103,7 +102,6 @@ class DraftModelProposer:
         # draws sampled requests' drafts; a seeded request's from a stream of its own,
         # seeded apart from the target's (_draft_params), so its output stays reproducible
         self.sampler = Sampler(seed, device)
-        self.last_probs: dict[str, torch.Tensor] = {}  # the last propose()'s q, (k, V) each
 
     @staticmethod
     def block_bytes(config: ModelConfig, block_size: int) -> int:
@@ -125,16 +123,17 @@ class DraftModelProposer:
         if state is None:
             return 0
         valid = state.valid
-        for j, t in enumerate(state.pending):
-            pos = state.pending_start + j
-            if pos != valid or pos >= len(tokens) or tokens[pos] != t:
+        for t in state.pending:
+            if valid >= len(tokens) or tokens[valid] != t:
                 break
             valid += 1
         return min(valid, len(tokens) - 1)
 
     @torch.inference_mode()
-    def propose(self, sched: SchedulerOutput, sampled: list[list[int]]) -> dict[str, list[int]]:
-        """Drafts for the requests of this step that sampled and asked for some."""
+    def propose(self, sched: SchedulerOutput, sampled: list[list[int]]
+                ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+        """Drafts for the requests of this step that sampled and asked for some, and for the
+        sampled requests among them the distributions q they were drawn from ((k, V) each)."""
         feeds: list[ScheduledRequest] = []  # this forward's queries, one per drafting request
         wanted: list[int] = []
         lengths: list[int] = []
@@ -168,10 +167,9 @@ class DraftModelProposer:
             active = [i for i in active if len(drafts[i]) < wanted[i]]
         for f, d, n in zip(feeds, drafts, lengths, strict=True):
             # K/V written: the request's tokens, then the drafts but the last
-            self._states[f.req_id] = _DraftState(valid=n, pending_start=n, pending=d[:-1])
-        self.last_probs = {f.req_id: torch.stack(ps) for f, ps in zip(feeds, probs, strict=True)
-                           if ps}
-        return {f.req_id: d for f, d in zip(feeds, drafts, strict=True)}
+            self._states[f.req_id] = _DraftState(valid=n, pending=d[:-1])
+        return ({f.req_id: d for f, d in zip(feeds, drafts, strict=True)},
+                {f.req_id: torch.stack(ps) for f, ps in zip(feeds, probs, strict=True) if ps})
 
     def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest]
                 ) -> tuple[list[int], torch.Tensor | None]:

@@ -185,8 +185,8 @@ class ModelRunner:
         self._prompt_logprobs(sched, batch, hidden, out)
         if self.drafter is not None:
             with scope("draft"):
-                out.draft_token_ids = self.drafter.propose(sched, out.sampled_token_ids)
-                out.draft_probs = self.drafter.last_probs
+                out.draft_token_ids, out.draft_probs = self.drafter.propose(
+                    sched, out.sampled_token_ids)
         return out
 
     def _verify(self, logits: torch.Tensor, rows: list[ScheduledRequest],
