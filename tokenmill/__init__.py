@@ -9,8 +9,9 @@ from tokenmill.engine.llm import LLM
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import BeamSearchParams, SamplingParams
+from tokenmill.structured_output.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
            "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob", "RequestOutput",
-           "SamplingParams", "__version__"]
+           "SamplingParams", "StructuredOutputsParams", "__version__"]

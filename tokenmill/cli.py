@@ -68,6 +68,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding as JSON (vLLM\'s flag): method "ngram", '
                         '"suffix" or "draft_model" (with "model" and/or "quantization"), e.g. '
                         '\'{"method": "suffix", "num_speculative_tokens": 3}\'')
+    g.add_argument("--structured-outputs-config", dest="structured_outputs_config",
+                   default=None, help='structured outputs as JSON (vLLM\'s flag): "backend" '
+                   '("auto", "guidance" or "xgrammar") and "jump_forward" (true or false)')
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -76,7 +79,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
              "num_kv_blocks", "block_size", "max_num_seqs",
              "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
              "preemption_mode", "swap_space", "device", "seed", "prepack_weights",
-             "attention_backend", "enforce_eager", "speculative_config"]
+             "attention_backend", "enforce_eager", "speculative_config",
+             "structured_outputs_config"]
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 

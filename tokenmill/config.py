@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tokenmill.spec_decode.config import SpeculativeConfig
+from tokenmill.structured_output.config import StructuredOutputsConfig
 from tokenmill.utils import parse_size
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -280,6 +281,8 @@ class EngineConfig:
     # The draft of speculative method "draft_model" (spec_decode/draft_model.py), resolved and
     # checked against the target at start-up.
     draft_model: ModelConfig | None = None
+    # Structured outputs (vLLM's --structured-outputs-config; structured_output/config.py).
+    structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
 
     def __post_init__(self) -> None:
         from tokenmill.attention.base import BACKEND_NAMES
@@ -304,7 +307,8 @@ class EngineConfig:
                   "enable_chunked_prefill": "scheduler", "preemption_mode": "scheduler",
                   "tensor_parallel_size": "parallel", "device": "engine", "seed": "engine",
                   "prepack_weights": "engine", "attention_backend": "engine",
-                  "enforce_eager": "engine", "speculative_config": "engine"}
+                  "enforce_eager": "engine", "speculative_config": "engine",
+                  "structured_outputs_config": "engine"}
         for name, value in options.items():
             if name not in owners:
                 raise ValueError(f"unknown engine option {name!r}; known: "
@@ -343,4 +347,6 @@ class EngineConfig:
                             prepack_weights=groups["engine"].get("prepack_weights", "auto"),
                             attention_backend=groups["engine"].get("attention_backend", "auto"),
                             enforce_eager=bool(groups["engine"].get("enforce_eager", False)),
-                            speculative=speculative, draft_model=draft)
+                            speculative=speculative, draft_model=draft,
+                            structured_outputs=StructuredOutputsConfig.parse(
+                                groups["engine"].get("structured_outputs_config")))

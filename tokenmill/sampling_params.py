@@ -6,13 +6,17 @@ silently clamped. Greedy decoding is `temperature == 0`.
 
 Order of logit processing (as in vLLM): logit_bias and the min_tokens ban, then repetition /
 frequency / presence penalties, then (random sampling only) temperature, min_p, top-k, top-p.
-Logprobs are those of the raw model output (log_softmax of the logits, before any processing).
+Logprobs are those of the raw model output (log_softmax of the logits, before any processing);
+with `structured_outputs`, the grammar's token mask comes first (as in vLLM).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.structured_output.params import StructuredOutputsParams
 
 # Below this temperature we sample greedily, as vLLM does, to avoid dividing by ~0.
 _GREEDY_EPS = 1e-5
@@ -43,6 +47,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # the output must match a JSON schema, regex, choice or grammar (structured_output/)
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self._check_int("n", self.n, 1)
@@ -78,6 +84,14 @@ class SamplingParams:
             if not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
+        elif not isinstance(self.structured_outputs, StructuredOutputsParams | None):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     @staticmethod
     def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import torch
 
 
@@ -72,6 +74,10 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     preempted_req_ids: list[str] = field(default_factory=list)
+    # Structured outputs: req_id → (num_sample_positions, W) int32 token bitmask rows, being
+    # filled on a worker thread while the forward pass runs (structured_output/manager.py);
+    # None when no scheduled request is constrained.
+    grammar_bitmask: Future[dict[str, torch.Tensor]] | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -9,6 +9,8 @@ Invariants:
   `schedule()` and `update_from_output()` they are counted in `num_computed_tokens` (their
   K/V is being written), which may then exceed `num_tokens` by their number; verification
   rolls it back to the accepted ones. They never enter `all_token_ids` unverified.
+- `grammar` (structured outputs): a matcher whose state is `output_token_ids`; the scheduler
+  advances it on every token it appends.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # e.g. its grammar reached a dead end (stop_reason says)
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -43,6 +46,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -68,6 +72,8 @@ class Request:
         self.proposed_token_ids: list[int] = []  # a draft model's, for the next step to verify
         self.proposed_probs = None  # and the distributions it sampled them from (or None)
         self.spec_acceptance = INITIAL_ACCEPTANCE  # running, per draft token (spec_decode/policy)
+        # structured outputs: a GrammarMatcher (structured_output/backend.py), or None
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:

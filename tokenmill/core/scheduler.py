@@ -25,6 +25,13 @@ that verifying costs about what a plain decode step does (SPEC_MAX_STEP_TOKENS),
 many as the request's running acceptance and the measured costs make worth it
 (spec_decode/policy.py, cost_model.py).
 
+Structured outputs: a request with a grammar matcher (`Request.grammar`) has it advanced on
+every token appended here; a token it refuses ends the request with finish reason "error" (a
+dead end), a completed grammar ends it as stopped. Drafts are cut at the first token the
+grammar refuses. Jump-forward: after a step, the tokens the grammar forces next are appended
+at once (`jump_forward`), so the next step computes them as one chunk instead of one step
+each, and samples after them.
+
 Invariant: every block in the pool is free when no request is running or waiting.
 """
 
@@ -57,8 +64,10 @@ PROBE_EVERY = 8
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  speculative: SpeculativeConfig | None = None,
-                 spec_costs: SpecCosts | None = None) -> None:
+                 spec_costs: SpecCosts | None = None, jump_forward: bool = True) -> None:
         self.config = config
+        self.jump_forward = jump_forward
+        self.num_jump_forward_tokens = 0  # tokens a grammar forced, appended without a step
         self.speculative = speculative
         # what drafting costs, in decode steps (measured by the runner at start-up)
         self.spec_costs = spec_costs or SpecCosts(VERIFY_COST_PER_DRAFT, DRAFT_MODEL_COST)
@@ -187,11 +196,15 @@ class Scheduler:
         if k <= 0:
             return []
         if self.proposer is None:  # a draft model's, proposed after the last step
-            return request.proposed_token_ids[:k]
-        drafts, matched = self.proposer.propose_with_match(request.all_token_ids, k)
-        long_match = matched >= self.proposer.confident_match
-        return drafts[:draft_length(request.spec_acceptance, len(drafts), long_match,
-                                    self.spec_costs.verify_per_draft)]
+            drafts = request.proposed_token_ids[:k]
+        else:
+            drafts, matched = self.proposer.propose_with_match(request.all_token_ids, k)
+            long_match = matched >= self.proposer.confident_match
+            drafts = drafts[:draft_length(request.spec_acceptance, len(drafts), long_match,
+                                          self.spec_costs.verify_per_draft)]
+        if request.grammar is not None and drafts:
+            drafts = drafts[:request.grammar.validate(drafts)]
+        return drafts
 
     def _lookahead(self, request: Request, n: int) -> int:
         """How many tokens a draft model drafts for the request after this step: for a
@@ -333,15 +346,37 @@ class Scheduler:
                 request.spec_token_ids = []
             request.proposed_token_ids = runner_out.draft_token_ids.get(req_id, [])
             request.proposed_probs = runner_out.draft_probs.get(req_id)
+            status = None
             for token_id in token_ids:
-                request.append_output_token(token_id)
-                status = check_stop(request, self.max_model_len)
-                if status is not None:
-                    self.running.remove(request)
-                    self._finish(request, status)
+                if (status := self._append(request, token_id)) is not None:
                     break
+            if status is None and request.grammar is not None:
+                status = self._jump_forward(request)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
             progressed.append(request)
         return progressed
+
+    def _append(self, request: Request, token_id: int) -> RequestStatus | None:
+        """Append an emitted token; the finished status it puts the request in, or None."""
+        request.append_output_token(token_id)
+        if request.grammar is not None and not request.grammar.accept(token_id):
+            request.stop_reason = ("grammar dead end: "
+                                   f"{request.grammar.error() or f'token {token_id} refused'}")
+            return RequestStatus.FINISHED_ERROR
+        return check_stop(request, self.max_model_len)
+
+    def _jump_forward(self, request: Request) -> RequestStatus | None:
+        """Append the tokens the request's grammar forces next (none for a request that asked
+        for logprobs: forced tokens have none); the status they finish it with, or None."""
+        if not self.jump_forward or request.sampling_params.logprobs is not None:
+            return None
+        for token_id in request.grammar.forced_tokens()[:self._tokens_left(request)]:
+            self.num_jump_forward_tokens += 1
+            if (status := self._append(request, token_id)) is not None:
+                return status
+        return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self._release_followers(request)

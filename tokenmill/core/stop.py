@@ -1,4 +1,5 @@
-"""Token-level stop checks, run after each sampled token: EOS, stop token ids, length limits.
+"""Token-level stop checks, run after each sampled token: a completed grammar (structured
+outputs), EOS, stop token ids, length limits.
 
 String stops need detokenized text and live with the detokenizer in the engine.
 """
@@ -15,6 +16,8 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     """
     last = request.output_token_ids[-1]
     params = request.sampling_params
+    if request.grammar is not None and request.grammar.is_terminated():
+        return RequestStatus.FINISHED_STOPPED  # nothing may follow (not even min_tokens)
     if request.num_output_tokens < params.min_tokens:
         return None  # the sampler bans EOS and stop ids until then; max_tokens >= min_tokens
     if not params.ignore_eos and last in request.eos_token_ids:

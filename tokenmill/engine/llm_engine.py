@@ -37,6 +37,8 @@ from tokenmill.engine.tokenizer import load_tokenizer
 from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SEED_MIN, SamplingParams
+from tokenmill.structured_output.backend import CompiledGrammar
+from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.utils import cdiv
 from tokenmill.utils.profiling import scope
 from tokenmill.worker.model_runner import KVBlockOpsError, ModelRunner
@@ -59,6 +61,7 @@ class PreparedRequest:
     params: SamplingParams
     max_tokens: int
     arrival_time: float
+    grammar: CompiledGrammar | None = None  # structured outputs: each sample gets a matcher
 
 
 class LLMEngine:
@@ -70,11 +73,14 @@ class LLMEngine:
                                  enable_prefix_caching=config.cache.enable_prefix_caching,
                                  num_swap_blocks=self.runner.num_swap_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len,
-                                   config.speculative, self.runner.spec_costs)
+                                   config.speculative, self.runner.spec_costs,
+                                   jump_forward=config.structured_outputs.jump_forward)
         eos = set(config.model.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
+        self.structured = StructuredOutputManager(config.structured_outputs, self.tokenizer,
+                                                  config.model.vocab_size, self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer)
         self._all_failed_steps = 0  # consecutive steps in which every request failed
 
@@ -110,8 +116,11 @@ class LLMEngine:
         max_tokens = self._validate(token_ids, params)
         if params.top_k >= self.config.model.vocab_size:  # the same draw, in the range of ops
             params = dataclasses.replace(params, top_k=0)
+        grammar = (self.structured.compile(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
         return PreparedRequest(request_id, prompt_text, token_ids, params, max_tokens,
-                               time.monotonic() if arrival_time is None else arrival_time)
+                               time.monotonic() if arrival_time is None else arrival_time,
+                               grammar)
 
     def add_prepared(self, p: PreparedRequest) -> None:
         if p.request_id in self.outputs.parents:
@@ -119,6 +128,9 @@ class LLMEngine:
         children = [Request(self._child_id(p.request_id, i, p.params.n), p.token_ids,
                             self._child_params(p.params, i), self.eos_token_ids, p.max_tokens,
                             p.arrival_time) for i in range(p.params.n)]
+        if p.grammar is not None:
+            for child in children:
+                child.grammar = p.grammar.matcher()
         self.scheduler.add_request(children[0], children[1:])
         self.outputs.add(p.request_id, p.prompt, p.token_ids, children)
 
@@ -243,6 +255,9 @@ class LLMEngine:
         # profiler scopes name the parts of a step (benchmarks/profile_step.py)
         with scope("schedule"):
             sched_out = self.scheduler.schedule()
+            sched_out.grammar_bitmask = self.structured.submit(sched_out, {
+                r.req_id: g for r in sched_out.scheduled
+                if (g := self.scheduler.requests[r.req_id].grammar) is not None})
         failed: list[RequestOutput] = []
         try:
             runner_out = self.runner.execute(sched_out)
@@ -251,6 +266,8 @@ class LLMEngine:
             raise EngineDeadError(f"KV cache block operations failed: {e}") from e
         except Exception as e:
             runner_out = self._isolate_failure(sched_out, e, failed)
+        finally:  # the matchers are the worker thread's until their masks are filled
+            self.structured.wait(sched_out.grammar_bitmask)
         with scope("process_outputs"):
             progressed = self.scheduler.update_from_output(sched_out, runner_out)
             outputs, stopped = self.outputs.process(progressed, runner_out)
@@ -271,7 +288,8 @@ class LLMEngine:
         culprits: dict[str, Exception] = {}
         for i, r in enumerate(sched_out.scheduled):
             try:
-                out = self.runner.execute(SchedulerOutput(scheduled=[r]), block_ops=False)
+                out = self.runner.execute(SchedulerOutput(
+                    scheduled=[r], grammar_bitmask=sched_out.grammar_bitmask), block_ops=False)
             except Exception as e:
                 culprits[r.req_id] = e
                 continue

@@ -6,8 +6,11 @@ form its ops do not accept:
   only; integers within signed 64 bits where they become tensor values (seed, top_k);
 - every string must be encodable as UTF-8 (a lone surrogate such as "\\ud800" is a 400);
 - unknown fields are refused with a 400 naming them (`extra="forbid"`), and OpenAI fields that
-  tokenmill does not implement yet (`response_format` other than text, `tools`, `best_of`...)
-  are refused by name unless they carry their inert default;
+  tokenmill does not implement yet (`audio`, `prediction`, `best_of`...) are refused by name
+  unless they carry their inert default;
+- structured outputs come as OpenAI's `response_format` (json_object, json_schema), vLLM's
+  `structured_outputs` object, or vLLM's older `guided_json` / `guided_regex` /
+  `guided_choice` / `guided_grammar` (+ `guided_whitespace_pattern`); at most one of them;
 - `n` is capped at MAX_N, the number of prompts at MAX_PROMPTS.
 
 Requests turn into SamplingParams in `to_sampling_params`; SamplingParams' own validation then
@@ -31,6 +34,7 @@ from pydantic import (
 )
 
 from tokenmill.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+from tokenmill.structured_output.params import StructuredOutputsParams
 
 MAX_N = 128  # OpenAI's own cap on n
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
@@ -62,11 +66,23 @@ class StreamOptions(StrictModel):
 # OpenAI fields tokenmill does not implement yet → the values that mean "not used" (and
 # best_of, which is inert when it equals n).
 _INERT: dict[str, Any] = {
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None,),
     "function_call": (None, "none"), "audio": (None,), "modalities": (None, ["text"]),
     "prediction": (None,), "store": (None, False), "web_search_options": (None,),
 }
+
+
+class JsonSchemaFormat(StrictModel):
+    name: Text = "response"
+    description: Text | None = None
+    # `schema` in the API (pydantic reserves the attribute name)
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(StrictModel):
@@ -88,7 +104,6 @@ class SamplingFields(StrictModel):
     metadata: dict[str, Text] | None = None
     # not implemented: refused unless inert (see _INERT)
     best_of: StrictInt | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     store: StrictBool | None = None
@@ -111,6 +126,14 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: StrictBool = False
     stop_token_ids: list[TokenId] | None = None
     prompt_logprobs: StrictInt | None = None
+    # structured outputs (see the module doc)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Text | dict[str, Any] | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    guided_whitespace_pattern: Text | None = None
 
     @model_validator(mode="after")
     def _refuse_unimplemented(self) -> SamplingFields:
@@ -140,7 +163,42 @@ class SamplingFields(StrictModel):
             max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
             min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
             logit_bias=self.logit_bias, skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens)
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            structured_outputs=self.structured_outputs_params())
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one structured-output constraint the request sets, or None; ValueError naming
+        the field if it sets several or a bad one."""
+        guided = {k: getattr(self, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")
+                  if getattr(self, f"guided_{k}") is not None}
+        fmt = self.response_format
+        sources = [name for name, present in (
+            ("response_format", fmt is not None and fmt.type != "text"),
+            ("structured_outputs", self.structured_outputs is not None),
+            ("guided_" + next(iter(guided), ""), bool(guided))) if present]
+        if len(sources) > 1 or len(guided) > 1:
+            names = sources + [f"guided_{k}" for k in list(guided)[1:]]
+            raise ValueError(f"structured_outputs is only allowed once: {', '.join(names)} "
+                             "each set a constraint")
+        if self.guided_whitespace_pattern is not None and not guided:
+            raise ValueError("guided_whitespace_pattern must come with guided_json")
+        if guided:
+            return StructuredOutputsParams(
+                **guided, whitespace_pattern=self.guided_whitespace_pattern)
+        if self.structured_outputs is not None:
+            try:
+                return StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None:
+            raise ValueError("response_format must have json_schema when its type is "
+                             "json_schema")
+        schema = fmt.json_schema.json_schema
+        return StructuredOutputsParams(json=schema if schema is not None else {})
 
 
 Prompt = Text | list[Text] | list[TokenId] | list[list[TokenId]]

@@ -25,6 +25,7 @@ from tokenmill.core.interface import (
 )
 from tokenmill.layers.rejection_sampler import verify
 from tokenmill.layers.sampler import Sampler, gather_logprobs
+from tokenmill.layers.token_bitmask import apply_token_bitmask_
 from tokenmill.model_loader import load_model
 from tokenmill.spec_decode.cost_model import SpecCosts, measure_spec_costs
 from tokenmill.spec_decode.draft_model import DraftModelProposer
@@ -170,6 +171,9 @@ class ModelRunner:
         if batch.sample_rows:
             with scope("logits"):
                 logits = self.model.compute_logits(hidden, batch.logits_indices)  # (S, V)
+            if sched.grammar_bitmask is not None:
+                with scope("grammar_bitmask"):
+                    _apply_grammar(sched, batch.sample_rows, logits)
             with scope("sample"):
                 rows = [sched.scheduled[i] for i in batch.sample_rows]
                 if any(r.spec_token_ids for r in rows):
@@ -213,6 +217,24 @@ class ModelRunner:
                                    device=self.device)
             out.prompt_logprobs[r.req_id] = (positions.start + 1, gather_logprobs(
                 logprobs, targets, r.sampling_params.prompt_logprobs))
+
+
+def _apply_grammar(sched: SchedulerOutput, sample_rows: list[int], logits: torch.Tensor) -> None:
+    """Mask each constrained request's sampled positions with its grammar's bitmask (filled on
+    the worker thread during the forward pass), before the sampler sees the logits (P, V)."""
+    masks = sched.grammar_bitmask.result()  # req_id → (num_sample_positions, W)
+    rows: list[int] = []
+    parts: list[torch.Tensor] = []
+    first = 0
+    for i in sample_rows:
+        r = sched.scheduled[i]
+        if (mask := masks.get(r.req_id)) is not None:
+            rows += range(first, first + r.num_sample_positions)
+            parts.append(mask[:r.num_sample_positions])
+        first += r.num_sample_positions
+    if rows:
+        apply_token_bitmask_(logits, torch.cat(parts),
+                             torch.tensor(rows, device=logits.device))
 
 
 def _select(lp: PositionLogprobs, row: int, width: int) -> PositionLogprobs:
