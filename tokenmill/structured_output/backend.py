@@ -85,20 +85,23 @@ def json_object_schema(max_depth: int = JSON_OBJECT_MAX_DEPTH) -> dict:
 
 
 def json_schema_of(params: StructuredOutputsParams) -> dict | bool:
-    """The schema a json / json_object constraint means (additionalProperties: false on every
-    object that does not say otherwise when `disable_additional_properties`)."""
+    """The schema a json / json_object constraint is compiled from. Objects that do not say
+    take no properties beyond those they name (xgrammar's strict mode, vLLM's default):
+    every answer still validates against the given schema, and SmolLM2, free to add
+    properties, added an unbounded array to one until max_tokens cut it off.
+    `disable_additional_properties` also overrides objects that allow more."""
     schema = json_object_schema() if params.kind == "json_object" else params.json
-    if params.disable_additional_properties:
-        schema = _no_additional_properties(schema)
-    return schema
+    return _close_objects(schema, force=params.disable_additional_properties)
 
 
-def _no_additional_properties(node: object) -> object:
+def _close_objects(node: object, force: bool) -> object:
     if isinstance(node, list):
-        return [_no_additional_properties(x) for x in node]
+        return [_close_objects(x, force) for x in node]
     if not isinstance(node, dict):
         return node
-    out = {k: _no_additional_properties(v) for k, v in node.items()}
-    if out.get("type") == "object" or "properties" in out:
-        out.setdefault("additionalProperties", False)
+    out = {k: v if k in ("enum", "const", "default", "examples") else _close_objects(v, force)
+           for k, v in node.items()}
+    is_object = out.get("type") == "object" or "properties" in out
+    if is_object and (force or "additionalProperties" not in out):
+        out["additionalProperties"] = False
     return out
