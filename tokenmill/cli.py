@@ -3,7 +3,8 @@
     tokenmill serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
                     [--served-model-name NAME] [--max-waiting-requests 256]
                     [--max-request-body-bytes 8MiB] [--request-timeout S]
-                    [--drain-timeout 30] [engine options]
+                    [--drain-timeout 30] [--enable-auto-tool-choice --tool-call-parser P]
+                    [engine options]
     tokenmill bench serve [--launch | --base-url URL] [--request-rate R | --concurrency C]
     tokenmill bench throughput [--workload mixed|uniform] [--compare-hf] [--json F] [--png F]
     tokenmill bench latency [--repeats 3] [--llama-cpp] [--json F] [--png F]
@@ -105,6 +106,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.server.api_server import ServerLimits, run_server
+    from tokenmill.server.tools import ToolOptions
     from tokenmill.utils.request_context import RequestIdFilter
     from tokenmill.utils.sizes import parse_size
 
@@ -117,13 +119,16 @@ def _serve(args: argparse.Namespace) -> int:
     limits = ServerLimits(max_waiting_requests=args.max_waiting_requests,
                           max_request_body_bytes=parse_size(args.max_request_body_bytes),
                           request_timeout=args.request_timeout, drain_timeout=args.drain_timeout)
+    tools = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)
     model = args.model_pos if args.model_pos is not None else args.model
     engine = LLMEngine.from_options(model, **engine_options(args))
     return run_server(engine, args.host, args.port, args.api_key, args.served_model_name,
-                      limits)
+                      limits, tools)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tokenmill.server.tool_parsers import TOOL_PARSERS
+
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -174,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "'abort'); a request's own `timeout` field may be shorter")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="on SIGTERM/SIGINT, seconds in-flight requests get to finish")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model decide when to call tools (tool_choice "auto"); '
+                            "needs --tool-call-parser")
+    serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                       help="how tool calls are parsed out of the model's text: hermes "
+                            "(<tool_call> tags: Hermes, Qwen) or llama3_json (Llama 3.x)")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
     return parser

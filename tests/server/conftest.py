@@ -16,6 +16,7 @@ import uvicorn
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.server.api_server import ServerLimits, build_app
 from tokenmill.server.lifecycle import DrainingServer
+from tokenmill.server.tools import ToolOptions
 
 
 @dataclass
@@ -46,10 +47,11 @@ def free_port() -> int:
 
 
 def start_server(engine: LLMEngine, model: str, api_key: str | None = None,
-                 limits: ServerLimits | None = None) -> Iterator[RunningServer]:
+                 limits: ServerLimits | None = None,
+                 tool_options: ToolOptions | None = None) -> Iterator[RunningServer]:
     """The server `tokenmill serve` runs (DrainingServer), on a thread of this process."""
     port = free_port()
-    app = build_app(engine, model, api_key, limits)
+    app = build_app(engine, model, api_key, limits, tool_options)
     server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning", timeout_graceful_shutdown=5),
                             app.state.lifecycle)

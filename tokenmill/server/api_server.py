@@ -44,6 +44,7 @@ from tokenmill.server.protocol import (
 from tokenmill.server.serving_chat import OpenAIServingChat, render_chat
 from tokenmill.server.serving_common import ClientDisconnected, RequestFailed, error_response
 from tokenmill.server.serving_completion import OpenAIServingCompletion
+from tokenmill.server.tools import ToolOptions
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,8 @@ _ERROR_STATUSES = {400: "Invalid request", 401: "Invalid API key", 404: "Unknown
 
 
 def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None,
-              limits: ServerLimits | None = None) -> FastAPI:
+              limits: ServerLimits | None = None,
+              tool_options: ToolOptions | None = None) -> FastAPI:
     limits = limits or ServerLimits()
     metrics = PrometheusMetrics(served_model_name)
     admission = AdmissionControl(engine.config.scheduler.max_num_seqs,
@@ -78,7 +80,8 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
                          on_dead=lambda _: lifecycle.call_soon(lifecycle.engine_died))
     lifecycle = ServerLifecycle(async_llm, admission, limits.drain_timeout)
     serving = (async_llm, served_model_name, admission, limits.request_timeout)
-    completions, chat = OpenAIServingCompletion(*serving), OpenAIServingChat(*serving)
+    completions = OpenAIServingCompletion(*serving)
+    chat = OpenAIServingChat(*serving, tool_options=tool_options)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -256,14 +259,15 @@ def default_served_name(engine: LLMEngine) -> str:
 
 
 def run_server(engine: LLMEngine, host: str, port: int, api_key: str | None,
-               served_model_name: str | None, limits: ServerLimits | None = None) -> int:
+               served_model_name: str | None, limits: ServerLimits | None = None,
+               tool_options: ToolOptions | None = None) -> int:
     """Serve until SIGINT/SIGTERM (drained: exit 0) or the engine's death (exit 1)."""
     import uvicorn
 
     from tokenmill.server.lifecycle import DrainingServer
 
     name = served_model_name or default_served_name(engine)
-    app = build_app(engine, name, api_key, limits)
+    app = build_app(engine, name, api_key, limits, tool_options)
     # uvicorn's access log is off: ours (middleware.py) carries the request id.
     config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
                             log_config=None, timeout_graceful_shutdown=5)

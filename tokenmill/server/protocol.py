@@ -66,7 +66,7 @@ class StreamOptions(StrictModel):
 # OpenAI fields tokenmill does not implement yet → the values that mean "not used" (and
 # best_of, which is inert when it equals n).
 _INERT: dict[str, Any] = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None,),
+    "functions": (None,),
     "function_call": (None, "none"), "audio": (None,), "modalities": (None, ["text"]),
     "prediction": (None,), "store": (None, False), "web_search_options": (None,),
 }
@@ -104,8 +104,6 @@ class SamplingFields(StrictModel):
     metadata: dict[str, Text] | None = None
     # not implemented: refused unless inert (see _INERT)
     best_of: StrictInt | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     store: StrictBool | None = None
     functions: Any = None
     function_call: Any = None
@@ -247,10 +245,31 @@ class TextPart(StrictModel):
     text: Text
 
 
+class FunctionCall(StrictModel):
+    name: Text
+    arguments: Text  # JSON text of an object
+
+
+class MessageToolCall(StrictModel):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool result: the call it answers
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls is only allowed in assistant messages")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id is only allowed in tool messages")
+        return self
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates expect it: text parts joined (as vLLM does)."""
@@ -260,7 +279,32 @@ class ChatMessage(StrictModel):
         out: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls is not None:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
+
+
+class FunctionDefinition(StrictModel):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ChatTool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(StrictModel):
+    name: Text
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -270,7 +314,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    parallel_tool_calls: StrictBool | None = None  # meaningful only with tools (refused)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -2,11 +2,18 @@
 thread: a template over a large conversation must not hold up the event loop), n samples,
 streamed as `chat.completion.chunk` events (a role delta first, then content deltas, then the
 finish reason; an error event if the engine failed the request; always [DONE] last) or
-returned whole."""
+returned whole.
+
+With tools (server/tools.py), text that is or may become a tool call is held back while
+streaming; when a choice finishes, its calls go out as one `tool_calls` delta each (id, name
+and the whole arguments), after any content still unsent, and its finish_reason is
+"tool_calls". Streamed and whole answers carry the same content and calls.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admission import Ticket
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.server.serving_common import (
@@ -29,10 +37,18 @@ from tokenmill.server.serving_common import (
     sse_error,
     usage,
 )
+from tokenmill.server.tools import (
+    ToolOptions,
+    ToolPlan,
+    conversation_with_tools,
+    plan_tools,
+    template_uses_tools,
+)
 
 
 def render_chat(engine: LLMEngine, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+                chat_template_kwargs: dict[str, Any] | None = None,
+                tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The prompt dict (text and token ids) for a conversation; ValueError if unusable."""
     tokenizer = engine.tokenizer
     if not getattr(tokenizer, "chat_template", None):
@@ -40,11 +56,17 @@ def render_chat(engine: LLMEngine, messages: list[ChatMessage], add_generation_p
     if not messages:
         raise ValueError("messages must not be empty")
     conversation = [m.for_template() for m in messages]
+    kwargs = dict(chat_template_kwargs or {})
+    if tools or any("tool_calls" in m or m["role"] == "tool" for m in conversation):
+        native = template_uses_tools(tokenizer)
+        conversation = conversation_with_tools(conversation, tools or [], native)
+        if native and tools:
+            kwargs["tools"] = tools
     engine.check_text_length(sum(len(m["content"] or "") for m in conversation))
     try:
         text = tokenizer.apply_chat_template(conversation, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
-                                             **(chat_template_kwargs or {}))
+                                             **kwargs)
     except Exception as e:  # jinja errors for malformed conversations
         raise ValueError(f"messages cannot be rendered with the chat template: {e}") from e
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
@@ -67,31 +89,67 @@ def chat_logprobs(c: CompletionOutput, top_k: int, start: int = 0) -> dict[str, 
     return {"content": content}
 
 
+def with_tool_constraint(params: SamplingParams, plan: ToolPlan) -> SamplingParams:
+    """The request's parameters, constrained to the plan's tool-call format if it has one."""
+    if plan.constraint is None:
+        return params
+    if params.structured_outputs is not None:
+        raise ValueError(f'tool_choice "{plan.mode}" constrains the answer to tool calls and '
+                         "cannot be combined with response_format or structured_outputs")
+    return dataclasses.replace(params, structured_outputs=plan.constraint)
+
+
+def answer(plan: ToolPlan, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+    """A choice's assistant message (content and tool calls) and finish reason."""
+    content, calls = plan.calls(c.text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [call.to_openai() for call in calls]
+    finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+    return message, finish
+
+
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *args: Any, tool_options: ToolOptions | None = None) -> None:
+        super().__init__(*args)
+        self.tool_options = tool_options or ToolOptions()
+
+    def _prepare(self, req: ChatCompletionRequest) -> tuple[ToolPlan, dict[str, Any]]:
+        """(tool plan, prompt): on a worker thread (tool schemas compile, templates render)."""
+        engine = self.engine.engine
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                          self.tool_options, engine.structured.compile)
+        prompt = render_chat(engine, req.messages, req.add_generation_prompt,
+                             req.chat_template_kwargs, plan.tools)
+        return plan, prompt
+
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Any:
         params = req.to_sampling_params()
         ticket = self.admit(1, params)
         try:
-            prompt = await asyncio.get_running_loop().run_in_executor(
-                None, render_chat, self.engine.engine, req.messages, req.add_generation_prompt,
-                req.chat_template_kwargs)
+            plan, prompt = await asyncio.get_running_loop().run_in_executor(
+                None, self._prepare, req)
+            params = with_tool_constraint(params, plan)
             request_id = self.response_id("chatcmpl")
             (gen,) = await self.add_all([prompt], params, req.timeout)
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 return StreamingResponse(self._stream(request_id, gen, params.n,
                                                       params.logprobs or 0, include_usage,
-                                                      ticket), media_type="text/event-stream")
+                                                      ticket, plan),
+                                         media_type="text/event-stream")
             (final,) = await collect([gen], raw)
         except BaseException:
             ticket.release()
             raise
         ticket.release()
         check_failed([final])
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": chat_logprobs(c, params.logprobs or 0),
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            message, finish = answer(plan, c)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": chat_logprobs(c, params.logprobs or 0),
+                            "finish_reason": finish, "stop_reason": c.stop_reason})
         body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices,
                 "usage": usage([final]).model_dump()}
@@ -100,7 +158,8 @@ class OpenAIServingChat(OpenAIServing):
         return JSONResponse(body)
 
     async def _stream(self, request_id: str, gen: AsyncIterator[RequestOutput], n: int,
-                      top_k: int, include_usage: bool, ticket: Ticket) -> AsyncIterator[str]:
+                      top_k: int, include_usage: bool, ticket: Ticket,
+                      plan: ToolPlan) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
@@ -112,6 +171,7 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None} for i in range(n)])
                 sent = DeltaTracker()
+                shown: dict[int, int] = {}  # choice index → content characters sent
                 final = None
                 async for _, out in merge([gen]):
                     check_failed([out])
@@ -119,11 +179,11 @@ class OpenAIServingChat(OpenAIServing):
                     for c in out.outputs:
                         if (before := sent.advance(c.index, c)) is None:
                             continue
-                        t0, k0 = before
-                        delta = {"content": c.text[t0:]} if len(c.text) > t0 else {}
+                        _, k0 = before
+                        delta, finish = self._delta(plan, c, shown)
                         yield chunk([{"index": c.index, "delta": delta,
                                       "logprobs": chat_logprobs(c, top_k, k0),
-                                      "finish_reason": c.finish_reason,
+                                      "finish_reason": finish,
                                       "stop_reason": c.stop_reason}])
                 if include_usage and final is not None:
                     yield chunk([], usage=usage([final]).model_dump())
@@ -132,3 +192,24 @@ class OpenAIServingChat(OpenAIServing):
             yield sse("[DONE]")
         finally:
             ticket.release()
+
+    @staticmethod
+    def _delta(plan: ToolPlan, c: CompletionOutput, shown: dict[int, int]
+               ) -> tuple[dict[str, Any], str | None]:
+        """The delta of a choice's new output (content not yet sent and safe to send; at its
+        finish, the rest and its tool calls) and its finish reason."""
+        sent = shown.get(c.index, 0)
+        if c.finish_reason is None:
+            hold = (None if plan.mode == "none" else
+                    plan.parser.call_start(c.text) if plan.mode == "auto" else 0)
+            visible = c.text if hold is None else c.text[:hold]
+            shown[c.index] = max(sent, len(visible))
+            return ({"content": visible[sent:]} if len(visible) > sent else {}), None
+        message, finish = answer(plan, c)
+        content = message["content"] or ""
+        delta: dict[str, Any] = {"content": content[sent:]} if len(content) > sent else {}
+        if "tool_calls" in message:
+            delta["tool_calls"] = [dict(call, index=i)
+                                   for i, call in enumerate(message["tool_calls"])]
+        shown[c.index] = len(content)
+        return delta, finish
