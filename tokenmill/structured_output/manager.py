@@ -46,6 +46,8 @@ def make_backend(name: str, tokenizer: Any, vocab_size: int,
             name = "guidance"
         except ImportError:
             name = "xgrammar"
+    if name not in ("guidance", "llguidance", "xgrammar"):
+        raise ValueError(f"unknown structured outputs backend {name!r}")
     try:
         if name in ("guidance", "llguidance"):
             from tokenmill.structured_output.llguidance_backend import LLGuidanceBackend

@@ -23,8 +23,6 @@ from tokenmill.structured_output.backend import (
 )
 from tokenmill.structured_output.params import StructuredOutputsParams
 
-_MAX_ROLLBACK = 16  # speculative drafts are checked by accepting and rolling back
-
 
 class XGrammarMatcher(GrammarMatcher):
     def __init__(self, matcher: Any, tokenizer: Any) -> None:
@@ -74,8 +72,7 @@ class XGrammarGrammar(CompiledGrammar):
     def matcher(self) -> XGrammarMatcher:
         import xgrammar as xgr
 
-        m = xgr.GrammarMatcher(self._compiled, terminate_without_stop_token=True,
-                               max_rollback_tokens=_MAX_ROLLBACK)
+        m = xgr.GrammarMatcher(self._compiled, terminate_without_stop_token=True)
         return XGrammarMatcher(m, self._tokenizer)
 
 

@@ -1,0 +1,73 @@
+"""Tool-call parsers and tool plans: Hermes tags and Llama 3 JSON parse into calls with JSON
+arguments, malformed calls stay content, `call_start` holds back what may become a call, and
+tool_choice turns into the right constraint or a clear error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenmill.server.protocol import ChatTool, NamedToolChoice
+from tokenmill.server.tool_parsers import HermesToolParser, Llama3JsonToolParser, get_tool_parser
+from tokenmill.server.tools import ToolOptions, plan_tools
+
+TOOL = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+
+
+def test_hermes():
+    p = HermesToolParser()
+    text = ('Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+            '<tool_call>{"name": "sub", "arguments": "{\\"b\\": 2}"}</tool_call>')
+    content, calls = p.parse(text)
+    assert content == "Let me check.\n"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1}),
+                                                                  ("sub", {"b": 2})]
+    assert len({c.id for c in calls}) == 2
+    assert p.parse('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')[0] is None
+    broken = 'x <tool_call>{"name": "add", "arguments": {"a": </tool_call>'
+    assert p.parse(broken) == (broken, [])
+    assert p.parse("plain") == ("plain", [])
+    assert p.call_start("abc <tool_") == 4
+    assert p.call_start("abc <tool_call>{") == 4
+    assert p.call_start("abc <b>") is None
+
+
+def test_llama3_json():
+    p = Llama3JsonToolParser()
+    content, calls = p.parse('<|python_tag|>{"name": "add", "parameters": {"a": 1}}; '
+                             '{"name": "add", "parameters": {"a": 2}}')
+    assert content is None and [json.loads(c.arguments)["a"] for c in calls] == [1, 2]
+    assert p.parse('{"answer": 3}') == ('{"answer": 3}', [])
+    assert p.parse("The answer is 3.") == ("The answer is 3.", [])
+    assert p.call_start("  {") == 0 and p.call_start("<|py") == 0
+    assert p.call_start("Hello") is None
+    with pytest.raises(ValueError, match="unknown tool call parser"):
+        get_tool_parser("mistral")
+
+
+def tools(*defs):
+    return [ChatTool.model_validate(d) for d in defs]
+
+
+def test_plans():
+    compile_ok = lambda params: None  # noqa: E731
+    auto = ToolOptions(True, "hermes")
+    assert plan_tools(None, None, None, auto, compile_ok).mode == "none"
+    assert plan_tools(tools(TOOL), "none", None, auto, compile_ok).tools == []
+    plan = plan_tools(tools(TOOL), None, None, auto, compile_ok)
+    assert plan.mode == "auto" and plan.tools[0]["function"]["name"] == "add"
+    plan = plan_tools(tools(TOOL), "required", False, auto, compile_ok)
+    assert plan.constraint.json["maxItems"] == 1
+    assert plan.calls('[{"name": "add", "arguments": {"a": 5}}]')[1][0].name == "add"
+    named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "add"}})
+    plan = plan_tools(tools(TOOL), named, None, auto, compile_ok)
+    assert plan.constraint.json == TOOL["function"]["parameters"]
+    content, calls = plan.calls('{"a": 7}')
+    assert content is None and json.loads(calls[0].arguments) == {"a": 7}
+    assert plan.calls('{"a": ') == ('{"a": ', [])  # cut off: not a call
+    with pytest.raises(ValueError, match="enable-auto-tool-choice"):
+        plan_tools(tools(TOOL), "auto", None, ToolOptions(), compile_ok)
+    with pytest.raises(ValueError, match="needs --tool-call-parser"):
+        ToolOptions(True, None)
