@@ -84,7 +84,7 @@ def test_greedy_matches_masked_hf_reference(tiny, kind, jump_forward):
         ref = hf_constrained(hf, llm.get_tokenizer(), grammar(), prompt, 40, jump_forward)
         assert out.outputs[0].token_ids == ref
     if jump_forward and kind == "json":
-        assert llm.engine.scheduler.num_jump_forward_tokens > 0  # {"name": is forced
+        assert llm.engine.stats().structured_output_jump_forward_tokens > 0  # {"name": forced
     assert_kv_all_free(llm.engine)
 
 

@@ -37,3 +37,21 @@ def test_apply_masks_only_the_given_rows():
     with pytest.raises(ValueError, match="cover"):
         apply_token_bitmask_(torch.randn(1, 100), torch.zeros(1, 3, dtype=torch.int32),
                              torch.tensor([0]))
+
+
+def test_cpu_op_equals_the_tensor_ops():
+    """float32 on CPU takes the C++ op; float64 the plain tensor ops: same masking."""
+    from tokenmill.layers import cpu_ops
+
+    if not cpu_ops.ops_available():
+        pytest.skip("C++ kernels not built")
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 49152, generator=g)
+    mask = torch.randint(-2**31, 2**31 - 1, (3, 1536), dtype=torch.int32, generator=g)
+    mask[0] = -1  # everything allowed
+    mask[1, :100] = 0  # nothing in the first 3200 tokens
+    rows = torch.tensor([4, 0, 2])
+    fast = apply_token_bitmask_(logits.clone(), mask, rows)
+    slow = apply_token_bitmask_(logits.double(), mask, rows)
+    assert torch.equal(fast, slow.float())
+    assert torch.equal(fast[4], logits[4]) and torch.equal(fast[[1, 3]], logits[[1, 3]])

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tests.server.conftest import RunningServer, start_server
+from tests.server.test_spec_decode_server import metric
 from tokenmill.engine.llm_engine import LLMEngine
 
 SCHEMAS = {
@@ -85,6 +86,7 @@ def test_json_schema_answers_parse_and_validate(client, server, name):
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert text == choice.message.content
     server.wait_idle()
+    assert metric(server.base_url, "structured_output_jump_forward_tokens_total") > 0
 
 
 def test_json_object_answer_is_an_object(client):

@@ -12,4 +12,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotate_half RoPE in place on q and k");
   m.def("store_kv_", &store_kv_, "copy k, v rows into their KV cache slots");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of a float32 (S, V) matrix");
+  m.def("apply_token_bitmask_", &apply_token_bitmask_,
+        "-inf at the tokens a grammar bitmask disallows, in rows of logits");
 }

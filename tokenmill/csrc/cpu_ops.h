@@ -10,11 +10,13 @@
 //   their cache slots; one call instead of two index_copy_ (about 20 us at T = 1, which a
 //   batch-1 decode step pays in every layer).
 // - argmax_rows: torch.argmax(x, -1) of a (S, V) matrix (greedy sampling over the vocabulary).
+// - apply_token_bitmask_: -inf at the tokens a grammar's bitmask disallows (structured outputs).
 //
 // All math is float32; only the order of summations differs from the PyTorch ops they replace.
 #pragma once
 #include "linear_cpu.h"
 #include <cmath>
+#include <limits>
 
 // ---- add_rms_norm --------------------------------------------------------------------------
 inline std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
@@ -213,4 +215,46 @@ inline torch::Tensor argmax_rows(torch::Tensor x) {
     }
   });
   return out;
+}
+
+// ---- apply_token_bitmask_ ------------------------------------------------------------------
+// Rows `rows` of logits (S, V): token 32 i + j keeps its logit when bit j of word i of the
+// row's bitmask (R, W) int32 is set, else becomes -inf. A word of all ones is skipped, one of
+// all zeros (most of a grammar's mask) is one vector fill, the rest visit their zero bits;
+// torch's masked_fill over an unpacked bool mask took ~1.5 ns a token whatever the mask
+// (1.8 ms for 16 rows of 49152).
+inline void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask,
+                                 torch::Tensor rows) {
+  check_f32(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "logits must be contiguous (S, V)");
+  TORCH_CHECK(bitmask.scalar_type() == torch::kInt32 && bitmask.dim() == 2 &&
+              bitmask.is_contiguous() && bitmask.device().is_cpu(), "bitmask: (R, W) int32");
+  auto r64 = rows.to(torch::kInt64).contiguous();
+  const int64_t S = logits.size(0), V = logits.size(1), R = bitmask.size(0),
+                W = bitmask.size(1);
+  TORCH_CHECK(r64.numel() == R && W * 32 >= V, "bitmask rows / width do not fit the logits");
+  const int64_t* rp = r64.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(rp[r] >= 0 && rp[r] < S, "row out of range");
+  const int32_t* mp = bitmask.data_ptr<int32_t>();
+  float* lp = logits.data_ptr<float>();
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int32_t* m = mp + r * W;
+      float* row = lp + rp[r] * V;
+      for (int64_t w = 0; w < W; ++w) {
+        const uint32_t bits = static_cast<uint32_t>(m[w]);
+        const int64_t base = w * 32;
+        if (bits == 0xFFFFFFFFu) continue;
+        if (bits == 0 && base + 32 <= V) {  // most words of a grammar's mask
+          std::fill_n(row + base, 32, ninf);
+          continue;
+        }
+        for (uint32_t zeros = ~bits; zeros != 0; zeros &= zeros - 1) {
+          const int64_t t = base + __builtin_ctz(zeros);
+          if (t < V) row[t] = ninf;
+        }
+      }
+    }
+  });
 }

@@ -247,7 +247,9 @@ class LLMEngine:
                               spec_decode_num_draft_tokens=self.scheduler.num_draft_tokens,
                               spec_decode_num_accepted_tokens=self.scheduler.num_accepted_tokens,
                               spec_decode_num_accepted_tokens_per_pos=tuple(
-                                  self.scheduler.num_accepted_per_pos))
+                                  self.scheduler.num_accepted_per_pos),
+                              structured_output_jump_forward_tokens=(
+                                  self.scheduler.num_jump_forward_tokens))
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -81,3 +81,14 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2 and x.shape[1] > 0 and fused(x):
         return _ops().argmax_rows(x)
     return x.argmax(dim=-1)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
+                         rows: torch.Tensor) -> bool:
+    """-inf in rows `rows` (R,) of logits (S, V) wherever bitmask (R, W) int32 has a 0 bit;
+    False (nothing done) with kernels built before the op existed (reinstall for it)."""
+    op = getattr(_ops(), "apply_token_bitmask_", None)
+    if op is None:
+        return False
+    op(logits, bitmask, rows)
+    return True

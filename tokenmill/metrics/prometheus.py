@@ -52,6 +52,9 @@ class PrometheusMetrics:
             "tokenmill:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by position in the draft", ["model_name", "position"],
             registry=r)
+        self.jump_forward = counter("structured_output_jump_forward_tokens",
+                                    "Tokens a grammar forced, appended without a model step")
+        self._jump_forward_seen = 0
         self._model_name = model_name
         self._per_pos_seen: tuple[int, ...] = ()
         self._preemptions_seen = 0
@@ -85,6 +88,9 @@ class PrometheusMetrics:
             before = self._per_pos_seen[pos] if pos < len(self._per_pos_seen) else 0
             self.spec_accepted_per_pos.labels(self._model_name, str(pos)).inc(now - before)
         self._per_pos_seen = per_pos
+        self.jump_forward.inc(stats.structured_output_jump_forward_tokens
+                              - self._jump_forward_seen)
+        self._jump_forward_seen = stats.structured_output_jump_forward_tokens
         self.prompt_tokens.inc(step.prompt_tokens)
         self.generation_tokens.inc(step.generation_tokens)
         self.finished.inc(step.finished)

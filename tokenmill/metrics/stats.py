@@ -25,6 +25,8 @@ class SchedulerStats:
     spec_decode_num_draft_tokens: int = 0  # draft tokens verified, total
     spec_decode_num_accepted_tokens: int = 0  # of which accepted
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # by draft position
+    # structured outputs: tokens a grammar forced, appended without a model step each, total
+    structured_output_jump_forward_tokens: int = 0
 
     @property
     def spec_decode_mean_accepted_length(self) -> float:
