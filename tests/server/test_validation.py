@@ -79,14 +79,18 @@ def test_strict_types(base, body, param):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-     "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strin"}}}}, "structured_outputs"),
+    ({"guided_regex": "[a-"}, "structured_outputs"),
+    ({"tools": [{"type": "function", "function": {"name": "f",
+                                                  "parameters": {"type": "string"}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto
     ({"tool_choice": "required"}, "tool_choice"), ({"best_of": 3}, "best_of"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"frobnicate": 1}, "frobnicate"), ({"guided_json": {}}, "guided_json"),
+    ({"frobnicate": 1}, "frobnicate"), ({"guided_decoding_backend": "x"},
+                                        "guided_decoding_backend"),
     ({"max_completion_tokens": 0}, "max_tokens"),
     ({"logprobs": False, "top_logprobs": 3}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),

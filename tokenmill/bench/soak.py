@@ -50,9 +50,11 @@ BAD_BODIES: list[tuple[str, bytes | dict[str, Any]]] = [
     ("/v1/completions", b"{not json"),
     ("/v1/completions", {"prompt": "x", "model": "no-such-model"}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}),
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "x", "schema": {"type": "strin"}}}}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}),
+                              "tools": [{"type": "function", "function": {
+                                  "name": "f", "parameters": {"type": "string"}}}]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "max_completion_tokens": 0}),
     ("/v1/chat/completions", {"messages": []}),

@@ -26,8 +26,9 @@ _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFou
                 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
                 422: "UnprocessableEntityError", 429: "RateLimitError",
                 500: "InternalServerError", 503: "ServiceUnavailableError"}
-_PARAM_IN_MESSAGE = re.compile(r"([a-z_]+) (must|is not supported|is only allowed|is not "
-                               r"available)")
+# "<field> must ...", also of a part of one: "tools[0].function.parameters must ..." → tools
+_PARAM_IN_MESSAGE = re.compile(r"([a-z_]+)(?:\[\d+\]|\.[a-z_]+)* (must|is not supported|is only "
+                               r"allowed|is not available|is invalid)")
 _DISCONNECT_POLL_S = 0.1
 
 

@@ -100,8 +100,8 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None,
         try:
             compile_schema(StructuredOutputsParams(json=schema))
         except ValueError as e:
-            raise ValueError(f"tools[{i}].function.parameters is not a usable JSON schema: "
-                             f"{e}") from None
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema the "
+                             f"grammar backend accepts: {e}") from None
         schemas[f.name] = schema
     rendered = [{"type": "function", "function": f.model_dump(exclude_none=True)}
                 for f in defs]
@@ -110,8 +110,9 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None,
         return ToolPlan("none", [], None, None)
     if choice == "auto":
         if not options.enable_auto_tool_choice:
-            raise ValueError('tool_choice "auto" needs the server started with '
-                             "--enable-auto-tool-choice and --tool-call-parser")
+            raise ValueError('tool_choice is not available as "auto" (the default with tools) '
+                             "unless the server runs with --enable-auto-tool-choice and "
+                             "--tool-call-parser")
         return ToolPlan("auto", rendered, None, get_tool_parser(options.tool_call_parser))
     if choice == "required":
         one_of = [{"type": "object", "properties": {"name": {"const": n},
@@ -124,8 +125,8 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None,
         return ToolPlan("required", rendered, StructuredOutputsParams(json=array), None)
     name = choice.function.name  # a named function
     if name not in schemas:
-        raise ValueError(f"tool_choice names function {name!r}, which is not among the "
-                         f"tools ({', '.join(names)})")
+        raise ValueError(f"tool_choice must name one of the tools ({', '.join(names)}), "
+                         f"got {name!r}")
     return ToolPlan("named", rendered, StructuredOutputsParams(json=schemas[name]), None, name)
 
 

@@ -13,9 +13,10 @@ refused with what is supported, never ignored.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from tokenmill.utils.json_option import json_object
 
 METHODS = ("ngram", "suffix", "draft_model")
 # Not built yet; named so that asking for one says so instead of "unknown".
@@ -95,13 +96,7 @@ class SpeculativeConfig:
         """From a config, a dict or a JSON string (the CLI flag); None: no speculation."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        value = json_object(value, "speculative_config")
         known = {f.name for f in fields(SpeculativeConfig)}
         unknown = sorted(set(value) - known)
         if unknown:

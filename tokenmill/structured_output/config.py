@@ -9,9 +9,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from tokenmill.utils.json_option import json_object
 
 BACKENDS = ("auto", "guidance", "llguidance", "xgrammar")
 
@@ -35,13 +36,7 @@ class StructuredOutputsConfig:
             return StructuredOutputsConfig()
         if isinstance(value, StructuredOutputsConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"structured_outputs_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("structured_outputs_config must be a JSON object")
+        value = json_object(value, "structured_outputs_config")
         unknown = set(value) - {"backend", "jump_forward"}
         if unknown:
             raise ValueError(f"structured_outputs_config: unknown field(s) "
