@@ -71,3 +71,35 @@ def test_plans():
         plan_tools(tools(TOOL), "auto", None, ToolOptions(), compile_ok)
     with pytest.raises(ValueError, match="needs --tool-call-parser"):
         ToolOptions(True, None)
+
+
+QWEN_LIKE = (
+    "{%- if tools %}<|im_start|>system\n{%- for t in tools %}{{ t | tojson }}\n{%- endfor %}"
+    "<|im_end|>\n{%- endif %}{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.tool_calls %}{%- for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}"
+    "</tool_call>{%- endfor %}{%- else %}{{ m.content }}{%- endif %}<|im_end|>\n"
+    "{%- endfor %}<|im_start|>assistant\n")
+
+
+def test_tools_reach_the_prompt_with_either_kind_of_template(tiny_model):
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.server.protocol import ChatMessage
+    from tokenmill.server.serving_chat import render_chat
+
+    engine = LLMEngine.from_options(tiny_model("llama")[0], max_model_len=512,
+                                    num_kv_blocks=64)
+    messages = [ChatMessage.model_validate(m) for m in [
+        {"role": "user", "content": "Add 1."},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "add", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"}]]
+    plan = plan_tools(tools(TOOL), "required", None, ToolOptions(), lambda p: None)
+    fallback = render_chat(engine, messages, tools=plan.tools)["prompt"]  # SmolLM2's ChatML
+    assert "<tools>" in fallback and '"name": "add"' in fallback
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>' in fallback
+    assert "<tool_response>\n2\n</tool_response>" in fallback
+    engine.tokenizer.chat_template = QWEN_LIKE
+    native = render_chat(engine, messages, tools=plan.tools)["prompt"]
+    assert "<tools>" not in native  # the template renders them itself
+    assert '"name": "add"' in native.split("<|im_end|>")[0]
+    assert '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>' in native  # an object
