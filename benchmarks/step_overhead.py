@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.attention import input_batch
 from tokenmill.bench.alternate import alternate
 from tokenmill.layers import cpu_ops
-from tokenmill.worker import input_batch
 
 Timings = dict[str, list[float]]
 

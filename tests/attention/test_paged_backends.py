@@ -15,11 +15,11 @@ import torch
 
 from tokenmill.attention import get_attention_backend
 from tokenmill.attention.cpu_kernels import paged_attention_op
+from tokenmill.attention.input_batch import InputBatch
 from tokenmill.attention.kv_cache import allocate_kv_cache
 from tokenmill.attention.triton_paged import PREFILL_TILE, triton_available
 from tokenmill.core.interface import ScheduledRequest, SchedulerOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.input_batch import InputBatch
 
 needs_kernel = pytest.mark.skipif(paged_attention_op() is None,
                                   reason="C++ toolchain unavailable")

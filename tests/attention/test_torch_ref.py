@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 
 from tests.attention.test_paged_backends import dense_reference
+from tokenmill.attention.input_batch import InputBatch
 from tokenmill.attention.kv_cache import allocate_kv_cache
 from tokenmill.attention.torch_ref import TorchPagedAttention
 from tokenmill.core.interface import ScheduledRequest, SchedulerOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.input_batch import InputBatch
 
 BS, HQ, HKV, D = 4, 6, 2, 8
 

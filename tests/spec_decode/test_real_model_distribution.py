@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from tests.layers.test_sampler import assert_follows
+from tokenmill.attention.input_batch import InputBatch
 from tokenmill.config import EngineConfig
 from tokenmill.core.interface import ScheduledRequest, SchedulerOutput
 from tokenmill.engine.tokenizer import load_tokenizer
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.model_runner import ModelRunner
 
 N = 2000  # verifications per case

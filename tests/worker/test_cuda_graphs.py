@@ -34,6 +34,7 @@ def test_padded_static_decode_matches_hf(llama_cases):
     if runner.device.type == "cpu":
         assert runner.decode_graphs is None  # graphs are for CUDA only
         runner.decode_graphs = runner._decode_graphs(capture=False)
+    assert graphs_unsupported_by(runner, "torch")  # backends opt in
     graphs = runner.decode_graphs
     assert graphs.sizes[:5] == [1, 2, 4, 8, 16]
     assert generate_greedy(llm, cases) == expected
@@ -41,10 +42,11 @@ def test_padded_static_decode_matches_hf(llama_cases):
     # Then three requests of 5 tokens (batches of 3 padded to 4): row 3, which a batch of 6
     # used above, must be padding again (no stale slot or block table of a finished request).
     assert generate_greedy(llm, [(p, 5) for p, _ in cases[:3]]) == [e[:5] for e in expected[:3]]
-    null_row = graphs.block_tables.shape[0] - 1
-    assert graphs.rows[3] == null_row and graphs.slot_mapping[3] == 0
-    assert graphs.positions[3] == 0 and graphs.first_ctx[3] == 1
-    assert not graphs.block_tables[null_row].any()
+    attn = graphs.attention  # the Triton backend's static buffers
+    null_row = attn.block_tables.shape[0] - 1
+    assert attn.rows[3] == null_row and attn.slot_mapping[3] == 0
+    assert graphs.positions[3] == 0 and attn.first_ctx[3] == 1
+    assert not attn.block_tables[null_row].any()
     assert_kv_all_free(llm.engine)
 
 
@@ -56,3 +58,15 @@ def test_cuda_graph_replays_match_eager(llama_cases):
     graphed = LLM(path)
     assert generate_greedy(graphed, cases) == generate_greedy(eager, cases)
     assert graphed.engine.runner.decode_graphs.num_replays > 0
+
+
+def graphs_unsupported_by(runner, backend_name: str) -> bool:
+    """Whether a backend without a graph state gets no DecodeGraphs (its steps run eagerly)."""
+    from tokenmill.attention import get_attention_backend
+
+    saved = runner.backend
+    runner.backend = get_attention_backend(backend_name, runner.block_size, runner.device)
+    try:
+        return runner._decode_graphs(capture=False) is None
+    finally:
+        runner.backend = saved

@@ -1,25 +1,43 @@
 """AttentionBackend: the interface every attention implementation provides, and a lazy registry.
 
 Contract:
-- `build_metadata(batch)` runs once per step, before the forward pass, and may build tensors.
+- `build_metadata(batch)` runs once per step, before the forward pass, and may build tensors;
+  it returns the backend's own AttentionMetadata subclass, which only the backend reads.
 - `forward(q, k, v, kv_cache, meta)` first writes this step's k/v into `kv_cache` at
   `meta.slot_mapping`, then returns attention of every query over its sequence's cached
   context (causal), shape (T, num_heads * head_dim). It runs once per layer and must not
   rebuild what `build_metadata` could have built.
+- Hooks for code outside the backends, instead of reading its metadata: `fused_decode_queries`
+  (can this step go through the fused small-batch decode call, and with which queries) and
+  `decode_graph_state` (static buffers and padding for decode steps replayed as CUDA graphs).
+  Both default to "not supported": a backend opts in by implementing them.
 """
 
 from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
+from tokenmill.attention.input_batch import InputBatch
 from tokenmill.attention.metadata import AttentionMetadata
 
-if TYPE_CHECKING:
-    from tokenmill.worker.input_batch import InputBatch
+
+class DecodeGraphState(ABC):
+    """A backend's attention inputs for decode steps of up to `max_seqs` sequences captured as
+    CUDA graphs, in static buffers. Rows past a step's n sequences are padding that attends
+    only the null block (block 0, never handed out), through a block-table row of zeros."""
+
+    @abstractmethod
+    def metadata(self, size: int) -> AttentionMetadata:
+        """Metadata over the static buffers for a graph of `size` rows."""
+
+    @abstractmethod
+    def load(self, batch: InputBatch, meta: AttentionMetadata, size: int) -> bool:
+        """Copy a step's attention inputs into the buffers, rows n..size padded; False (nothing
+        copied) when the step cannot replay a graph (not a plain decode step, too wide)."""
 
 
 class AttentionBackend(ABC):
@@ -34,6 +52,18 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q (T, Hq, D); k, v (T, Hkv, D); kv_cache (2, num_blocks, block_size, Hkv, D)."""
+
+    def fused_decode_queries(self, meta: AttentionMetadata, num_tokens: int) -> Any | None:
+        """When every one of the step's `num_tokens` queries can go to the CPU paged-attention
+        kernel (csrc/paged_attention_cpu.h) from inside the fused small-batch decode call
+        (models/cpu_decode.py), which runs that kernel itself: the kernel's queries; else
+        None. Default: never (a backend without that kernel keeps its own forward)."""
+        return None
+
+    def decode_graph_state(self, max_seqs: int, max_blocks: int) -> DecodeGraphState | None:
+        """Static buffers for CUDA-graph decode steps (worker/cuda_graphs.py); None: this
+        backend's decode steps run eagerly."""
+        return None
 
 
 _REGISTRY = {"torch": ("tokenmill.attention.torch_ref", "TorchPagedAttention"),

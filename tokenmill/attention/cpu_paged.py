@@ -3,13 +3,14 @@ C++ kernel, and shared cached prefixes attended once per step (cascade attention
 
 Which path each query takes in a step:
 - sequences whose cached context starts with the same blocks (prefix caching: one system
-  prompt, many requests) form a cascade: the shared prefix is attended once for all their
-  queries, decode tokens and prefill chunks alike, by PyTorch's fused CPU flash-attention op
-  (one long query sequence per KV head against the prefix, no mask; it also returns the
-  log-sum-exp), and each query's own part after the prefix by the kernel; the two are merged
-  through their log-sum-exps. Attending the prefix per sequence would read it once per
-  sequence, and a masked per-sequence SDPA call over it runs at ~3/4 of the unmasked rate. A
-  prefix whose blocks are consecutive in the pool is read as a view of the cache, no copy;
+  prompt, many requests; planned by attention/cascade.py) form a cascade: the shared prefix
+  is attended once for all their queries, decode tokens and prefill chunks alike, by
+  PyTorch's fused CPU flash-attention op (one long query sequence per KV head against the
+  prefix, no mask; it also returns the log-sum-exp), and each query's own part after the
+  prefix by the kernel; the two are merged through their log-sum-exps. Attending the prefix
+  per sequence would read it once per sequence, and a masked per-sequence SDPA call over it
+  runs at ~3/4 of the unmasked rate. A prefix whose blocks are consecutive in the pool is
+  read as a view of the cache, no copy;
 - other decode queries and short chunks (at most `_KERNEL_MAX_QUERY` tokens: speculative
   verification, a prompt's tail) go to the kernel (csrc/paged_attention_cpu.cpp), one call
   for all of them: it reads each sequence's cached K/V once, in place;
@@ -21,21 +22,60 @@ Same contract and results as TorchPagedAttention (its oracle), float32 only.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+from tokenmill.attention.cascade import CascadePolicy, plan_cascades
 from tokenmill.attention.cpu_kernels import paged_attention_op
+from tokenmill.attention.input_batch import InputBatch
 from tokenmill.attention.kv_cache import store_kv
-from tokenmill.attention.metadata import AttentionMetadata, PagedQueries, PrefixCascade
-from tokenmill.attention.torch_ref import TorchPagedAttention, merge_by_lse
-from tokenmill.worker.input_batch import InputBatch
+from tokenmill.attention.torch_ref import (
+    TorchAttentionMetadata,
+    TorchPagedAttention,
+    merge_by_lse,
+)
 
 _KERNEL_MAX_QUERY = 8
-# A cascade needs 2+ sequences sharing this many blocks, with this many queries in all.
-_CASCADE_MIN_BLOCKS = 4
-_CASCADE_MIN_QUERIES = 4
-# A chunk joins a cascade only if the kernel's share stays small: its query x key pairs after
-# the prefix (the kernel walks them one query at a time; SDPA is faster for big chunks).
-_CASCADE_MAX_OWN_PAIRS = 64 * 256
+# A cascade: 2+ sequences sharing 4+ blocks, 4+ queries in all; a chunk joins only if the
+# kernel's share stays small, its query x key pairs after the prefix (the kernel walks them one
+# query at a time; SDPA is faster for big chunks).
+CASCADE_POLICY = CascadePolicy(min_blocks=4, min_rows=2, min_queries=4,
+                               max_own_pairs=64 * 256)
+
+
+@dataclass
+class PagedQueries:
+    """Queries attended straight from the paged cache by the kernel (no gathered copy)."""
+
+    token_indices: torch.Tensor  # (N,) long: positions of the queries in the flat batch
+    seq_rows: torch.Tensor  # (N,) long: each query's row in block_tables
+    start_lens: torch.Tensor  # (N,) long: the first cached token each query attends
+    ctx_lens: torch.Tensor  # (N,) long: tokens [start, ctx) of the cache are attended
+    block_tables: torch.Tensor  # (B, max_blocks) long
+
+
+@dataclass
+class PrefixCascade:
+    """Queries of several sequences whose cached context starts with the same blocks.
+
+    The shared prefix is attended once for all of them (one long query sequence against the
+    prefix's keys, no mask) and each query's own part after it by the paged kernel; the two
+    are merged through their log-sum-exps. Every shared block lies before each member's first
+    query, so no query's own part is empty.
+    """
+
+    shared_block_ids: torch.Tensor  # (k,) long
+    shared_first_block: int | None  # shared_block_ids[0] when they are consecutive ids
+    queries: PagedQueries  # start_lens = k * block_size: each query's part after the prefix
+
+
+@dataclass
+class CPUAttentionMetadata(TorchAttentionMetadata):
+    """`prefills` (inherited) for long chunks; no decode groups: cascades replace them."""
+
+    paged: PagedQueries | None = None  # the kernel's queries outside cascades
+    prefix_cascades: list[PrefixCascade] = field(default_factory=list)
 
 
 class CPUPagedAttention(TorchPagedAttention):
@@ -48,15 +88,17 @@ class CPUPagedAttention(TorchPagedAttention):
         self._op = op
 
     # ---- metadata ---------------------------------------------------------------------------
-    def build_metadata(self, batch: InputBatch) -> AttentionMetadata:
-        meta = AttentionMetadata(num_tokens=batch.num_tokens, slot_mapping=batch.slot_mapping)
+    def build_metadata(self, batch: InputBatch) -> CPUAttentionMetadata:
+        meta = CPUAttentionMetadata(num_tokens=batch.num_tokens,
+                                    slot_mapping=batch.slot_mapping)
         in_cascade: set[int] = set()
-        for rows, k in self._cascade_groups(batch):
-            queries = self._paged_queries(batch, rows, k * self.block_size)
-            shared = batch.block_tables[rows[0], :k]
+        for c in plan_cascades(batch, self.block_size, range(len(batch.query_lens)),
+                               CASCADE_POLICY):
+            queries = self._paged_queries(batch, c.rows, c.num_blocks * self.block_size)
+            shared = batch.block_tables[c.rows[0], :c.num_blocks]
             meta.prefix_cascades.append(
                 PrefixCascade(shared, _first_if_consecutive(shared), queries))
-            in_cascade.update(rows)
+            in_cascade.update(c.rows)
         # Everything else, in flat-batch order: when every query of the step goes to the
         # kernel they are exactly tokens 0..T-1, and forward passes q through without a gather.
         kernel_rows = []
@@ -70,28 +112,6 @@ class CPUPagedAttention(TorchPagedAttention):
         if kernel_rows:
             meta.paged = self._paged_queries(batch, kernel_rows, 0)
         return meta
-
-    def _cascade_groups(self, batch: InputBatch) -> list[tuple[list[int], int]]:
-        """(rows, shared blocks k) for each set of rows whose first k blocks are the same and
-        cached before their first query."""
-        bs = self.block_size
-        by_first: dict[int, list[int]] = {}
-        for i, n in enumerate(batch.query_lens):
-            cached = batch.seq_lens[i] - n
-            if cached >= _CASCADE_MIN_BLOCKS * bs and n * (n + bs) <= _CASCADE_MAX_OWN_PAIRS:
-                by_first.setdefault(int(batch.block_tables[i, 0]), []).append(i)
-        groups = []
-        for rows in by_first.values():
-            if len(rows) < 2 or sum(batch.query_lens[i] for i in rows) < _CASCADE_MIN_QUERIES:
-                continue
-            # Shared blocks must lie wholly before every row's first query.
-            limit = min((batch.seq_lens[i] - batch.query_lens[i]) // bs for i in rows)
-            tables = batch.block_tables[rows, :limit]
-            k = int((tables == tables[:1]).all(dim=0).int().cumprod(dim=0).sum())
-            own_pairs = max(batch.query_lens[i] * (batch.seq_lens[i] - k * bs) for i in rows)
-            if k >= _CASCADE_MIN_BLOCKS and own_pairs <= _CASCADE_MAX_OWN_PAIRS:
-                groups.append((rows, k))
-        return groups
 
     def _paged_queries(self, batch: InputBatch, rows: list[int], start: int) -> PagedQueries:
         """Every query of `rows`, each attending cached tokens [start, its own position]."""
@@ -112,9 +132,10 @@ class CPUPagedAttention(TorchPagedAttention):
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: CPUAttentionMetadata,
+                scale: float) -> torch.Tensor:
         T, Hq, D = q.shape
-        if (every := self.kernel_only(meta, T)) is not None:
+        if (every := self.fused_decode_queries(meta, T)) is not None:
             # Every query goes to the kernel (a plain decode step): no gather / scatter, and
             # none of the PyTorch backend's per-group work.
             store_kv(kv_cache, k, v, meta.slot_mapping)
@@ -133,10 +154,11 @@ class CPUPagedAttention(TorchPagedAttention):
                                                            kv_cache, c, scale)
         return out
 
-    @staticmethod
-    def kernel_only(meta: AttentionMetadata, num_tokens: int) -> PagedQueries | None:
+    def fused_decode_queries(self, meta: CPUAttentionMetadata,
+                             num_tokens: int) -> PagedQueries | None:
         """The step's kernel queries when every one of its `num_tokens` queries goes to the
-        kernel (a plain decode step: no cascade, no prefill chunk), else None."""
+        kernel (a plain decode step: no cascade, no prefill chunk), else None; the fused
+        small-batch decode call (models/cpu_decode.py) then runs the kernel itself."""
         p = meta.paged
         return p if p is not None and p.token_indices.numel() == num_tokens else None
 

@@ -1,10 +1,11 @@
 """Pure-PyTorch paged attention: the CPU path and the oracle for any GPU kernel.
 
-Decode sequences (one query each) are sorted by context length and split into a few groups;
-each group gathers its K/V through the block tables into a reused buffer and runs one batched
-SDPA call masked past each sequence's length. Prefill sequences are done one at a time: with no
-cached prefix straight from this step's k/v (causal), otherwise over the gathered cached
-context with an offset causal mask.
+Decode sequences (one query each) that share a cached prefix form cascade groups (planned by
+attention/cascade.py: the prefix attended once for the group); the others are sorted by
+context length and split into a few groups. Each group gathers its K/V through the block
+tables into a reused buffer and runs one batched SDPA call masked past each sequence's
+length. Prefill sequences are done one at a time: with no cached prefix straight from this
+step's k/v (causal), otherwise over the gathered cached context with an offset causal mask.
 
 NOTE: the gather buffer is kept across layers and steps because a fresh ~100 MB tensor per
 layer costs as much in page faults as the copy itself on CPU.
@@ -12,21 +13,56 @@ layer costs as much in page faults as the copy itself on CPU.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.base import AttentionBackend
+from tokenmill.attention.cascade import CascadePolicy, plan_cascades
+from tokenmill.attention.input_batch import InputBatch
 from tokenmill.attention.kv_cache import store_kv
-from tokenmill.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSeq
-from tokenmill.worker.input_batch import InputBatch
+from tokenmill.attention.metadata import AttentionMetadata
 
 # A decode group stops growing when the next (shorter) context would be padded by more than
 # this fraction of the group's longest one.
 _MAX_PAD_FRACTION = 0.25
 _MAX_DECODE_GROUPS = 8
-# Cascade attention pays off once a group shares this much (blocks) among this many sequences.
-_CASCADE_MIN_BLOCKS = 4
-_CASCADE_MIN_SEQS = 4
+# Decodes sharing a cached prefix: attending it once pays from 4 blocks among 4 sequences.
+CASCADE_POLICY = CascadePolicy(min_blocks=4, min_rows=4, min_queries=4)
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence with q_len > 1. Its queries are tokens [q_start, q_end) of the flat batch."""
+
+    q_start: int
+    q_end: int
+    context_len: int  # tokens in cache after this step (cached prefix + this chunk)
+    block_ids: torch.Tensor | None  # (num_blocks,) long; None when there is no cached prefix
+    mask: torch.Tensor | None  # (q_len, context_len) bool, True = attend; None: plain causal
+
+
+@dataclass
+class DecodeGroup:
+    """Decode sequences of similar length (or sharing a cached prefix), attended in one
+    batched call: sorted by length, so that padding every row to its group's longest context
+    wastes little gather work."""
+
+    token_indices: torch.Tensor  # (Bg,) long: positions of their queries in the flat batch
+    rows: torch.Tensor  # (Bg,) long: their rows in the batch's block tables
+    block_ids: torch.Tensor  # (Bg * max_blocks,) long: block tables, row-major, null-padded
+    max_blocks: int
+    mask: torch.Tensor  # (Bg, 1, 1, max_blocks * block_size) bool, True = attend
+    # Cascade: leading blocks every sequence of the group shares (a cached prefix). When set,
+    # block_ids / max_blocks / mask describe only the blocks after them.
+    shared_block_ids: torch.Tensor | None = None  # (k,) long
+
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    prefills: list[PrefillSeq] = field(default_factory=list)
 
 
 def _softmax_attend(scores: torch.Tensor, values: torch.Tensor
@@ -52,11 +88,18 @@ class TorchPagedAttention(AttentionBackend):
         self._buffer = torch.empty(0, device=device)
 
     # ---- metadata ---------------------------------------------------------------------------
-    def build_metadata(self, batch: InputBatch) -> AttentionMetadata:
-        meta = AttentionMetadata(num_tokens=batch.num_tokens, slot_mapping=batch.slot_mapping)
+    def build_metadata(self, batch: InputBatch) -> TorchAttentionMetadata:
+        meta = TorchAttentionMetadata(num_tokens=batch.num_tokens,
+                                      slot_mapping=batch.slot_mapping)
         decode_rows = [i for i, n in enumerate(batch.query_lens) if n == 1]
-        for rows in self._group_by_length(decode_rows, batch.seq_lens):
-            meta.decode_groups.append(self._decode_group(batch, rows))
+        in_cascade: set[int] = set()
+        for c in plan_cascades(batch, self.block_size, decode_rows, CASCADE_POLICY):
+            rows = sorted(c.rows, key=lambda i: -batch.seq_lens[i])
+            meta.decode_groups.append(self._decode_group(batch, rows, c.num_blocks))
+            in_cascade.update(rows)
+        rest = [i for i in decode_rows if i not in in_cascade]
+        for rows in self._group_by_length(rest, batch.seq_lens):
+            meta.decode_groups.append(self._decode_group(batch, rows, 0))
         for i, n in enumerate(batch.query_lens):
             if n > 1:
                 meta.prefills.append(self._prefill_seq(batch, i))
@@ -74,41 +117,19 @@ class TorchPagedAttention(AttentionBackend):
                 groups.append([i])
         return groups
 
-    def _decode_group(self, batch: InputBatch, rows: list[int]) -> DecodeGroup:
-        return self._make_decode_group(batch, *self._group_tables(batch, rows))
-
-    def _group_tables(self, batch: InputBatch, rows: list[int]
-                      ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """rows as a tensor (Bg,), their block tables cut to the longest context
-        (Bg, max_blocks), and how many leading blocks they all share (0: no cascade)."""
+    def _decode_group(self, batch: InputBatch, rows: list[int], k: int) -> DecodeGroup:
+        """Decode `rows` (longest first) as one group; k > 0: their first k blocks are a
+        shared prefix (a planned cascade)."""
         rows_t = torch.tensor(rows, device=self.device)
-        max_blocks = -(-batch.seq_lens[rows[0]] // self.block_size)  # rows[0] is the longest
-        tables = batch.block_tables[rows_t, :max_blocks]
-        k = self._shared_prefix_blocks(tables, min(batch.seq_lens[i] for i in rows))
-        return rows_t, tables, k
-
-    def _make_decode_group(self, batch: InputBatch, rows_t: torch.Tensor, tables: torch.Tensor,
-                           k: int) -> DecodeGroup:
+        max_blocks = -(-batch.seq_lens[rows[0]] // self.block_size)
+        tables = batch.block_tables[rows_t, :max_blocks]  # (Bg, max_blocks)
         seq_lens = batch.seq_lens_t[rows_t]  # (Bg,)
-        max_blocks = tables.shape[1]
         key_pos = torch.arange(k * self.block_size, max_blocks * self.block_size,
                                device=self.device)
         mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]
         return DecodeGroup(token_indices=batch.query_start_loc[rows_t], rows=rows_t,
                            block_ids=tables[:, k:].reshape(-1), max_blocks=max_blocks - k,
                            mask=mask, shared_block_ids=tables[0, :k] if k else None)
-
-    def _shared_prefix_blocks(self, tables: torch.Tensor, min_len: int) -> int:
-        """Leading blocks common to every row, worth attending once (cascade attention).
-
-        NOTE: capped so that every row still has its own current token after them: the
-        shared part then lies wholly inside every row's context, and no row's suffix is empty.
-        """
-        if tables.shape[0] < _CASCADE_MIN_SEQS:
-            return 0
-        same = (tables == tables[:1]).all(dim=0).int().cumprod(dim=0)
-        k = min(int(same.sum()), (min_len - 1) // self.block_size)
-        return k if k >= _CASCADE_MIN_BLOCKS else 0
 
     def _prefill_seq(self, batch: InputBatch, i: int) -> PrefillSeq:
         q_start, q_end = batch.query_start_locs[i], batch.query_start_locs[i + 1]
@@ -124,7 +145,8 @@ class TorchPagedAttention(AttentionBackend):
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: TorchAttentionMetadata,
+                scale: float) -> torch.Tensor:
         store_kv(kv_cache, k, v, meta.slot_mapping)
         T, Hq, D = q.shape
         out = torch.empty_like(q)

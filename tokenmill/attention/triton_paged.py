@@ -13,14 +13,34 @@ otherwise.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from tokenmill.attention.base import AttentionBackend
+from tokenmill.attention.base import AttentionBackend, DecodeGraphState
+from tokenmill.attention.input_batch import InputBatch
 from tokenmill.attention.kv_cache import store_kv
-from tokenmill.attention.metadata import AttentionMetadata, QueryTiles
-from tokenmill.worker.input_batch import InputBatch
+from tokenmill.attention.metadata import AttentionMetadata
 
 PREFILL_TILE = 16
+
+
+@dataclass
+class QueryTiles:
+    """Queries cut into tiles of up to `tile` consecutive tokens of one sequence, each tile
+    attended straight from the paged cache by one kernel program (causal within the tile)."""
+
+    tile: int
+    rows: torch.Tensor  # (N,) int32: each tile's row in block_tables
+    q_starts: torch.Tensor  # (N,) int32: flat index of the tile's first query
+    q_lens: torch.Tensor  # (N,) int32: queries in the tile, 1..tile
+    first_ctx: torch.Tensor  # (N,) int32: cached tokens its first query sees, itself included
+    block_tables: torch.Tensor  # (B, max_blocks) long
+
+
+@dataclass
+class TritonAttentionMetadata(AttentionMetadata):
+    tiles: list[QueryTiles] = field(default_factory=list)  # one kernel launch each
 
 
 def triton_available() -> bool:
@@ -44,8 +64,9 @@ class TritonPagedAttention(AttentionBackend):
                                "needs a CUDA device (or TRITON_INTERPRET=1 on CPU, for tests)")
         self._kernels = triton_kernels
 
-    def build_metadata(self, batch: InputBatch) -> AttentionMetadata:
-        meta = AttentionMetadata(num_tokens=batch.num_tokens, slot_mapping=batch.slot_mapping)
+    def build_metadata(self, batch: InputBatch) -> TritonAttentionMetadata:
+        meta = TritonAttentionMetadata(num_tokens=batch.num_tokens,
+                                       slot_mapping=batch.slot_mapping)
         decode: list[tuple[int, int, int, int]] = []
         chunk: list[tuple[int, int, int, int]] = []
         for i, n in enumerate(batch.query_lens):
@@ -69,7 +90,8 @@ class TritonPagedAttention(AttentionBackend):
                           first_ctx=cols[3], block_tables=block_tables)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: TritonAttentionMetadata,
+                scale: float) -> torch.Tensor:
         store_kv(kv_cache, k, v, meta.slot_mapping)
         T, Hq, D = q.shape
         out = torch.empty_like(q)
@@ -78,3 +100,46 @@ class TritonPagedAttention(AttentionBackend):
                                           t.rows, t.q_starts, t.q_lens, t.first_ctx, t.tile,
                                           scale)
         return out.view(T, Hq * D)
+
+    def decode_graph_state(self, max_seqs: int, max_blocks: int) -> TritonDecodeGraphState:
+        return TritonDecodeGraphState(max_seqs, max_blocks, self.device)
+
+
+class TritonDecodeGraphState(DecodeGraphState):
+    """The decode tile launch (TILE = 1) over static buffers: slot mapping, block tables with
+    one all-zero row past the last real one (what padding rows attend: the null block), each
+    row's block-table row, query start, query length and first context length."""
+
+    def __init__(self, max_seqs: int, max_blocks: int, device: torch.device) -> None:
+        long = dict(dtype=torch.long, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.max_blocks = max_blocks
+        self.slot_mapping = torch.zeros(max_seqs, **long)
+        self.block_tables = torch.zeros(max_seqs + 1, max_blocks, **long)
+        self.rows = torch.full((max_seqs,), max_seqs, **i32)
+        self.q_starts = torch.arange(max_seqs, **i32)
+        self.q_lens = torch.ones(max_seqs, **i32)
+        self.first_ctx = torch.ones(max_seqs, **i32)
+
+    def metadata(self, size: int) -> TritonAttentionMetadata:
+        tiles = QueryTiles(tile=1, rows=self.rows[:size], q_starts=self.q_starts[:size],
+                           q_lens=self.q_lens[:size], first_ctx=self.first_ctx[:size],
+                           block_tables=self.block_tables)
+        return TritonAttentionMetadata(num_tokens=size, slot_mapping=self.slot_mapping[:size],
+                                       tiles=[tiles])
+
+    def load(self, batch: InputBatch, meta: TritonAttentionMetadata, size: int) -> bool:
+        n = batch.num_tokens
+        if (len(meta.tiles) != 1 or meta.tiles[0].tile != 1 or meta.tiles[0].rows.numel() != n
+                or batch.block_tables.shape[1] > self.max_blocks):
+            return False  # not a plain decode step, or a context longer than the buffers
+        t = meta.tiles[0]
+        self.slot_mapping[:n].copy_(batch.slot_mapping)
+        self.block_tables[:n, :batch.block_tables.shape[1]].copy_(batch.block_tables)
+        self.rows[:n].copy_(t.rows)
+        self.first_ctx[:n].copy_(t.first_ctx)
+        # Padding rows: reset what a larger earlier batch left there.
+        self.slot_mapping[n:size].zero_()
+        self.rows[n:size].fill_(self.block_tables.shape[0] - 1)
+        self.first_ctx[n:size].fill_(1)
+        return True

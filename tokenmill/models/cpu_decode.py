@@ -13,8 +13,9 @@ It is opt-in by an allow-list: it runs only layers whose every part is exactly o
 types `_allowed()` names (a subclass, such as Qwen3's attention with its q/k norms, is another
 model and goes through the modules), with no tensor parallelism, float32 activations and KV
 cache on CPU, every linear layer's method giving a CPU kernel, and a step whose every query
-goes to the CPU paged-attention kernel. Anything else runs the modules, whose layers call the
-same kernels through the same method objects.
+goes to the CPU paged-attention kernel (the attention backend says so through
+`fused_decode_queries`; backends without that kernel never do). Anything else runs the
+modules, whose layers call the same kernels through the same method objects.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import torch
 from torch import nn
 
 from tokenmill.attention import AttentionMetadata
-from tokenmill.attention.cpu_paged import CPUPagedAttention
 from tokenmill.layers import cpu_ops
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.layernorm import RMSNorm
@@ -80,7 +80,12 @@ class SmallBatchDecode:
         if not (self.enabled and 0 < hidden.shape[0] <= cpu_ops.SMALL_M
                 and cpu_ops.fused(hidden) and self._plan is not None):
             return False
-        return CPUPagedAttention.kernel_only(meta, hidden.shape[0]) is not None
+        return self._queries(meta, hidden.shape[0]) is not None
+
+    def _queries(self, meta: AttentionMetadata, num_tokens: int) -> Any | None:
+        """The attention kernel's queries for this step, when its backend lets the fused call
+        run the kernel (every query of a plain decode step goes to it), else None."""
+        return self._plan.attns[0].backend.fused_decode_queries(meta, num_tokens)
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +93,7 @@ class SmallBatchDecode:
         loop returns them. cos / sin (T, 1, D) as RotaryEmbedding gives them. Only after
         `applies` said True."""
         plan = self._plan
-        p = CPUPagedAttention.kernel_only(meta, hidden.shape[0])
+        p = self._queries(meta, hidden.shape[0])
         with scope("tokenmill::decode_layers"):
             hidden, residual = _decode_layers_op()(
                 hidden, plan.norms, plan.linears, [a.kv_cache for a in plan.attns], cos, sin,
@@ -113,7 +118,7 @@ class SmallBatchDecode:
             a = layer.self_attn
             if ((a.num_heads, a.num_kv_heads, a.head_dim) != heads or a.attn.scale != scale
                     or {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {eps}
-                    or not isinstance(a.attn.backend, CPUPagedAttention)
+                    or a.attn.backend is not first.attn.backend
                     or a.attn.kv_cache.dtype != torch.float32):
                 return None
         return _Plan(norms=[t for p in parts for t in p[0]],

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from tokenmill.attention.base import AttentionBackend
+from tokenmill.attention.input_batch import InputBatch
 from tokenmill.core.interface import ScheduledRequest, SchedulerOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.input_batch import InputBatch
 
 _WARMUP, _REPEATS = 2, 5
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention.base import AttentionBackend
+from tokenmill.attention.input_batch import InputBatch
 from tokenmill.attention.kv_cache import allocate_kv_cache, bytes_per_block
 from tokenmill.config import ModelConfig
 from tokenmill.core.interface import ScheduledRequest, SchedulerOutput
@@ -40,7 +41,6 @@ from tokenmill.model_loader import load_model
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.utils.huge_pages import move_parameters_to_huge_pages
-from tokenmill.worker.input_batch import InputBatch
 
 
 def draft_model_config(spec: SpeculativeConfig, target: ModelConfig, device: str) -> ModelConfig:

@@ -14,8 +14,8 @@ import time
 import torch
 
 from tokenmill.attention import get_attention_backend
+from tokenmill.attention.input_batch import InputBatch
 from tokenmill.attention.kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks
-from tokenmill.attention.triton_paged import TritonPagedAttention
 from tokenmill.config import EngineConfig
 from tokenmill.core.interface import (
     ModelRunnerOutput,
@@ -34,7 +34,6 @@ from tokenmill.utils import cdiv
 from tokenmill.utils.huge_pages import move_parameters_to_huge_pages
 from tokenmill.utils.profiling import scope
 from tokenmill.worker.cuda_graphs import DecodeGraphs
-from tokenmill.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
 
@@ -92,15 +91,21 @@ class ModelRunner:
                         " %.2f per draft-model forward", self.spec_costs.verify_per_draft,
                         self.spec_costs.draft_forward)
         self.decode_graphs: DecodeGraphs | None = None
-        if (self.device.type == "cuda" and not config.enforce_eager
-                and isinstance(self.backend, TritonPagedAttention)):
+        if self.device.type == "cuda" and not config.enforce_eager:
             self.decode_graphs = self._decode_graphs(capture=True)
-            self.decode_graphs.capture_all()
+            if self.decode_graphs is not None:
+                self.decode_graphs.capture_all()
 
-    def _decode_graphs(self, capture: bool) -> DecodeGraphs:
-        max_blocks = cdiv(self.config.model.max_model_len, self.block_size)
-        return DecodeGraphs(self.model, self.device, self.config.scheduler.max_num_seqs,
-                            max_blocks, capture=capture)
+    def _decode_graphs(self, capture: bool) -> DecodeGraphs | None:
+        """Decode steps as CUDA graph replays, where the attention backend provides the static
+        state for them (None: it does not, and steps run eagerly)."""
+        max_seqs = self.config.scheduler.max_num_seqs
+        state = self.backend.decode_graph_state(
+            DecodeGraphs.graph_size(max_seqs),
+            cdiv(self.config.model.max_model_len, self.block_size))
+        if state is None:
+            return None
+        return DecodeGraphs(self.model, state, self.device, max_seqs, capture=capture)
 
     def _block_bytes(self) -> int:
         """Bytes of one KV block across all layers (the unit of both GPU cache and swap)."""

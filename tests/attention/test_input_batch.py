@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.attention.input_batch import InputBatch
 from tokenmill.core.interface import ScheduledRequest, SchedulerOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.input_batch import InputBatch
 
 
 def build(*reqs: tuple[list[int], int, list[int], bool]) -> InputBatch:
