@@ -46,6 +46,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache size: bytes or e.g. 512MiB, 4GiB (default 2GiB)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="exact number of KV blocks (overrides --kv-cache-memory)")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default=None,
+                   help="KV cache storage (vLLM's flag): auto = the model's dtype; int8 = one "
+                        "scale per token and KV head, ~3.8x the tokens (PyTorch attention "
+                        "backend only, for now); fp8 is not built yet")
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -76,7 +80,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     names = ["dtype", "max_model_len", "load_format", "quantization", "int8_activations",
-             "kv_cache_memory",
+             "kv_cache_memory", "kv_cache_dtype",
              "num_kv_blocks", "block_size", "max_num_seqs",
              "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
              "preemption_mode", "swap_space", "device", "seed", "prepack_weights",

@@ -224,8 +224,15 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests, tuning)
     enable_prefix_caching: bool = True
     swap_space: int = 2**30  # bytes of CPU memory for swapped-out KV (preemption_mode="swap")
+    # "auto": the model's dtype; "int8": one scale per token and KV head (attention/kv_cache.py)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype == "fp8":
+            raise ValueError("kv_cache_dtype 'fp8' is not built yet; use 'auto' or 'int8'")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got "
+                             f"{self.kv_cache_dtype!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], "
                              f"got {self.block_size}")
@@ -285,7 +292,7 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
 
     def __post_init__(self) -> None:
-        from tokenmill.attention.base import BACKEND_NAMES
+        from tokenmill.attention.base import BACKEND_NAMES, check_kv_cache_dtype
 
         if self.prepack_weights not in (True, False, "auto"):
             raise ValueError(f"prepack_weights must be True, False or 'auto', got "
@@ -293,6 +300,7 @@ class EngineConfig:
         if self.attention_backend not in BACKEND_NAMES:
             raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, "
                              f"got {self.attention_backend!r}")
+        check_kv_cache_dtype(self.attention_backend, self.cache.kv_cache_dtype)
 
     @staticmethod
     def create(model: str | None = None, **options: Any) -> EngineConfig:
@@ -303,6 +311,7 @@ class EngineConfig:
                   "quantization": "model", "int8_activations": "model",
                   "block_size": "cache", "kv_cache_memory": "cache", "num_kv_blocks": "cache",
                   "enable_prefix_caching": "cache", "swap_space": "cache",
+                  "kv_cache_dtype": "cache",
                   "max_num_batched_tokens": "scheduler", "max_num_seqs": "scheduler",
                   "enable_chunked_prefill": "scheduler", "preemption_mode": "scheduler",
                   "tensor_parallel_size": "parallel", "device": "engine", "seed": "engine",

@@ -72,10 +72,27 @@ _REGISTRY = {"torch": ("tokenmill.attention.torch_ref", "TorchPagedAttention"),
 BACKEND_NAMES = ("auto", *_REGISTRY)
 
 
+# Backends that read a quantized KV cache (kv_cache.py), by kv_cache_dtype.
+QUANTIZED_KV_READERS = {"int8": ("torch",)}
+
+
+def check_kv_cache_dtype(name: str, kv_cache_dtype: str) -> None:
+    """ValueError when backend `name` (not "auto") cannot read a `kv_cache_dtype` cache."""
+    readers = QUANTIZED_KV_READERS.get(kv_cache_dtype)
+    if readers is not None and name not in ("auto", *readers):
+        raise ValueError(f"attention_backend {name!r} does not read an {kv_cache_dtype} KV cache "
+                         f"yet; use {' or '.join(repr(r) for r in readers)} (or 'auto')")
+
+
 def get_attention_backend(name: str, block_size: int, device: torch.device,
-                          dtype: torch.dtype = torch.float32) -> AttentionBackend:
+                          dtype: torch.dtype = torch.float32,
+                          kv_cache_dtype: str = "auto") -> AttentionBackend:
     """`auto`: the C++ kernel backend for float32 on CPU when it builds, the Triton kernel on
-    CUDA when triton is installed, else PyTorch."""
+    CUDA when triton is installed, else PyTorch; for a quantized cache, the first backend that
+    reads it."""
+    check_kv_cache_dtype(name, kv_cache_dtype)
+    if name == "auto" and kv_cache_dtype in QUANTIZED_KV_READERS:
+        name = QUANTIZED_KV_READERS[kv_cache_dtype][0]
     if name == "auto":
         name = "torch"
         if device.type == "cpu" and dtype == torch.float32:

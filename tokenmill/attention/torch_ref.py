@@ -7,6 +7,11 @@ tables into a reused buffer and runs one batched SDPA call masked past each sequ
 length. Prefill sequences are done one at a time: with no cached prefix straight from this
 step's k/v (causal), otherwise over the gathered cached context with an offset causal mask.
 
+An int8 cache (kv_cache.py) is read the same way and dequantized after the gather; a prefill
+with no cached prefix attends its own k/v rounded to the int8 grid, as stored, so that every
+path sees the values the cache holds and outputs do not depend on prefix-cache hits. This
+backend is the oracle the kernels' quantized paths are checked against.
+
 NOTE: the gather buffer is kept across layers and steps because a fresh ~100 MB tensor per
 layer costs as much in page faults as the copy itself on CPU.
 """
@@ -21,7 +26,7 @@ import torch.nn.functional as F
 from tokenmill.attention.base import AttentionBackend
 from tokenmill.attention.cascade import CascadePolicy, plan_cascades
 from tokenmill.attention.input_batch import InputBatch
-from tokenmill.attention.kv_cache import store_kv
+from tokenmill.attention.kv_cache import as_float, on_grid, store_kv
 from tokenmill.attention.metadata import AttentionMetadata
 
 # A decode group stops growing when the next (shorter) context would be padded by more than
@@ -171,7 +176,7 @@ class TorchPagedAttention(AttentionBackend):
         if group.shared_block_ids is not None:
             return self._decode_cascade(q, kv_cache, group, scale)
         Bg = q.shape[0]
-        kv = self._gather(kv_cache, group.block_ids)  # (2, Bg * nb, bs, Hkv, D)
+        kv = as_float(self._gather(kv_cache, group.block_ids))  # (2, Bg * nb, bs, Hkv, D)
         kv = kv.view(2, Bg, -1, *kv.shape[-2:])  # (2, Bg, L, Hkv, D)
         key, value = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # (Bg, Hkv, L, D)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), key, value, attn_mask=group.mask,
@@ -192,7 +197,7 @@ class TorchPagedAttention(AttentionBackend):
         Bg, Hq, D = q.shape
         Hkv = kv_cache.shape[-2]
         G = Hq // Hkv
-        prefix = kv_cache[:, group.shared_block_ids].flatten(1, 2)  # (2, Lp, Hkv, D)
+        prefix = as_float(kv_cache[:, group.shared_block_ids]).flatten(1, 2)  # (2, Lp, Hkv, D)
         q_flat = q.view(Bg, Hkv, G, D).permute(1, 0, 2, 3).reshape(Hkv, Bg * G, D)
         s_p = torch.matmul(q_flat, prefix[0].permute(1, 2, 0)) * scale  # (Hkv, Bg*G, Lp)
         out_p, lse_p = _softmax_attend(s_p, prefix[1].transpose(0, 1))  # (Hkv, Bg*G, D)
@@ -206,7 +211,7 @@ class TorchPagedAttention(AttentionBackend):
         Bg, Hq, D = q.shape
         Hkv = kv_cache.shape[-2]
         qg = q.view(Bg, Hkv, Hq // Hkv, D)
-        kv = self._gather(kv_cache, group.block_ids).view(2, Bg, -1, Hkv, D)  # (2, Bg, Ls, ..)
+        kv = as_float(self._gather(kv_cache, group.block_ids)).view(2, Bg, -1, Hkv, D)
         s_s = torch.matmul(qg, kv[0].permute(0, 2, 3, 1)) * scale  # (Bg, Hkv, G, Ls)
         s_s = s_s.masked_fill(~group.mask, float("-inf"))
         out_s, lse_s = _softmax_attend(s_s, kv[1].transpose(1, 2))  # (Bg, Hkv, G, D)
@@ -216,12 +221,15 @@ class TorchPagedAttention(AttentionBackend):
                  kv_cache: torch.Tensor, p: PrefillSeq, scale: float) -> torch.Tensor:
         qs = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)  # (1, Hq, q_len, D)
         if p.block_ids is None:
-            key = k[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)  # (1, Hkv, q_len, D)
-            value = v[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)
+            k_own, v_own = k[p.q_start:p.q_end], v[p.q_start:p.q_end]  # (q_len, Hkv, D)
+            if kv_cache.dtype == torch.int8:  # the values the cache holds, as every other
+                k_own, v_own = on_grid(k_own), on_grid(v_own)  # path reads them
+            key = k_own.transpose(0, 1).unsqueeze(0)  # (1, Hkv, q_len, D)
+            value = v_own.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, key, value, is_causal=True, scale=scale,
                                                enable_gqa=True)
         else:
-            kv = self._gather(kv_cache, p.block_ids).flatten(1, 2)[:, :p.context_len]
+            kv = as_float(self._gather(kv_cache, p.block_ids)).flatten(1, 2)[:, :p.context_len]
             key = kv[0].transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
             value = kv[1].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, key, value, attn_mask=p.mask, scale=scale,

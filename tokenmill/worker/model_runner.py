@@ -61,16 +61,19 @@ class ModelRunner:
         self._draft_block_bytes = (0 if draft is None else
                                    DraftModelProposer.block_bytes(draft, self.block_size))
         self.num_kv_blocks = self._num_kv_blocks()
+        kv_dtype = config.cache.kv_cache_dtype
         self.kv_cache = allocate_kv_cache(mc.num_layers, self.num_kv_blocks, self.block_size,
-                                          mc.num_kv_heads, mc.head_dim, mc.dtype, self.device)
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.0f MiB) in %.1f s",
+                                          mc.num_kv_heads, mc.head_dim, mc.dtype, self.device,
+                                          kv_dtype)
+        logger.info("KV cache (%s): %d blocks of %d tokens = %d tokens (%.0f MiB) in %.1f s",
+                    mc.dtype if kv_dtype == "auto" else kv_dtype,
                     self.num_kv_blocks - 1, self.block_size,
                     (self.num_kv_blocks - 1) * self.block_size,
                     self.num_kv_blocks * (self._block_bytes() + self._draft_block_bytes) / 2**20,
                     time.perf_counter() - t0)
         self.num_swap_blocks, self.swap_cache = self._allocate_swap()
         self.backend = get_attention_backend(config.attention_backend, self.block_size,
-                                             self.device, mc.dtype)
+                                             self.device, mc.dtype, kv_dtype)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.bind(self.kv_cache[i], self.backend)
         self.sampler = Sampler(config.seed, self.device)
@@ -111,7 +114,7 @@ class ModelRunner:
         """Bytes of one KV block across all layers (the unit of both GPU cache and swap)."""
         mc = self.config.model
         return bytes_per_block(mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim,
-                               mc.dtype)
+                               mc.dtype, self.config.cache.kv_cache_dtype)
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
@@ -131,10 +134,10 @@ class ModelRunner:
         cfg = self.config
         if cfg.scheduler.preemption_mode != "swap":
             return 0, None
-        mc = cfg.model
         n = cfg.cache.swap_space // self._block_bytes()
-        swap = torch.zeros(mc.num_layers, 2, n, self.block_size, mc.num_kv_heads, mc.head_dim,
-                           dtype=mc.dtype, pin_memory=self.device.type == "cuda")
+        shape = self.kv_cache.shape
+        swap = torch.zeros(shape[0], 2, n, *shape[3:], dtype=self.kv_cache.dtype,
+                           pin_memory=self.device.type == "cuda")  # blocks as the cache has them
         return n, swap
 
     def _swap(self, sched: SchedulerOutput) -> None:

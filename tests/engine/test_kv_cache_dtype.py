@@ -1,0 +1,58 @@
+"""The engine on an int8 KV cache: the same memory holds 64 / 20 = 3.2x the tokens of the
+tiny model (head_dim 16; SmolLM2's 64: 3.8x); outputs do not
+depend on how the cache got its blocks (prefix-cache reuse, chunked prefill, preemption by
+recompute or by swap: quantization is per token, so a recomputed or copied block is the same
+bytes); a quantized block is never read as float; SmolLM2's greedy answer survives it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import assert_kv_all_free, generate_greedy
+from tests.engine.test_prefix_caching import run_in_two_waves, workload
+from tokenmill import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def int8_reference(tiny_model):
+    path, _ = tiny_model("llama")
+    cases = workload()
+    llm = LLM(path, kv_cache_dtype="int8", num_kv_blocks=200, block_size=8,
+              enable_prefix_caching=False)
+    return path, cases, generate_greedy(llm, cases)
+
+
+@pytest.mark.parametrize("options", [
+    {"enable_prefix_caching": True},
+    {"enable_prefix_caching": True, "max_num_batched_tokens": 24},  # chunked prefill
+    {"num_kv_blocks": 20, "enable_prefix_caching": False},  # preemption: recompute
+    {"num_kv_blocks": 20, "enable_prefix_caching": False, "preemption_mode": "swap"},
+])
+def test_outputs_do_not_depend_on_how_blocks_were_filled(int8_reference, options):
+    path, cases, expected = int8_reference
+    llm = LLM(path, **({"kv_cache_dtype": "int8", "num_kv_blocks": 200, "block_size": 8}
+                       | options))
+    got = (run_in_two_waves(llm, cases) if options.get("enable_prefix_caching")
+           else generate_greedy(llm, cases))
+    assert got == expected
+    if options.get("num_kv_blocks") == 20:
+        assert llm.engine.scheduler.num_preemptions > 0
+    if options.get("enable_prefix_caching"):
+        assert llm.engine.kv.prefix_hits > 0
+    assert llm.engine.runner.kv_cache.dtype.is_signed and llm.engine.runner.kv_cache.itemsize == 1
+    assert_kv_all_free(llm.engine)
+
+
+def test_same_memory_holds_about_four_times_the_tokens(tiny_model):
+    path, _ = tiny_model("llama")
+    f32 = LLM(path, kv_cache_memory="8MiB").engine.runner.num_kv_blocks
+    i8 = LLM(path, kv_cache_memory="8MiB", kv_cache_dtype="int8").engine.runner.num_kv_blocks
+    # head_dim 16: 64 bytes a row in float32, 16 + a 4-byte scale in int8 (SmolLM2's 64: 3.8x)
+    assert 3.19 < i8 / f32 <= 3.2
+
+
+def test_smollm2_answer_survives_an_int8_cache(smollm2_path):
+    llm = LLM(smollm2_path, kv_cache_dtype="int8", kv_cache_memory="64MiB")
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    assert out.outputs[0].text == "The capital of France is Paris."
