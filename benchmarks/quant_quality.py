@@ -3,6 +3,7 @@ natural English text found on the machine; see tokenmill/bench/quant_quality.py.
 
     python benchmarks/quant_quality.py                       # gguf, int8, int4 on SmolLM2
     python benchmarks/quant_quality.py --methods int8 --tokens 8192
+    python benchmarks/quant_quality.py --kv-cache-dtype int8   # the KV cache instead
 """
 
 from tokenmill.bench.quant_quality import main

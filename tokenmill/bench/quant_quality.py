@@ -1,5 +1,6 @@
-"""How much each weight format changes the model: mean KL divergence of the next-token
-distribution against float32, top-1 agreement, and perplexity, over natural English text.
+"""How much each weight format (or KV cache format, --kv-cache-dtype) changes the model:
+mean KL divergence of the next-token distribution against float32, top-1 agreement, and
+perplexity, over natural English text.
 
 The text is found on the machine at run time: the docstrings of Python's standard library
 (prose paragraphs only; doctest lines and code-like lines are dropped; the same source as
@@ -89,14 +90,21 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF Q4_1)")
-    p.add_argument("--methods",
-                   default="gguf,gguf+int8acts,int8,int8+int8acts,int4,int4/64,int4/64+rtn",
-                   help="comma-separated quantization methods to compare with float32")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated quantization methods to compare with float32 "
+                        "(default: gguf,gguf+int8acts,int8,int8+int8acts,int4,int4/64,"
+                        "int4/64+rtn; none when --kv-cache-dtype is given)")
+    p.add_argument("--kv-cache-dtype", default="",
+                   help="comma-separated KV cache formats (int8) to compare, with float32 "
+                        "weights, against the float32 cache")
     p.add_argument("--tokens", type=int, default=4096, help="tokens of text to score")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--step-tokens", type=int, default=4,
                    help="prefill chunk per step (4: the decode kernels; 512: the GEMM ones)")
     args = p.parse_args(argv)
+    if args.methods is None:
+        args.methods = ("" if args.kv_cache_dtype else
+                        "gguf,gguf+int8acts,int8,int8+int8acts,int4,int4/64,int4/64+rtn")
 
     print(describe_machine())
     opts = dict(enable_prefix_caching=False, max_model_len=args.window + 8,
@@ -121,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         with weights_as(spec) as weights:
             llm = LLM(args.model, **weights, **opts)
         rows.append((spec, compare(ref, score_windows(llm, windows), windows)))
+        del llm
+    for kv in [k for k in args.kv_cache_dtype.split(",") if k]:
+        llm = LLM(args.model, quantization="none", kv_cache_dtype=kv, **opts)
+        rows.append((f"f32, KV {kv}", compare(ref, score_windows(llm, windows), windows)))
         del llm
     print(f"\n{'weights':<15} {'mean KL':>10} {'top-1 agree':>12} {'perplexity':>11} "
           f"{'ppl vs f32':>11}")
