@@ -112,6 +112,12 @@ def test_regex_choice_and_grammar_through_vllm_fields(client):
                                                               "items": {"type": "integer"}}})
     value = json.loads(r.choices[0].text)
     assert len(value) == 2 and all(isinstance(v, int) for v in value)
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    r = client.completions.create(
+        model="smollm2", prompt="A point as JSON:", max_tokens=30, temperature=0,
+        extra_body={"response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "p", "schema": schema}}})
+    jsonschema.validate(json.loads(r.choices[0].text), schema)  # response_format, completions
 
 
 @pytest.mark.parametrize("body, message", [
