@@ -65,12 +65,11 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(mc.num_layers, self.num_kv_blocks, self.block_size,
                                           mc.num_kv_heads, mc.head_dim, mc.dtype, self.device,
                                           kv_dtype)
-        logger.info("KV cache (%s): %d blocks of %d tokens = %d tokens (%.0f MiB) in %.1f s",
-                    mc.dtype if kv_dtype == "auto" else kv_dtype,
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.0f MiB, %s) in %.1f s",
                     self.num_kv_blocks - 1, self.block_size,
                     (self.num_kv_blocks - 1) * self.block_size,
                     self.num_kv_blocks * (self._block_bytes() + self._draft_block_bytes) / 2**20,
-                    time.perf_counter() - t0)
+                    mc.dtype if kv_dtype == "auto" else kv_dtype, time.perf_counter() - t0)
         self.num_swap_blocks, self.swap_cache = self._allocate_swap()
         self.backend = get_attention_backend(config.attention_backend, self.block_size,
                                              self.device, mc.dtype, kv_dtype)
