@@ -56,3 +56,18 @@ def test_smollm2_answer_survives_an_int8_cache(smollm2_path):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
     assert out.outputs[0].text == "The capital of France is Paris."
+
+
+def test_metrics_show_the_capacity_in_tokens(tiny_model):
+    import httpx
+
+    from tests.server.conftest import start_server
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_options(tiny_model("llama")[0], kv_cache_dtype="int8",
+                                    num_kv_blocks=41, block_size=8)
+    for srv in start_server(engine, "tiny"):
+        text = httpx.get(f"{srv.base_url}/metrics").text
+        line = next(x for x in text.splitlines()
+                    if x.startswith("tokenmill:kv_cache_capacity_tokens{"))
+        assert 'kv_cache_dtype="int8"' in line and float(line.rsplit(" ", 1)[1]) == 40 * 8

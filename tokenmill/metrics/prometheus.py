@@ -15,7 +15,8 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 
 
 class PrometheusMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, kv_capacity_tokens: int | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
 
@@ -36,6 +37,10 @@ class PrometheusMetrics:
         self.running = gauge("num_requests_running", "Requests in the running batch")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)")
+        if kv_capacity_tokens is not None:  # fixed at start-up: what the KV budget holds
+            Gauge("tokenmill:kv_cache_capacity_tokens", "Tokens the KV cache holds",
+                  ["model_name", "kv_cache_dtype"], registry=r).labels(
+                      model_name, kv_cache_dtype).set(kv_capacity_tokens)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of started requests")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.preemptions = counter("num_preemptions", "Requests preempted")

@@ -73,7 +73,10 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
               limits: ServerLimits | None = None,
               tool_options: ToolOptions | None = None) -> FastAPI:
     limits = limits or ServerLimits()
-    metrics = PrometheusMetrics(served_model_name)
+    kv = engine.kv
+    metrics = PrometheusMetrics(served_model_name,
+                                kv_capacity_tokens=kv.num_usable_blocks * kv.block_size,
+                                kv_cache_dtype=engine.config.cache.kv_cache_dtype)
     admission = AdmissionControl(engine.config.scheduler.max_num_seqs,
                                  limits.max_waiting_requests)
     async_llm = AsyncLLM(engine, on_step=metrics.record,
