@@ -38,12 +38,11 @@ CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 class DecodeGraphs:
     def __init__(self, model: nn.Module, attention: DecodeGraphState, device: torch.device,
                  max_num_seqs: int, capture: bool = True) -> None:
-        """`attention`: the backend's state for graphs of up to graph_size(max_num_seqs)."""
+        """`attention`: the backend's state for graphs of up to
+        capture_sizes(max_num_seqs)[-1] rows."""
         self.model = model
         self.capture = capture
-        self.sizes = [s for s in CAPTURE_SIZES if s <= max_num_seqs] or [1]
-        if self.sizes[-1] < max_num_seqs <= CAPTURE_SIZES[-1]:
-            self.sizes.append(max_num_seqs)
+        self.sizes = self.capture_sizes(max_num_seqs)
         n = self.sizes[-1]
         self.attention = attention
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
@@ -53,10 +52,12 @@ class DecodeGraphs:
         self.num_replays = 0
 
     @staticmethod
-    def graph_size(max_num_seqs: int) -> int:
-        """The largest batch a graph is captured for (the static buffers' size)."""
+    def capture_sizes(max_num_seqs: int) -> list[int]:
+        """The batch sizes graphs are captured for; the last sizes the static buffers."""
         sizes = [s for s in CAPTURE_SIZES if s <= max_num_seqs] or [1]
-        return max_num_seqs if sizes[-1] < max_num_seqs <= CAPTURE_SIZES[-1] else sizes[-1]
+        if sizes[-1] < max_num_seqs <= CAPTURE_SIZES[-1]:
+            sizes.append(max_num_seqs)
+        return sizes
 
     def _forward(self, size: int) -> torch.Tensor:
         return self.model(self.input_ids[:size], self.positions[:size],

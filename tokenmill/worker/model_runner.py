@@ -103,7 +103,7 @@ class ModelRunner:
         state for them (None: it does not, and steps run eagerly)."""
         max_seqs = self.config.scheduler.max_num_seqs
         state = self.backend.decode_graph_state(
-            DecodeGraphs.graph_size(max_seqs),
+            DecodeGraphs.capture_sizes(max_seqs)[-1],
             cdiv(self.config.model.max_model_len, self.block_size))
         if state is None:
             return None
