@@ -25,6 +25,7 @@ from typing import Any
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     from tokenmill.attention.base import BACKEND_NAMES
+    from tokenmill.attention.kv_cache import KV_CACHE_DTYPES, PLANNED_KV_CACHE_DTYPES
 
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
@@ -46,7 +47,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache size: bytes or e.g. 512MiB, 4GiB (default 2GiB)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="exact number of KV blocks (overrides --kv-cache-memory)")
-    g.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default=None,
+    g.add_argument("--kv-cache-dtype", choices=[*KV_CACHE_DTYPES, *PLANNED_KV_CACHE_DTYPES],
+                   default=None,
                    help="KV cache storage (vLLM's flag): auto = the model's dtype; int8 = one "
                         "scale per token and KV head, ~3.8x the tokens (PyTorch attention "
                         "backend only, for now); fp8 is not built yet")

@@ -228,11 +228,14 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype == "fp8":
-            raise ValueError("kv_cache_dtype 'fp8' is not built yet; use 'auto' or 'int8'")
-        if self.kv_cache_dtype not in ("auto", "int8"):
-            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got "
-                             f"{self.kv_cache_dtype!r}")
+        from tokenmill.attention.kv_cache import KV_CACHE_DTYPES, PLANNED_KV_CACHE_DTYPES
+
+        known = " or ".join(repr(d) for d in KV_CACHE_DTYPES)
+        if self.kv_cache_dtype in PLANNED_KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not built yet; use "
+                             f"{known}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be {known}, got {self.kv_cache_dtype!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], "
                              f"got {self.block_size}")

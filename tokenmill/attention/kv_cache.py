@@ -21,7 +21,8 @@ import torch
 from tokenmill.layers import cpu_ops
 from tokenmill.utils import huge_pages
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "int8")  # built
+PLANNED_KV_CACHE_DTYPES = ("fp8",)  # vLLM's names not built yet: refused as such
 _SCALE_BYTES = 4  # an int8 row's float32 scale
 
 
