@@ -85,10 +85,7 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
         if isinstance(self.structured_outputs, dict):
-            try:
-                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-            except TypeError as e:
-                raise ValueError(f"structured_outputs: {e}") from None
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         elif not isinstance(self.structured_outputs, StructuredOutputsParams | None):
             raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")

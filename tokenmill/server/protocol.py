@@ -184,10 +184,7 @@ class SamplingFields(StrictModel):
             return StructuredOutputsParams(
                 **guided, whitespace_pattern=self.guided_whitespace_pattern)
         if self.structured_outputs is not None:
-            try:
-                return StructuredOutputsParams(**self.structured_outputs)
-            except TypeError as e:
-                raise ValueError(f"structured_outputs: {e}") from None
+            return StructuredOutputsParams.from_dict(self.structured_outputs)
         if fmt is None or fmt.type == "text":
             return None
         if fmt.type == "json_object":

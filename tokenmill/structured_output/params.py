@@ -72,6 +72,15 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs: disable_any_whitespace and "
                              "whitespace_pattern contradict each other")
 
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> StructuredOutputsParams:
+        """From a JSON object (the API's, or SamplingParams given a dict); ValueError naming
+        an unknown field."""
+        try:
+            return cls(**fields)
+        except TypeError as e:
+            raise ValueError(f"structured_outputs: {e}") from None
+
     @property
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
