@@ -41,19 +41,30 @@ CONSTRAINTS = {
 PROMPTS = [[1, 504, 3120, 28], [17, 99, 1002, 4000, 8, 8, 8], [5] * 40]
 
 
+def reference_matcher(tokenizer, grammar: str) -> llguidance.LLMatcher:
+    """llguidance's own matcher for `grammar`, independent of the engine's backend code."""
+    lt = llguidance.hf.from_tokenizer(tokenizer, n_vocab=49152, eos_token=[2])
+    matcher = llguidance.LLMatcher(lt, grammar, log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    return matcher
+
+
+def allowed_by(matcher: llguidance.LLMatcher) -> torch.Tensor:
+    """(49152,) bool: the tokens the matcher allows next, from llguidance's bitmask."""
+    mask = llguidance.torch.allocate_token_bitmask(1, 49152)
+    llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
+    return ((mask[0, :, None] >> torch.arange(32)) & 1).view(-1)[:49152].bool()
+
+
 @torch.no_grad()
 def hf_constrained(model: torch.nn.Module, tokenizer, grammar: str, prompt: list[int],
                    max_tokens: int, jump_forward: bool) -> list[int]:
     """Greedy decoding with HF's forward, each step's logits masked by llguidance."""
-    lt = llguidance.hf.from_tokenizer(tokenizer, n_vocab=49152, eos_token=[2])
-    matcher = llguidance.LLMatcher(lt, grammar, log_level=0)
-    assert not matcher.is_error(), matcher.get_error()
-    mask = llguidance.torch.allocate_token_bitmask(1, 49152)
+    matcher = reference_matcher(tokenizer, grammar)
     out: list[int] = []
     while len(out) < max_tokens and not matcher.is_stopped():
         logits = model(torch.tensor([prompt + out])).logits[0, -1]
-        llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
-        allowed = ((mask[0, :, None] >> torch.arange(32)) & 1).view(-1)[:49152].bool()
+        allowed = allowed_by(matcher)
         token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
         out.append(token)
         assert matcher.consume_token(token)
@@ -141,11 +152,8 @@ def test_sampled_tokens_follow_the_masked_distribution(tiny):
     path, hf = tiny
     llm = LLM(path, max_model_len=512, num_kv_blocks=400)
     words = ["cat", "dog", "sun", "red", "blue"]
-    lt = llguidance.hf.from_tokenizer(llm.get_tokenizer(), n_vocab=49152, eos_token=[2])
-    matcher = llguidance.LLMatcher(lt, llguidance.grammar_from("choice", words), log_level=0)
-    mask = llguidance.torch.allocate_token_bitmask(1, 49152)
-    llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
-    allowed = ((mask[0, :, None] >> torch.arange(32)) & 1).view(-1)[:49152].bool()
+    allowed = allowed_by(reference_matcher(llm.get_tokenizer(),
+                                           llguidance.grammar_from("choice", words)))
     prompt = [1, 504, 3120]
     with torch.no_grad():
         logits = hf(torch.tensor([prompt])).logits[0, -1].double()
@@ -172,11 +180,8 @@ def test_dead_end_finishes_with_error_reason(tiny):
     the request ends at once with finish_reason "error" and the reason, the other goes on."""
     path, _ = tiny
     llm = LLM(path, max_model_len=512, num_kv_blocks=200)
-    lt = llguidance.hf.from_tokenizer(llm.get_tokenizer(), n_vocab=49152, eos_token=[2])
-    matcher = llguidance.LLMatcher(lt, llguidance.grammar_from("regex", "cat"), log_level=0)
-    mask = llguidance.torch.allocate_token_bitmask(1, 49152)
-    llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
-    allowed = ((mask[0, :, None] >> torch.arange(32)) & 1).view(-1)[:49152].bool()
+    allowed = allowed_by(reference_matcher(llm.get_tokenizer(),
+                                           llguidance.grammar_from("regex", "cat")))
     first = allowed.nonzero().flatten().tolist()
     assert 1 <= len(first) <= 5  # "c", "ca", "cat"
     dead = SamplingParams(temperature=0, max_tokens=20, min_tokens=5, stop_token_ids=first,
