@@ -50,8 +50,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", choices=[*KV_CACHE_DTYPES, *PLANNED_KV_CACHE_DTYPES],
                    default=None,
                    help="KV cache storage (vLLM's flag): auto = the model's dtype; int8 = one "
-                        "scale per token and KV head, ~3.8x the tokens (PyTorch attention "
-                        "backend only, for now); fp8 is not built yet")
+                        "scale per token and KV head, ~3.8x the tokens; fp8 (= fp8_e4m3) = "
+                        "e4m3 with a per-head scale, 4x; fp8_e5m2 is not built yet")
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)

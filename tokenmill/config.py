@@ -224,11 +224,17 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests, tuning)
     enable_prefix_caching: bool = True
     swap_space: int = 2**30  # bytes of CPU memory for swapped-out KV (preemption_mode="swap")
-    # "auto": the model's dtype; "int8": one scale per token and KV head (attention/kv_cache.py)
+    # "auto": the model's dtype; "int8": one scale per token and KV head; "fp8" (=
+    # "fp8_e4m3"): e4m3 with per-head scales (attention/kv_cache.py)
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        from tokenmill.attention.kv_cache import KV_CACHE_DTYPES, PLANNED_KV_CACHE_DTYPES
+        from tokenmill.attention.kv_cache import (
+            KV_CACHE_DTYPES,
+            PLANNED_KV_CACHE_DTYPES,
+            canonical_kv_cache_dtype,
+            fp8_dtype,
+        )
 
         known = " or ".join(repr(d) for d in KV_CACHE_DTYPES)
         if self.kv_cache_dtype in PLANNED_KV_CACHE_DTYPES:
@@ -236,6 +242,11 @@ class CacheConfig:
                              f"{known}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be {known}, got {self.kv_cache_dtype!r}")
+        if canonical_kv_cache_dtype(self.kv_cache_dtype) == "fp8":
+            try:
+                fp8_dtype()
+            except RuntimeError as e:  # an old torch: a clear error at start-up
+                raise ValueError(str(e)) from None
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], "
                              f"got {self.block_size}")
@@ -295,7 +306,7 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
 
     def __post_init__(self) -> None:
-        from tokenmill.attention.base import BACKEND_NAMES, check_kv_cache_dtype
+        from tokenmill.attention.base import BACKEND_NAMES
 
         if self.prepack_weights not in (True, False, "auto"):
             raise ValueError(f"prepack_weights must be True, False or 'auto', got "
@@ -303,7 +314,6 @@ class EngineConfig:
         if self.attention_backend not in BACKEND_NAMES:
             raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, "
                              f"got {self.attention_backend!r}")
-        check_kv_cache_dtype(self.attention_backend, self.cache.kv_cache_dtype)
 
     @staticmethod
     def create(model: str | None = None, **options: Any) -> EngineConfig:

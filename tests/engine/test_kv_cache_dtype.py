@@ -1,37 +1,42 @@
-"""The engine on an int8 KV cache: the same memory holds 64 / 20 = 3.2x the tokens of the
-tiny model (head_dim 16; SmolLM2's 64: 3.8x); outputs do not
-depend on how the cache got its blocks (prefix-cache reuse, chunked prefill, preemption by
-recompute or by swap: quantization is per token, so a recomputed or copied block is the same
-bytes); a quantized block is never read as float; SmolLM2's greedy answer survives it."""
+"""The engine on an int8 or fp8 KV cache: the same memory holds 64 / 20 = 3.2x the tokens of
+the tiny model in int8 (head_dim 16; SmolLM2's 64: 3.8x), 4x in fp8; outputs do not depend on
+how the cache got its blocks (prefix-cache reuse, chunked prefill, preemption by recompute or
+by swap: quantization is per token, or by a fixed per-head scale, so a recomputed or copied
+block is the same bytes), nor on the attention backend that reads it (the C++ kernel with the
+fused decode call, the PyTorch oracle: same greedy tokens); a quantized block is never read
+as float; SmolLM2's greedy answer survives it."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.conftest import assert_kv_all_free, generate_greedy
 from tests.engine.test_prefix_caching import run_in_two_waves, workload
 from tokenmill import LLM, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def int8_reference(tiny_model):
+@pytest.fixture(scope="module", params=["int8", "fp8"])
+def reference(request, tiny_model):
+    """Greedy outputs of the workload on a quantized cache through the PyTorch backend."""
     path, _ = tiny_model("llama")
     cases = workload()
-    llm = LLM(path, kv_cache_dtype="int8", num_kv_blocks=200, block_size=8,
-              enable_prefix_caching=False)
-    return path, cases, generate_greedy(llm, cases)
+    llm = LLM(path, kv_cache_dtype=request.param, num_kv_blocks=200, block_size=8,
+              enable_prefix_caching=False, attention_backend="torch")
+    return request.param, path, cases, generate_greedy(llm, cases)
 
 
 @pytest.mark.parametrize("options", [
+    {"attention_backend": "auto"},  # the C++ kernel and the fused decode call
     {"enable_prefix_caching": True},
     {"enable_prefix_caching": True, "max_num_batched_tokens": 24},  # chunked prefill
     {"num_kv_blocks": 20, "enable_prefix_caching": False},  # preemption: recompute
     {"num_kv_blocks": 20, "enable_prefix_caching": False, "preemption_mode": "swap"},
 ])
-def test_outputs_do_not_depend_on_how_blocks_were_filled(int8_reference, options):
-    path, cases, expected = int8_reference
-    llm = LLM(path, **({"kv_cache_dtype": "int8", "num_kv_blocks": 200, "block_size": 8}
-                       | options))
+def test_outputs_do_not_depend_on_how_blocks_were_filled(reference, options):
+    kv_cache_dtype, path, cases, expected = reference
+    llm = LLM(path, **({"kv_cache_dtype": kv_cache_dtype, "num_kv_blocks": 200,
+                        "block_size": 8, "attention_backend": "torch"} | options))
     got = (run_in_two_waves(llm, cases) if options.get("enable_prefix_caching")
            else generate_greedy(llm, cases))
     assert got == expected
@@ -39,20 +44,26 @@ def test_outputs_do_not_depend_on_how_blocks_were_filled(int8_reference, options
         assert llm.engine.scheduler.num_preemptions > 0
     if options.get("enable_prefix_caching"):
         assert llm.engine.kv.prefix_hits > 0
-    assert llm.engine.runner.kv_cache.dtype.is_signed and llm.engine.runner.kv_cache.itemsize == 1
+    runner = llm.engine.runner
+    assert runner.kv_cache.dtype == (torch.int8 if kv_cache_dtype == "int8"
+                                     else torch.float8_e4m3fn)
+    assert (runner.kv_scales is None) == (kv_cache_dtype == "int8")
     assert_kv_all_free(llm.engine)
 
 
 def test_same_memory_holds_about_four_times_the_tokens(tiny_model):
     path, _ = tiny_model("llama")
-    f32 = LLM(path, kv_cache_memory="8MiB").engine.runner.num_kv_blocks
-    i8 = LLM(path, kv_cache_memory="8MiB", kv_cache_dtype="int8").engine.runner.num_kv_blocks
-    # head_dim 16: 64 bytes a row in float32, 16 + a 4-byte scale in int8 (SmolLM2's 64: 3.8x)
-    assert 3.19 < i8 / f32 <= 3.2
+    blocks = {d: LLM(path, kv_cache_memory="8MiB", kv_cache_dtype=d).engine.runner.num_kv_blocks
+              for d in ("auto", "int8", "fp8")}
+    # head_dim 16: 64 bytes a row in float32, 16 + a 4-byte scale in int8 (SmolLM2's 64: 3.8x),
+    # 16 in fp8
+    assert 3.19 < blocks["int8"] / blocks["auto"] <= 3.2
+    assert 3.99 < blocks["fp8"] / blocks["auto"] <= 4.0
 
 
-def test_smollm2_answer_survives_an_int8_cache(smollm2_path):
-    llm = LLM(smollm2_path, kv_cache_dtype="int8", kv_cache_memory="64MiB")
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_smollm2_answer_survives_a_quantized_cache(smollm2_path, kv_cache_dtype):
+    llm = LLM(smollm2_path, kv_cache_dtype=kv_cache_dtype, kv_cache_memory="64MiB")
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
     assert out.outputs[0].text == "The capital of France is Paris."

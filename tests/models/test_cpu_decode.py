@@ -20,10 +20,12 @@ from tokenmill.models.cpu_decode import SmallBatchDecode
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
 
 
-def run(path: str, prompts: list[list[int]], quantization: str | None = None):
+def run(path: str, prompts: list[list[int]], quantization: str | None = None,
+        kv_cache_dtype: str = "auto"):
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
     method, _, acts = (quantization or "").partition("+")
-    llm = LLM(path, quantization=method or None, int8_activations=acts == "int8acts")
+    llm = LLM(path, quantization=method or None, int8_activations=acts == "int8acts",
+              kv_cache_dtype=kv_cache_dtype)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert_kv_all_free(llm.engine)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
@@ -43,11 +45,13 @@ def with_random_norms_and_biases(folder: str, out) -> str:
 
 
 # qwen2: q/k/v biases; qwen3: per-head q/k norm (Qwen3Attention, not on the allow-list).
-# int8 / int4: quantized weights take the same fused call through their method objects.
-@pytest.mark.parametrize("kind,quantization", [("llama", None), ("qwen2", None),
-                                               ("qwen3", None), ("llama", "int8"),
-                                               ("qwen2", "int4"), ("llama", "int4+int8acts")])
-def test_same_outputs_as_module_path(kind, quantization, tiny_model, tmp_path, monkeypatch):
+# int8 / int4: quantized weights take the same fused call through their method objects;
+# int8 / fp8 KV caches: the call stores and reads them with the same kernels as the modules.
+@pytest.mark.parametrize("kind,quantization,kv", [
+    ("llama", None, "auto"), ("qwen2", None, "auto"), ("qwen3", None, "auto"),
+    ("llama", "int8", "auto"), ("qwen2", "int4", "auto"), ("llama", "int4+int8acts", "auto"),
+    ("llama", None, "int8"), ("qwen2", "int8", "fp8")])
+def test_same_outputs_as_module_path(kind, quantization, kv, tiny_model, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     path = with_random_norms_and_biases(tiny_model(kind)[0], tmp_path / kind)
@@ -64,14 +68,14 @@ def test_same_outputs_as_module_path(kind, quantization, tiny_model, tmp_path, m
         return real_op(hidden, *args)
 
     monkeypatch.setattr(cpu_decode, "_decode_layers_op", lambda: counting_op)
-    fast = run(path, batch, quantization) + run(path, single, quantization)
+    fast = run(path, batch, quantization, kv) + run(path, single, quantization, kv)
     if kind == "qwen3":
         assert not fused_calls
     else:
         assert set(fused_calls) >= {1, 3}  # batch-1 and batch-3 decode steps took the call
     monkeypatch.setattr(SmallBatchDecode, "applies", lambda self, hidden, meta: False)
-    assert run(path, batch, quantization) + run(path, single, quantization) == fast
-    if quantization is None:
+    assert run(path, batch, quantization, kv) + run(path, single, quantization, kv) == fast
+    if quantization is None and kv == "auto":
         assert [t for t, _ in fast] == [hf_greedy(hf, p, 10) for p in batch + single]
 
 

@@ -3,10 +3,11 @@
 Contract:
 - `build_metadata(batch)` runs once per step, before the forward pass, and may build tensors;
   it returns the backend's own AttentionMetadata subclass, which only the backend reads.
-- `forward(q, k, v, kv_cache, meta)` first writes this step's k/v into `kv_cache` at
-  `meta.slot_mapping`, then returns attention of every query over its sequence's cached
-  context (causal), shape (T, num_heads * head_dim). It runs once per layer and must not
-  rebuild what `build_metadata` could have built.
+- `forward(q, k, v, kv_cache, meta, scale, kv_scales)` first writes this step's k/v into
+  `kv_cache` at `meta.slot_mapping` (quantized in the same op when the cache is int8 or fp8,
+  attention/kv_cache.py; kv_scales: the layer's fp8 scales), then returns attention of
+  every query over its sequence's cached context (causal), shape (T, num_heads * head_dim).
+  It runs once per layer and must not rebuild what `build_metadata` could have built.
 - Hooks for code outside the backends, instead of reading its metadata: `fused_decode_queries`
   (can this step go through the fused small-batch decode call, and with which queries) and
   `decode_graph_state` (static buffers and padding for decode steps replayed as CUDA graphs).
@@ -50,8 +51,10 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q (T, Hq, D); k, v (T, Hkv, D); kv_cache (2, num_blocks, block_size, Hkv, D)."""
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """q (T, Hq, D); k, v (T, Hkv, D); kv_cache (2, num_blocks, block_size, Hkv, R) in
+        any format of kv_cache.py, read in place; kv_scales (2, Hkv) for an fp8 cache."""
 
     def fused_decode_queries(self, meta: AttentionMetadata, num_tokens: int) -> Any | None:
         """When every one of the step's `num_tokens` queries can go to the CPU paged-attention
@@ -72,27 +75,11 @@ _REGISTRY = {"torch": ("tokenmill.attention.torch_ref", "TorchPagedAttention"),
 BACKEND_NAMES = ("auto", *_REGISTRY)
 
 
-# Backends that read a quantized KV cache (kv_cache.py), by kv_cache_dtype.
-QUANTIZED_KV_READERS = {"int8": ("torch",)}
-
-
-def check_kv_cache_dtype(name: str, kv_cache_dtype: str) -> None:
-    """ValueError when backend `name` (not "auto") cannot read a `kv_cache_dtype` cache."""
-    readers = QUANTIZED_KV_READERS.get(kv_cache_dtype)
-    if readers is not None and name not in ("auto", *readers):
-        raise ValueError(f"attention_backend {name!r} does not read an {kv_cache_dtype} KV cache "
-                         f"yet; use {' or '.join(repr(r) for r in readers)} (or 'auto')")
-
-
 def get_attention_backend(name: str, block_size: int, device: torch.device,
-                          dtype: torch.dtype = torch.float32,
-                          kv_cache_dtype: str = "auto") -> AttentionBackend:
+                          dtype: torch.dtype = torch.float32) -> AttentionBackend:
     """`auto`: the C++ kernel backend for float32 on CPU when it builds, the Triton kernel on
-    CUDA when triton is installed, else PyTorch; for a quantized cache, the first backend that
-    reads it."""
-    check_kv_cache_dtype(name, kv_cache_dtype)
-    if name == "auto" and kv_cache_dtype in QUANTIZED_KV_READERS:
-        name = QUANTIZED_KV_READERS[kv_cache_dtype][0]
+    CUDA when triton is installed, else PyTorch. Every backend reads every KV cache format
+    (attention/kv_cache.py)."""
     if name == "auto":
         name = "torch"
         if device.type == "cpu" and dtype == torch.float32:

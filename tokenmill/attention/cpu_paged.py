@@ -17,7 +17,9 @@ Which path each query takes in a step:
 - longer prefill chunks keep the PyTorch path: they are GEMM-bound, and gathering their cached
   context once costs little next to q_len x context attention math.
 
-Same contract and results as TorchPagedAttention (its oracle), float32 only.
+Same contract and results as TorchPagedAttention (its oracle): float32 queries, a KV cache in
+any format of kv_cache.py (the kernel dequantizes int8 / fp8 rows as it reads them; a cascade's
+shared prefix is dequantized once for SDPA).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 from tokenmill.attention.cascade import CascadePolicy, plan_cascades
 from tokenmill.attention.cpu_kernels import paged_attention_op
 from tokenmill.attention.input_batch import InputBatch
-from tokenmill.attention.kv_cache import store_kv
+from tokenmill.attention.kv_cache import as_float, store_kv
 from tokenmill.attention.torch_ref import (
     TorchAttentionMetadata,
     TorchPagedAttention,
@@ -132,26 +134,28 @@ class CPUPagedAttention(TorchPagedAttention):
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: CPUAttentionMetadata,
-                scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: CPUAttentionMetadata, scale: float,
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         T, Hq, D = q.shape
         if (every := self.fused_decode_queries(meta, T)) is not None:
             # Every query goes to the kernel (a plain decode step): no gather / scatter, and
             # none of the PyTorch backend's per-group work.
-            store_kv(kv_cache, k, v, meta.slot_mapping)
-            return self._paged(q, kv_cache, every, scale)[0].view(T, Hq * D)
+            store_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
+            return self._paged(q, kv_cache, every, scale, kv_scales)[0].view(T, Hq * D)
         p = meta.paged
         if meta.prefills:  # (this backend makes no decode groups: cascades replace them)
-            out = super().forward(q, k, v, kv_cache, meta, scale)  # stores k/v; (T, Hq * D)
+            # stores k/v; (T, Hq * D)
+            out = super().forward(q, k, v, kv_cache, meta, scale, kv_scales)
         else:
-            store_kv(kv_cache, k, v, meta.slot_mapping)
+            store_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
             out = q.new_empty(T, Hq * D)
         out_q = out.view_as(q)
         if p is not None:
-            out_q[p.token_indices] = self._paged(q[p.token_indices], kv_cache, p, scale)[0]
+            out_q[p.token_indices] = self._paged(q[p.token_indices], kv_cache, p, scale,
+                                                 kv_scales)[0]
         for c in meta.prefix_cascades:
             out_q[c.queries.token_indices] = self._cascade(q[c.queries.token_indices],
-                                                           kv_cache, c, scale)
+                                                           kv_cache, c, scale, kv_scales)
         return out
 
     def fused_decode_queries(self, meta: CPUAttentionMetadata,
@@ -162,21 +166,22 @@ class CPUPagedAttention(TorchPagedAttention):
         p = meta.paged
         return p if p is not None and p.token_indices.numel() == num_tokens else None
 
-    def _paged(self, q: torch.Tensor, kv_cache: torch.Tensor, p: PagedQueries,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _paged(self, q: torch.Tensor, kv_cache: torch.Tensor, p: PagedQueries, scale: float,
+               kv_scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel: out (N, Hq, D) and log-sum-exp (N, Hq) of q (N, Hq, D)."""
         return self._op(q, kv_cache[0], kv_cache[1], p.block_tables, p.seq_rows, p.start_lens,
-                        p.ctx_lens, scale)
+                        p.ctx_lens, scale, kv_scales)
 
     def _cascade(self, q: torch.Tensor, kv_cache: torch.Tensor, c: PrefixCascade,
-                 scale: float) -> torch.Tensor:
+                 scale: float, kv_scales: torch.Tensor | None) -> torch.Tensor:
         """q (N, Hq, D) → (N, Hq, D): the shared prefix and each query's own part, merged."""
-        out_p, lse_p = self._attend_prefix(q, kv_cache, c, scale)
-        out_s, lse_s = self._paged(q, kv_cache, c.queries, scale)
+        out_p, lse_p = self._attend_prefix(q, kv_cache, c, scale, kv_scales)
+        out_s, lse_s = self._paged(q, kv_cache, c.queries, scale, kv_scales)
         return merge_by_lse(out_p, lse_p, out_s, lse_s.unsqueeze(-1))
 
     def _attend_prefix(self, q: torch.Tensor, kv_cache: torch.Tensor, c: PrefixCascade,
-                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       scale: float, kv_scales: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every query against the whole shared prefix: out (N, Hq, D), lse (N, Hq, 1)."""
         N, Hq, D = q.shape
         Hkv = kv_cache.shape[-2]
@@ -186,6 +191,7 @@ class CPUPagedAttention(TorchPagedAttention):
             prefix = kv_cache[:, first:first + c.shared_block_ids.numel()]
         else:
             prefix = self._gather(kv_cache, c.shared_block_ids)
+        prefix = as_float(prefix, kv_scales)  # a quantized prefix: dequantized once
         prefix = prefix.flatten(1, 2).permute(0, 2, 1, 3)  # (2, Hkv, Lp, D), strided
         # Each KV head's queries (all tokens, G heads each) as one sequence against the prefix.
         q_flat = q.view(N, Hkv, G, D).transpose(0, 1).reshape(1, Hkv, N * G, D)

@@ -7,9 +7,9 @@ tables into a reused buffer and runs one batched SDPA call masked past each sequ
 length. Prefill sequences are done one at a time: with no cached prefix straight from this
 step's k/v (causal), otherwise over the gathered cached context with an offset causal mask.
 
-An int8 cache (kv_cache.py) is read the same way and dequantized after the gather; a prefill
-with no cached prefix attends its own k/v rounded to the int8 grid, as stored, so that every
-path sees the values the cache holds and outputs do not depend on prefix-cache hits. This
+An int8 or fp8 cache (kv_cache.py) is read the same way and dequantized after the gather; a
+prefill with no cached prefix attends its own k/v rounded to the cache's grid, as stored, so
+that every path sees the values the cache holds and outputs do not depend on prefix-cache hits. This
 backend is the oracle the kernels' quantized paths are checked against.
 
 NOTE: the gather buffer is kept across layers and steps because a fresh ~100 MB tensor per
@@ -150,16 +150,16 @@ class TorchPagedAttention(AttentionBackend):
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: TorchAttentionMetadata,
-                scale: float) -> torch.Tensor:
-        store_kv(kv_cache, k, v, meta.slot_mapping)
+                kv_cache: torch.Tensor, meta: TorchAttentionMetadata, scale: float,
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+        store_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
         T, Hq, D = q.shape
         out = torch.empty_like(q)
         for group in meta.decode_groups:
             out[group.token_indices] = self._decode(q[group.token_indices], kv_cache, group,
-                                                    scale)
+                                                    scale, kv_scales)
         for p in meta.prefills:
-            out[p.q_start:p.q_end] = self._prefill(q, k, v, kv_cache, p, scale)
+            out[p.q_start:p.q_end] = self._prefill(q, k, v, kv_cache, p, scale, kv_scales)
         return out.view(T, Hq * D)
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -172,11 +172,12 @@ class TorchPagedAttention(AttentionBackend):
         return torch.index_select(kv_cache, 1, block_ids, out=out)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup,
-                scale: float) -> torch.Tensor:
+                scale: float, kv_scales: torch.Tensor | None) -> torch.Tensor:
         if group.shared_block_ids is not None:
-            return self._decode_cascade(q, kv_cache, group, scale)
+            return self._decode_cascade(q, kv_cache, group, scale, kv_scales)
         Bg = q.shape[0]
-        kv = as_float(self._gather(kv_cache, group.block_ids))  # (2, Bg * nb, bs, Hkv, D)
+        # (2, Bg * nb, bs, Hkv, D)
+        kv = as_float(self._gather(kv_cache, group.block_ids), kv_scales)
         kv = kv.view(2, Bg, -1, *kv.shape[-2:])  # (2, Bg, L, Hkv, D)
         key, value = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # (Bg, Hkv, L, D)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), key, value, attn_mask=group.mask,
@@ -184,20 +185,22 @@ class TorchPagedAttention(AttentionBackend):
         return o.squeeze(2)
 
     def _decode_cascade(self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup,
-                        scale: float) -> torch.Tensor:
+                        scale: float, kv_scales: torch.Tensor | None) -> torch.Tensor:
         """Attention over a shared prefix (gathered once, all queries in one GEMM) and over each
         row's own suffix, merged by their log-sum-exps. q (Bg, Hq, D) → (Bg, Hq, D)."""
-        out_p, lse_p = self._cascade_prefix(q, kv_cache, group, scale)
-        out_s, lse_s = self._cascade_suffix(q, kv_cache, group, scale)
+        out_p, lse_p = self._cascade_prefix(q, kv_cache, group, scale, kv_scales)
+        out_s, lse_s = self._cascade_suffix(q, kv_cache, group, scale, kv_scales)
         return merge_by_lse(out_p, lse_p, out_s, lse_s)
 
     def _cascade_prefix(self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        scale: float, kv_scales: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """The shared prefix part: out (Bg, Hq, D) and log-sum-exp (Bg, Hq, 1)."""
         Bg, Hq, D = q.shape
         Hkv = kv_cache.shape[-2]
         G = Hq // Hkv
-        prefix = as_float(kv_cache[:, group.shared_block_ids]).flatten(1, 2)  # (2, Lp, Hkv, D)
+        prefix = as_float(kv_cache[:, group.shared_block_ids], kv_scales)
+        prefix = prefix.flatten(1, 2)  # (2, Lp, Hkv, D)
         q_flat = q.view(Bg, Hkv, G, D).permute(1, 0, 2, 3).reshape(Hkv, Bg * G, D)
         s_p = torch.matmul(q_flat, prefix[0].permute(1, 2, 0)) * scale  # (Hkv, Bg*G, Lp)
         out_p, lse_p = _softmax_attend(s_p, prefix[1].transpose(0, 1))  # (Hkv, Bg*G, D)
@@ -206,30 +209,36 @@ class TorchPagedAttention(AttentionBackend):
         return out_p, lse_p
 
     def _cascade_suffix(self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        scale: float, kv_scales: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's blocks after the shared prefix: out (Bg, Hq, D), log-sum-exp (Bg, Hq, 1)."""
         Bg, Hq, D = q.shape
         Hkv = kv_cache.shape[-2]
         qg = q.view(Bg, Hkv, Hq // Hkv, D)
-        kv = as_float(self._gather(kv_cache, group.block_ids)).view(2, Bg, -1, Hkv, D)
+        kv = as_float(self._gather(kv_cache, group.block_ids), kv_scales).view(2, Bg, -1, Hkv, D)
         s_s = torch.matmul(qg, kv[0].permute(0, 2, 3, 1)) * scale  # (Bg, Hkv, G, Ls)
         s_s = s_s.masked_fill(~group.mask, float("-inf"))
         out_s, lse_s = _softmax_attend(s_s, kv[1].transpose(1, 2))  # (Bg, Hkv, G, D)
         return out_s.reshape(Bg, Hq, D), lse_s.reshape(Bg, Hq, 1)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 kv_cache: torch.Tensor, p: PrefillSeq, scale: float) -> torch.Tensor:
+                 kv_cache: torch.Tensor, p: PrefillSeq, scale: float,
+                 kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         qs = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)  # (1, Hq, q_len, D)
         if p.block_ids is None:
             k_own, v_own = k[p.q_start:p.q_end], v[p.q_start:p.q_end]  # (q_len, Hkv, D)
-            if kv_cache.dtype == torch.int8:  # the values the cache holds, as every other
-                k_own, v_own = on_grid(k_own), on_grid(v_own)  # path reads them
+            if kv_cache.dtype != k_own.dtype:  # quantized: the values the cache holds, as
+                k_own = on_grid(k_own, kv_cache.dtype, None if kv_scales is None  # every
+                                else kv_scales[0])  # other path reads them
+                v_own = on_grid(v_own, kv_cache.dtype, None if kv_scales is None
+                                else kv_scales[1])
             key = k_own.transpose(0, 1).unsqueeze(0)  # (1, Hkv, q_len, D)
             value = v_own.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, key, value, is_causal=True, scale=scale,
                                                enable_gqa=True)
         else:
-            kv = as_float(self._gather(kv_cache, p.block_ids)).flatten(1, 2)[:, :p.context_len]
+            kv = as_float(self._gather(kv_cache, p.block_ids), kv_scales)
+            kv = kv.flatten(1, 2)[:, :p.context_len]
             key = kv[0].transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
             value = kv[1].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, key, value, attn_mask=p.mask, scale=scale,

@@ -10,8 +10,14 @@ keys [0, first_ctx + j). Decode is the TILE = 1 case; prefill chunks over a cach
 none) use a larger TILE. The same function runs on CUDA and, under TRITON_INTERPRET=1, on CPU
 tensors, which is how the tests check it against the PyTorch backend without a GPU.
 
+A quantized cache (attention/kv_cache.py) is read in place and dequantized as it is loaded:
+int8 rows (D values, then their float32 scale's 4 bytes, read through a float pointer) or fp8
+e4m3 bytes (decoded by moving their bits into a float32's, times 2^120, times the KV head's
+scale: exact, and the same on every GPU and in the interpreter), then the float32 math is the
+same as for a float cache.
+
 Invariants: q, out (T, Hq, D) with unit stride in D; the layer's cache halves are contiguous
-(num_blocks, block_size, Hkv, D); float32 inputs use IEEE float32 products (no TF32), so
+(num_blocks, block_size, Hkv, R); float32 inputs use IEEE float32 products (no TF32), so
 results match the PyTorch oracle to float32 rounding.
 """
 
@@ -21,16 +27,35 @@ import torch
 import triton
 import triton.language as tl
 
+FLOAT, INT8, FP8 = 0, 1, 2  # KV_FORMAT: the cache's row format
+_FP8_REBIAS = 1.329227995784916e36  # 2^120: e4m3's bias (7) to float32's (127)
+
+
+@triton.jit
+def _load_kv_rows(cache_ptr, row, head_scale, d, mask, n_ok, D: tl.constexpr,
+                  ROW: tl.constexpr, KV_FORMAT: tl.constexpr):
+    """(BLOCK_N, D_PAD) float32 values of cache rows `row` (BLOCK_N,) in the cache's format."""
+    x = tl.load(cache_ptr + row[:, None] * ROW + d[None, :], mask=mask, other=0)
+    if KV_FORMAT == 1:  # int8 values, then their float32 scale
+        scale_ptr = (cache_ptr + row * ROW + D).to(tl.pointer_type(tl.float32))
+        row_scale = tl.load(scale_ptr, mask=n_ok, other=0.0)
+        x = x.to(tl.float32) * row_scale[:, None]
+    elif KV_FORMAT == 2:  # e4m3 bytes (read as uint8)
+        u = x.to(tl.int32)
+        bits = ((u & 0x7F) << 20) | ((u & 0x80) << 24)
+        x = bits.to(tl.float32, bitcast=True) * _FP8_REBIAS * head_scale
+    return x
+
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, kv_scales_ptr,
     block_tables_ptr, tile_rows_ptr, tile_q_starts_ptr, tile_q_lens_ptr, tile_first_ctx_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     scale, block_size,
     G: tl.constexpr, G_PAD: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
     D_PAD: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, ROW: tl.constexpr, KV_FORMAT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -54,16 +79,23 @@ def _paged_attention_kernel(
     l_i = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, D_PAD), tl.float32)
     kv_len = first_ctx + q_len - 1
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_FORMAT == 2:  # fp8: this KV head's fixed scales
+        k_scale = tl.load(kv_scales_ptr + kv_head)
+        v_scale = tl.load(kv_scales_ptr + HKV + kv_head)
     for n0 in range(0, kv_len, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < kv_len
         block = tl.load(block_tables_ptr + seq_row * stride_bt + n // block_size, mask=n_ok,
                         other=0)
         slot = block.to(tl.int64) * block_size + n % block_size
-        kv_off = (slot * HKV + kv_head)[:, None] * D + d[None, :]
+        row = slot * HKV + kv_head
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # (BLOCK_N, D_PAD)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        k = _load_kv_rows(k_cache_ptr, row, k_scale, d, kv_mask, n_ok, D, ROW, KV_FORMAT)
+        v = _load_kv_rows(v_cache_ptr, row, v_scale, d, kv_mask, n_ok, D, ROW, KV_FORMAT)
+        k = k.to(q.dtype)  # (BLOCK_N, D_PAD)
+        v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (ROWS, BLOCK_N)
         s = tl.where((n[None, :] < sees[:, None]) & n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -82,10 +114,12 @@ def _paged_attention_kernel(
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     out: torch.Tensor, block_tables: torch.Tensor, tile_rows: torch.Tensor,
                     tile_q_starts: torch.Tensor, tile_q_lens: torch.Tensor,
-                    tile_first_ctx: torch.Tensor, tile: int, scale: float) -> None:
+                    tile_first_ctx: torch.Tensor, tile: int, scale: float,
+                    kv_scales: torch.Tensor | None = None) -> None:
     """Write into out (T, Hq, D) the attention of the queries of every tile.
 
-    q (T, Hq, D); k_cache, v_cache (num_blocks, block_size, Hkv, D), contiguous;
+    q (T, Hq, D); k_cache, v_cache (num_blocks, block_size, Hkv, R), contiguous, in any
+    format of kv_cache.py (kv_scales (2, Hkv) float32: an fp8 cache's);
     block_tables (B, max_blocks); tile_* (N,) int32: the sequence row, first flat query index,
     number of queries (1..tile) and cached tokens seen by the first query of each tile.
     """
@@ -93,14 +127,23 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_tiles == 0:
         return
     _, Hq, D = q.shape
-    _, block_size, Hkv, _ = k_cache.shape
+    _, block_size, Hkv, row = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "cache halves must be contiguous"
+    kv_format = FLOAT
+    if k_cache.dtype == torch.int8:
+        kv_format = INT8
+    elif k_cache.dtype == getattr(torch, "float8_e4m3fn", None):
+        kv_format = FP8  # its bytes, decoded by the kernel
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        assert kv_scales is not None, "an fp8 cache needs its scales"
+    if kv_scales is None:
+        kv_scales = q.new_empty(0, dtype=torch.float32)  # never read
     assert q.stride(2) == 1 and out.stride(2) == 1
     G = Hq // Hkv
     g_pad = triton.next_power_of_2(G)
     rows = max(16, tile * g_pad)  # tl.dot needs 16+ rows; extra rows are masked
     _paged_attention_kernel[(num_tiles, Hkv)](
-        q, k_cache, v_cache, out,
+        q, k_cache, v_cache, out, kv_scales,
         block_tables, tile_rows, tile_q_starts, tile_q_lens, tile_first_ctx,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         scale, block_size,
@@ -108,6 +151,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         TILE=tile, ROWS=rows, BLOCK_N=64 if tile > 1 else 32,
         # float32: exact products (Triton's default on GPU would be TF32); bf16 / fp16: default
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        ROW=row, KV_FORMAT=kv_format,
     )
 
 

@@ -90,15 +90,15 @@ class TritonPagedAttention(AttentionBackend):
                           first_ctx=cols[3], block_tables=block_tables)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: TritonAttentionMetadata,
-                scale: float) -> torch.Tensor:
-        store_kv(kv_cache, k, v, meta.slot_mapping)
+                kv_cache: torch.Tensor, meta: TritonAttentionMetadata, scale: float,
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+        store_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
         T, Hq, D = q.shape
         out = torch.empty_like(q)
         for t in meta.tiles:
             self._kernels.paged_attention(q, kv_cache[0], kv_cache[1], out, t.block_tables,
                                           t.rows, t.q_starts, t.q_lens, t.first_ctx, t.tile,
-                                          scale)
+                                          scale, kv_scales)
         return out.view(T, Hq * D)
 
     def decode_graph_state(self, max_seqs: int, max_blocks: int) -> TritonDecodeGraphState:

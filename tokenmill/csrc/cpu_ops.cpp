@@ -10,7 +10,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual) * weight, x + residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("rotary_", &rotary_, "rotate_half RoPE in place on q and k");
-  m.def("store_kv_", &store_kv_, "copy k, v rows into their KV cache slots");
+  m.def("store_kv_", &store_kv_, "write k, v rows into their KV cache slots (quantized "
+        "when the cache is)", py::arg("k_cache"), py::arg("v_cache"), py::arg("k"), py::arg("v"),
+        py::arg("slot_mapping"), py::arg("kv_scales") = py::none());
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of a float32 (S, V) matrix");
   m.def("apply_token_bitmask_", &apply_token_bitmask_,
         "-inf at the tokens a grammar bitmask disallows, in rows of logits");

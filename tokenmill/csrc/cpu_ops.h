@@ -14,6 +14,7 @@
 //
 // All math is float32; only the order of summations differs from the PyTorch ops they replace.
 #pragma once
+#include "kv_formats.h"
 #include "linear_cpu.h"
 #include <cmath>
 #include <limits>
@@ -128,29 +129,42 @@ inline void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::
 }
 
 // ---- store_kv_ -----------------------------------------------------------------------------
+// k_cache / v_cache (num_blocks, bs, Hkv, R) in any row format of kv_formats.h: a float32 row
+// is copied, a quantized one quantized in the same pass (kv_scales (2, Hkv): an fp8 cache's).
 inline void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
-               torch::Tensor slot_mapping) {
-  for (auto* t : {&k_cache, &v_cache, &k, &v}) check_f32(*t, "cache/k/v");
+               torch::Tensor slot_mapping,
+               c10::optional<torch::Tensor> kv_scales = c10::nullopt) {
+  for (auto* t : {&k, &v}) check_f32(*t, "k/v");
+  const KVFormat fmt = kv_format(k_cache);
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V caches differ in dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache must be contiguous");
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1 &&
               k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
               "k/v must be (T, Hkv, D) with contiguous rows");
-  const int64_t T = k.size(0), row = k.size(1) * k.size(2);
-  TORCH_CHECK(k_cache.numel() % row == 0 && v_cache.numel() == k_cache.numel(),
+  const int64_t T = k.size(0), Hkv = k.size(1), D = k.size(2);
+  const int64_t slot_bytes = Hkv * kv_row_bytes(fmt, D);
+  TORCH_CHECK(k_cache.size(-1) * k_cache.element_size() * Hkv == slot_bytes &&
+                  v_cache.numel() == k_cache.numel(),
               "cache rows do not match k/v");
+  const float* head_scales = kv_head_scales(fmt, kv_scales, Hkv);  // fp8 only: K's, V's
   auto slots = slot_mapping.to(torch::kInt64).contiguous();
   TORCH_CHECK(slots.numel() == T, "one slot per token");
-  const int64_t num_slots = k_cache.numel() / row;
+  const int64_t num_slots = k_cache.numel() * k_cache.element_size() / slot_bytes;
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot out of range");
-  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  auto* kc = static_cast<uint8_t*>(k_cache.data_ptr());
+  auto* vc = static_cast<uint8_t*>(v_cache.data_ptr());
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const int64_t ks = k.stride(0), vs = v.stride(0);
+  const int64_t ks = k.stride(0), vs = v.stride(0), row_bytes = kv_row_bytes(fmt, D);
   at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      std::copy_n(kp + t * ks, row, kc + sp[t] * row);
-      std::copy_n(vp + t * vs, row, vc + sp[t] * row);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t off = sp[t] * slot_bytes + h * row_bytes;
+        kv_store_row(fmt, kp + t * ks + h * D, D, head_scales ? head_scales[h] : 0.f, kc + off);
+        kv_store_row(fmt, vp + t * vs + h * D, D, head_scales ? head_scales[Hkv + h] : 0.f,
+                     vc + off);
+      }
     }
   });
 }

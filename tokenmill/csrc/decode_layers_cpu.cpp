@@ -8,7 +8,8 @@
 // (tests/models/test_cpu_decode.py). Each linear layer comes as its quantization method's
 // descriptor (kind, group, tensors): any weight format `linear` knows runs here unchanged.
 // The caller (models/cpu_decode.py) guarantees what makes this equal to the modules: exactly
-// the allow-listed Llama layer types, float32 activations and KV cache, and a step whose every
+// the allow-listed Llama layer types, float32 activations (the KV cache in any format of
+// kv_formats.h, with each layer's fp8 scales or None), and a step whose every
 // query goes to the paged-attention kernel (no cascade, no prefill chunk).
 //
 // Per layer, with hidden (T, H) and residual (T, H):
@@ -37,6 +38,7 @@ torch::Tensor run_linear(const LinearDesc& d, const torch::Tensor& x) {
 std::vector<torch::Tensor> decode_layers(
     torch::Tensor hidden, const std::vector<torch::Tensor>& norms,
     const std::vector<LinearDesc>& linears, const std::vector<torch::Tensor>& kv_caches,
+    const std::vector<c10::optional<torch::Tensor>>& kv_scales,
     torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
     torch::Tensor block_tables, torch::Tensor seq_rows, torch::Tensor start_lens,
     torch::Tensor ctx_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -44,6 +46,7 @@ std::vector<torch::Tensor> decode_layers(
   const size_t L = kv_caches.size();
   TORCH_CHECK(norms.size() == L * kNormsPerLayer && linears.size() == L * kLinearsPerLayer,
               "decode_layers: 2 norms and 4 linear layers per layer");
+  TORCH_CHECK(kv_scales.size() == L, "decode_layers: one kv_scales entry per layer");
   TORCH_CHECK(hidden.dim() == 2 && hidden.size(0) >= 1 && hidden.size(0) <= 4,
               "decode_layers takes 1 to 4 tokens");
   const int64_t T = hidden.size(0), Hq = num_heads, Hkv = num_kv_heads, D = head_dim;
@@ -63,11 +66,11 @@ std::vector<torch::Tensor> decode_layers(
     auto qkv = run_linear(lin[0], hidden).view({T, Hq + 2 * Hkv, D});
     auto q = qkv.narrow(1, 0, Hq), k = qkv.narrow(1, Hq, Hkv), v = qkv.narrow(1, Hq + Hkv, Hkv);
     rotary_(q, k, cos, sin);
-    const auto& cache = kv_caches[l];  // (2, num_blocks, block_size, Hkv, D)
+    const auto& cache = kv_caches[l];  // (2, num_blocks, block_size, Hkv, R), any row format
     auto k_cache = cache.select(0, 0), v_cache = cache.select(0, 1);
-    store_kv_(k_cache, v_cache, k, v, slot_mapping);
+    store_kv_(k_cache, v_cache, k, v, slot_mapping, kv_scales[l]);
     auto attn = paged_attention(q, k_cache, v_cache, block_tables, seq_rows, start_lens,
-                                ctx_lens, scale)[0].view({T, Hq * D});
+                                ctx_lens, scale, kv_scales[l])[0].view({T, Hq * D});
     auto normed = add_rms_norm(run_linear(lin[1], attn), residual, w[1], eps);
     residual = normed[1];
     hidden = run_linear(lin[3], silu_and_mul(run_linear(lin[2], normed[0])));

@@ -9,13 +9,18 @@
 // each KV head are scored against them (GQA without expanding K/V) and their weighted V added
 // while the tile is still in cache. Work items run in parallel on torch's intra-op thread pool.
 //
-// Shapes: q (N, Hq, D) float32; k_cache, v_cache (num_blocks, block_size, Hkv, D) float32,
-// contiguous; block_tables (B, max_blocks) int64; seq_rows, start_lens, ctx_lens (N,) int64.
-// Returns out (N, Hq, D) and the scores' log-sum-exp (N, Hq). Accumulation is float32.
+// Shapes: q (N, Hq, D) float32; k_cache, v_cache (num_blocks, block_size, Hkv, R) contiguous,
+// in any row format of kv_formats.h (float32: R = D; int8: R = D + 4; float8_e4m3fn: R = D,
+// with kv_scales (2, Hkv)); block_tables (B, max_blocks) int64; seq_rows, start_lens, ctx_lens
+// (N,) int64. Returns out (N, Hq, D) and the scores' log-sum-exp (N, Hq). Accumulation is
+// float32. A quantized cache is read in place: each tile's K and V rows are dequantized into a
+// small float buffer (L1/L2-resident) as they are read, and the same float32 code runs on it;
+// the bytes read from memory, which bound long-context decode, are the cache's own.
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
+#include "kv_formats.h"
 #include "vec_utils.h"
 #include <cmath>
 #include <limits>
@@ -138,10 +143,12 @@ static inline float max_of(const float* s, int64_t n) {
 inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cache,
                                            torch::Tensor v_cache, torch::Tensor block_tables,
                                            torch::Tensor seq_rows, torch::Tensor start_lens,
-                                           torch::Tensor ctx_lens, double scale) {
+                                           torch::Tensor ctx_lens, double scale,
+                                           c10::optional<torch::Tensor> kv_scales = c10::nullopt) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be (N, Hq, D) float32");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32, "cache must be float32");
+  const KVFormat fmt = kv_format(k_cache);
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V caches differ in dtype");
   q = q.contiguous();
   auto tables = block_tables.to(torch::kInt64).contiguous();
   auto rows = seq_rows.to(torch::kInt64).contiguous();
@@ -149,19 +156,21 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
   auto starts = start_lens.to(torch::kInt64).contiguous();
   const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "head shapes do not match");
+  TORCH_CHECK(kv_head_dim(fmt, k_cache.size(3)) == D && Hq % Hkv == 0,
+              "head shapes do not match");
+  const float* head_scales = kv_head_scales(fmt, kv_scales, Hkv);  // fp8 only: K's, V's
   const int64_t G = Hq / Hkv, max_blocks = tables.size(1);
   auto out = torch::empty_like(q);
   auto lse = torch::empty({N, Hq}, q.options());
   const int64_t* sp = starts.data_ptr<int64_t>();
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const auto* kb = static_cast<const uint8_t*>(k_cache.data_ptr());
+  const auto* vb = static_cast<const uint8_t*>(v_cache.data_ptr());
+  const int64_t row_bytes = kv_row_bytes(fmt, D);
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
-  const int64_t token_stride = Hkv * D, block_stride = bs * Hkv * D;
   int64_t longest = 0;
   for (int64_t n = 0; n < N; ++n) {
     TORCH_CHECK(sp[n] >= 0 && lp[n] > sp[n] && lp[n] <= max_blocks * bs,
@@ -193,6 +202,9 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
     const int64_t rows_q = heads_per_item * G;  // query heads of an item
     std::vector<float> scores(rows_q * kTile);  // (query heads, tile keys)
     std::vector<const float*> krows(kTile), vrows(kTile);
+    // A quantized tile's K and V rows, dequantized: (keys, the item's heads, D) each.
+    std::vector<float> kbuf(fmt == KVFormat::kFloat32 ? 0 : kTile * heads_per_item * D);
+    std::vector<float> vbuf(kbuf.size());
     std::vector<float> acc(rows_q * D), run_max(rows_q), run_sum(rows_q);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t c = item % splits;
@@ -216,9 +228,22 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
         const int64_t keys = std::min(kTile, k1 - t0);
         for (int64_t i = 0; i < keys; ++i) {
           const int64_t t = t0 + i;
-          const int64_t off = table[t / bs] * block_stride + (t % bs) * token_stride + h0 * D;
-          krows[i] = kp + off;
-          vrows[i] = vp + off;
+          const int64_t row = (table[t / bs] * bs + t % bs) * Hkv + h0;  // its first head's
+          if (fmt == KVFormat::kFloat32) {  // read in place
+            krows[i] = reinterpret_cast<const float*>(kb) + row * D;
+            vrows[i] = reinterpret_cast<const float*>(vb) + row * D;
+            continue;
+          }
+          float* kd = &kbuf[i * heads_per_item * D];
+          float* vd = &vbuf[i * heads_per_item * D];
+          for (int64_t h = 0; h < heads_per_item; ++h) {
+            const float ks = head_scales ? head_scales[h0 + h] : 0.f;
+            const float vs = head_scales ? head_scales[Hkv + h0 + h] : 0.f;
+            kv_load_row(fmt, kb + (row + h) * row_bytes, D, ks, kd + h * D);
+            kv_load_row(fmt, vb + (row + h) * row_bytes, D, vs, vd + h * D);
+          }
+          krows[i] = kd;
+          vrows[i] = vd;
         }
         score_keys_any(qn, krows.data(), heads_per_item, keys, G, D, sc, scores.data());
         for (int64_t r = 0; r < rows_q; ++r) {

@@ -18,11 +18,13 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
-        self.kv_cache: torch.Tensor | None = None  # (2, num_blocks, block_size, Hkv, D)
+        self.kv_cache: torch.Tensor | None = None  # (2, num_blocks, block_size, Hkv, R)
+        self.kv_scales: torch.Tensor | None = None  # (2, Hkv): an fp8 cache's scales
         self.backend: AttentionBackend | None = None
 
-    def bind(self, kv_cache: torch.Tensor, backend: AttentionBackend) -> None:
-        self.kv_cache, self.backend = kv_cache, backend
+    def bind(self, kv_cache: torch.Tensor, backend: AttentionBackend,
+             kv_scales: torch.Tensor | None = None) -> None:
+        self.kv_cache, self.backend, self.kv_scales = kv_cache, backend, kv_scales
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -30,4 +32,4 @@ class Attention(nn.Module):
         if self.backend is None or self.kv_cache is None:
             raise RuntimeError("attention layer used before its KV cache was bound")
         with scope("attention"):
-            return self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
+            return self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.kv_scales)

@@ -65,9 +65,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
-    """k_cache / v_cache (num_blocks, bs, Hkv, D) at slot_mapping (T,) <- k, v (T, Hkv, D)."""
-    _ops().store_kv_(k_cache, v_cache, k, v, slot_mapping)
+              slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
+    """k_cache / v_cache (num_blocks, bs, Hkv, R) at slot_mapping (T,) <- k, v (T, Hkv, D),
+    quantized when the cache is int8 or fp8 (kv_scales (2, Hkv): fp8's; csrc/kv_formats.h)."""
+    _ops().store_kv_(k_cache, v_cache, k, v, slot_mapping, kv_scales)
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

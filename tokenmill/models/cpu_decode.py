@@ -11,10 +11,11 @@ modules' forward (tests/models/test_cpu_decode.py).
 
 It is opt-in by an allow-list: it runs only layers whose every part is exactly one of the
 types `_allowed()` names (a subclass, such as Qwen3's attention with its q/k norms, is another
-model and goes through the modules), with no tensor parallelism, float32 activations and KV
-cache on CPU, every linear layer's method giving a CPU kernel, and a step whose every query
-goes to the CPU paged-attention kernel (the attention backend says so through
-`fused_decode_queries`; backends without that kernel never do). Anything else runs the
+model and goes through the modules), with no tensor parallelism, float32 activations on CPU,
+a KV cache in a format the kernel reads (`KERNEL_KV_DTYPES`: float32, int8, fp8), every
+linear layer's method giving a CPU kernel, and a step whose every query goes to the CPU
+paged-attention kernel (the attention backend says so through `fused_decode_queries`;
+backends without that kernel never do). Anything else runs the
 modules, whose layers call the same kernels through the same method objects.
 """
 
@@ -39,6 +40,9 @@ from tokenmill.utils.profiling import scope
 # scale or None, bias or None).
 LinearArgs = tuple[int, int, list[torch.Tensor], bool, torch.Tensor | None,
                    torch.Tensor | None]
+# KV cache storage the kernels read and write (csrc/kv_formats.h), the allow-list.
+KERNEL_KV_DTYPES = tuple(d for d in (torch.float32, torch.int8,
+                                     getattr(torch, "float8_e4m3fn", None)) if d is not None)
 
 
 @functools.cache
@@ -96,7 +100,8 @@ class SmallBatchDecode:
         p = self._queries(meta, hidden.shape[0])
         with scope("tokenmill::decode_layers"):
             hidden, residual = _decode_layers_op()(
-                hidden, plan.norms, plan.linears, [a.kv_cache for a in plan.attns], cos, sin,
+                hidden, plan.norms, plan.linears, [a.kv_cache for a in plan.attns],
+                [a.kv_scales for a in plan.attns], cos, sin,
                 meta.slot_mapping, p.block_tables, p.seq_rows, p.start_lens, p.ctx_lens,
                 *plan.heads, plan.eps, plan.scale)
         return hidden, residual
@@ -119,7 +124,7 @@ class SmallBatchDecode:
             if ((a.num_heads, a.num_kv_heads, a.head_dim) != heads or a.attn.scale != scale
                     or {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {eps}
                     or a.attn.backend is not first.attn.backend
-                    or a.attn.kv_cache.dtype != torch.float32):
+                    or a.attn.kv_cache.dtype not in KERNEL_KV_DTYPES):
                 return None
         return _Plan(norms=[t for p in parts for t in p[0]],
                      linears=[lin for p in parts for lin in p[1]],

@@ -15,7 +15,12 @@ import torch
 
 from tokenmill.attention import get_attention_backend
 from tokenmill.attention.input_batch import InputBatch
-from tokenmill.attention.kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks
+from tokenmill.attention.kv_cache import (
+    allocate_kv_cache,
+    allocate_kv_scales,
+    bytes_per_block,
+    copy_blocks,
+)
 from tokenmill.config import EngineConfig
 from tokenmill.core.interface import (
     ModelRunnerOutput,
@@ -71,10 +76,14 @@ class ModelRunner:
                     self.num_kv_blocks * (self._block_bytes() + self._draft_block_bytes) / 2**20,
                     mc.dtype if kv_dtype == "auto" else kv_dtype, time.perf_counter() - t0)
         self.num_swap_blocks, self.swap_cache = self._allocate_swap()
+        # fp8's per-head scales, (num_layers, 2, Hkv); None for the other formats
+        self.kv_scales = allocate_kv_scales(mc.num_layers, mc.num_kv_heads, self.device,
+                                            kv_dtype)
         self.backend = get_attention_backend(config.attention_backend, self.block_size,
-                                             self.device, mc.dtype, kv_dtype)
+                                             self.device, mc.dtype)
         for i, attn in enumerate(self.model.attention_layers()):
-            attn.bind(self.kv_cache[i], self.backend)
+            attn.bind(self.kv_cache[i], self.backend,
+                      None if self.kv_scales is None else self.kv_scales[i])
         self.sampler = Sampler(config.seed, self.device)
         self.drafter: DraftModelProposer | None = None
         if draft is not None:

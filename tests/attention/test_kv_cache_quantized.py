@@ -1,0 +1,213 @@
+"""Quantized KV caches (attention/kv_cache.py): int8 rows with their float32 scale beside them
+(one per token and KV head) and fp8 e4m3 with fixed per-head scales.
+
+- formats: round-trip error bounds; stores at slots; block copies carry the scales; the real
+  bytes per block set the capacity; bad formats are refused at configuration;
+- stores: the C++ op (one pass, csrc/kv_formats.h) writes the same bytes as the torch ops;
+- reads: every backend (PyTorch, the oracle; the C++ kernel, its AVX-512 / AVX2 build as this
+  CPU runs; Triton, in its interpreter) on an int8 and an fp8 cache gives dense attention over
+  the dequantized values, within float32 tolerance (1e-5; the values are the same, only the
+  order of summation differs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.attention.test_paged_backends import (
+    BACKENDS,
+    MIXED,
+    build_step,
+    dense_reference,
+    needs_kernel,
+)
+from tokenmill.attention import get_attention_backend
+from tokenmill.attention.kv_cache import (
+    allocate_kv_cache,
+    as_float,
+    bytes_per_block,
+    copy_blocks,
+    dequantize_rows,
+    on_grid,
+    quantize_fp8,
+    quantize_rows,
+    store_kv,
+)
+from tokenmill.config import CacheConfig
+from tokenmill.layers import cpu_ops
+
+FP8 = torch.float8_e4m3fn
+FORMATS = ["int8", "fp8"]
+
+
+def test_int8_round_trip_error_is_at_most_half_a_step():
+    x = torch.randn(50, 3, 64) * torch.logspace(-3, 3, 50)[:, None, None]
+    rows = quantize_rows(x)
+    assert rows.shape == (50, 3, 68) and rows.dtype == torch.int8
+    step = x.abs().amax(-1, keepdim=True) / 127
+    assert bool(((dequantize_rows(rows) - x).abs() <= step / 2 + 1e-6 * step).all())
+    assert torch.equal(quantize_rows(on_grid(x)), rows)  # idempotent on its own grid
+    assert torch.equal(dequantize_rows(quantize_rows(torch.zeros(2, 1, 8))), torch.zeros(2, 1, 8))
+
+
+def test_fp8_round_trip_error_and_saturation():
+    scales = torch.tensor([1.0, 0.25, 4.0])  # per KV head
+    x = torch.randn(40, 3, 64) * 10
+    got = on_grid(x, FP8, scales)
+    rel = ((got - x).abs() / x.abs().clamp(min=0.05 * scales.view(-1, 1))).amax()
+    assert rel <= 1 / 16 + 1e-6  # e4m3: 3 mantissa bits, half a step is 1/16 relative
+    assert torch.equal(on_grid(got, FP8, scales), got)
+    big = torch.full((1, 3, 4), 1e6)  # past e4m3's range: saturates at 448 * scale, no NaN
+    torch.testing.assert_close(on_grid(big, FP8, scales),
+                               448 * scales.view(1, 3, 1).expand(1, 3, 4))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_store_and_block_copy_keep_values_and_scales_together(fmt):
+    cache = allocate_kv_cache(2, 6, 4, 3, 16, torch.float32, torch.device("cpu"), fmt)
+    assert cache.shape == ((2, 2, 6, 4, 3, 20) if fmt == "int8" else (2, 2, 6, 4, 3, 16))
+    assert cache.dtype == (torch.int8 if fmt == "int8" else FP8)
+    scales = torch.tensor([[1.0, 2.0, 0.5], [4.0, 1.0, 1.0]]) if fmt == "fp8" else None
+    k, v = torch.randn(3, 3, 16), torch.randn(3, 3, 16) * 100
+    store_kv(cache[1], k, v, torch.tensor([5, 6, 13]), scales)  # block 1: 1, 2; block 3: 1
+    values = as_float(cache[1], scales).view(2, -1, 3, 16)
+    grid = (lambda x, i: on_grid(x)) if fmt == "int8" else (lambda x, i: on_grid(x, FP8, scales[i]))
+    torch.testing.assert_close(values[1, [5, 6, 13]], grid(v, 1), rtol=0, atol=0)
+    torch.testing.assert_close(values[0, [5, 6, 13]], grid(k, 0), rtol=0, atol=0)
+    assert not values[:, [4, 7, 12]].any()  # other slots untouched (zero)
+    copy_blocks(cache, [(1, 4)])
+    assert torch.equal(cache[:, :, 4].view(torch.uint8), cache[:, :, 1].view(torch.uint8))
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cpu_store_op_writes_the_torch_bytes(fmt):
+    """The C++ store (one pass: quantize and write) against the torch ops, byte for byte, on
+    strided k / v views of a qkv output (as the model gives them)."""
+    torch.manual_seed(0)
+    cache_c = allocate_kv_cache(1, 8, 4, 3, 64, torch.float32, torch.device("cpu"), fmt)[0]
+    cache_t = cache_c.clone()
+    scales = torch.tensor([[1.0, 0.5, 3.0], [2.0, 1.0, 0.125]]) if fmt == "fp8" else None
+    qkv = torch.randn(7, 9 + 6, 64) * torch.logspace(-2, 2, 7)[:, None, None]
+    qkv[2, 9:12] = 0  # an all-zero K row: scale 0, values 0
+    k, v = qkv[:, 9:12], qkv[:, 12:15]  # (T, Hkv, D) strided views
+    slots = torch.tensor([3, 9, 4, 30, 17, 0, 22])
+    cpu_ops.store_kv_(cache_c[0], cache_c[1], k, v, slots, scales)
+    flat = cache_t.view(2, -1, *cache_t.shape[-2:])
+    if fmt == "int8":
+        flat[0, slots], flat[1, slots] = quantize_rows(k), quantize_rows(v)
+    else:
+        flat[0, slots], flat[1, slots] = quantize_fp8(k, scales[0]), quantize_fp8(v, scales[1])
+    assert torch.equal(cache_c.view(torch.uint8), cache_t.view(torch.uint8))
+
+
+def test_capacity_counts_the_real_bytes():
+    f32 = bytes_per_block(30, 16, 3, 64, torch.float32)
+    i8 = bytes_per_block(30, 16, 3, 64, torch.float32, "int8")
+    f8 = bytes_per_block(30, 16, 3, 64, torch.float32, "fp8")
+    assert (f32, i8, f8) == (30 * 2 * 16 * 3 * 64 * 4, 30 * 2 * 16 * 3 * 68, 30 * 2 * 16 * 3 * 64)
+    assert 3.7 < f32 / i8 < 3.8 and f32 / f8 == 4
+
+
+def quantized_step(fmt, shape, seqs, shared_prefix=0, seed=0):
+    """A step (test_paged_backends.build_step) whose cache holds every cached row quantized,
+    with the dense reference's K/V on the cache's grid (what every path reads)."""
+    bs, hq, hkv, d = shape
+    cache, batch, q, k_new, v_new, full_k, full_v = build_step(
+        bs, hq, hkv, d, seqs, shared_prefix=shared_prefix, seed=seed)
+    if fmt == "int8":
+        scales = None
+        cache_q = quantize_rows(cache)  # (2, nb, bs, hkv, d + 4)
+        full_k, full_v = [on_grid(k) for k in full_k], [on_grid(v) for v in full_v]
+    else:
+        scales = torch.linspace(0.5, 2.0, 2 * hkv).view(2, hkv)
+        cache_q = torch.stack([quantize_fp8(cache[i], scales[i]).view(torch.uint8)
+                               for i in (0, 1)]).view(FP8)
+        full_k = [on_grid(k, FP8, scales[0]) for k in full_k]
+        full_v = [on_grid(v, FP8, scales[1]) for v in full_v]
+    return cache_q, scales, batch, q, k_new, v_new, full_k, full_v
+
+
+def run_quantized(backend_name, bs, cache, scales, batch, q, k_new, v_new):
+    backend = get_attention_backend(backend_name, bs, torch.device("cpu"))
+    meta = backend.build_metadata(batch)
+    cache = cache.clone()
+    out = backend.forward(q, k_new, v_new, cache, meta, q.shape[-1] ** -0.5, scales)
+    return meta, out.view_as(q)
+
+
+def check_against_dense(out, batch, q, full_k, full_v, d):
+    for i in range(len(batch.query_lens)):
+        s, e = batch.query_start_locs[i], batch.query_start_locs[i + 1]
+        ref = dense_reference(q[s:e], full_k[i], full_v[i], d ** -0.5)
+        torch.testing.assert_close(out[s:e], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(4, 6, 2, 8), (16, 9, 3, 64), (4, 4, 2, 12)])
+def test_every_backend_reads_the_quantized_cache(backend, fmt, shape):
+    """A mixed step (decodes, fresh prefills, chunks over cached prefixes, short chunks, five
+    decodes sharing 4 cached blocks) on a quantized cache: dense attention over the values
+    the cache holds (a fresh prefill's own k/v included: they are read back as stored)."""
+    bs, hq, hkv, d = shape
+    seqs = MIXED + [(4 * bs + 3, 1)] * 5
+    step = quantized_step(fmt, shape, seqs, shared_prefix=4 * bs)
+    cache, scales, batch, q, k_new, v_new, full_k, full_v = step
+    meta, out = run_quantized(backend, bs, cache, scales, batch, q, k_new, v_new)
+    if backend == "cpu":  # the kernel's paged queries and its cascade both ran
+        assert meta.paged is not None and meta.prefix_cascades
+    check_against_dense(out, batch, q, full_k, full_v, d)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("cached", [[1000], [700, 0, 90] + [40 + 7 * i for i in range(60)]])
+def test_cpu_kernel_long_decodes_and_batch(fmt, cached):
+    """One long decode (its keys split across threads) and a batch of 63 (whole rows per
+    work item) on a quantized cache, against dense attention on the dequantized values."""
+    shape = (16, 9, 3, 64)
+    seqs = [(n, 1) for n in cached]
+    cache, scales, batch, q, k_new, v_new, full_k, full_v = quantized_step(fmt, shape, seqs,
+                                                                           seed=5)
+    _, out = run_quantized("cpu", 16, cache, scales, batch, q, k_new, v_new)
+    check_against_dense(out, batch, q, full_k, full_v, 64)
+
+
+def test_bad_formats_are_refused():
+    with pytest.raises(ValueError, match="fp8_e5m2.*not built"):
+        CacheConfig(kv_cache_dtype="fp8_e5m2")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        CacheConfig(kv_cache_dtype="int4")
+    assert CacheConfig(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8_e4m3"
+
+
+def test_fp8_without_torch_support_is_refused_at_startup(monkeypatch):
+    monkeypatch.delattr(torch, "float8_e4m3fn")
+    with pytest.raises(ValueError, match="needs torch.float8_e4m3fn"):
+        CacheConfig(kv_cache_dtype="fp8")
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(16, 9, 3, 64), (4, 4, 2, 12)])  # D = 12: the scalar tails
+def test_every_kernel_build_this_cpu_runs_reads_it(fmt, shape):
+    """The kernel's AVX-512, AVX2 and portable builds (those this CPU can run) dequantize
+    alike: the same decodes through each build's op, against the dense reference."""
+    import importlib
+
+    from tests.utils.test_cpp_extension import _runnable_isas
+
+    bs, hq, hkv, d = shape
+    seqs = [(n, 1) for n in (37, 5, 80, 1)]
+    cache, scales, batch, q, _, _, full_k, full_v = quantized_step(fmt, shape, seqs, seed=2)
+    # the new tokens' rows were not written by a forward: store them as the backends would
+    for i, (c, _) in enumerate(seqs):
+        store_kv(cache, full_k[i][c:], full_v[i][c:], batch.slot_mapping[i:i + 1], scales)
+    for isa in _runnable_isas():
+        op = importlib.import_module(f"tokenmill._C.paged_attention_cpu_{isa}").paged_attention
+        rows = torch.arange(len(seqs))
+        out, _ = op(q, cache[0], cache[1], batch.block_tables, rows, torch.zeros_like(rows),
+                    batch.seq_lens_t, d ** -0.5, scales)
+        check_against_dense(out, batch, q, full_k, full_v, d)
