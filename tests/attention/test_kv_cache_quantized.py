@@ -3,7 +3,8 @@
 
 - formats: round-trip error bounds; stores at slots; block copies carry the scales; the real
   bytes per block set the capacity; bad formats are refused at configuration;
-- stores: the C++ op (one pass, csrc/kv_formats.h) writes the same bytes as the torch ops;
+- stores: the C++ op (one pass, csrc/kv_formats.h) and the Triton kernel write the same
+  bytes as the torch ops;
 - reads: every backend (PyTorch, the oracle; the C++ kernel, its AVX-512 / AVX2 build as this
   CPU runs; Triton, in its interpreter) on an int8 and an fp8 cache gives dense attention over
   the dequantized values, within float32 tolerance (1e-5; the values are the same, only the
@@ -21,6 +22,7 @@ from tests.attention.test_paged_backends import (
     build_step,
     dense_reference,
     needs_kernel,
+    needs_triton,
 )
 from tokenmill.attention import get_attention_backend
 from tokenmill.attention.kv_cache import (
@@ -80,25 +82,41 @@ def test_store_and_block_copy_keep_values_and_scales_together(fmt):
     assert torch.equal(cache[:, :, 4].view(torch.uint8), cache[:, :, 1].view(torch.uint8))
 
 
-@needs_kernel
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_cpu_store_op_writes_the_torch_bytes(fmt):
-    """The C++ store (one pass: quantize and write) against the torch ops, byte for byte, on
-    strided k / v views of a qkv output (as the model gives them)."""
+def _triton_store(cache, k, v, slots, scales):
+    from tokenmill.attention import triton_kernels
+
+    triton_kernels.store_kv(cache, k, v, slots, scales)
+
+
+STORES = [pytest.param(lambda c, k, v, s, sc: cpu_ops.store_kv_(c[0], c[1], k, v, s, sc),
+                       marks=needs_kernel, id="cpu"),
+          pytest.param(_triton_store, marks=needs_triton, id="triton")]
+
+
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("fmt", ["auto", *FORMATS])
+@pytest.mark.parametrize("d", [64, 12])
+def test_store_kernels_write_the_torch_bytes(store, fmt, d):
+    """The C++ store and the Triton one (quantize and write in one op) against the torch ops,
+    byte for byte, on strided k / v views of a qkv output (as the model gives them), with
+    values from 1e-4 to 1e3 (fp8's subnormals, rounding ties and saturation included)."""
     torch.manual_seed(0)
-    cache_c = allocate_kv_cache(1, 8, 4, 3, 64, torch.float32, torch.device("cpu"), fmt)[0]
+    cache_c = allocate_kv_cache(1, 8, 4, 3, d, torch.float32, torch.device("cpu"), fmt)[0]
     cache_t = cache_c.clone()
     scales = torch.tensor([[1.0, 0.5, 3.0], [2.0, 1.0, 0.125]]) if fmt == "fp8" else None
-    qkv = torch.randn(7, 9 + 6, 64) * torch.logspace(-2, 2, 7)[:, None, None]
+    qkv = torch.randn(7, 9 + 6, d) * torch.logspace(-4, 3, 7)[:, None, None]
     qkv[2, 9:12] = 0  # an all-zero K row: scale 0, values 0
+    qkv[3, 12, :4] = torch.tensor([0.5, 1.5, -2.5, 0.0078125 * 1.5])  # ties
     k, v = qkv[:, 9:12], qkv[:, 12:15]  # (T, Hkv, D) strided views
     slots = torch.tensor([3, 9, 4, 30, 17, 0, 22])
-    cpu_ops.store_kv_(cache_c[0], cache_c[1], k, v, slots, scales)
+    store(cache_c, k, v, slots, scales)
     flat = cache_t.view(2, -1, *cache_t.shape[-2:])
     if fmt == "int8":
         flat[0, slots], flat[1, slots] = quantize_rows(k), quantize_rows(v)
-    else:
+    elif fmt == "fp8":
         flat[0, slots], flat[1, slots] = quantize_fp8(k, scales[0]), quantize_fp8(v, scales[1])
+    else:
+        flat[0, slots], flat[1, slots] = k, v
     assert torch.equal(cache_c.view(torch.uint8), cache_t.view(torch.uint8))
 
 

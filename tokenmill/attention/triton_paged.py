@@ -4,8 +4,10 @@ Triton kernel (attention/triton_kernels.py), the GPU backend.
 A step's queries are cut into tiles: each decode is a tile of one query (launched together,
 TILE = 1), and each prefill chunk, over a cached prefix or not, is cut into tiles of
 `PREFILL_TILE` consecutive queries (one more launch). No K/V is gathered into a contiguous
-copy: the kernel follows the block tables. Same contract and results as TorchPagedAttention,
-its oracle (tests/attention/test_paged_backends.py runs both on the same steps).
+copy: the kernel follows the block tables. This step's k/v are written by one more kernel,
+which quantizes them as it writes when the cache is int8 or fp8 (triton_kernels.store_kv).
+Same contract and results as TorchPagedAttention, its oracle
+(tests/attention/test_paged_backends.py runs both on the same steps).
 
 On CPU it runs only under TRITON_INTERPRET=1 (Triton's interpreter, for tests), and refuses
 otherwise.
@@ -19,7 +21,6 @@ import torch
 
 from tokenmill.attention.base import AttentionBackend, DecodeGraphState
 from tokenmill.attention.input_batch import InputBatch
-from tokenmill.attention.kv_cache import store_kv
 from tokenmill.attention.metadata import AttentionMetadata
 
 PREFILL_TILE = 16
@@ -92,7 +93,7 @@ class TritonPagedAttention(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: TritonAttentionMetadata, scale: float,
                 kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-        store_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
+        self._kernels.store_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
         T, Hq, D = q.shape
         out = torch.empty_like(q)
         for t in meta.tiles:
