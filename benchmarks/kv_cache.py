@@ -8,15 +8,17 @@ of a float32 ("auto"), int8 and fp8 cache, all in one run.
 2. Agreement: 12 chat prompts, greedy: how many answers of each quantized cache are identical
    to the float32 cache's, and where the first differing token falls in the others.
 3. Speed, the standard workloads of shared/README.md (random prompts, ignore_eos):
-   - under memory pressure: `uniform` (64 x 256 prompt + 128 output) with --pressure-memory,
-     where a float32 cache holds about a third of the working set (preemption by recompute),
-     and `shared-prefix` (1024-token system prompt + 64 distinct 64-token suffixes, 32 output
-     tokens each, prefix caching on) with --prefix-pressure-memory: total time of each format
-     and its ratio to float32, with the preemptions counted;
+   - under memory pressure: `uniform` (64 x 256 prompt + 128 output) with each budget of
+     --pressure-memory, where a float32 cache holds 15 or 22 of the 64 sequences at full
+     length (preemption by recompute), and `shared-prefix` (1024-token system prompt + 64
+     distinct 64-token suffixes, 32 output tokens each, prefix caching on) with each of
+     --prefix-pressure-memory: total time of each format and its ratio to float32, with the
+     preemptions counted;
    - without pressure (--kv-cache-memory 2GiB holds all of `uniform`): decode tokens/s at
      batch 64, timed from the step where every request has its first token to the end.
 Each format runs in its own engine, one after the other, in the same process: only the
-ratios within one run compare (the machine is noisy); --rounds repeats the speed part.
+ratios within one run compare (the machine is noisy); --rounds repeats the speed part, every
+other round in reverse order.
 """
 
 from __future__ import annotations
@@ -88,30 +90,37 @@ def run_batch(llm: LLM, prompts: list[list[int]], output_len: int) -> dict[str, 
             "preemptions": engine.scheduler.num_preemptions - preempted}
 
 
-def speed(dtypes: list[str], args: argparse.Namespace) -> None:
+def speed(dtypes: list[str], args: argparse.Namespace, reverse: bool) -> None:
+    """Each run's formats one after the other, in reverse order when `reverse` (drift in the
+    machine's speed then favours no format across rounds)."""
     uniform = [r.prompt_token_ids for r in load_workload(None, "uniform")]
     draw = iter([r.prompt_token_ids for r in load_workload(None, "uniform", seed=1,
                                                            num_requests=80)])
     system = (next(draw) * 4)[:1024]
     shared = [system + next(draw)[:64] for _ in range(64)]
-    runs = [("uniform, pressure", args.pressure_memory, uniform, 128, False),
-            ("shared-prefix, pressure", args.prefix_pressure_memory, shared, 32, True),
-            ("uniform, no pressure", args.kv_cache_memory, uniform, 128, False)]
+    runs = [("uniform, pressure", m, uniform, 128, False)
+            for m in args.pressure_memory.split(",") if m]
+    runs += [("shared-prefix, pressure", m, shared, 32, True)
+             for m in args.prefix_pressure_memory.split(",") if m]
+    if args.kv_cache_memory:
+        runs.append(("uniform, no pressure", args.kv_cache_memory, uniform, 128, False))
     for name, memory, prompts, out_len, prefix in runs:
         print(f"\n{name} (--kv-cache-memory {memory}, prefix caching "
               f"{'on' if prefix else 'off'}):")
         print(f"{'kv_cache_dtype':<16}{'tokens held':>12}{'total s':>9}{'vs auto':>9}"
               f"{'preemptions':>13}{'decode tok/s (batch 64)':>25}")
-        base = None
-        for kv in dtypes:
+        results = {}
+        for kv in (dtypes[::-1] if reverse else dtypes):
             llm = LLM(kv_cache_dtype=kv, kv_cache_memory=memory, enable_prefix_caching=prefix)
             runner = llm.engine.runner
-            r = run_batch(llm, prompts, out_len)
-            base = base or r["total"]
-            print(f"{kv:<16}{(runner.num_kv_blocks - 1) * runner.block_size:>12}"
-                  f"{r['total']:>9.1f}{base / r['total']:>8.2f}x{r['preemptions']:>13}"
-                  f"{r['decode_tps']:>25.0f}")
+            results[kv] = (runner.num_kv_blocks - 1) * runner.block_size, run_batch(
+                llm, prompts, out_len)
             del llm, runner
+        base = results[dtypes[0]][1]["total"]
+        for kv in dtypes:
+            tokens, r = results[kv]
+            print(f"{kv:<16}{tokens:>12}{r['total']:>9.1f}{base / r['total']:>8.2f}x"
+                  f"{r['preemptions']:>13}{r['decode_tps']:>25.0f}")
 
 
 def main() -> None:
@@ -120,8 +129,10 @@ def main() -> None:
     ap.add_argument("--dtypes", default="auto,int8,fp8")
     ap.add_argument("--parts", default="capacity,agreement,speed")
     ap.add_argument("--kv-cache-memory", default="2GiB")
-    ap.add_argument("--pressure-memory", default="384MiB")
-    ap.add_argument("--prefix-pressure-memory", default="128MiB")
+    ap.add_argument("--pressure-memory", default="256MiB,384MiB",
+                    help="budgets for `uniform` under pressure (comma-separated)")
+    ap.add_argument("--prefix-pressure-memory", default="80MiB,128MiB",
+                    help="budgets for `shared-prefix` under pressure (comma-separated)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
@@ -132,8 +143,8 @@ def main() -> None:
         capacity(dtypes, args.kv_cache_memory)
     if "agreement" in parts:
         agreement(dtypes, args.max_tokens)
-    for _ in range(args.rounds if "speed" in parts else 0):
-        speed(dtypes, args)
+    for i in range(args.rounds if "speed" in parts else 0):
+        speed(dtypes, args, reverse=i % 2 == 1)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@
 // Per layer, with hidden (T, H) and residual (T, H):
 //   h, residual = add_rms_norm(hidden, residual, in_norm)   (layer 0: rms_norm, residual = x)
 //   q, k, v     = split(linear(h, qkv))                      (T, Hq | Hkv | Hkv, D) views
-//   rotary_(q, k); store k, v at slot_mapping; a = paged_attention(q)   (T, Hq * D)
+//   rotary_(q, k); q, k = q R, k R (a quantized cache's key rotation, when given)
+//   store k, v at slot_mapping; a = paged_attention(q)   (T, Hq * D)
 //   h, residual = add_rms_norm(linear(a, o), residual, post_norm)
 //   hidden      = linear(silu_and_mul(linear(h, gate_up)), down)
 // Returns (hidden, residual) after the last layer, as the modules' loop does.
@@ -39,6 +40,7 @@ std::vector<torch::Tensor> decode_layers(
     torch::Tensor hidden, const std::vector<torch::Tensor>& norms,
     const std::vector<LinearDesc>& linears, const std::vector<torch::Tensor>& kv_caches,
     const std::vector<c10::optional<torch::Tensor>>& kv_scales,
+    const c10::optional<torch::Tensor>& key_rotation,
     torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
     torch::Tensor block_tables, torch::Tensor seq_rows, torch::Tensor start_lens,
     torch::Tensor ctx_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -66,6 +68,10 @@ std::vector<torch::Tensor> decode_layers(
     auto qkv = run_linear(lin[0], hidden).view({T, Hq + 2 * Hkv, D});
     auto q = qkv.narrow(1, 0, Hq), k = qkv.narrow(1, Hq, Hkv), v = qkv.narrow(1, Hq + Hkv, Hkv);
     rotary_(q, k, cos, sin);
+    if (key_rotation.has_value()) {  // a quantized cache's keys are stored rotated (and q)
+      q = at::matmul(q, *key_rotation);
+      k = at::matmul(k, *key_rotation);
+    }
     const auto& cache = kv_caches[l];  // (2, num_blocks, block_size, Hkv, R), any row format
     auto k_cache = cache.select(0, 0), v_cache = cache.select(0, 1);
     store_kv_(k_cache, v_cache, k, v, slot_mapping, kv_scales[l]);

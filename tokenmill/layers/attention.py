@@ -20,11 +20,15 @@ class Attention(nn.Module):
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None  # (2, num_blocks, block_size, Hkv, R)
         self.kv_scales: torch.Tensor | None = None  # (2, Hkv): an fp8 cache's scales
+        self.key_rotation: torch.Tensor | None = None  # (D, D): a quantized cache's
         self.backend: AttentionBackend | None = None
 
     def bind(self, kv_cache: torch.Tensor, backend: AttentionBackend,
-             kv_scales: torch.Tensor | None = None) -> None:
+             kv_scales: torch.Tensor | None = None,
+             key_rotation: torch.Tensor | None = None) -> None:
+        """kv_scales, key_rotation: a quantized cache's (attention/kv_cache.py)."""
         self.kv_cache, self.backend, self.kv_scales = kv_cache, backend, kv_scales
+        self.key_rotation = key_rotation
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -32,4 +36,6 @@ class Attention(nn.Module):
         if self.backend is None or self.kv_cache is None:
             raise RuntimeError("attention layer used before its KV cache was bound")
         with scope("attention"):
+            if self.key_rotation is not None:  # q . k = (q R) . (k R): keys stored rotated
+                q, k = q @ self.key_rotation, k @ self.key_rotation
             return self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.kv_scales)

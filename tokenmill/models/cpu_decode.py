@@ -101,7 +101,7 @@ class SmallBatchDecode:
         with scope("tokenmill::decode_layers"):
             hidden, residual = _decode_layers_op()(
                 hidden, plan.norms, plan.linears, [a.kv_cache for a in plan.attns],
-                [a.kv_scales for a in plan.attns], cos, sin,
+                [a.kv_scales for a in plan.attns], plan.attns[0].key_rotation, cos, sin,
                 meta.slot_mapping, p.block_tables, p.seq_rows, p.start_lens, p.ctx_lens,
                 *plan.heads, plan.eps, plan.scale)
         return hidden, residual
@@ -124,6 +124,7 @@ class SmallBatchDecode:
             if ((a.num_heads, a.num_kv_heads, a.head_dim) != heads or a.attn.scale != scale
                     or {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {eps}
                     or a.attn.backend is not first.attn.backend
+                    or a.attn.key_rotation is not first.attn.key_rotation
                     or a.attn.kv_cache.dtype not in KERNEL_KV_DTYPES):
                 return None
         return _Plan(norms=[t for p in parts for t in p[0]],

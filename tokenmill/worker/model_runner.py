@@ -20,6 +20,7 @@ from tokenmill.attention.kv_cache import (
     allocate_kv_scales,
     bytes_per_block,
     copy_blocks,
+    key_rotation,
 )
 from tokenmill.config import EngineConfig
 from tokenmill.core.interface import (
@@ -79,11 +80,12 @@ class ModelRunner:
         # fp8's per-head scales, (num_layers, 2, Hkv); None for the other formats
         self.kv_scales = allocate_kv_scales(mc.num_layers, mc.num_kv_heads, self.device,
                                             kv_dtype)
+        self.key_rotation = key_rotation(mc.head_dim, kv_dtype, self.device)  # quantized
         self.backend = get_attention_backend(config.attention_backend, self.block_size,
                                              self.device, mc.dtype)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.bind(self.kv_cache[i], self.backend,
-                      None if self.kv_scales is None else self.kv_scales[i])
+                      None if self.kv_scales is None else self.kv_scales[i], self.key_rotation)
         self.sampler = Sampler(config.seed, self.device)
         self.drafter: DraftModelProposer | None = None
         if draft is not None:
