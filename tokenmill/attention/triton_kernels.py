@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.attention.kv_cache import is_fp8
+
 FLOAT, INT8, FP8 = 0, 1, 2  # KV_FORMAT: the cache's row format
 _FP8_REBIAS = 1.329227995784916e36  # 2^120: e4m3's bias (7) to float32's (127)
 
@@ -130,12 +132,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _, Hq, D = q.shape
     _, block_size, Hkv, row = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "cache halves must be contiguous"
-    kv_format = _format_of(k_cache)
-    if kv_format == FP8:  # its bytes, decoded by the kernel
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-        assert kv_scales is not None, "an fp8 cache needs its scales"
-    if kv_scales is None:
-        kv_scales = q.new_empty(0, dtype=torch.float32)  # never read
+    k_cache, v_cache, kv_scales, kv_format = _cache_args(k_cache, v_cache, kv_scales)
     assert q.stride(2) == 1 and out.stride(2) == 1
     G = Hq // Hkv
     g_pad = triton.next_power_of_2(G)
@@ -227,13 +224,7 @@ def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if T == 0:
         return
     assert k.stride(2) == 1 and v.stride(2) == 1 and kv_cache.is_contiguous()
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    kv_format = _format_of(k_cache)
-    if kv_format == FP8:
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-        assert kv_scales is not None, "an fp8 cache needs its scales"
-    if kv_scales is None:
-        kv_scales = k.new_empty(0, dtype=torch.float32)  # never read
+    k_cache, v_cache, kv_scales, kv_format = _cache_args(kv_cache[0], kv_cache[1], kv_scales)
     _store_kv_kernel[(T, Hkv)](
         k, v, k_cache, v_cache, slot_mapping, kv_scales,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -241,7 +232,14 @@ def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         KV_FORMAT=kv_format)
 
 
-def _format_of(cache: torch.Tensor) -> int:
-    if cache.dtype == torch.int8:
-        return INT8
-    return FP8 if cache.dtype == getattr(torch, "float8_e4m3fn", None) else FLOAT
+def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A layer's cache halves and fp8 scales as both kernels take them, with KV_FORMAT: an fp8
+    cache as its bytes (the kernels decode them), an empty scales tensor where none is read."""
+    kv_format = INT8 if k_cache.dtype == torch.int8 else FP8 if is_fp8(k_cache.dtype) else FLOAT
+    if kv_format == FP8:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        assert kv_scales is not None, "an fp8 cache needs its scales"
+    if kv_scales is None:
+        kv_scales = torch.empty(0, dtype=torch.float32, device=k_cache.device)  # never read
+    return k_cache, v_cache, kv_scales, kv_format
