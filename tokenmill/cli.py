@@ -78,6 +78,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--structured-outputs-config", dest="structured_outputs_config",
                    default=None, help='structured outputs as JSON (vLLM\'s flag): "backend" '
                    '("auto", "guidance" or "xgrammar") and "jump_forward" (true or false)')
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="split the model's heads, MLP and vocabulary over this many worker "
+                        "processes (gloo on CPU, NCCL on CUDA)")
+    g.add_argument("--distributed-executor-backend", choices=["uni", "mp"], default=None,
+                   help="where the ranks run: uni (this process, size 1), mp (one process "
+                        "per rank; the default above size 1)")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -87,7 +93,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
              "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
              "preemption_mode", "swap_space", "device", "seed", "prepack_weights",
              "attention_backend", "enforce_eager", "speculative_config",
-             "structured_outputs_config"]
+             "structured_outputs_config", "tensor_parallel_size",
+             "distributed_executor_backend"]
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 

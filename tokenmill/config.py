@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.distributed.config import ParallelConfig
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.structured_output.config import StructuredOutputsConfig
 from tokenmill.utils import parse_size
@@ -273,15 +274,6 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
-    tensor_parallel_size: int = 1
-
-    def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
-
-
-@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -327,7 +319,9 @@ class EngineConfig:
                   "kv_cache_dtype": "cache",
                   "max_num_batched_tokens": "scheduler", "max_num_seqs": "scheduler",
                   "enable_chunked_prefill": "scheduler", "preemption_mode": "scheduler",
-                  "tensor_parallel_size": "parallel", "device": "engine", "seed": "engine",
+                  "tensor_parallel_size": "parallel", "pipeline_parallel_size": "parallel",
+                  "data_parallel_size": "parallel", "distributed_executor_backend": "parallel",
+                  "device": "engine", "seed": "engine",
                   "prepack_weights": "engine", "attention_backend": "engine",
                   "enforce_eager": "engine", "speculative_config": "engine",
                   "structured_outputs_config": "engine"}
@@ -363,8 +357,10 @@ class EngineConfig:
             from tokenmill.spec_decode.draft_model import draft_model_config
 
             draft = draft_model_config(speculative, model_cfg, device)
+        parallel = ParallelConfig(**groups["parallel"])
+        parallel.check_model(model_cfg.hf_config, device, draft is not None)
         return EngineConfig(model=model_cfg, cache=CacheConfig(**groups["cache"]),
-                            scheduler=sched, parallel=ParallelConfig(**groups["parallel"]),
+                            scheduler=sched, parallel=parallel,
                             device=device, seed=int(groups["engine"].get("seed", 0)),
                             prepack_weights=groups["engine"].get("prepack_weights", "auto"),
                             attention_backend=groups["engine"].get("attention_backend", "auto"),

@@ -8,7 +8,7 @@ import torch
 
 from tokenmill.attention.cascade import CascadePolicy, plan_cascades
 from tokenmill.attention.input_batch import InputBatch
-from tokenmill.core.interface import ScheduledRequest, SchedulerOutput
+from tokenmill.core.interface import ScheduledRequest
 from tokenmill.sampling_params import SamplingParams
 
 BS = 4
@@ -17,10 +17,10 @@ PREFIX = [9, 4, 7, 12, 3]  # 5 shared blocks = 20 tokens
 
 def batch_of(specs: list[tuple[list[int], int, int]]) -> InputBatch:
     """(block table, cached tokens, query tokens) per sequence."""
-    sched = SchedulerOutput(scheduled=[
+    reqs = [
         ScheduledRequest(str(i), [1] * n, cached, blocks, True, SamplingParams())
-        for i, (blocks, cached, n) in enumerate(specs)])
-    return InputBatch.build(sched, BS, torch.device("cpu"))
+        for i, (blocks, cached, n) in enumerate(specs)]
+    return InputBatch.build(reqs, BS, torch.device("cpu"))
 
 
 def test_groups_by_shared_blocks_and_cuts_to_the_cached_part():

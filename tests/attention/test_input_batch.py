@@ -5,16 +5,14 @@ from __future__ import annotations
 import torch
 
 from tokenmill.attention.input_batch import InputBatch
-from tokenmill.core.interface import ScheduledRequest, SchedulerOutput
+from tokenmill.core.interface import ScheduledRequest
 from tokenmill.sampling_params import SamplingParams
 
 
-def build(*reqs: tuple[list[int], int, list[int], bool]) -> InputBatch:
-    sched = SchedulerOutput()
-    for i, (tokens, start, blocks, sample) in enumerate(reqs):
-        sched.scheduled.append(ScheduledRequest(str(i), tokens, start, blocks, sample,
-                                                SamplingParams()))
-    return InputBatch.build(sched, 16, torch.device("cpu"))
+def build(*specs: tuple[list[int], int, list[int], bool]) -> InputBatch:
+    reqs = [ScheduledRequest(str(i), tokens, start, blocks, sample, SamplingParams())
+            for i, (tokens, start, blocks, sample) in enumerate(specs)]
+    return InputBatch.build(reqs, 16, torch.device("cpu"))
 
 
 def test_decode_step():

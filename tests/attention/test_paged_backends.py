@@ -18,7 +18,7 @@ from tokenmill.attention.cpu_kernels import paged_attention_op
 from tokenmill.attention.input_batch import InputBatch
 from tokenmill.attention.kv_cache import allocate_kv_cache
 from tokenmill.attention.triton_paged import PREFILL_TILE, triton_available
-from tokenmill.core.interface import ScheduledRequest, SchedulerOutput
+from tokenmill.core.interface import ScheduledRequest
 from tokenmill.sampling_params import SamplingParams
 
 needs_kernel = pytest.mark.skipif(paged_attention_op() is None,
@@ -59,7 +59,7 @@ def build_step(bs, hq, hkv, d, seqs, shared_prefix=0, seed=0, consecutive_shared
         perm = [b for b in perm if b not in shared_blocks]
     shared_k = torch.randn(shared_prefix, hkv, d)
     shared_v = torch.randn(shared_prefix, hkv, d)
-    full_k, full_v, sched = [], [], SchedulerOutput()
+    full_k, full_v, reqs = [], [], []
     for i, (cached, new) in enumerate(seqs):
         total = cached + new
         share = shared_prefix if i >= len(seqs) - 5 and shared_prefix else 0
@@ -73,9 +73,9 @@ def build_step(bs, hq, hkv, d, seqs, shared_prefix=0, seed=0, consecutive_shared
         for pos in range(cached):  # pretend earlier steps wrote the cached context
             slot = blocks[pos // bs] * bs + pos % bs
             flat[0, slot], flat[1, slot] = k[pos], v[pos]
-        sched.scheduled.append(ScheduledRequest(str(i), [0] * new, cached, blocks, True,
-                                                SamplingParams()))
-    batch = InputBatch.build(sched, bs, torch.device("cpu"))
+        reqs.append(ScheduledRequest(str(i), [0] * new, cached, blocks, True,
+                                     SamplingParams()))
+    batch = InputBatch.build(reqs, bs, torch.device("cpu"))
     q = torch.randn(batch.num_tokens, hq, d)
     k_new = torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs, strict=True)])
     v_new = torch.cat([v[c:] for v, (c, _) in zip(full_v, seqs, strict=True)])

@@ -9,18 +9,18 @@ from tests.attention.test_paged_backends import dense_reference
 from tokenmill.attention.input_batch import InputBatch
 from tokenmill.attention.kv_cache import allocate_kv_cache
 from tokenmill.attention.torch_ref import TorchPagedAttention
-from tokenmill.core.interface import ScheduledRequest, SchedulerOutput
+from tokenmill.core.interface import ScheduledRequest
 from tokenmill.sampling_params import SamplingParams
 
 BS, HQ, HKV, D = 4, 6, 2, 8
 
 
 def test_slot_mapping_follows_block_table():
-    sched = SchedulerOutput(scheduled=[
+    reqs = [
         ScheduledRequest("a", [1, 2, 3], 6, [7, 3, 9], True, SamplingParams()),
         ScheduledRequest("b", [4], 0, [5], True, SamplingParams()),
-    ])
-    batch = InputBatch.build(sched, 4, torch.device("cpu"))
+    ]
+    batch = InputBatch.build(reqs, 4, torch.device("cpu"))
     # a: positions 6, 7, 8 → block 3 offsets 2, 3 then block 9 offset 0; b: block 5 offset 0
     assert batch.positions.tolist() == [6, 7, 8, 0]
     assert batch.slot_mapping.tolist() == [3 * 4 + 2, 3 * 4 + 3, 9 * 4, 5 * 4]
@@ -49,7 +49,7 @@ def test_cascade_decode_over_a_shared_prefix_matches_dense():
     lens = [30, 29, 25, 31, 27, 26]  # one length group of 6
     flat = cache.view(2, -1, HKV, D)
     free = [b for b in range(1, num_blocks) if b not in shared]
-    sched, full_k, full_v = SchedulerOutput(), [], []
+    reqs, full_k, full_v = [], [], []
     shared_k, shared_v = torch.randn(20, HKV, D), torch.randn(20, HKV, D)
     for pos in range(20):
         slot = shared[pos // BS] * BS + pos % BS
@@ -63,9 +63,9 @@ def test_cascade_decode_over_a_shared_prefix_matches_dense():
             flat[0, slot], flat[1, slot] = k[pos], v[pos]
         full_k.append(k)
         full_v.append(v)
-        sched.scheduled.append(ScheduledRequest(str(i), [0], n - 1, blocks, True,
-                                                SamplingParams()))
-    batch = InputBatch.build(sched, BS, torch.device("cpu"))
+        reqs.append(ScheduledRequest(str(i), [0], n - 1, blocks, True,
+                                     SamplingParams()))
+    batch = InputBatch.build(reqs, BS, torch.device("cpu"))
     meta = backend.build_metadata(batch)
     assert [g.shared_block_ids.tolist() for g in meta.decode_groups
             if g.shared_block_ids is not None] != []

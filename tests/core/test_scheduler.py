@@ -12,13 +12,34 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.request_states import RequestStates
 
 
 def make_scheduler(num_blocks=101, block_size=16, budget=64, max_seqs=8, chunked=True):
     kv = KVCacheManager(num_blocks, block_size)
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                           enable_chunked_prefill=chunked)
-    return Scheduler(cfg, kv, max_model_len=4096)
+    return sent_to_runner(Scheduler(cfg, kv, max_model_len=4096))
+
+
+def sent_to_runner(s: Scheduler) -> Scheduler:
+    """Every output of s.schedule() is also applied to `s.states`, the runner's side of the
+    contract (worker/request_states.py), as a runner would."""
+    s.states = RequestStates()
+    schedule = s.schedule
+
+    def schedule_and_send() -> SchedulerOutput:
+        out = schedule()
+        s.states.update(out)
+        return out
+
+    s.schedule = schedule_and_send
+    return s
+
+
+def fed(s: Scheduler, out: SchedulerOutput, i: int = 0) -> list[int]:
+    """The tokens the runner feeds for out.scheduled[i]."""
+    return s.states.resolve(out.scheduled[i]).token_ids
 
 
 def make_request(rid: str, n_prompt: int, max_tokens: int = 4) -> Request:
@@ -52,7 +73,7 @@ def test_chunked_prefill_splits_under_budget():
     finish_step(s, out)
     out = s.schedule()
     assert counts(out) == {"a": 1, "b": 1}  # both decoding
-    assert out.scheduled[0].token_ids == [7]
+    assert fed(s, out) == [7]
 
 
 def test_no_chunking_waits_for_room():
@@ -90,7 +111,7 @@ def test_preempts_most_recent_and_resumes_by_recompute():
     assert s.kv.num_free_blocks == 6
     out = s.schedule()
     assert counts(out) == {"c": 9}  # prompt + its one generated token, recomputed
-    assert out.scheduled[0].token_ids == [5] * 8 + [7]
+    assert fed(s, out) == [5] * 8 + [7]
     assert out.finished_req_ids == {"a", "b"}  # finished in the previous update
 
 

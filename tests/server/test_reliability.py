@@ -129,6 +129,39 @@ def test_engine_death_is_reported_and_exits_1(tiny_model):
         assert not srv.thread.is_alive() and lifecycle.exit_code == 1
 
 
+def test_killed_worker_ends_streams_with_an_error_and_health_503(tiny_model):
+    """Tensor parallelism: a worker process killed mid-stream ends the stream with a 503
+    error event naming the rank, /health answers 503, the server exits 1, and no worker
+    process is left."""
+    import multiprocessing
+    import os
+
+    path, _ = tiny_model("llama")
+    engine = LLMEngine.from_options(path, max_model_len=512, num_kv_blocks=64,
+                                    tensor_parallel_size=2)
+    victim = engine.executor.procs[1]
+    for srv in start_server(engine, "m"):
+        with httpx.Client(base_url=srv.base_url, timeout=60) as c, c.stream(
+                "POST", "/v1/completions", json=LONG | {"stream": True}) as r:
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if len(events) == 3:
+                    os.kill(victim.pid, signal.SIGKILL)
+        assert 3 < len(events) < 400 and events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503 and "rank 1" in error["message"], error
+        health = httpx.get(f"{srv.base_url}/health", timeout=5)
+        assert health.status_code == 503 and "rank 1" in health.json()["error"]["message"]
+        srv.thread.join(timeout=30)
+        assert not srv.thread.is_alive() and srv.server.lifecycle.exit_code == 1
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not multiprocessing.active_children()
+
+
 def test_admission_control_429(server):
     async def fire() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60,

@@ -13,7 +13,7 @@ import torch
 
 from tokenmill.attention import get_attention_backend
 from tokenmill.config import EngineConfig, ModelConfig
-from tokenmill.core.interface import ScheduledRequest, SchedulerOutput
+from tokenmill.core.interface import ScheduledRequest
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.draft_model import DraftModelProposer
 
@@ -36,7 +36,7 @@ def propose(proposer: DraftModelProposer, req_id: str, blocks: list[int], tokens
                          sampling_params=params or SamplingParams(temperature=0),
                          prompt_token_ids=tokens, output_token_ids=[],
                          num_lookahead_tokens=k)
-    return proposer.propose(SchedulerOutput(scheduled=[r]), [new])
+    return proposer.propose([r], [new])
 
 
 def step(proposer: DraftModelProposer, req_id: str, blocks: list[int], tokens: list[int],

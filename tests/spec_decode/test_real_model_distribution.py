@@ -13,7 +13,12 @@ import torch
 from tests.layers.test_sampler import assert_follows
 from tokenmill.attention.input_batch import InputBatch
 from tokenmill.config import EngineConfig
-from tokenmill.core.interface import ScheduledRequest, SchedulerOutput
+from tokenmill.core.interface import (
+    NewRequestData,
+    RequestStep,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from tokenmill.engine.tokenizer import load_tokenizer
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.model_runner import ModelRunner
@@ -40,7 +45,7 @@ def target(logits: torch.Tensor) -> torch.Tensor:
 def model_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
     """The model's logits at every position of `tokens`, (L, V)."""
     row = ScheduledRequest("ref", tokens, 0, [2], True, SamplingParams(temperature=0))
-    batch = InputBatch.build(SchedulerOutput(scheduled=[row]), runner.block_size, runner.device)
+    batch = InputBatch.build([row], runner.block_size, runner.device)
     with torch.inference_mode():
         hidden = runner.model(batch.input_ids, batch.positions,
                               runner.backend.build_metadata(batch))
@@ -51,15 +56,17 @@ def verify_many(runner: ModelRunner, prompt: list[int], drafts: list[int]) -> li
     """N verify steps of `drafts` after `prompt`: the prompt's K/V is computed once into block
     1, which every row then shares (they all write the same K/V for the same tokens)."""
     params = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K)
-    runner.execute(SchedulerOutput(scheduled=[
-        ScheduledRequest("prefill", prompt[:-1], 0, [1], False, params)]))
+    runner.execute(SchedulerOutput(
+        scheduled=[RequestStep("prefill", 0, len(prompt) - 1, False)],
+        new_requests=[NewRequestData("prefill", prompt, [], params, [1])]))
     emitted: list[list[int]] = []
     for start in range(0, N, BATCH):
-        rows = [ScheduledRequest(f"r{start + i}", prompt[-1:] + drafts, len(prompt) - 1, [1],
-                                 True, params, prompt_token_ids=prompt, spec_token_ids=drafts,
-                                 spec_banned_token_ids=[[] for _ in drafts])
-                for i in range(BATCH)]
-        emitted += runner.execute(SchedulerOutput(scheduled=rows)).sampled_token_ids
+        ids = [f"r{start + i}" for i in range(BATCH)]
+        emitted += runner.execute(SchedulerOutput(
+            scheduled=[RequestStep(rid, len(prompt) - 1, 1, True, spec_token_ids=drafts,
+                                   spec_banned_token_ids=[[] for _ in drafts]) for rid in ids],
+            new_requests=[NewRequestData(rid, prompt, [], params, [1]) for rid in ids]
+        )).sampled_token_ids
     return emitted
 
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.core.interface import ScheduledRequest, SchedulerOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.core.interface import RequestStep, SchedulerOutput
 from tokenmill.structured_output import StructuredOutputsConfig, StructuredOutputsParams
 from tokenmill.structured_output.backend import bitmask_width
 from tokenmill.structured_output.manager import StructuredOutputManager
@@ -26,10 +25,9 @@ def manager(smollm2_path):
     return StructuredOutputManager(StructuredOutputsConfig(), tok, V, [2]), tok
 
 
-def row(req_id: str, drafts: list[int], sample: bool = True) -> ScheduledRequest:
-    return ScheduledRequest(req_id=req_id, token_ids=[5, *drafts], start_pos=3, block_ids=[0],
-                            sample=sample, sampling_params=SamplingParams(),
-                            spec_token_ids=drafts)
+def row(req_id: str, drafts: list[int], sample: bool = True) -> RequestStep:
+    return RequestStep(req_id=req_id, start_pos=3, num_new_tokens=1, sample=sample,
+                       spec_token_ids=drafts)
 
 
 def mask_of(matcher) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""InputBatch: one step's flat token batch, built from a SchedulerOutput with vectorised ops.
+"""InputBatch: one step's flat token batch, built from the step's requests (resolved by the
+runner) with vectorised ops.
 
 For B scheduled sequences with query lengths q_i (T = sum q_i tokens):
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.core.interface import SchedulerOutput
+from tokenmill.core.interface import ScheduledRequest
 
 
 @dataclass
@@ -41,8 +42,8 @@ class InputBatch:
         return self.query_start_locs[-1]
 
     @staticmethod
-    def build(sched: SchedulerOutput, block_size: int, device: torch.device) -> InputBatch:
-        reqs = sched.scheduled
+    def build(reqs: list[ScheduledRequest], block_size: int, device: torch.device
+              ) -> InputBatch:
         query_lens = [r.num_tokens for r in reqs]
         starts = [r.start_pos for r in reqs]
         seq_lens = [s + q for s, q in zip(starts, query_lens, strict=True)]

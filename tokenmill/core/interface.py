@@ -1,13 +1,22 @@
 """The contract between the scheduler and the model runner.
 
 `Scheduler.schedule()` returns a `SchedulerOutput`; the runner executes it and returns a
-`ModelRunnerOutput`; `Scheduler.update_from_output(sched_out, runner_out)` applies it. The runner
-keeps no copy of the scheduler's state beyond per-request sampling state (seeded generators),
-which it drops when a request id appears in `finished_req_ids`.
+`ModelRunnerOutput`; `Scheduler.update_from_output(sched_out, runner_out)` applies it.
 
-NOTE: `prompt_token_ids` / `output_token_ids` are the request's own lists, passed by reference
-(read-only for the runner) so that penalties cost no copy per step in-process; a multi-process
-executor pickles them, which copies.
+A `SchedulerOutput` is a diff, cheap to send to worker processes (vLLM v1's contract): a request
+the runner does not hold comes once as `NewRequestData` (prompt, outputs so far, sampling
+parameters, block table); after that only what changed comes, as `CachedRequestData`; each step
+then says per request how many tokens to compute from where (`RequestStep`). The runner keeps
+the requests' tokens and block tables (worker/request_states.py) and drops a request when its id
+is in `finished_req_ids` or `preempted_req_ids` (a preempted request comes back as new).
+
+Invariants:
+- diffs are absolute (`token_start`, `block_start`: the runner's lists are cut there, then
+  extended), so applying one twice is harmless (the engine re-executes requests of a failed
+  step alone with their diffs);
+- the runner applies, in order: finished and preempted drops, new requests, cached diffs;
+- after applying a step's diffs the runner's lists equal the scheduler's (the tokens up to the
+  request's last known one, its whole block table).
 """
 
 from __future__ import annotations
@@ -23,9 +32,67 @@ if TYPE_CHECKING:
     import torch
 
 
+class _SamplePositions:
+    """Mixin: the positions a step samples, from `sample` and `spec_token_ids`."""
+
+    sample: bool
+    spec_token_ids: list[int]
+
+    @property
+    def num_sample_positions(self) -> int:
+        """Positions whose logits this step samples: the last one, and one per draft."""
+        return 1 + len(self.spec_token_ids) if self.sample else 0
+
+
 @dataclass
-class ScheduledRequest:
-    """One request's share of a step: compute `token_ids` at positions start_pos, start_pos+1, …"""
+class NewRequestData:
+    """A request the runner does not hold yet (first scheduled, or resumed after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty for a request resumed after preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]
+
+
+@dataclass
+class CachedRequestData:
+    """What changed in a request the runner holds: its tokens from index `token_start` (of
+    prompt + outputs) and its block table from index `block_start` (copy-on-write may replace
+    a block, so a table is not only appended to)."""
+
+    req_id: str
+    token_start: int
+    new_token_ids: list[int]
+    block_start: int
+    new_block_ids: list[int]
+
+
+@dataclass
+class RequestStep(_SamplePositions):
+    """One request's share of a step: compute its tokens [start_pos, start_pos +
+    num_new_tokens), then the draft tokens after them."""
+
+    req_id: str
+    start_pos: int  # num_computed_tokens before this step
+    num_new_tokens: int  # of the request's own tokens (drafts not counted)
+    sample: bool  # True when this step reaches the request's last known token
+    banned_token_ids: list[int] = field(default_factory=list)  # min_tokens: EOS/stop ids
+    # Speculative decoding: as in ScheduledRequest
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_banned_token_ids: list[list[int]] = field(default_factory=list)
+    spec_draft_probs: torch.Tensor | None = None
+    num_lookahead_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_new_tokens + len(self.spec_token_ids)
+
+
+@dataclass
+class ScheduledRequest(_SamplePositions):
+    """A `RequestStep` resolved by the runner against the request's state: compute `token_ids`
+    at positions start_pos, start_pos+1, …; the lists are the runner's own (read-only here)."""
 
     req_id: str
     token_ids: list[int]  # the tokens to feed this step
@@ -53,11 +120,6 @@ class ScheduledRequest:
         return len(self.token_ids)
 
     @property
-    def num_sample_positions(self) -> int:
-        """Positions whose logits this step samples: the last one, and one per draft."""
-        return 1 + len(self.spec_token_ids) if self.sample else 0
-
-    @property
     def prompt_logprob_positions(self) -> range:
         """Positions of this step whose next token is a prompt token (for prompt_logprobs)."""
         if self.sampling_params.prompt_logprobs is None:
@@ -68,7 +130,9 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    scheduled: list[RequestStep] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)  # since the last step
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before fwd
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
@@ -86,6 +150,16 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    def for_request(self, index: int) -> SchedulerOutput:
+        """The step of `scheduled[index]` alone, with its diffs (harmless if applied already)
+        and no block operations: for re-executing one request of a failed step."""
+        req_id = self.scheduled[index].req_id
+        return SchedulerOutput(
+            scheduled=[self.scheduled[index]],
+            new_requests=[d for d in self.new_requests if d.req_id == req_id],
+            cached_requests=[d for d in self.cached_requests if d.req_id == req_id],
+            grammar_bitmask=self.grammar_bitmask)
 
 
 @dataclass

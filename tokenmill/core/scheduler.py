@@ -41,9 +41,15 @@ import time
 from collections import deque
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.core.interface import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.core.interface import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    RequestStep,
+    SchedulerOutput,
+)
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.runner_view import RunnerView
 from tokenmill.core.stop import check_stop
 from tokenmill.spec_decode import SpeculativeConfig, make_proposer
 from tokenmill.spec_decode.cost_model import SpecCosts
@@ -93,6 +99,7 @@ class Scheduler:
         self.num_prompt_tokens_computed = 0  # prefill work done (cache hits are not counted)
         self._swap_out: list[tuple[int, int]] = []  # (gpu, cpu) block copies for the runner
         self._swap_in: list[tuple[int, int]] = []  # (cpu, gpu)
+        self.runner_view = RunnerView()  # what the runner holds: each step sends a diff
 
     # ---- queue management -------------------------------------------------------------------
     def add_request(self, request: Request, followers: list[Request] | None = None) -> None:
@@ -259,16 +266,16 @@ class Scheduler:
             start = request.num_computed_tokens
             self.num_prompt_tokens_computed += max(0, min(start + n, request.num_prompt_tokens)
                                                    - start)
+            diff = self.runner_view.diff(request, self.kv.get_block_ids(request.request_id))
+            if diff is not None:
+                (out.cached_requests if isinstance(diff, CachedRequestData)
+                 else out.new_requests).append(diff)
             drafts = request.spec_token_ids
-            out.scheduled.append(ScheduledRequest(
+            out.scheduled.append(RequestStep(
                 req_id=request.request_id,
-                token_ids=request.all_token_ids[start:start + n] + drafts,
                 start_pos=start,
-                block_ids=self.kv.get_block_ids(request.request_id),
+                num_new_tokens=n,
                 sample=start + n == request.num_tokens,
-                sampling_params=request.sampling_params,
-                prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=request.output_token_ids,
                 banned_token_ids=request.banned_token_ids(),
                 spec_token_ids=drafts,
                 spec_banned_token_ids=[request.banned_token_ids(j)
@@ -313,6 +320,7 @@ class Scheduler:
         """Swap the request out if configured and there is swap space, else recompute later."""
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self.runner_view.forget(request.request_id)  # its blocks move: it comes back as new
         self.waiting.appendleft(request)
         if self.config.preemption_mode == "swap":
             copies = self.kv.swap_out(request)
@@ -384,5 +392,6 @@ class Scheduler:
             self.proposer.observe_output(request.request_id, request.output_token_ids)
         request.status = status
         self.kv.free(request)
+        self.runner_view.forget(request.request_id)
         del self.requests[request.request_id]
         self._finished_since_last_step.add(request.request_id)

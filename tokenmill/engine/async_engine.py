@@ -108,6 +108,7 @@ class AsyncLLM:
         self._stop.set()
         self._wakeup.set()
         self._thread.join(timeout=30)
+        self.engine.shutdown()
 
     @property
     def is_running(self) -> bool:
@@ -166,6 +167,11 @@ class AsyncLLM:
             if not self.engine.has_unfinished_requests():
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
+                try:  # a worker that dies while the engine idles: unhealthy at once
+                    self.engine.check_health()
+                except Exception as e:
+                    self._die(e)
+                    return
                 continue
             try:
                 outputs = self.engine.step()

@@ -12,10 +12,10 @@ each scheduled request is executed again alone. Those that succeed alone keep th
 step goes on without a gap); those that fail alone end with finish_reason "error" and the error
 in `RequestOutput.error`, and their KV blocks are freed. Only a failure that is not tied to a
 request is engine-wide and raises `EngineDeadError`: the KV block operations failing, every
-request of a multi-request step failing alone, or three consecutive steps in which every
-request failed. Because a failed forward pass may leave garbage in blocks that were offered to
-the prefix cache, cache hits are suspended until the engine is next idle, when the cache is
-reset.
+request of a multi-request step failing alone, three consecutive steps in which every request
+failed, or a worker process dying (multi-process executors). Because a failed forward pass may
+leave garbage in blocks that were offered to the prefix cache, cache hits are suspended until
+the engine is next idle, when the cache is reset.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.tokenizer import load_tokenizer
+from tokenmill.executor import Executor, WorkerDiedError, make_executor
 from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SEED_MIN, SamplingParams
@@ -68,12 +69,12 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
-        self.runner = ModelRunner(config)
-        self.kv = KVCacheManager(self.runner.num_kv_blocks, config.cache.block_size,
+        self.executor: Executor = make_executor(config)  # the model runner(s)
+        self.kv = KVCacheManager(self.executor.num_kv_blocks, config.cache.block_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching,
-                                 num_swap_blocks=self.runner.num_swap_blocks)
+                                 num_swap_blocks=self.executor.num_swap_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len,
-                                   config.speculative, self.runner.spec_costs,
+                                   config.speculative, self.executor.spec_costs,
                                    jump_forward=config.structured_outputs.jump_forward)
         eos = set(config.model.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
@@ -83,6 +84,26 @@ class LLMEngine:
                                                   config.model.vocab_size, self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer)
         self._all_failed_steps = 0  # consecutive steps in which every request failed
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner, when it runs in this process (tensor_parallel_size 1)."""
+        runner = getattr(self.executor, "runner", None)
+        if runner is None:
+            raise AttributeError("the model runners live in worker processes "
+                                 f"({type(self.executor).__name__})")
+        return runner
+
+    def check_health(self) -> None:
+        """EngineDeadError if the engine can no longer run steps (a worker died)."""
+        try:
+            self.executor.check_health()
+        except WorkerDiedError as e:
+            raise EngineDeadError(f"a worker died: {e}") from e
+
+    def shutdown(self) -> None:
+        """Stop the worker processes, if any (idempotent)."""
+        self.executor.shutdown()
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> LLMEngine:
@@ -262,10 +283,12 @@ class LLMEngine:
                 if (g := self.scheduler.requests[r.req_id].grammar) is not None})
         failed: list[RequestOutput] = []
         try:
-            runner_out = self.runner.execute(sched_out)
+            runner_out = self.executor.execute(sched_out)
             self._all_failed_steps = 0
         except KVBlockOpsError as e:
             raise EngineDeadError(f"KV cache block operations failed: {e}") from e
+        except WorkerDiedError as e:
+            raise EngineDeadError(f"a worker died: {e}") from e
         except Exception as e:
             runner_out = self._isolate_failure(sched_out, e, failed)
         finally:  # the matchers are the worker thread's until their masks are filled
@@ -290,8 +313,9 @@ class LLMEngine:
         culprits: dict[str, Exception] = {}
         for i, r in enumerate(sched_out.scheduled):
             try:
-                out = self.runner.execute(SchedulerOutput(
-                    scheduled=[r], grammar_bitmask=sched_out.grammar_bitmask), block_ops=False)
+                out = self.executor.execute(sched_out.for_request(i), block_ops=False)
+            except WorkerDiedError as e:
+                raise EngineDeadError(f"a worker died: {e}") from e
             except Exception as e:
                 culprits[r.req_id] = e
                 continue

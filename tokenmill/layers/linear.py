@@ -75,9 +75,10 @@ class LinearBase(nn.Module):
         _copy_checked(param.data, loaded)
 
     def _load_output_shard(self, param: nn.Parameter, loaded: torch.Tensor, offset: int,
-                           size: int) -> None:
-        """Features [offset, offset + size) of this rank's output ← this rank's slice of
-        `loaded`, which holds one checkpoint tensor's full output features."""
+                           size: int, shard_rank: int | None = None) -> None:
+        """Features [offset, offset + size) of this rank's output ← slice `shard_rank` (this
+        rank's unless given) of `loaded`, which holds one checkpoint tensor's full output
+        features."""
         span = _span(param, "output_dim", "output_ratio", offset, size)
         if span is None:  # e.g. GPTQ's g_idx: one for the layer, so every part must agree
             if getattr(param, "loaded_once", False) and not torch.equal(param.data, loaded):
@@ -87,7 +88,8 @@ class LinearBase(nn.Module):
             param.loaded_once = True
             return
         dim, start, length = span
-        src = loaded.narrow(dim, self.tp.tp_rank * length, length)
+        rank = self.tp.tp_rank if shard_rank is None else shard_rank
+        src = loaded.narrow(dim, rank * length, length)
         _copy_checked(param.data.narrow(dim, start, length), src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,16 +128,20 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v in one GEMM. Query heads are split over the TP ranks; KV heads too when
+    there are at least as many as ranks, else each rank holds one, replicated over
+    tp / num_kv_heads ranks (rank r holds KV head r // replicas, the one its query heads use)."""
+
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False, tp: ParallelState = ParallelState(),
                  quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
-        if num_heads % tp.tp_size or num_kv_heads % tp.tp_size:
-            raise ValueError(f"{num_heads} heads / {num_kv_heads} KV heads cannot be split "
-                             f"over tp={tp.tp_size}")
+        check_heads_split(num_heads, num_kv_heads, tp.tp_size)
         self.num_heads = num_heads // tp.tp_size
-        self.num_kv_heads = num_kv_heads // tp.tp_size
+        self.num_kv_heads = max(1, num_kv_heads // tp.tp_size)
+        self.kv_replicas = max(1, tp.tp_size // num_kv_heads)
         self.head_dim = head_dim
-        q, kv = num_heads * head_dim, num_kv_heads * head_dim
+        # sizes as if every rank's share were distinct (ColumnParallelLinear divides by tp)
+        q, kv = num_heads * head_dim, self.num_kv_heads * tp.tp_size * head_dim
         super().__init__(hidden_size, q + 2 * kv, bias, tp, quant_config, prefix,
                          output_sizes=[q, kv, kv])
 
@@ -145,7 +151,19 @@ class QKVParallelLinear(ColumnParallelLinear):
         kv_size = self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size),
                         "v": (q_size + kv_size, kv_size)}[shard_id]
-        self._load_output_shard(param, loaded, offset, size)
+        rank = self.tp.tp_rank if shard_id == "q" else self.tp.tp_rank // self.kv_replicas
+        self._load_output_shard(param, loaded, offset, size, rank)
+
+
+def check_heads_split(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
+    """ValueError unless tp_size ranks can share the attention heads: query heads split evenly,
+    KV heads split evenly or (fewer KV heads than ranks) replicated evenly."""
+    kv_ok = (num_kv_heads % tp_size == 0 if num_kv_heads >= tp_size
+             else tp_size % num_kv_heads == 0)
+    if num_heads % tp_size or not kv_ok:
+        raise ValueError(f"tensor_parallel_size={tp_size} cannot split {num_heads} attention "
+                         f"heads / {num_kv_heads} KV heads: query heads must divide evenly and "
+                         "KV heads divide or be replicated evenly")
 
 
 class RowParallelLinear(LinearBase):

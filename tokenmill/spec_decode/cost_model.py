@@ -23,7 +23,7 @@ from torch import nn
 
 from tokenmill.attention.base import AttentionBackend
 from tokenmill.attention.input_batch import InputBatch
-from tokenmill.core.interface import ScheduledRequest, SchedulerOutput
+from tokenmill.core.interface import ScheduledRequest
 from tokenmill.sampling_params import SamplingParams
 
 _WARMUP, _REPEATS = 2, 5
@@ -40,7 +40,7 @@ def time_forward(model: nn.Module, backend: AttentionBackend, block_size: int,
     """Median seconds of one single-sequence forward of `num_tokens` tokens plus the logits
     of its last token (what a decode step computes), in the null block."""
     row = ScheduledRequest("cost", [0] * num_tokens, 0, [0], True, SamplingParams())
-    batch = InputBatch.build(SchedulerOutput(scheduled=[row]), block_size, device)
+    batch = InputBatch.build([row], block_size, device)
     times = []
     with torch.inference_mode():
         for i in range(_WARMUP + _REPEATS):

@@ -33,7 +33,7 @@ from tokenmill.attention.base import AttentionBackend
 from tokenmill.attention.input_batch import InputBatch
 from tokenmill.attention.kv_cache import allocate_kv_cache, bytes_per_block
 from tokenmill.config import ModelConfig
-from tokenmill.core.interface import ScheduledRequest, SchedulerOutput
+from tokenmill.core.interface import ScheduledRequest
 from tokenmill.layers import cpu_ops
 from tokenmill.layers.sampler import Sampler
 from tokenmill.layers.sampling_batch import SamplingBatch
@@ -130,14 +130,14 @@ class DraftModelProposer:
         return min(valid, len(tokens) - 1)
 
     @torch.inference_mode()
-    def propose(self, sched: SchedulerOutput, sampled: list[list[int]]
+    def propose(self, reqs: list[ScheduledRequest], sampled: list[list[int]]
                 ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
         """Drafts for the requests of this step that sampled and asked for some, and for the
         sampled requests among them the distributions q they were drawn from ((k, V) each)."""
         feeds: list[ScheduledRequest] = []  # this forward's queries, one per drafting request
         wanted: list[int] = []
         lengths: list[int] = []
-        for r, new in zip(sched.scheduled, sampled, strict=True):
+        for r, new in zip(reqs, sampled, strict=True):
             if not new or r.num_lookahead_tokens <= 0:
                 continue
             tokens = r.prompt_token_ids + r.output_token_ids + new  # after this step
@@ -152,8 +152,7 @@ class DraftModelProposer:
         active = list(range(len(feeds)))
         while active:
             rows = [feeds[i] for i in active]
-            batch = InputBatch.build(SchedulerOutput(scheduled=rows), self.block_size,
-                                     self.device)
+            batch = InputBatch.build(rows, self.block_size, self.device)
             meta = self.backend.build_metadata(batch)
             hidden = self.model(batch.input_ids, batch.positions, meta)  # (T, hidden)
             logits = self.model.compute_logits(hidden, batch.logits_indices)  # (B, V)

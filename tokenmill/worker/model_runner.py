@@ -1,9 +1,15 @@
 """ModelRunner: owns the model, the KV cache and the sampler on one device, and executes steps.
 
-`execute(sched_out)` does, in order: block copies for copy-on-write, input tensors, attention
+`execute(sched_out)` does, in order: the step's diffs applied to the runner's request states
+(worker/request_states.py), block copies for copy-on-write, input tensors, attention
 metadata (once per step), the forward pass over the flat batch (a CUDA graph replay for a
 plain decode step on CUDA: worker/cuda_graphs.py), logits only at
 `logits_indices`, sampling, and one host transfer of the sampled ids.
+
+Under tensor parallelism every rank runs one ModelRunner over its shard (the KV cache holds its
+share of KV heads); every rank executes the same steps in the same order, since the layers'
+collectives pair up across ranks, and only the driver (rank 0) samples: the others compute the
+logits (the LM head's gather is a collective) and return an empty output.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from tokenmill.core.interface import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from tokenmill.distributed import ParallelState
 from tokenmill.layers.rejection_sampler import verify
 from tokenmill.layers.sampler import Sampler, gather_logprobs
 from tokenmill.layers.token_bitmask import apply_token_bitmask_
@@ -40,6 +47,7 @@ from tokenmill.utils import cdiv
 from tokenmill.utils.huge_pages import move_parameters_to_huge_pages
 from tokenmill.utils.profiling import scope
 from tokenmill.worker.cuda_graphs import DecodeGraphs
+from tokenmill.worker.request_states import RequestStates
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +57,17 @@ class KVBlockOpsError(RuntimeError):
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: ParallelState = ParallelState()) -> None:
         self.config = config
+        self.tp = tp
+        self.is_driver = tp.tp_rank == 0  # the rank that samples
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         mc = config.model
         t0 = time.perf_counter()
-        self.model = load_model(mc, self.device, prepack=config.prepack_weights)
+        self.model = load_model(mc, self.device, tp, prepack=config.prepack_weights)
+        # this rank's share of the KV heads (all of them at tp 1)
+        self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads
         if self.device.type == "cpu":
             # The weights a decode step streams (dense or quantized) go to huge pages.
             move_parameters_to_huge_pages(self.model)
@@ -69,7 +81,7 @@ class ModelRunner:
         self.num_kv_blocks = self._num_kv_blocks()
         kv_dtype = config.cache.kv_cache_dtype
         self.kv_cache = allocate_kv_cache(mc.num_layers, self.num_kv_blocks, self.block_size,
-                                          mc.num_kv_heads, mc.head_dim, mc.dtype, self.device,
+                                          self.num_kv_heads, mc.head_dim, mc.dtype, self.device,
                                           kv_dtype)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.0f MiB, %s) in %.1f s",
                     self.num_kv_blocks - 1, self.block_size,
@@ -78,7 +90,7 @@ class ModelRunner:
                     mc.dtype if kv_dtype == "auto" else kv_dtype, time.perf_counter() - t0)
         self.num_swap_blocks, self.swap_cache = self._allocate_swap()
         # fp8's per-head scales, (num_layers, 2, Hkv); None for the other formats
-        self.kv_scales = allocate_kv_scales(mc.num_layers, mc.num_kv_heads, self.device,
+        self.kv_scales = allocate_kv_scales(mc.num_layers, self.num_kv_heads, self.device,
                                             kv_dtype)
         self.key_rotation = key_rotation(mc.head_dim, kv_dtype, self.device)  # quantized
         self.backend = get_attention_backend(config.attention_backend, self.block_size,
@@ -87,6 +99,7 @@ class ModelRunner:
             attn.bind(self.kv_cache[i], self.backend,
                       None if self.kv_scales is None else self.kv_scales[i], self.key_rotation)
         self.sampler = Sampler(config.seed, self.device)
+        self.states = RequestStates()  # the requests' tokens and block tables
         self.drafter: DraftModelProposer | None = None
         if draft is not None:
             t0 = time.perf_counter()
@@ -104,7 +117,8 @@ class ModelRunner:
                         " %.2f per draft-model forward", self.spec_costs.verify_per_draft,
                         self.spec_costs.draft_forward)
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # NOTE: not under TP: a captured step would hold the ranks' collectives (untested)
+        if self.device.type == "cuda" and not config.enforce_eager and tp.tp_size == 1:
             self.decode_graphs = self._decode_graphs(capture=True)
             if self.decode_graphs is not None:
                 self.decode_graphs.capture_all()
@@ -123,7 +137,7 @@ class ModelRunner:
     def _block_bytes(self) -> int:
         """Bytes of one KV block across all layers (the unit of both GPU cache and swap)."""
         mc = self.config.model
-        return bytes_per_block(mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim,
+        return bytes_per_block(mc.num_layers, self.block_size, self.num_kv_heads, mc.head_dim,
                                mc.dtype, self.config.cache.kv_cache_dtype)
 
     def _num_kv_blocks(self) -> int:
@@ -166,6 +180,7 @@ class ModelRunner:
         req_ids = [r.req_id for r in sched.scheduled]
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         with scope("prepare_inputs"):
+            self.states.update(sched)
             self.sampler.forget(sched.finished_req_ids)
             if self.drafter is not None:  # preempted ones' blocks move: their drafts restart
                 self.drafter.forget(sched.finished_req_ids)
@@ -180,36 +195,46 @@ class ModelRunner:
                     raise KVBlockOpsError(f"{type(e).__name__}: {e}") from e
             if sched.is_empty:
                 return out
-            batch = InputBatch.build(sched, self.block_size, self.device)
+            reqs = [self.states.resolve(step) for step in sched.scheduled]
+            batch = InputBatch.build(reqs, self.block_size, self.device)
             meta = self.backend.build_metadata(batch)
         with scope("forward"):
             hidden = self.decode_graphs.run(batch, meta) if self.decode_graphs else None
             if hidden is None:
                 hidden = self.model(batch.input_ids, batch.positions, meta)  # (T, hidden)
+        # NOTE: every collective of the step (the LM head's gathers) before the driver's
+        # sampling, so that a sampling error on the driver leaves the ranks in step.
+        self._prompt_logprobs(reqs, batch, hidden, out)
         if batch.sample_rows:
             with scope("logits"):
                 logits = self.model.compute_logits(hidden, batch.logits_indices)  # (S, V)
-            if sched.grammar_bitmask is not None:
-                with scope("grammar_bitmask"):
-                    _apply_grammar(sched, batch.sample_rows, logits)
-            with scope("sample"):
-                rows = [sched.scheduled[i] for i in batch.sample_rows]
-                if any(r.spec_token_ids for r in rows):
-                    self._verify(logits, rows, batch.sample_rows, out)
-                else:
-                    tokens, logprobs = self.sampler(logits, rows)
-                    tokens = tokens.tolist()  # the step's one host sync
-                    for j, (i, t) in enumerate(zip(batch.sample_rows, tokens, strict=True)):
-                        out.sampled_token_ids[i] = [t]
-                        k = rows[j].sampling_params.logprobs
-                        if logprobs is not None and k is not None:
-                            out.logprobs[req_ids[i]] = _select(logprobs, j, 1 + k)
-        self._prompt_logprobs(sched, batch, hidden, out)
+            if self.is_driver:
+                self._sample(sched, reqs, batch, logits, out)
         if self.drafter is not None:
             with scope("draft"):
                 out.draft_token_ids, out.draft_probs = self.drafter.propose(
-                    sched, out.sampled_token_ids)
+                    reqs, out.sampled_token_ids)
         return out
+
+    def _sample(self, sched: SchedulerOutput, reqs: list[ScheduledRequest], batch: InputBatch,
+                logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Tokens for the rows that sample (logits (S, V)): grammar masks, then sampling or
+        the verification of drafts, and the logprobs asked for."""
+        if sched.grammar_bitmask is not None:
+            with scope("grammar_bitmask"):
+                _apply_grammar(sched, batch.sample_rows, logits)
+        with scope("sample"):
+            rows = [reqs[i] for i in batch.sample_rows]
+            if any(r.spec_token_ids for r in rows):
+                self._verify(logits, rows, batch.sample_rows, out)
+                return
+            tokens, logprobs = self.sampler(logits, rows)
+            tokens = tokens.tolist()  # the step's one host sync
+            for j, (i, t) in enumerate(zip(batch.sample_rows, tokens, strict=True)):
+                out.sampled_token_ids[i] = [t]
+                k = rows[j].sampling_params.logprobs
+                if logprobs is not None and k is not None:
+                    out.logprobs[out.req_ids[i]] = _select(logprobs, j, 1 + k)
 
     def _verify(self, logits: torch.Tensor, rows: list[ScheduledRequest],
                 sample_rows: list[int], out: ModelRunnerOutput) -> None:
@@ -221,10 +246,10 @@ class ModelRunner:
             if lps is not None:
                 out.logprobs[out.req_ids[i]] = lps
 
-    def _prompt_logprobs(self, sched: SchedulerOutput, batch: InputBatch, hidden: torch.Tensor,
-                         out: ModelRunnerOutput) -> None:
+    def _prompt_logprobs(self, reqs: list[ScheduledRequest], batch: InputBatch,
+                         hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         """Logprobs of prompt tokens covered by this step, for requests that asked for them."""
-        for i, r in enumerate(sched.scheduled):
+        for i, r in enumerate(reqs):
             positions = r.prompt_logprob_positions
             if not positions:
                 continue
@@ -240,7 +265,9 @@ class ModelRunner:
 def _apply_grammar(sched: SchedulerOutput, sample_rows: list[int], logits: torch.Tensor) -> None:
     """Mask each constrained request's sampled positions with its grammar's bitmask (filled on
     the worker thread during the forward pass), before the sampler sees the logits (P, V)."""
-    masks = sched.grammar_bitmask.result()  # req_id → (num_sample_positions, W)
+    masks = sched.grammar_bitmask  # req_id → (num_sample_positions, W), or its Future
+    if not isinstance(masks, dict):
+        masks = masks.result()
     rows: list[int] = []
     parts: list[torch.Tensor] = []
     first = 0

@@ -1,0 +1,78 @@
+"""ParallelConfig: how many processes serve one model, and who places them (vLLM's flags).
+
+    --tensor-parallel-size N            attention heads, MLP and vocabulary split over N ranks
+    --distributed-executor-backend B    "uni" (this process, size 1 only), "mp" (one spawned
+                                        process per rank; the default above size 1)
+
+Validated at start-up against the model (`check_model`): a size that cannot split the heads,
+or a feature that does not run split yet, is a ValueError naming both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+EXECUTOR_BACKENDS = ("uni", "mp")
+# Named by vLLM and planned here; refused with a clear message until built.
+PLANNED_EXECUTOR_BACKENDS = ("ray",)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: "uni" at size 1, else "mp"
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) != 1:
+                raise ValueError(f"{name} > 1 is not supported yet (tensor_parallel_size is)")
+        backend = self.distributed_executor_backend
+        if backend in PLANNED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend={backend!r} is not supported yet; "
+                             f"use one of {', '.join(EXECUTOR_BACKENDS)}")
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{', '.join(EXECUTOR_BACKENDS)}, got {backend!r}")
+        if backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one process; a world of "
+                             f"{self.world_size} ranks needs 'mp'")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """The backend that runs this config ("uni" or "mp")."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
+
+    def check_model(self, hf_config: Any, device: str, draft_model: bool) -> None:
+        """ValueError unless this model can be split this way on this device."""
+        from tokenmill.layers.linear import check_heads_split
+
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return
+        heads = hf_config.num_attention_heads
+        check_heads_split(heads, getattr(hf_config, "num_key_value_heads", None) or heads, tp)
+        if hf_config.intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} cannot split the MLP's "
+                             f"{hf_config.intermediate_size} intermediate features evenly")
+        if draft_model:
+            raise ValueError("speculative method 'draft_model' does not run with "
+                             "tensor_parallel_size > 1 yet (n-gram and suffix drafts do)")
+        if device.startswith("cuda"):
+            import torch
+
+            if torch.cuda.device_count() < tp:
+                raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs; "
+                                 f"{torch.cuda.device_count()} visible")

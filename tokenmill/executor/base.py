@@ -1,0 +1,39 @@
+"""Executor: runs each step on the model runners of one engine, wherever they live.
+
+The engine talks only to this interface: `execute(sched)` returns the driver rank's
+`ModelRunnerOutput`; `num_kv_blocks` / `num_swap_blocks` / `spec_costs` are what the runners
+measured at start-up (the engine sizes its KV cache manager and scheduler by them);
+`check_health()` raises `WorkerDiedError` once a worker is gone; `shutdown()` leaves no process
+behind.
+
+    uni        the runner in this process (executor/uniproc.py)
+    mp         one spawned process per rank, torch.distributed between them
+               (executor/multiproc.py)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from tokenmill.core.interface import ModelRunnerOutput, SchedulerOutput
+from tokenmill.spec_decode.cost_model import SpecCosts
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process ended or failed: the engine cannot go on."""
+
+
+class Executor(ABC):
+    num_kv_blocks: int
+    num_swap_blocks: int
+    spec_costs: SpecCosts | None
+
+    @abstractmethod
+    def execute(self, sched: SchedulerOutput, block_ops: bool = True) -> ModelRunnerOutput:
+        """Run one step (ModelRunner.execute's contract) on every rank; the driver's output."""
+
+    def check_health(self) -> None:  # noqa: B027 (in-process: nothing can die apart)
+        """Raise WorkerDiedError if the executor can no longer run steps."""
+
+    def shutdown(self) -> None:  # noqa: B027
+        """Stop every worker; idempotent."""

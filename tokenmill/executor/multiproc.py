@@ -1,0 +1,175 @@
+"""MultiprocExecutor: one spawned process per rank on this machine (vLLM's "mp" backend).
+
+Each step's `SchedulerOutput` is pickled once and sent to every rank over its pipe; every rank
+executes it (their collectives pair up: gloo on CPU, NCCL on CUDA) and replies; the driver's
+(rank 0's) reply carries the sampled tokens. Waiting for replies also watches the processes, so
+a rank that dies mid-step fails the step at once (`WorkerDiedError`) instead of hanging.
+
+Failure rules: a rank that dies or fails while the driver did not is fatal (its collectives may
+be out of step): every worker is stopped and `WorkerDiedError` raised. A failure of the driver
+(alone, or every rank failing the same way: the same inputs fail alike) is one step's failure,
+raised as RuntimeError for the engine to isolate (llm_engine.py).
+
+Workers are spawned (not forked: the engine process holds threads), so a script that builds an
+engine with tensor_parallel_size > 1 needs the `if __name__ == "__main__":` guard, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import time
+from concurrent.futures import Future
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.interface import ModelRunnerOutput, SchedulerOutput
+from tokenmill.executor.base import Executor, WorkerDiedError
+from tokenmill.worker.model_runner import KVBlockOpsError
+from tokenmill.worker.worker_proc import worker_main
+
+logger = logging.getLogger(__name__)
+_JOIN_TIMEOUT_S = 10.0
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        self.world_size = config.parallel.world_size
+        self._dead: str | None = None
+        self._closed = False
+        self._tmp = tempfile.TemporaryDirectory(prefix="tokenmill-dist-")
+        init_method = f"file://{os.path.join(self._tmp.name, 'rendezvous')}"
+        threads = max(1, torch.get_num_threads() // self.world_size)
+        ctx = mp.get_context("spawn")
+        # gloo on loopback: the ranks of this executor all live on this machine
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        self.conns: list[Connection] = []
+        self.procs: list[Any] = []
+        t0 = time.perf_counter()
+        for rank in range(self.world_size):
+            ours, theirs = ctx.Pipe()
+            p = ctx.Process(target=worker_main, name=f"tokenmill-worker-{rank}",
+                            args=(rank, self.world_size, config, init_method, theirs, threads,
+                                  logging.getLogger().getEffectiveLevel()), daemon=True)
+            p.start()
+            theirs.close()
+            self.conns.append(ours)
+            self.procs.append(p)
+        try:
+            facts = [self._reply(rank, "start") for rank in range(self.world_size)]
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_kv_blocks = min(f[0] for f in facts)
+        self.num_swap_blocks = min(f[1] for f in facts)
+        self.spec_costs = facts[0][2]
+        logger.info("%d worker processes ready (tensor parallel, %d threads each) in %.1f s",
+                    self.world_size, threads, time.perf_counter() - t0)
+
+    def _reply(self, rank: int, what: str) -> Any:
+        """Rank's start-up reply (its facts), or RuntimeError naming its failure."""
+        conn, proc = self.conns[rank], self.procs[rank]
+        ready = wait([conn, proc.sentinel])
+        if conn in ready:
+            kind, payload = conn.recv()
+            if kind == "ready":
+                return payload
+            raise RuntimeError(f"tensor-parallel worker rank {rank} failed to {what}:\n{payload}")
+        raise RuntimeError(f"tensor-parallel worker rank {rank} exited during {what} "
+                           f"(exit code {proc.exitcode})")
+
+    def execute(self, sched: SchedulerOutput, block_ops: bool = True) -> ModelRunnerOutput:
+        self.check_health()
+        if isinstance(sched.grammar_bitmask, Future):  # a Future does not cross processes
+            sched = _with_masks(sched)
+        data = pickle.dumps(("execute", sched, block_ops), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(data)
+        except OSError as e:
+            self._fail(f"a worker's pipe broke ({e})")
+        replies = self._gather()
+        failed = {rank: why for rank, (kind, why) in enumerate(replies) if kind != "ok"}
+        if not failed:
+            return replies[0][1]
+        symmetric = len(failed) == self.world_size and len(set(failed.values())) == 1
+        if set(failed) != {0} and not symmetric:
+            self._fail("; ".join(f"rank {r}: {why}" for r, why in failed.items()))
+        if replies[0][0] == "kv_error":
+            raise KVBlockOpsError(replies[0][1])
+        raise RuntimeError(replies[0][1])
+
+    def _gather(self) -> list[tuple[str, Any]]:
+        """Every rank's reply to this step; WorkerDiedError when a rank dies first."""
+        replies: list[tuple[str, Any] | None] = [None] * self.world_size
+        pending = {conn: rank for rank, conn in enumerate(self.conns)}
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
+        while pending:
+            ready = wait([*pending, *sentinels])
+            for obj in ready:
+                if obj in sentinels:
+                    self._fail(self._exit_message(sentinels[obj]))
+            for obj in ready:
+                rank = pending.pop(obj)
+                try:
+                    replies[rank] = obj.recv()
+                except (EOFError, OSError):  # it is exiting
+                    self._fail(self._exit_message(rank))
+        return replies  # type: ignore[return-value]
+
+    def _exit_message(self, rank: int) -> str:
+        p = self.procs[rank]
+        p.join(timeout=_JOIN_TIMEOUT_S)  # it has exited or is exiting: its exit code
+        return f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+
+    def _fail(self, why: str) -> None:
+        self._dead = why
+        logger.error("executor failed: %s; stopping every worker", why)
+        self.shutdown()
+        raise WorkerDiedError(why)
+
+    def check_health(self) -> None:
+        if self._dead is None and not self._closed:
+            for rank, p in enumerate(self.procs):
+                if not p.is_alive():
+                    self._dead = self._exit_message(rank)
+                    self.shutdown()
+                    break
+        if self._dead is not None:
+            raise WorkerDiedError(self._dead)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send_bytes(pickle.dumps(("shutdown",)))
+        deadline = time.monotonic() + _JOIN_TIMEOUT_S
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():  # stuck in a collective whose peer is gone
+                p.kill()
+                p.join(timeout=_JOIN_TIMEOUT_S)
+        for conn in self.conns:
+            conn.close()
+        self._tmp.cleanup()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at exit multiprocessing may be torn down
+            self.shutdown()
+
+
+def _with_masks(sched: SchedulerOutput) -> SchedulerOutput:
+    """sched with its grammar bitmasks filled (waits for the worker thread filling them)."""
+    import dataclasses
+
+    return dataclasses.replace(sched, grammar_bitmask=sched.grammar_bitmask.result())

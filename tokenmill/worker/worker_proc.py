@@ -1,0 +1,86 @@
+"""The main loop of one worker process of the multiprocess executor (executor/multiproc.py).
+
+A worker joins the process group (gloo on CPU, NCCL on CUDA), builds a ModelRunner over its
+tensor-parallel shard, reports ("ready", facts) or ("error", traceback), then serves messages
+from the engine on its pipe, each a pickled tuple:
+
+    ("execute", SchedulerOutput, block_ops)  → ("ok", ModelRunnerOutput | None)  (driver: its
+                                                output; other ranks: None), ("kv_error", why)
+                                                or ("error", why)
+    ("shutdown",)                            → the process exits
+
+It exits when the engine's end of the pipe closes (the engine process is gone) and, on Linux,
+when its parent dies (PR_SET_PDEATHSIG): no orphan is left either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import logging
+import os
+import pickle
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+# A collective whose peer never arrives (a rank stuck or desynchronised) fails after this long
+# instead of hanging the engine forever.
+COLLECTIVE_TIMEOUT_S = 120
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):  # PR_SET_PDEATHSIG = 1
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+
+
+def worker_main(rank: int, world_size: int, config: Any, init_method: str, conn: Connection,
+                num_threads: int, log_level: int) -> None:
+    _die_with_parent()
+    logging.basicConfig(level=log_level,
+                        format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
+    torch.set_num_threads(num_threads)
+    try:
+        from tokenmill.distributed import ParallelState
+        from tokenmill.worker.model_runner import ModelRunner
+
+        cuda = config.device.startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(rank)
+        torch.distributed.init_process_group(
+            "nccl" if cuda else "gloo", init_method=init_method, rank=rank,
+            world_size=world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        runner = ModelRunner(config, ParallelState(tp_rank=rank, tp_size=world_size))
+        conn.send(("ready", (runner.num_kv_blocks, runner.num_swap_blocks, runner.spec_costs)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    _serve(runner, conn)
+    torch.distributed.destroy_process_group()
+
+
+def _serve(runner: Any, conn: Connection) -> None:
+    from tokenmill.worker.model_runner import KVBlockOpsError
+
+    while True:
+        try:
+            msg = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            os._exit(0)  # the engine is gone: nothing left to serve
+        if msg[0] == "shutdown":
+            return
+        _, sched, block_ops = msg
+        try:
+            out = runner.execute(sched, block_ops)
+            reply: tuple[str, Any] = ("ok", out if runner.is_driver else None)
+        except KVBlockOpsError as e:
+            reply = ("kv_error", str(e))
+        except Exception as e:  # the engine decides: one request's failure, or a dead rank
+            reply = ("error", f"{type(e).__name__}: {e}")
+        conn.send(reply)
