@@ -132,3 +132,73 @@ def test_fused_path_not_taken_for_a_cascade(tiny_model, monkeypatch):
     assert calls["fused"] > 0  # which the first prompt's own decode steps did take
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
     assert_kv_all_free(llm.engine)
+
+
+def _tp_rank_main(rank: int, world: int, path: str, init: str, shm_path: str, q) -> None:
+    """One tensor-parallel rank: a decode step through the fused call and through the
+    modules, on the same inputs (the second run rewrites the same K/V into the same slot)."""
+    from tokenmill.attention.input_batch import InputBatch
+    from tokenmill.config import EngineConfig
+    from tokenmill.core.interface import (
+        NewRequestData,
+        RequestStep,
+        ScheduledRequest,
+        SchedulerOutput,
+    )
+    from tokenmill.distributed import ParallelState
+    from tokenmill.distributed.shm_all_reduce import ShmAllReduce
+    from tokenmill.worker.model_runner import ModelRunner
+
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank,
+                                         world_size=world)
+    comm = ShmAllReduce(shm_path, rank, world)
+    runner = ModelRunner(EngineConfig.create(path, num_kv_blocks=32),
+                         ParallelState(rank, world, comm))
+    prompt, params = list(range(100, 121)), SamplingParams(temperature=0)
+    runner.execute(SchedulerOutput(scheduled=[RequestStep("a", 0, len(prompt), True)],
+                                   new_requests=[NewRequestData("a", prompt, [], params,
+                                                                [1, 2])]))
+    batch = InputBatch.build([ScheduledRequest("a", [7], len(prompt), [1, 2], True, params)],
+                             runner.block_size, runner.device)
+    meta = runner.backend.build_metadata(batch)
+    model = runner.model
+    fused_path = model.model.small_batch_decode
+    with torch.inference_mode():
+        applies = fused_path.applies(model.model.embed_tokens(batch.input_ids), meta)
+        fused = model(batch.input_ids, batch.positions, meta)
+        fused_path.enabled = False
+        modules = model(batch.input_ids, batch.positions, meta)
+    q.put((rank, applies, fused.numpy(), modules.numpy()))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fused_call_under_tensor_parallelism(kind, tiny_model, tmp_path):
+    """TP=2 with the shared-memory all-reduce: each rank's decode step takes the fused call,
+    which sums the row-parallel outputs itself, bitwise equal to its modules (qwen2: q/k/v
+    biases on the column-parallel side only, so it is admitted)."""
+    import multiprocessing as mp
+    import os
+
+    from tokenmill.distributed import shm_all_reduce
+
+    path = with_random_norms_and_biases(tiny_model(kind)[0], tmp_path / kind)
+    ctx, world = mp.get_context("spawn"), 2
+    shm_path = shm_all_reduce.create_segment(world)
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_tp_rank_main,
+                         args=(r, world, path, f"file://{tmp_path}/rdv", shm_path, q))
+             for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        results = [q.get(timeout=300) for _ in procs]
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        os.unlink(shm_path)
+    for rank, applies, fused, modules in results:
+        assert applies, rank
+        assert (fused == modules).all(), rank
+    assert (results[0][2] == results[1][2]).all()  # every rank holds the same hidden states

@@ -16,4 +16,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of a float32 (S, V) matrix");
   m.def("apply_token_bitmask_", &apply_token_bitmask_,
         "-inf at the tokens a grammar bitmask disallows, in rows of logits");
+  m.def("shm_all_reduce_", &shm_all_reduce_, "sum a float32 tensor over the ranks sharing a "
+        "memory segment, in place; the last sequence number used");
 }

@@ -11,11 +11,13 @@
 //   batch-1 decode step pays in every layer).
 // - argmax_rows: torch.argmax(x, -1) of a (S, V) matrix (greedy sampling over the vocabulary).
 // - apply_token_bitmask_: -inf at the tokens a grammar's bitmask disallows (structured outputs).
+// - shm_all_reduce_ (shm_all_reduce.h): tensor-parallel sum between the ranks of one machine.
 //
 // All math is float32; only the order of summations differs from the PyTorch ops they replace.
 #pragma once
 #include "kv_formats.h"
 #include "linear_cpu.h"
+#include "shm_all_reduce.h"
 #include <cmath>
 #include <limits>
 

@@ -17,9 +17,12 @@
 //   q, k, v     = split(linear(h, qkv))                      (T, Hq | Hkv | Hkv, D) views
 //   rotary_(q, k); q, k = q R, k R (a quantized cache's key rotation, when given)
 //   store k, v at slot_mapping; a = paged_attention(q)   (T, Hq * D)
-//   h, residual = add_rms_norm(linear(a, o), residual, post_norm)
-//   hidden      = linear(silu_and_mul(linear(h, gate_up)), down)
-// Returns (hidden, residual) after the last layer, as the modules' loop does.
+//   h, residual = add_rms_norm(all_reduce(linear(a, o)), residual, post_norm)
+//   hidden      = all_reduce(linear(silu_and_mul(linear(h, gate_up)), down))
+// all_reduce: under tensor parallelism (a shared-memory segment given: shm_all_reduce.h) the
+// row-parallel outputs are summed over the ranks, as RowParallelLinear does (which is why the
+// caller admits those layers only without a bias); without a segment it is the identity.
+// Returns (hidden, residual, the all-reduce's last sequence number) after the last layer.
 #include "cpu_ops.h"
 #include "paged_attention_cpu.h"
 
@@ -36,7 +39,7 @@ torch::Tensor run_linear(const LinearDesc& d, const torch::Tensor& x) {
 }
 }  // namespace
 
-std::vector<torch::Tensor> decode_layers(
+std::tuple<torch::Tensor, torch::Tensor, int64_t> decode_layers(
     torch::Tensor hidden, const std::vector<torch::Tensor>& norms,
     const std::vector<LinearDesc>& linears, const std::vector<torch::Tensor>& kv_caches,
     const std::vector<c10::optional<torch::Tensor>>& kv_scales,
@@ -44,7 +47,8 @@ std::vector<torch::Tensor> decode_layers(
     torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
     torch::Tensor block_tables, torch::Tensor seq_rows, torch::Tensor start_lens,
     torch::Tensor ctx_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    double eps, double scale) {
+    double eps, double scale, const c10::optional<torch::Tensor>& shm_segment, int64_t rank,
+    int64_t world, int64_t slot_bytes, int64_t seq, double timeout_s) {
   const size_t L = kv_caches.size();
   TORCH_CHECK(norms.size() == L * kNormsPerLayer && linears.size() == L * kLinearsPerLayer,
               "decode_layers: 2 norms and 4 linear layers per layer");
@@ -54,6 +58,11 @@ std::vector<torch::Tensor> decode_layers(
   const int64_t T = hidden.size(0), Hq = num_heads, Hkv = num_kv_heads, D = head_dim;
   const int64_t H = hidden.size(1);
   torch::Tensor residual;
+  auto all_reduce = [&](torch::Tensor x) {
+    if (shm_segment.has_value())
+      seq = shm_all_reduce_(x, *shm_segment, rank, world, slot_bytes, seq, timeout_s);
+    return x;
+  };
   for (size_t l = 0; l < L; ++l) {
     const torch::Tensor* w = &norms[l * kNormsPerLayer];
     const LinearDesc* lin = &linears[l * kLinearsPerLayer];
@@ -77,11 +86,11 @@ std::vector<torch::Tensor> decode_layers(
     store_kv_(k_cache, v_cache, k, v, slot_mapping, kv_scales[l]);
     auto attn = paged_attention(q, k_cache, v_cache, block_tables, seq_rows, start_lens,
                                 ctx_lens, scale, kv_scales[l])[0].view({T, Hq * D});
-    auto normed = add_rms_norm(run_linear(lin[1], attn), residual, w[1], eps);
+    auto normed = add_rms_norm(all_reduce(run_linear(lin[1], attn)), residual, w[1], eps);
     residual = normed[1];
-    hidden = run_linear(lin[3], silu_and_mul(run_linear(lin[2], normed[0])));
+    hidden = all_reduce(run_linear(lin[3], silu_and_mul(run_linear(lin[2], normed[0]))));
   }
-  return {hidden, residual};
+  return {hidden, residual, seq};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -1,7 +1,8 @@
 """MultiprocExecutor: one spawned process per rank on this machine (vLLM's "mp" backend).
 
 Each step's `SchedulerOutput` is pickled once and sent to every rank over its pipe; every rank
-executes it (their collectives pair up: gloo on CPU, NCCL on CUDA) and replies; the driver's
+executes it (their collectives pair up: shared memory and gloo on CPU, NCCL on CUDA) and
+replies; the driver's
 (rank 0's) reply carries the sampled tokens. Waiting for replies also watches the processes, so
 a rank that dies mid-step fails the step at once (`WorkerDiedError`) instead of hanging.
 
@@ -31,6 +32,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.interface import ModelRunnerOutput, SchedulerOutput
+from tokenmill.distributed import shm_all_reduce
 from tokenmill.executor.base import Executor, WorkerDiedError
 from tokenmill.worker.model_runner import KVBlockOpsError
 from tokenmill.worker.worker_proc import worker_main
@@ -50,6 +52,9 @@ class MultiprocExecutor(Executor):
         ctx = mp.get_context("spawn")
         # gloo on loopback: the ranks of this executor all live on this machine
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        # CPU: the layers' all-reduces go through shared memory (distributed/shm_all_reduce.py)
+        self._shm_path = (shm_all_reduce.create_segment(self.world_size)
+                          if config.device == "cpu" and shm_all_reduce.enabled() else None)
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
         t0 = time.perf_counter()
@@ -57,7 +62,8 @@ class MultiprocExecutor(Executor):
             ours, theirs = ctx.Pipe()
             p = ctx.Process(target=worker_main, name=f"tokenmill-worker-{rank}",
                             args=(rank, self.world_size, config, init_method, theirs, threads,
-                                  logging.getLogger().getEffectiveLevel()), daemon=True)
+                                  logging.getLogger().getEffectiveLevel(), self._shm_path),
+                            daemon=True)
             p.start()
             theirs.close()
             self.conns.append(ours)
@@ -132,7 +138,7 @@ class MultiprocExecutor(Executor):
     def _fail(self, why: str) -> None:
         self._dead = why
         logger.error("executor failed: %s; stopping every worker", why)
-        self.shutdown()
+        self.shutdown(graceful=False)
         raise WorkerDiedError(why)
 
     def check_health(self) -> None:
@@ -140,21 +146,24 @@ class MultiprocExecutor(Executor):
             for rank, p in enumerate(self.procs):
                 if not p.is_alive():
                     self._dead = self._exit_message(rank)
-                    self.shutdown()
+                    self.shutdown(graceful=False)
                     break
         if self._dead is not None:
             raise WorkerDiedError(self._dead)
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop every worker: asked to exit (graceful), or killed at once (after a failure,
+        when the others may be waiting in a collective for the one that is gone)."""
         if self._closed:
             return
         self._closed = True
-        for conn in self.conns:
-            with contextlib.suppress(OSError):
-                conn.send_bytes(pickle.dumps(("shutdown",)))
-        deadline = time.monotonic() + _JOIN_TIMEOUT_S
-        for p in self.procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if graceful:
+            for conn in self.conns:
+                with contextlib.suppress(OSError):
+                    conn.send_bytes(pickle.dumps(("shutdown",)))
+            deadline = time.monotonic() + _JOIN_TIMEOUT_S
+            for p in self.procs:
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():  # stuck in a collective whose peer is gone
                 p.kill()
@@ -162,6 +171,9 @@ class MultiprocExecutor(Executor):
         for conn in self.conns:
             conn.close()
         self._tmp.cleanup()
+        if self._shm_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._shm_path)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # at exit multiprocessing may be torn down

@@ -11,7 +11,9 @@ modules' forward (tests/models/test_cpu_decode.py).
 
 It is opt-in by an allow-list: it runs only layers whose every part is exactly one of the
 types `_allowed()` names (a subclass, such as Qwen3's attention with its q/k norms, is another
-model and goes through the modules), with no tensor parallelism, float32 activations on CPU,
+model and goes through the modules), unsplit or split over tensor-parallel ranks that share
+the shared-memory all-reduce (the call then sums the row-parallel outputs itself, between the
+same ops, so ranks stay bitwise equal to their modules), float32 activations on CPU,
 a KV cache in a format the kernel reads (`KERNEL_KV_DTYPES`: float32, int8, fp8), every
 linear layer's method giving a CPU kernel, and a step whose every query goes to the CPU
 paged-attention kernel (the attention backend says so through `fused_decode_queries`;
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention import AttentionMetadata
+from tokenmill.distributed.shm_all_reduce import ShmAllReduce
 from tokenmill.layers import cpu_ops
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.layernorm import RMSNorm
@@ -71,6 +74,7 @@ class _Plan:
     heads: tuple[int, int, int]  # Hq, Hkv, D
     eps: float
     scale: float
+    comm: ShmAllReduce | None  # tensor parallelism: the all-reduce the call makes itself
 
 
 class SmallBatchDecode:
@@ -98,12 +102,17 @@ class SmallBatchDecode:
         `applies` said True."""
         plan = self._plan
         p = self._queries(meta, hidden.shape[0])
+        comm = plan.comm
+        shm = (None, 0, 1, 0, 0.0) if comm is None else comm.kernel_args()
         with scope("tokenmill::decode_layers"):
-            hidden, residual = _decode_layers_op()(
+            hidden, residual, seq = _decode_layers_op()(
                 hidden, plan.norms, plan.linears, [a.kv_cache for a in plan.attns],
                 [a.kv_scales for a in plan.attns], plan.attns[0].key_rotation, cos, sin,
                 meta.slot_mapping, p.block_tables, p.seq_rows, p.start_lens, p.ctx_lens,
-                *plan.heads, plan.eps, plan.scale)
+                *plan.heads, plan.eps, plan.scale, *shm[:4],
+                0 if comm is None else comm.seq, shm[4])
+        if comm is not None:
+            comm.seq = seq
         return hidden, residual
 
     @functools.cached_property
@@ -130,7 +139,19 @@ class SmallBatchDecode:
         return _Plan(norms=[t for p in parts for t in p[0]],
                      linears=[lin for p in parts for lin in p[1]],
                      attns=[layer.self_attn.attn for layer in self.layers],
-                     heads=heads, eps=eps, scale=scale)
+                     heads=heads, eps=eps, scale=scale, comm=first.o_proj.tp.comm)
+
+
+def _split_supported(lin: nn.Module) -> bool:
+    """Whether the call computes this layer as its module does under its tensor parallelism:
+    unsplit, or split with the shared-memory all-reduce (which the call makes itself) and, for
+    a row-parallel layer, no bias (the module adds it after the reduction)."""
+    tp = lin.tp
+    if tp.tp_size == 1:
+        return True
+    if tp.comm is None or tp.comm.world_size != tp.tp_size:
+        return False
+    return not isinstance(lin, RowParallelLinear) or lin.bias is None
 
 
 def _parts_of(layer: nn.Module) -> tuple[list[torch.Tensor], list[LinearArgs]] | None:
@@ -149,7 +170,7 @@ def _parts_of(layer: nn.Module) -> tuple[list[torch.Tensor], list[LinearArgs]] |
     linears: list[LinearArgs] = []
     for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
         kernel = lin.quant_method.cpu_kernel(lin)
-        if kernel is None or lin.tp.tp_size != 1:
+        if kernel is None or not _split_supported(lin):
             return None
         linears.append((*kernel.as_args(), lin.bias))
     return [layer.input_layernorm.weight, layer.post_attention_layernorm.weight], linears

@@ -1,8 +1,9 @@
 """The main loop of one worker process of the multiprocess executor (executor/multiproc.py).
 
-A worker joins the process group (gloo on CPU, NCCL on CUDA), builds a ModelRunner over its
-tensor-parallel shard, reports ("ready", facts) or ("error", traceback), then serves messages
-from the engine on its pipe, each a pickled tuple:
+A worker joins the process group (gloo on CPU, NCCL on CUDA), maps the shared-memory
+all-reduce segment (CPU), builds a ModelRunner over its tensor-parallel shard, reports
+("ready", facts) or ("error", traceback), then serves messages from the engine on its pipe,
+each a pickled tuple:
 
     ("execute", SchedulerOutput, block_ops)  → ("ok", ModelRunnerOutput | None)  (driver: its
                                                 output; other ranks: None), ("kv_error", why)
@@ -41,13 +42,14 @@ def _die_with_parent() -> None:
 
 
 def worker_main(rank: int, world_size: int, config: Any, init_method: str, conn: Connection,
-                num_threads: int, log_level: int) -> None:
+                num_threads: int, log_level: int, shm_path: str | None) -> None:
     _die_with_parent()
     logging.basicConfig(level=log_level,
                         format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
     torch.set_num_threads(num_threads)
     try:
         from tokenmill.distributed import ParallelState
+        from tokenmill.distributed.shm_all_reduce import ShmAllReduce
         from tokenmill.worker.model_runner import ModelRunner
 
         cuda = config.device.startswith("cuda")
@@ -56,7 +58,8 @@ def worker_main(rank: int, world_size: int, config: Any, init_method: str, conn:
         torch.distributed.init_process_group(
             "nccl" if cuda else "gloo", init_method=init_method, rank=rank,
             world_size=world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        runner = ModelRunner(config, ParallelState(tp_rank=rank, tp_size=world_size))
+        comm = None if shm_path is None else ShmAllReduce(shm_path, rank, world_size)
+        runner = ModelRunner(config, ParallelState(rank, world_size, comm))
         conn.send(("ready", (runner.num_kv_blocks, runner.num_swap_blocks, runner.spec_costs)))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
