@@ -1,6 +1,6 @@
 """The engine's own work in a decode step, next to the model's, without the profiler.
 
-    python benchmarks/step_overhead.py [--model PATH] [--steps 64]
+    python benchmarks/step_overhead.py [--model PATH] [--steps 64] [--async-rounds 3]
 
 For decode batches of 1 and 64 (SmolLM2 float32 unless --model), each step's wall time is
 split into the model's forward pass and logits (timed around the model's own methods) and
@@ -9,6 +9,10 @@ output processing (each timed around its function). Medians over --steps steps.
 
 Then greedy sampling's argmax over (rows, vocab) logits: torch.argmax against the C++ pass
 the sampler uses (layers/cpu_ops.py), alternated in rounds.
+
+Then async scheduling (--async-scheduling): the same decode batches on an engine that schedules
+step N+1 and processes step N's outputs while the model runs, against synchronous steps;
+median ms between step() returns, rounds alternated between the two engines.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention import input_batch
 from tokenmill.bench.alternate import alternate
+from tokenmill.bench.machine import describe_machine
 from tokenmill.layers import cpu_ops
 
 Timings = dict[str, list[float]]
@@ -81,11 +86,49 @@ def decode_steps(llm: LLM, timings: Timings, batch: int, prompt_len: int, steps:
     return parts
 
 
+def step_wall(llm: LLM, batch: int, prompt_len: int, steps: int, tag: str) -> float:
+    """Median ms per decode step (between step() returns) for `batch` decoding requests."""
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(f"{tag}-{i}", [1000 + (i * 7 + j) % 40000 for j in range(prompt_len)],
+                        params)
+    while eng.scheduler.num_waiting:
+        eng.step()
+    eng.step()
+    eng.step()
+    walls = []
+    while eng.has_unfinished_requests():
+        t0 = time.perf_counter()
+        eng.step()
+        walls.append(time.perf_counter() - t0)
+    return statistics.median(walls[:-2]) * 1e3  # the last steps drain the batch
+
+
+def async_part(model: str | None, steps: int, rounds: int) -> None:
+    engines = {"sync": LLM(model), "async": LLM(model, async_scheduling=True)}
+    print(f"\nasync scheduling: ms per decode step (median over {steps} steps; "
+          f"{rounds} alternated rounds each)")
+    print(f"{'batch':>5}{'sync':>10}{'async':>10}{'saved':>10}{'saved %':>9}")
+    for batch, prompt_len in ((1, 128), (64, 32)):
+        got: dict[str, list[float]] = defaultdict(list)
+        for r in range(rounds):
+            for name, llm in engines.items():
+                got[name].append(step_wall(llm, batch, prompt_len, steps, f"{name}{r}"))
+        sync, asyn = statistics.median(got["sync"]), statistics.median(got["async"])
+        print(f"{batch:>5}{sync:>10.3f}{asyn:>10.3f}{sync - asyn:>10.3f}"
+              f"{100 * (sync - asyn) / sync:>8.1f}%   rounds: sync "
+              + " ".join(f"{x:.2f}" for x in got["sync"]) + " | async "
+              + " ".join(f"{x:.2f}" for x in got["async"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--async-rounds", type=int, default=3)
     args = parser.parse_args()
+    print(describe_machine())
     llm = LLM(args.model)
     timings = instrument(llm)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
@@ -95,8 +138,13 @@ def main() -> None:
     for batch, prompt_len in ((1, 128), (64, 32)):
         parts = decode_steps(llm, timings, batch, prompt_len, args.steps)
         print(f"{batch:>5} " + "".join(f"{parts[c]:>10.3f}" for c in cols))
-    if not cpu_ops.ops_available():
-        return
+    if cpu_ops.ops_available():
+        argmax_part(llm)
+    del llm
+    async_part(args.model, args.steps, args.async_rounds)
+
+
+def argmax_part(llm: LLM) -> None:
     print("\ngreedy argmax over the vocabulary, µs per call (alternated rounds):")
     vocab = llm.engine.config.model.vocab_size
     for rows in (1, 64):

@@ -61,6 +61,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    action="store_false", default=None)
     g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
     g.add_argument("--swap-space", default=None, help="CPU memory for swapped KV, e.g. 1GiB")
+    g.add_argument("--async-scheduling", action="store_true", default=None,
+                   help="schedule each step while the model runs the one before")
     g.add_argument("--device", default=None)
     g.add_argument("--attention-backend", default=None, choices=BACKEND_NAMES)
     g.add_argument("--prepack-weights", dest="prepack_weights", action="store_true",
@@ -91,7 +93,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
              "kv_cache_memory", "kv_cache_dtype",
              "num_kv_blocks", "block_size", "max_num_seqs",
              "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
-             "preemption_mode", "swap_space", "device", "seed", "prepack_weights",
+             "preemption_mode", "async_scheduling", "swap_space", "device", "seed",
+             "prepack_weights",
              "attention_backend", "enforce_eager", "speculative_config",
              "structured_outputs_config", "tensor_parallel_size",
              "distributed_executor_backend"]

@@ -261,6 +261,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # requests running at once
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"  # or "swap": copy the KV to CPU memory and back
+    # Schedule step N+1 while the model runs step N (vLLM's --async-scheduling): a decoding
+    # request is scheduled ahead with its token in flight as a placeholder (core/scheduler.py).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in ("recompute", "swap"):
@@ -319,6 +322,7 @@ class EngineConfig:
                   "kv_cache_dtype": "cache",
                   "max_num_batched_tokens": "scheduler", "max_num_seqs": "scheduler",
                   "enable_chunked_prefill": "scheduler", "preemption_mode": "scheduler",
+                  "async_scheduling": "scheduler",
                   "tensor_parallel_size": "parallel", "pipeline_parallel_size": "parallel",
                   "data_parallel_size": "parallel", "distributed_executor_backend": "parallel",
                   "device": "engine", "seed": "engine",
@@ -359,6 +363,9 @@ class EngineConfig:
             draft = draft_model_config(speculative, model_cfg, device)
         parallel = ParallelConfig(**groups["parallel"])
         parallel.check_model(model_cfg.hf_config, device, draft is not None)
+        if sched.async_scheduling and (speculative is not None or parallel.world_size > 1):
+            raise ValueError("async_scheduling does not run with speculative decoding or "
+                             "tensor_parallel_size > 1 yet")
         return EngineConfig(model=model_cfg, cache=CacheConfig(**groups["cache"]),
                             scheduler=sched, parallel=parallel,
                             device=device, seed=int(groups["engine"].get("seed", 0)),

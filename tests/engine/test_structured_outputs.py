@@ -106,6 +106,8 @@ def test_greedy_matches_masked_hf_reference(tiny, kind, jump_forward):
                             "num_speculative_tokens": 3}},
     {"max_num_batched_tokens": 16},  # chunked prefill; jump-forward chunks too
     {"num_kv_blocks": 12, "block_size": 16},  # preemption (recompute)
+    {"async_scheduling": True},  # constrained requests wait for their token in flight
+    {"async_scheduling": True, "num_kv_blocks": 12, "block_size": 16},
 ])
 def test_same_output_under_engine_features(tiny, options, monkeypatch):
     path, _ = tiny

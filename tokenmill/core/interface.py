@@ -11,12 +11,13 @@ the requests' tokens and block tables (worker/request_states.py) and drops a req
 is in `finished_req_ids` or `preempted_req_ids` (a preempted request comes back as new).
 
 Invariants:
-- diffs are absolute (`token_start`, `block_start`: the runner's lists are cut there, then
-  extended), so applying one twice is harmless (the engine re-executes requests of a failed
-  step alone with their diffs);
+- diffs are absolute (`token_start`: the tokens from there are these; `block_start`: the
+  table is cut there, then extended), so applying one twice is harmless (the engine
+  re-executes requests of a failed step alone with their diffs);
 - the runner applies, in order: finished and preempted drops, new requests, cached diffs;
-- after applying a step's diffs the runner's lists equal the scheduler's (the tokens up to the
-  request's last known one, its whole block table).
+- after applying a step's diffs the runner's block tables equal the scheduler's and its token
+  lists start with the scheduler's (the runner also keeps the tokens it sampled, which an
+  async-scheduled step feeds before the scheduler knows them).
 """
 
 from __future__ import annotations

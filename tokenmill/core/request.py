@@ -64,6 +64,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # sampling steps scheduled whose token has not come back yet (async scheduling runs
+        # up to one step ahead; with synchronous steps this is 0 between steps)
+        self.num_output_placeholders = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

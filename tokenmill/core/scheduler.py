@@ -32,6 +32,13 @@ grammar refuses. Jump-forward: after a step, the tokens the grammar forces next 
 at once (`jump_forward`), so the next step computes them as one chunk instead of one step
 each, and samples after them.
 
+Async scheduling (SchedulerConfig.async_scheduling): the engine schedules step N+1 before step
+N's tokens come back, so a request whose sampled token is in flight counts it as a placeholder
+(`Request.num_output_placeholders`) and is scheduled to feed it; the runner feeds the token it
+sampled itself. Not scheduled ahead: a request whose placeholder may be its last token
+(max_tokens, max_model_len), one with a grammar (its matcher needs the token), and a preempted
+one (it resumes from the tokens the scheduler knows).
+
 Invariant: every block in the pool is free when no request is running or waiting.
 """
 
@@ -157,7 +164,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = self._num_new_tokens(request, budget)
+            if n == 0:  # waiting for its token in flight
+                i += 1
+                continue
             drafts = self._drafts(request, n, min(spec_room, budget - n))
             lookahead = self._lookahead(request, n)
             while self.kv.allocate_slots(request, n + len(drafts) + lookahead) is None:
@@ -189,6 +199,14 @@ class Scheduler:
             budget -= n
 
         return self._make_output(scheduled, preempted)
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        """Tokens a running request computes this step (its placeholders fed as tokens), or 0
+        while its placeholder may end it or its grammar needs the token first."""
+        ahead = request.num_output_placeholders
+        if ahead and (request.grammar is not None or self._tokens_left(request) <= ahead):
+            return 0
+        return min(request.num_tokens + ahead - request.num_computed_tokens, budget)
 
     def _tokens_left(self, request: Request) -> int:
         return min(request.max_tokens - request.num_output_tokens,
@@ -236,6 +254,8 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> int | None:
         """Give a waiting request its blocks (a cache hit, swap-in or new ones); the number of
         tokens it computes this step, or None if it cannot start now."""
+        if request.num_output_placeholders:  # its last token is still in flight
+            return None
         if request.status == RequestStatus.SWAPPED:
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             copies = self.kv.swap_in(request, n)
@@ -271,12 +291,14 @@ class Scheduler:
                 (out.cached_requests if isinstance(diff, CachedRequestData)
                  else out.new_requests).append(diff)
             drafts = request.spec_token_ids
+            ahead = request.num_output_placeholders
+            sample = start + n == request.num_tokens + ahead
             out.scheduled.append(RequestStep(
                 req_id=request.request_id,
                 start_pos=start,
                 num_new_tokens=n,
-                sample=start + n == request.num_tokens,
-                banned_token_ids=request.banned_token_ids(),
+                sample=sample,
+                banned_token_ids=request.banned_token_ids(ahead),
                 spec_token_ids=drafts,
                 spec_banned_token_ids=[request.banned_token_ids(j)
                                        for j in range(1, len(drafts) + 1)],
@@ -288,6 +310,7 @@ class Scheduler:
             # tokens in flight (drafts included); update_from_output appends sampled tokens
             # and rolls back rejected drafts.
             request.num_computed_tokens = start + n + len(drafts)
+            request.num_output_placeholders += sample
             if request.request_id in self._followers:
                 self._maybe_fork(request)
         return out
@@ -341,6 +364,7 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or not token_ids:
                 continue  # aborted during the step, or a partial prefill chunk
+            request.num_output_placeholders -= 1
             if drafts := request.spec_token_ids:
                 accepted = len(token_ids) - 1  # the accepted drafts, then one sampled token
                 request.num_computed_tokens -= len(drafts) - accepted
@@ -361,7 +385,9 @@ class Scheduler:
             if status is None and request.grammar is not None:
                 status = self._jump_forward(request)
             if status is not None:
-                self.running.remove(request)
+                # preempted after it was scheduled (async scheduling): it waits
+                (self.running if request.status == RequestStatus.RUNNING
+                 else self.waiting).remove(request)
                 self._finish(request, status)
             progressed.append(request)
         return progressed

@@ -20,10 +20,12 @@ the engine is next idle, when the cache is reset.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +86,9 @@ class LLMEngine:
                                                   config.model.vocab_size, self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer)
         self._all_failed_steps = 0  # consecutive steps in which every request failed
+        self._failed: list[RequestOutput] = []  # requests the last step failed (their outputs)
+        # async scheduling: the step the model is running and its output's Future
+        self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
 
     @property
     def runner(self) -> ModelRunner:
@@ -102,7 +107,11 @@ class LLMEngine:
             raise EngineDeadError(f"a worker died: {e}") from e
 
     def shutdown(self) -> None:
-        """Stop the worker processes, if any (idempotent)."""
+        """Finish a step in flight; stop the worker processes, if any (idempotent)."""
+        if self._in_flight is not None:
+            with contextlib.suppress(Exception):  # its requests are being dropped anyway
+                self._in_flight[1].result()
+            self._in_flight = None
         self.executor.shutdown()
 
     @classmethod
@@ -254,7 +263,8 @@ class LLMEngine:
         return self.kv.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        # a step in flight (async scheduling) is one more step() to drain
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(num_running=self.scheduler.num_running,
@@ -274,25 +284,55 @@ class LLMEngine:
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration; raises EngineDeadError for a failure not tied to a request."""
+        """One iteration; raises EngineDeadError for a failure not tied to a request.
+
+        With async scheduling, step N+1 is scheduled while the model runs step N, and runs
+        while step N's outputs are applied and processed (see the module doc)."""
+        if not self.config.scheduler.async_scheduling:
+            sched_out = self._schedule()
+            return self._apply(sched_out, self._run(sched_out))
+        if self._in_flight is None:
+            first = self._schedule()
+            self._in_flight = (first, self.executor.execute_async(first))
+        sched_out, future = self._in_flight
+        next_out = self._schedule()  # meanwhile the model runs sched_out
+        runner_out = self._run(sched_out, future)
+        self._in_flight = (None if next_out.is_empty
+                           else (next_out, self.executor.execute_async(next_out)))
+        return self._apply(sched_out, runner_out)
+
+    def _schedule(self) -> SchedulerOutput:
         # profiler scopes name the parts of a step (benchmarks/profile_step.py)
         with scope("schedule"):
             sched_out = self.scheduler.schedule()
             sched_out.grammar_bitmask = self.structured.submit(sched_out, {
                 r.req_id: g for r in sched_out.scheduled
                 if (g := self.scheduler.requests[r.req_id].grammar) is not None})
-        failed: list[RequestOutput] = []
+        return sched_out
+
+    def _run(self, sched_out: SchedulerOutput,
+             future: Future[ModelRunnerOutput] | None = None) -> ModelRunnerOutput:
+        """The step's output (executed now, or awaited from `future`); a failed step's
+        requests are re-executed one by one (module doc)."""
+        self._failed = []
         try:
-            runner_out = self.executor.execute(sched_out)
+            runner_out = (self.executor.execute(sched_out) if future is None
+                          else future.result())
             self._all_failed_steps = 0
         except KVBlockOpsError as e:
             raise EngineDeadError(f"KV cache block operations failed: {e}") from e
         except WorkerDiedError as e:
             raise EngineDeadError(f"a worker died: {e}") from e
         except Exception as e:
-            runner_out = self._isolate_failure(sched_out, e, failed)
+            runner_out = self._isolate_failure(sched_out, e, self._failed)
         finally:  # the matchers are the worker thread's until their masks are filled
             self.structured.wait(sched_out.grammar_bitmask)
+        return runner_out
+
+    def _apply(self, sched_out: SchedulerOutput,
+               runner_out: ModelRunnerOutput) -> list[RequestOutput]:
+        """The step's tokens into the scheduler and the requests' outputs."""
+        failed = self._failed
         with scope("process_outputs"):
             progressed = self.scheduler.update_from_output(sched_out, runner_out)
             outputs, stopped = self.outputs.process(progressed, runner_out)
@@ -311,7 +351,11 @@ class LLMEngine:
         merged = ModelRunnerOutput([r.req_id for r in sched_out.scheduled],
                                    [[] for _ in sched_out.scheduled])
         culprits: dict[str, Exception] = {}
-        for i, r in enumerate(sched_out.scheduled):
+        # requests that ended since the step was scheduled (async scheduling: a culprit of
+        # the step before) are neither re-executed nor counted
+        live = [i for i, r in enumerate(sched_out.scheduled) if r.req_id in self.scheduler.requests]
+        for i in live:
+            r = sched_out.scheduled[i]
             try:
                 out = self.executor.execute(sched_out.for_request(i), block_ops=False)
             except WorkerDiedError as e:
@@ -322,7 +366,9 @@ class LLMEngine:
             merged.sampled_token_ids[i] = out.sampled_token_ids[0]
             merged.logprobs.update(out.logprobs)
             merged.prompt_logprobs.update(out.prompt_logprobs)
-        everyone = len(culprits) == len(sched_out.scheduled)
+        if not live:
+            return merged
+        everyone = len(culprits) == len(live)
         self._all_failed_steps = self._all_failed_steps + 1 if everyone else 0
         if everyone and (len(culprits) > 1 or self._all_failed_steps >= _MAX_ALL_FAILED_STEPS):
             raise EngineDeadError(f"every request of a step failed: {error}") from error

@@ -4,7 +4,9 @@ The engine talks only to this interface: `execute(sched)` returns the driver ran
 `ModelRunnerOutput`; `num_kv_blocks` / `num_swap_blocks` / `spec_costs` are what the runners
 measured at start-up (the engine sizes its KV cache manager and scheduler by them);
 `check_health()` raises `WorkerDiedError` once a worker is gone; `shutdown()` leaves no process
-behind.
+behind. `execute_async(sched)` runs `execute` on the executor's one step thread and returns its
+Future (async scheduling: the engine schedules the next step meanwhile; the model's kernels
+release the GIL).
 
     uni        the runner in this process (executor/uniproc.py)
     mp         one spawned process per rank, torch.distributed between them
@@ -14,6 +16,7 @@ behind.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from tokenmill.core.interface import ModelRunnerOutput, SchedulerOutput
 from tokenmill.spec_decode.cost_model import SpecCosts
@@ -28,9 +31,17 @@ class Executor(ABC):
     num_swap_blocks: int
     spec_costs: SpecCosts | None
 
+    _step_thread: ThreadPoolExecutor | None = None
+
     @abstractmethod
     def execute(self, sched: SchedulerOutput, block_ops: bool = True) -> ModelRunnerOutput:
         """Run one step (ModelRunner.execute's contract) on every rank; the driver's output."""
+
+    def execute_async(self, sched: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """`execute(sched)` on the step thread (steps run one at a time, in order)."""
+        if self._step_thread is None:
+            self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-step")
+        return self._step_thread.submit(self.execute, sched)
 
     def check_health(self) -> None:  # noqa: B027 (in-process: nothing can die apart)
         """Raise WorkerDiedError if the executor can no longer run steps."""

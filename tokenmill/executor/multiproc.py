@@ -73,6 +73,9 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
+        if self._shm_path is not None:  # every rank has mapped it: no file left behind,
+            os.unlink(self._shm_path)   # however this process ends
+            self._shm_path = None
         self.num_kv_blocks = min(f[0] for f in facts)
         self.num_swap_blocks = min(f[1] for f in facts)
         self.spec_costs = facts[0][2]

@@ -214,6 +214,7 @@ class ModelRunner:
             with scope("draft"):
                 out.draft_token_ids, out.draft_probs = self.drafter.propose(
                     reqs, out.sampled_token_ids)
+        self.states.append_sampled(req_ids, out.sampled_token_ids)
         return out
 
     def _sample(self, sched: SchedulerOutput, reqs: list[ScheduledRequest], batch: InputBatch,

@@ -6,8 +6,16 @@ diffs, in that order (core/interface.py); `resolve(step)` turns a `RequestStep` 
 `ScheduledRequest` the rest of the runner reads: the tokens to feed, the block table, the
 sampling parameters and the prompt / output lists (the runner's own, read-only there).
 
-Invariant: after `update(sched)`, each held request's prompt + outputs and block table equal
-the scheduler's (a diff is absolute: re-applying one changes nothing).
+The runner also appends the tokens it sampled (`append_sampled`): with async scheduling the
+next step is scheduled before the scheduler knows them, and feeds them from here. A diff writes
+its tokens at their absolute indices and never cuts the list, so tokens the runner appended
+itself survive a diff that does not reach them, and are overwritten by the same values when
+one does.
+
+Invariant: after `update(sched)`, each held request's prompt + outputs start with the
+scheduler's (they equal them with synchronous steps; with async scheduling the runner may hold
+its in-flight token too) and its block table equals the scheduler's. Applying a diff twice
+changes nothing.
 """
 
 from __future__ import annotations
@@ -53,10 +61,16 @@ class RequestStates:
             if d.token_start < num_prompt:
                 raise ValueError(f"request {d.req_id}: a diff may not change its prompt "
                                  f"(token_start {d.token_start} < {num_prompt})")
-            del state.output_token_ids[d.token_start - num_prompt:]
-            state.output_token_ids += d.new_token_ids
+            start = d.token_start - num_prompt
+            state.output_token_ids[start:start + len(d.new_token_ids)] = d.new_token_ids
             del state.block_ids[d.block_start:]
             state.block_ids += d.new_block_ids
+
+    def append_sampled(self, req_ids: list[str], sampled: list[list[int]]) -> None:
+        """Tokens this runner sampled in a step (parallel lists; [] for no sample)."""
+        for rid, tokens in zip(req_ids, sampled, strict=True):
+            if tokens and (state := self.requests.get(rid)) is not None:
+                state.output_token_ids += tokens
 
     def resolve(self, step: RequestStep) -> ScheduledRequest:
         state = self.requests.get(step.req_id)

@@ -1,0 +1,105 @@
+"""Async scheduling (vLLM's --async-scheduling): step N+1 is scheduled while the model runs
+step N, feeding the token the runner sampled itself. Outputs must be exactly those of
+synchronous steps (greedy: Hugging Face's) under chunked prefill, prefix-cache hits, preemption
+by recompute and by swap, parallel samples, penalties, logprobs, min_tokens, stop strings and
+EOS, aborts; every KV block comes back. Speculative decoding and TP > 1 are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import assert_kv_all_free, generate_greedy, hf_greedy, mixed_prompts
+from tokenmill import LLM, SamplingParams
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_is_identical_to_hf_under_pressure(tiny_model, mode):
+    path, hf = tiny_model("llama")
+    cases = mixed_prompts(10, 49152, seed=3, max_len=120, max_new=24)
+    llm = LLM(path, async_scheduling=True, num_kv_blocks=40, block_size=8,
+              max_num_batched_tokens=64, max_num_seqs=6, preemption_mode=mode,
+              swap_space="64MiB")
+    got = generate_greedy(llm, cases) + generate_greedy(llm, cases[-1:])
+    cases += cases[-1:]
+    assert got == [hf_greedy(hf, p, m) for p, m in cases]
+    engine = llm.engine
+    assert engine.scheduler.num_preemptions > 0 and engine.kv.prefix_hits > 0
+    assert_kv_all_free(engine)
+
+
+def test_sampled_outputs_are_those_of_synchronous_steps(tiny_model):
+    """Seeded sampling with penalties (which read the runner's own copy of the outputs, its
+    in-flight token included), n = 3, logprobs and min_tokens; some requests end by EOS or a
+    stop string (a step already scheduled for them is dropped)."""
+    path, _ = tiny_model("llama")
+    params = [SamplingParams(temperature=0.9, seed=5, max_tokens=30, n=3, presence_penalty=0.5,
+                             frequency_penalty=0.3, repetition_penalty=1.2, logprobs=2,
+                             min_tokens=4),
+              SamplingParams(temperature=1.3, seed=7, max_tokens=40, top_k=50, stop=["e"]),
+              SamplingParams(temperature=0, max_tokens=25, logprobs=1)]
+    prompts = [[5, 6, 7, 8] * 5, list(range(300, 340)), [9] * 30]
+    results, logprobs = [], []
+    for async_scheduling in (False, True):
+        llm = LLM(path, async_scheduling=async_scheduling, num_kv_blocks=64)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([[(c.token_ids, c.text, c.finish_reason) for c in o.outputs]
+                        for o in outs])
+        logprobs.append([d for o in outs for c in o.outputs for d in c.logprobs or []])
+        assert_kv_all_free(llm.engine)
+    assert results[0] == results[1]
+    # steps are batched differently (a step ahead), so the logits' last bits may differ
+    assert len(logprobs[0]) == len(logprobs[1]) > 100
+    for a, b in zip(*logprobs, strict=True):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+        # the top-k keep their ranks (a sampled token far down may swap with a near tie)
+        assert {t: lp.rank for t, lp in a.items() if lp.rank <= 2} == \
+            {t: lp.rank for t, lp in b.items() if lp.rank <= 2}
+    reasons = {c[2] for o in results[0] for c in o}
+    assert "stop" in reasons and "length" in reasons
+
+
+def test_chat_answers_with_eos_are_unchanged(smollm2_path):
+    chats = [[{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "user", "content": "Name three colours."}]]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    answers = []
+    for async_scheduling in (False, True):
+        llm = LLM(smollm2_path, async_scheduling=async_scheduling, kv_cache_memory="64MiB")
+        outs = llm.chat(chats, params, use_tqdm=False)
+        answers.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
+        assert_kv_all_free(llm.engine)
+    assert answers[0] == answers[1]
+    assert answers[1][0][1] == "stop"  # ended by EOS with a step in flight
+
+
+def test_abort_with_a_step_in_flight_frees_everything(tiny_model):
+    path, _ = tiny_model("llama")
+    llm = LLM(path, async_scheduling=True, num_kv_blocks=64)
+    engine = llm.engine
+    for i in range(3):
+        engine.add_request(str(i), [5, 6, 7, 8, 9], SamplingParams(max_tokens=50,
+                                                                  ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine._in_flight is not None
+    for i in range(3):
+        assert engine.abort_request(str(i))
+    while engine.has_unfinished_requests():  # drains the step in flight
+        assert engine.step() == []
+    assert_kv_all_free(engine)
+    engine.add_request("after", [5, 6, 7], SamplingParams(max_tokens=5, temperature=0))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 5
+
+
+@pytest.mark.parametrize("options", [
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+    {"tensor_parallel_size": 2},
+])
+def test_refused_with_what_it_does_not_run_with(tiny_model, options):
+    path, _ = tiny_model("llama")
+    with pytest.raises(ValueError, match="async_scheduling does not run with"):
+        LLM(path, async_scheduling=True, **options)
