@@ -1,6 +1,7 @@
 """The engine's own work in a decode step, next to the model's, without the profiler.
 
     python benchmarks/step_overhead.py [--model PATH] [--steps 64] [--async-rounds 3]
+                                       [--parts overhead,async]
 
 For decode batches of 1 and 64 (SmolLM2 float32 unless --model), each step's wall time is
 split into the model's forward pass and logits (timed around the model's own methods) and
@@ -18,7 +19,10 @@ median ms between step() returns, rounds alternated between the two engines.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from typing import Any
@@ -61,23 +65,35 @@ def instrument(llm: LLM) -> Timings:
     return timings
 
 
+def start_decode_batch(llm: LLM, batch: int, prompt_len: int, max_tokens: int,
+                       tag: str) -> None:
+    """`batch` requests prefilled (chunked) until every one decodes."""
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(f"{tag}-{i}", [1000 + (i * 7 + j) % 40000 for j in range(prompt_len)],
+                        params)
+    while eng.scheduler.num_waiting:
+        eng.step()
+    eng.step()
+
+
+def step_walls(llm: LLM) -> list[float]:
+    """Seconds between step() returns until the batch is done."""
+    walls = []
+    while llm.engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        llm.engine.step()
+        walls.append(time.perf_counter() - t0)
+    return walls
+
+
 def decode_steps(llm: LLM, timings: Timings, batch: int, prompt_len: int, steps: int
                  ) -> dict[str, float]:
     """Median ms per decode step of each part, for `batch` requests decoding together."""
-    eng = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
-    for i in range(batch):
-        eng.add_request(f"b{batch}-{i}", [1000 + (i * 7 + j) % 40000 for j in range(prompt_len)],
-                        params)
-    while eng.scheduler.num_waiting:  # prefill (chunked) until every request decodes
-        eng.step()
-    eng.step()
+    start_decode_batch(llm, batch, prompt_len, steps + 1, f"b{batch}")
     timings.clear()
-    walls = []
-    while eng.has_unfinished_requests():
-        t0 = time.perf_counter()
-        eng.step()
-        walls.append(time.perf_counter() - t0)
+    walls = step_walls(llm)
     med = lambda xs: statistics.median(xs) * 1e3
     parts = {"wall": med(walls)}
     parts.update({k: med(v) for k, v in timings.items()})
@@ -88,38 +104,39 @@ def decode_steps(llm: LLM, timings: Timings, batch: int, prompt_len: int, steps:
 
 def step_wall(llm: LLM, batch: int, prompt_len: int, steps: int, tag: str) -> float:
     """Median ms per decode step (between step() returns) for `batch` decoding requests."""
-    eng = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
-    for i in range(batch):
-        eng.add_request(f"{tag}-{i}", [1000 + (i * 7 + j) % 40000 for j in range(prompt_len)],
-                        params)
-    while eng.scheduler.num_waiting:
-        eng.step()
-    eng.step()
-    eng.step()
-    walls = []
-    while eng.has_unfinished_requests():
-        t0 = time.perf_counter()
-        eng.step()
-        walls.append(time.perf_counter() - t0)
-    return statistics.median(walls[:-2]) * 1e3  # the last steps drain the batch
+    start_decode_batch(llm, batch, prompt_len, steps + 2, tag)
+    llm.engine.step()  # async: the pipeline is full from here
+    return statistics.median(step_walls(llm)[:-2]) * 1e3  # the last steps drain the batch
 
 
 def async_part(model: str | None, steps: int, rounds: int) -> None:
-    engines = {"sync": LLM(model), "async": LLM(model, async_scheduling=True)}
+    """Each (mode, round) in a fresh process, modes alternated: two engines in one process
+    share a machine's OpenMP pools and disturb each other's figures."""
     print(f"\nasync scheduling: ms per decode step (median over {steps} steps; "
-          f"{rounds} alternated rounds each)")
+          f"{rounds} alternated rounds each, each in a fresh process)")
+    got: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for _ in range(rounds):
+        for mode in ("sync", "async"):
+            cmd = [sys.executable, __file__, "--probe", mode, "--steps", str(steps)]
+            if model:
+                cmd += ["--model", model]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            for batch, ms in json.loads(out.strip().splitlines()[-1]).items():
+                got[(mode, int(batch))].append(ms)
     print(f"{'batch':>5}{'sync':>10}{'async':>10}{'saved':>10}{'saved %':>9}")
-    for batch, prompt_len in ((1, 128), (64, 32)):
-        got: dict[str, list[float]] = defaultdict(list)
-        for r in range(rounds):
-            for name, llm in engines.items():
-                got[name].append(step_wall(llm, batch, prompt_len, steps, f"{name}{r}"))
-        sync, asyn = statistics.median(got["sync"]), statistics.median(got["async"])
+    for batch in (1, 64):
+        sync, asyn = (statistics.median(got[(m, batch)]) for m in ("sync", "async"))
         print(f"{batch:>5}{sync:>10.3f}{asyn:>10.3f}{sync - asyn:>10.3f}"
               f"{100 * (sync - asyn) / sync:>8.1f}%   rounds: sync "
-              + " ".join(f"{x:.2f}" for x in got["sync"]) + " | async "
-              + " ".join(f"{x:.2f}" for x in got["async"]))
+              + " ".join(f"{x:.2f}" for x in got[("sync", batch)]) + " | async "
+              + " ".join(f"{x:.2f}" for x in got[("async", batch)]))
+
+
+def probe(model: str | None, mode: str, steps: int) -> None:
+    """One engine, one mode: print {batch: ms per decode step} as JSON."""
+    llm = LLM(model, async_scheduling=mode == "async")
+    print(json.dumps({batch: step_wall(llm, batch, prompt_len, steps, f"p{batch}")
+                      for batch, prompt_len in ((1, 128), (64, 32))}))
 
 
 def main() -> None:
@@ -127,21 +144,33 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--async-rounds", type=int, default=3)
+    parser.add_argument("--parts", default="overhead,async",
+                        help="overhead (with the argmax comparison), async")
+    parser.add_argument("--probe", choices=["sync", "async"], default=None,
+                        help=argparse.SUPPRESS)  # one async_part measurement
     args = parser.parse_args()
+    if args.probe:
+        return probe(args.model, args.probe, args.steps)
     print(describe_machine())
-    llm = LLM(args.model)
+    if "overhead" in args.parts:
+        llm = LLM(args.model)
+        overhead_part(llm, args.steps)
+        if cpu_ops.ops_available():
+            argmax_part(llm)
+        del llm
+    if "async" in args.parts:
+        async_part(args.model, args.steps, args.async_rounds)
+
+
+def overhead_part(llm: LLM, steps: int) -> None:
     timings = instrument(llm)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     cols = ["wall", "forward", "logits", "engine", "schedule", "inputs", "metadata", "sample",
             "outputs"]
     print("batch " + "".join(f"{c:>10}" for c in cols) + "   (ms per decode step, medians)")
     for batch, prompt_len in ((1, 128), (64, 32)):
-        parts = decode_steps(llm, timings, batch, prompt_len, args.steps)
+        parts = decode_steps(llm, timings, batch, prompt_len, steps)
         print(f"{batch:>5} " + "".join(f"{parts[c]:>10.3f}" for c in cols))
-    if cpu_ops.ops_available():
-        argmax_part(llm)
-    del llm
-    async_part(args.model, args.steps, args.async_rounds)
 
 
 def argmax_part(llm: LLM) -> None:

@@ -33,16 +33,26 @@ if TYPE_CHECKING:
     import torch
 
 
-class _SamplePositions:
-    """Mixin: the positions a step samples, from `sample` and `spec_token_ids`."""
+@dataclass(kw_only=True)
+class _DraftWork:
+    """Speculative decoding's share of a step (RequestStep and ScheduledRequest carry it
+    alike): the drafts fed after the last token, which the step samples at the last
+    1 + len(spec_token_ids) positions and verifies, the bans at draft position j (>= 1) being
+    spec_banned_token_ids[j - 1]."""
 
-    sample: bool
-    spec_token_ids: list[int]
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_banned_token_ids: list[list[int]] = field(default_factory=list)
+    # (len(spec_token_ids), V): the distribution each draft was sampled from (a draft model's,
+    # for a sampled request); None: drafts chosen outright (lookups, greedy drafts), one-hot
+    spec_draft_probs: torch.Tensor | None = None
+    # A draft model's work after this step (vLLM's num_lookahead_tokens): draft this many
+    # tokens past the ones the step emits, into slots the scheduler has reserved.
+    num_lookahead_tokens: int = 0
 
     @property
     def num_sample_positions(self) -> int:
         """Positions whose logits this step samples: the last one, and one per draft."""
-        return 1 + len(self.spec_token_ids) if self.sample else 0
+        return 1 + len(self.spec_token_ids) if self.sample else 0  # sample: the subclass's
 
 
 @dataclass
@@ -70,7 +80,7 @@ class CachedRequestData:
 
 
 @dataclass
-class RequestStep(_SamplePositions):
+class RequestStep(_DraftWork):
     """One request's share of a step: compute its tokens [start_pos, start_pos +
     num_new_tokens), then the draft tokens after them."""
 
@@ -79,11 +89,6 @@ class RequestStep(_SamplePositions):
     num_new_tokens: int  # of the request's own tokens (drafts not counted)
     sample: bool  # True when this step reaches the request's last known token
     banned_token_ids: list[int] = field(default_factory=list)  # min_tokens: EOS/stop ids
-    # Speculative decoding: as in ScheduledRequest
-    spec_token_ids: list[int] = field(default_factory=list)
-    spec_banned_token_ids: list[list[int]] = field(default_factory=list)
-    spec_draft_probs: torch.Tensor | None = None
-    num_lookahead_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -91,7 +96,7 @@ class RequestStep(_SamplePositions):
 
 
 @dataclass
-class ScheduledRequest(_SamplePositions):
+class ScheduledRequest(_DraftWork):
     """A `RequestStep` resolved by the runner against the request's state: compute `token_ids`
     at positions start_pos, start_pos+1, …; the lists are the runner's own (read-only here)."""
 
@@ -104,17 +109,7 @@ class ScheduledRequest(_SamplePositions):
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     banned_token_ids: list[int] = field(default_factory=list)  # min_tokens: EOS/stop ids
-    # Speculative decoding: the drafts fed after the last token (token_ids ends with them);
-    # the step samples at the last 1 + len(spec_token_ids) positions and verifies them, the
-    # bans at draft position j (>= 1) being spec_banned_token_ids[j - 1].
-    spec_token_ids: list[int] = field(default_factory=list)
-    spec_banned_token_ids: list[list[int]] = field(default_factory=list)
-    # (len(spec_token_ids), V): the distribution each draft was sampled from (a draft model's,
-    # for a sampled request); None: drafts chosen outright (lookups, greedy drafts), one-hot
-    spec_draft_probs: torch.Tensor | None = None
-    # A draft model's work after this step (vLLM's num_lookahead_tokens): draft this many
-    # tokens past the ones the step emits, into slots the scheduler has reserved.
-    num_lookahead_tokens: int = 0
+    # token_ids ends with the drafts (_DraftWork)
 
     @property
     def num_tokens(self) -> int:

@@ -16,10 +16,14 @@ release the GIL).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from tokenmill.core.interface import ModelRunnerOutput, SchedulerOutput
 from tokenmill.spec_decode.cost_model import SpecCosts
+
+T = TypeVar("T")
 
 
 class WorkerDiedError(RuntimeError):
@@ -39,9 +43,13 @@ class Executor(ABC):
 
     def execute_async(self, sched: SchedulerOutput) -> Future[ModelRunnerOutput]:
         """`execute(sched)` on the step thread (steps run one at a time, in order)."""
+        return self._submit(self.execute, sched)
+
+    def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """fn(*args) on the executor's one step thread."""
         if self._step_thread is None:
             self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-step")
-        return self._step_thread.submit(self.execute, sched)
+        return self._step_thread.submit(fn, *args)
 
     def check_health(self) -> None:  # noqa: B027 (in-process: nothing can die apart)
         """Raise WorkerDiedError if the executor can no longer run steps."""
