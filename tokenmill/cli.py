@@ -83,9 +83,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="split the model's heads, MLP and vocabulary over this many worker "
                         "processes (gloo on CPU, NCCL on CUDA)")
-    g.add_argument("--distributed-executor-backend", choices=["uni", "mp"], default=None,
+    g.add_argument("--distributed-executor-backend", choices=["uni", "mp", "ray"],
+                   default=None,
                    help="where the ranks run: uni (this process, size 1), mp (one process "
-                        "per rank; the default above size 1)")
+                        "per rank; the default above size 1), ray (Ray actors on a Ray "
+                        "cluster's machines: docs/parallel.md)")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

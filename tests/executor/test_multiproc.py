@@ -87,7 +87,7 @@ def test_smollm2_split_three_ways(smollm2_path):
     ({"tensor_parallel_size": 3}, "cannot split 4 attention heads / 2 KV heads"),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "needs 'mp'"),
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size > 1 is not supported yet"),
-    ({"distributed_executor_backend": "ray"}, "'ray' is not supported yet"),
+    ({"distributed_executor_backend": "slurm"}, "must be one of uni, mp, ray"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
 ])
 def test_bad_parallel_options_are_refused_at_start(tiny_model, options, message):

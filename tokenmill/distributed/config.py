@@ -2,7 +2,8 @@
 
     --tensor-parallel-size N            attention heads, MLP and vocabulary split over N ranks
     --distributed-executor-backend B    "uni" (this process, size 1 only), "mp" (one spawned
-                                        process per rank; the default above size 1)
+                                        process per rank; the default above size 1), "ray"
+                                        (Ray actors, on a Ray cluster's machines)
 
 Validated at start-up against the model (`check_model`): a size that cannot split the heads,
 or a feature that does not run split yet, is a ValueError naming both.
@@ -13,9 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-EXECUTOR_BACKENDS = ("uni", "mp")
-# Named by vLLM and planned here; refused with a clear message until built.
-PLANNED_EXECUTOR_BACKENDS = ("ray",)
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 @dataclass(frozen=True)
@@ -34,15 +33,18 @@ class ParallelConfig:
             if getattr(self, name) != 1:
                 raise ValueError(f"{name} > 1 is not supported yet (tensor_parallel_size is)")
         backend = self.distributed_executor_backend
-        if backend in PLANNED_EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend={backend!r} is not supported yet; "
-                             f"use one of {', '.join(EXECUTOR_BACKENDS)}")
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of "
                              f"{', '.join(EXECUTOR_BACKENDS)}, got {backend!r}")
         if backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one process; a world of "
-                             f"{self.world_size} ranks needs 'mp'")
+                             f"{self.world_size} ranks needs 'mp' or 'ray'")
+        if backend == "ray":
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                raise ValueError("distributed_executor_backend='ray' needs Ray: "
+                                 "pip install 'tokenmill[ray]'")
 
     @property
     def world_size(self) -> int:
@@ -50,7 +52,7 @@ class ParallelConfig:
 
     @property
     def executor_backend(self) -> str:
-        """The backend that runs this config ("uni" or "mp")."""
+        """The backend that runs this config ("uni", "mp" or "ray")."""
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
         return "uni" if self.world_size == 1 else "mp"

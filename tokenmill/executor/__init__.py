@@ -14,6 +14,10 @@ def make_executor(config: EngineConfig) -> Executor:
         from tokenmill.executor.uniproc import UniProcExecutor
 
         return UniProcExecutor(config)
+    if backend == "ray":
+        from tokenmill.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config)
     from tokenmill.executor.multiproc import MultiprocExecutor
 
     return MultiprocExecutor(config)

@@ -30,6 +30,26 @@ class WorkerDiedError(RuntimeError):
     """A worker process ended or failed: the engine cannot go on."""
 
 
+def driver_output(replies: list[tuple[str, Any]]) -> ModelRunnerOutput:
+    """The driver's (rank 0's) output from every rank's reply to a step (worker_proc.py).
+
+    A failure of the driver alone, or of every rank alike (the same inputs fail the same way),
+    is one step's failure, raised for the engine to isolate (RuntimeError, or KVBlockOpsError
+    for the block copies). A rank failing while the driver did not is fatal: its collectives
+    may be out of step with the others' (WorkerDiedError)."""
+    from tokenmill.worker.model_runner import KVBlockOpsError
+
+    failed = {rank: why for rank, (kind, why) in enumerate(replies) if kind != "ok"}
+    if not failed:
+        return replies[0][1]
+    symmetric = len(failed) == len(replies) and len(set(failed.values())) == 1
+    if set(failed) != {0} and not symmetric:
+        raise WorkerDiedError("; ".join(f"rank {r}: {why}" for r, why in failed.items()))
+    if replies[0][0] == "kv_error":
+        raise KVBlockOpsError(replies[0][1])
+    raise RuntimeError(replies[0][1])
+
+
 class Executor(ABC):
     num_kv_blocks: int
     num_swap_blocks: int

@@ -6,10 +6,8 @@ replies; the driver's
 (rank 0's) reply carries the sampled tokens. Waiting for replies also watches the processes, so
 a rank that dies mid-step fails the step at once (`WorkerDiedError`) instead of hanging.
 
-Failure rules: a rank that dies or fails while the driver did not is fatal (its collectives may
-be out of step): every worker is stopped and `WorkerDiedError` raised. A failure of the driver
-(alone, or every rank failing the same way: the same inputs fail alike) is one step's failure,
-raised as RuntimeError for the engine to isolate (llm_engine.py).
+Failure rules (`driver_output`, executor/base.py): a rank that dies, or fails while the driver
+did not, is fatal: every worker is stopped and `WorkerDiedError` raised.
 
 Workers are spawned (not forked: the engine process holds threads), so a script that builds an
 engine with tensor_parallel_size > 1 needs the `if __name__ == "__main__":` guard, as in vLLM.
@@ -26,15 +24,14 @@ import tempfile
 import time
 from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.interface import ModelRunnerOutput, SchedulerOutput
 from tokenmill.distributed import shm_all_reduce
-from tokenmill.executor.base import Executor, WorkerDiedError
-from tokenmill.worker.model_runner import KVBlockOpsError
+from tokenmill.executor.base import Executor, WorkerDiedError, driver_output
 from tokenmill.worker.worker_proc import worker_main
 
 logger = logging.getLogger(__name__)
@@ -105,15 +102,10 @@ class MultiprocExecutor(Executor):
         except OSError as e:
             self._fail(f"a worker's pipe broke ({e})")
         replies = self._gather()
-        failed = {rank: why for rank, (kind, why) in enumerate(replies) if kind != "ok"}
-        if not failed:
-            return replies[0][1]
-        symmetric = len(failed) == self.world_size and len(set(failed.values())) == 1
-        if set(failed) != {0} and not symmetric:
-            self._fail("; ".join(f"rank {r}: {why}" for r, why in failed.items()))
-        if replies[0][0] == "kv_error":
-            raise KVBlockOpsError(replies[0][1])
-        raise RuntimeError(replies[0][1])
+        try:
+            return driver_output(replies)
+        except WorkerDiedError as e:
+            self._fail(str(e))
 
     def _gather(self) -> list[tuple[str, Any]]:
         """Every rank's reply to this step; WorkerDiedError when a rank dies first."""
@@ -138,7 +130,7 @@ class MultiprocExecutor(Executor):
         p.join(timeout=_JOIN_TIMEOUT_S)  # it has exited or is exiting: its exit code
         return f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: str) -> NoReturn:
         self._dead = why
         logger.error("executor failed: %s; stopping every worker", why)
         self.shutdown(graceful=False)

@@ -41,6 +41,42 @@ def _die_with_parent() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
 
 
+def build_runner(rank: int, world_size: int, config: Any, init_method: str,
+                 shm_path: str | None) -> Any:
+    """Join the process group, map the all-reduce segment, build this rank's ModelRunner
+    (shared by the pipe loop below and the Ray actor, executor/ray_executor.py)."""
+    from tokenmill.distributed import ParallelState
+    from tokenmill.distributed.shm_all_reduce import ShmAllReduce
+    from tokenmill.worker.model_runner import ModelRunner
+
+    cuda = config.device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    torch.distributed.init_process_group(
+        "nccl" if cuda else "gloo", init_method=init_method, rank=rank,
+        world_size=world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    comm = None if shm_path is None else ShmAllReduce(shm_path, rank, world_size)
+    return ModelRunner(config, ParallelState(rank, world_size, comm))
+
+
+def runner_facts(runner: Any) -> tuple[int, int, Any]:
+    """What the engine sizes itself by: KV blocks, swap blocks, speculative costs."""
+    return runner.num_kv_blocks, runner.num_swap_blocks, runner.spec_costs
+
+
+def execute_step(runner: Any, sched: Any, block_ops: bool) -> tuple[str, Any]:
+    """One step's reply (see the module doc)."""
+    from tokenmill.worker.model_runner import KVBlockOpsError
+
+    try:
+        out = runner.execute(sched, block_ops)
+        return ("ok", out if runner.is_driver else None)
+    except KVBlockOpsError as e:
+        return ("kv_error", str(e))
+    except Exception as e:  # the engine decides: one request's failure, or a dead rank
+        return ("error", f"{type(e).__name__}: {e}")
+
+
 def worker_main(rank: int, world_size: int, config: Any, init_method: str, conn: Connection,
                 num_threads: int, log_level: int, shm_path: str | None) -> None:
     _die_with_parent()
@@ -48,42 +84,17 @@ def worker_main(rank: int, world_size: int, config: Any, init_method: str, conn:
                         format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
     torch.set_num_threads(num_threads)
     try:
-        from tokenmill.distributed import ParallelState
-        from tokenmill.distributed.shm_all_reduce import ShmAllReduce
-        from tokenmill.worker.model_runner import ModelRunner
-
-        cuda = config.device.startswith("cuda")
-        if cuda:
-            torch.cuda.set_device(rank)
-        torch.distributed.init_process_group(
-            "nccl" if cuda else "gloo", init_method=init_method, rank=rank,
-            world_size=world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        comm = None if shm_path is None else ShmAllReduce(shm_path, rank, world_size)
-        runner = ModelRunner(config, ParallelState(rank, world_size, comm))
-        conn.send(("ready", (runner.num_kv_blocks, runner.num_swap_blocks, runner.spec_costs)))
+        runner = build_runner(rank, world_size, config, init_method, shm_path)
+        conn.send(("ready", runner_facts(runner)))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
-    _serve(runner, conn)
-    torch.distributed.destroy_process_group()
-
-
-def _serve(runner: Any, conn: Connection) -> None:
-    from tokenmill.worker.model_runner import KVBlockOpsError
-
     while True:
         try:
             msg = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             os._exit(0)  # the engine is gone: nothing left to serve
         if msg[0] == "shutdown":
-            return
-        _, sched, block_ops = msg
-        try:
-            out = runner.execute(sched, block_ops)
-            reply: tuple[str, Any] = ("ok", out if runner.is_driver else None)
-        except KVBlockOpsError as e:
-            reply = ("kv_error", str(e))
-        except Exception as e:  # the engine decides: one request's failure, or a dead rank
-            reply = ("error", f"{type(e).__name__}: {e}")
-        conn.send(reply)
+            break
+        conn.send(execute_step(runner, msg[1], msg[2]))
+    torch.distributed.destroy_process_group()

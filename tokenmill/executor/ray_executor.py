@@ -1,0 +1,187 @@
+"""RayExecutor: the tensor-parallel ranks as Ray actors (vLLM's `--distributed-executor-backend
+ray`), placed by a placement group on a running Ray cluster, one machine or several.
+
+    ray start --head                       # on the first machine
+    ray start --address=HEAD_IP:6379       # on each other machine
+    tokenmill serve MODEL --tensor-parallel-size N --distributed-executor-backend ray
+
+The engine connects to the cluster it finds (`ray.init()`: $RAY_ADDRESS, or one started on
+this machine; a new local instance otherwise; an engine built after the caller's own
+`ray.init(...)` uses that). One bundle per rank ({"CPU": 1}, or {"GPU": 1} on CUDA), packed on
+as few machines as will hold them. Every rank runs the same code as a multiprocess worker
+(worker/worker_proc.py: build_runner, execute_step); ranks on one machine share the
+shared-memory all-reduce, ranks across machines all-reduce through gloo / NCCL.
+
+A step is one `ray.put` of the pickled SchedulerOutput and one call per actor; a dead actor
+fails the step at once (its call raises) and every actor is killed; `check_health` pings them
+when the engine is idle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import time
+from typing import Any, NoReturn
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.interface import ModelRunnerOutput, SchedulerOutput
+from tokenmill.executor.base import Executor, WorkerDiedError, driver_output
+
+logger = logging.getLogger(__name__)
+_START_TIMEOUT_S = 600.0
+_PING_TIMEOUT_S = 10.0
+
+
+class RayWorker:
+    """One rank, as a Ray actor (created with ray.remote(RayWorker))."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.runner: Any = None
+
+    def place(self) -> tuple[str, str]:
+        """(node id, node IP) of the machine this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def create_segment(self) -> str:
+        from tokenmill.distributed import shm_all_reduce
+
+        return shm_all_reduce.create_segment(self.world_size)
+
+    def remove(self, path: str) -> None:
+        os.unlink(path)
+
+    def start(self, config: EngineConfig, init_method: str, shm_path: str | None,
+              num_threads: int, local: bool) -> tuple[int, int, Any]:
+        import torch
+
+        from tokenmill.worker.worker_proc import build_runner, runner_facts
+
+        if local:  # every rank on this machine: gloo over loopback
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        torch.set_num_threads(num_threads)
+        self.runner = build_runner(self.rank, self.world_size, config, init_method, shm_path)
+        return runner_facts(self.runner)
+
+    def execute(self, data: bytes, block_ops: bool) -> tuple[str, Any]:
+        from tokenmill.worker.worker_proc import execute_step
+
+        return execute_step(self.runner, pickle.loads(data), block_ops)
+
+    def ping(self) -> bool:
+        return True
+
+
+class RayExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not ray.is_initialized():
+            ray.init()
+        self.world_size = config.parallel.world_size
+        self._dead: str | None = None
+        self._closed = False
+        t0 = time.perf_counter()
+        resource = "GPU" if config.device.startswith("cuda") else "CPU"
+        self._pg = placement_group([{resource: 1}] * self.world_size, strategy="PACK")
+        ray.get(self._pg.ready(), timeout=_START_TIMEOUT_S)
+        actor_cls = ray.remote(num_cpus=1 if resource == "CPU" else 0,
+                               num_gpus=1 if resource == "GPU" else 0)(RayWorker)
+        self.actors = [actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            self._pg, placement_group_bundle_index=rank)).remote(rank, self.world_size)
+            for rank in range(self.world_size)]
+        try:
+            places = ray.get([a.place.remote() for a in self.actors], timeout=_START_TIMEOUT_S)
+            local = len({node for node, _ in places}) == 1
+            port = ray.get(self.actors[0].free_port.remote())
+            init_method = f"tcp://{places[0][1]}:{port}"
+            shm_path = (ray.get(self.actors[0].create_segment.remote())
+                        if local and resource == "CPU" else None)
+            threads = max(1, (os.cpu_count() or 1) // self.world_size) if local else 1
+            facts = self._get([a.start.remote(config, init_method, shm_path, threads, local)
+                               for a in self.actors], "start")
+            if shm_path is not None:  # every rank mapped it
+                ray.get(self.actors[0].remove.remote(shm_path))
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_kv_blocks = min(f[0] for f in facts)
+        self.num_swap_blocks = min(f[1] for f in facts)
+        self.spec_costs = facts[0][2]
+        logger.info("%d Ray workers ready on %d node(s) in %.1f s", self.world_size,
+                    len({node for node, _ in places}), time.perf_counter() - t0)
+
+    def _get(self, refs: list[Any], what: str) -> list[Any]:
+        """Every result, in rank order; the first failure (a dead actor, an exception) raised
+        as soon as it happens, not after the slower ranks."""
+        import ray
+
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayActorError as e:
+                self._fail(f"Ray worker rank {refs.index(ready[0])} died during {what}: {e}")
+            except ray.exceptions.RayTaskError as e:
+                if what == "start":
+                    raise RuntimeError(f"Ray worker rank {refs.index(ready[0])} failed to "
+                                       f"start:\n{e}") from None
+                raise
+        return ray.get(refs)
+
+    def execute(self, sched: SchedulerOutput, block_ops: bool = True) -> ModelRunnerOutput:
+        import ray
+
+        from tokenmill.executor.multiproc import _with_masks
+
+        self.check_health(ping=False)
+        if sched.grammar_bitmask is not None and not isinstance(sched.grammar_bitmask, dict):
+            sched = _with_masks(sched)
+        data = ray.put(pickle.dumps(sched, protocol=pickle.HIGHEST_PROTOCOL))
+        replies = self._get([a.execute.remote(data, block_ops) for a in self.actors], "a step")
+        try:
+            return driver_output(replies)
+        except WorkerDiedError as e:
+            self._fail(str(e))
+
+    def _fail(self, why: str) -> NoReturn:
+        self._dead = why
+        logger.error("executor failed: %s; stopping every worker", why)
+        self.shutdown()
+        raise WorkerDiedError(why)
+
+    def check_health(self, ping: bool = True) -> None:
+        import ray
+
+        if ping and self._dead is None and not self._closed:
+            try:
+                ray.get([a.ping.remote() for a in self.actors], timeout=_PING_TIMEOUT_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                self._dead = f"a Ray worker is gone: {type(e).__name__}: {e}"
+                self.shutdown()
+        if self._dead is not None:
+            raise WorkerDiedError(self._dead)
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if self._closed:
+            return
+        self._closed = True
+        for a in getattr(self, "actors", []):
+            ray.kill(a)
+        remove_placement_group(self._pg)
