@@ -42,27 +42,22 @@ def create_segment(world_size: int, slot_bytes: int = SLOT_BYTES) -> str:
 class ShmAllReduce:
     def __init__(self, path: str, rank: int, world_size: int,
                  slot_bytes: int = SLOT_BYTES) -> None:
-        from tokenmill.layers import cpu_ops
-
         self.rank, self.world_size, self.slot_bytes = rank, world_size, slot_bytes
         self.segment = torch.from_file(path, shared=True, size=segment_bytes(world_size,
                                                                              slot_bytes),
                                        dtype=torch.uint8)
         self.seq = 0  # the last sequence number used (the same on every rank)
-        module = cpu_ops._ops()
-        self._op = None if module is None else module.shm_all_reduce_
-
-    def applies(self, x: torch.Tensor) -> bool:
-        return self._op is not None and x.dtype == torch.float32 and x.device.type == "cpu"
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place (every rank gets the same bits)."""
-        if not self.applies(x):
+        from tokenmill.layers import cpu_ops
+
+        if not cpu_ops.fused(x):  # float32 on CPU with the kernels built, alike on every rank
             torch.distributed.all_reduce(x)
             return x
         y = x if x.is_contiguous() else x.contiguous()
-        self.seq = self._op(y, self.segment, self.rank, self.world_size, self.slot_bytes,
-                            self.seq, TIMEOUT_S)
+        self.seq = cpu_ops.shm_all_reduce_(y, self.segment, self.rank, self.world_size,
+                                           self.slot_bytes, self.seq, TIMEOUT_S)
         if y is not x:
             x.copy_(y)
         return x

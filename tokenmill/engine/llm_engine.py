@@ -86,7 +86,6 @@ class LLMEngine:
                                                   config.model.vocab_size, self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer)
         self._all_failed_steps = 0  # consecutive steps in which every request failed
-        self._failed: list[RequestOutput] = []  # requests the last step failed (their outputs)
         # async scheduling: the step the model is running and its output's Future
         self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
 
@@ -104,7 +103,7 @@ class LLMEngine:
         try:
             self.executor.check_health()
         except WorkerDiedError as e:
-            raise EngineDeadError(f"a worker died: {e}") from e
+            raise _worker_died(e) from e
 
     def shutdown(self) -> None:
         """Finish a step in flight; stop the worker processes, if any (idempotent)."""
@@ -290,16 +289,16 @@ class LLMEngine:
         while step N's outputs are applied and processed (see the module doc)."""
         if not self.config.scheduler.async_scheduling:
             sched_out = self._schedule()
-            return self._apply(sched_out, self._run(sched_out))
+            return self._apply(sched_out, *self._run(sched_out))
         if self._in_flight is None:
             first = self._schedule()
             self._in_flight = (first, self.executor.execute_async(first))
         sched_out, future = self._in_flight
         next_out = self._schedule()  # meanwhile the model runs sched_out
-        runner_out = self._run(sched_out, future)
+        runner_out, failed = self._run(sched_out, future)
         self._in_flight = (None if next_out.is_empty
                            else (next_out, self.executor.execute_async(next_out)))
-        return self._apply(sched_out, runner_out)
+        return self._apply(sched_out, runner_out, failed)
 
     def _schedule(self) -> SchedulerOutput:
         # profiler scopes name the parts of a step (benchmarks/profile_step.py)
@@ -310,11 +309,12 @@ class LLMEngine:
                 if (g := self.scheduler.requests[r.req_id].grammar) is not None})
         return sched_out
 
-    def _run(self, sched_out: SchedulerOutput,
-             future: Future[ModelRunnerOutput] | None = None) -> ModelRunnerOutput:
-        """The step's output (executed now, or awaited from `future`); a failed step's
-        requests are re-executed one by one (module doc)."""
-        self._failed = []
+    def _run(self, sched_out: SchedulerOutput, future: Future[ModelRunnerOutput] | None = None
+             ) -> tuple[ModelRunnerOutput, list[RequestOutput]]:
+        """The step's output (executed now, or awaited from `future`) and the final outputs of
+        the requests it failed: a failed step's requests are re-executed one by one (module
+        doc)."""
+        failed: list[RequestOutput] = []
         try:
             runner_out = (self.executor.execute(sched_out) if future is None
                           else future.result())
@@ -322,17 +322,17 @@ class LLMEngine:
         except KVBlockOpsError as e:
             raise EngineDeadError(f"KV cache block operations failed: {e}") from e
         except WorkerDiedError as e:
-            raise EngineDeadError(f"a worker died: {e}") from e
+            raise _worker_died(e) from e
         except Exception as e:
-            runner_out = self._isolate_failure(sched_out, e, self._failed)
+            runner_out = self._isolate_failure(sched_out, e, failed)
         finally:  # the matchers are the worker thread's until their masks are filled
             self.structured.wait(sched_out.grammar_bitmask)
-        return runner_out
+        return runner_out, failed
 
-    def _apply(self, sched_out: SchedulerOutput,
-               runner_out: ModelRunnerOutput) -> list[RequestOutput]:
-        """The step's tokens into the scheduler and the requests' outputs."""
-        failed = self._failed
+    def _apply(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput,
+               failed: list[RequestOutput]) -> list[RequestOutput]:
+        """The step's tokens into the scheduler and the requests' outputs (`failed`: those
+        the step ended with an error)."""
         with scope("process_outputs"):
             progressed = self.scheduler.update_from_output(sched_out, runner_out)
             outputs, stopped = self.outputs.process(progressed, runner_out)
@@ -359,7 +359,7 @@ class LLMEngine:
             try:
                 out = self.executor.execute(sched_out.for_request(i), block_ops=False)
             except WorkerDiedError as e:
-                raise EngineDeadError(f"a worker died: {e}") from e
+                raise _worker_died(e) from e
             except Exception as e:
                 culprits[r.req_id] = e
                 continue
@@ -380,6 +380,10 @@ class LLMEngine:
             if out is not None:
                 failed.append(out)
         return merged
+
+
+def _worker_died(error: WorkerDiedError) -> EngineDeadError:
+    return EngineDeadError(f"a worker died: {error}")
 
 
 def _wrap_seed(seed: int) -> int:

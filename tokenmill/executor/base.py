@@ -11,19 +11,27 @@ release the GIL).
     uni        the runner in this process (executor/uniproc.py)
     mp         one spawned process per rank, torch.distributed between them
                (executor/multiproc.py)
+    ray        one Ray actor per rank, on a Ray cluster's machines (executor/ray_executor.py)
+
+The two with workers elsewhere share `WorkerPoolExecutor`: what the ranks report at start-up,
+the step as it crosses to them, the one rule for a failed step (`driver_output`) and the
+failed state.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from tokenmill.core.interface import ModelRunnerOutput, SchedulerOutput
 from tokenmill.spec_decode.cost_model import SpecCosts
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class WorkerDiedError(RuntimeError):
@@ -76,3 +84,46 @@ class Executor(ABC):
 
     def shutdown(self) -> None:  # noqa: B027
         """Stop every worker; idempotent."""
+
+
+class WorkerPoolExecutor(Executor):
+    """An executor whose ranks live in other processes (mp, ray)."""
+
+    world_size: int
+    _dead: str | None = None  # why it can no longer run steps
+    _closed: bool = False
+
+    @abstractmethod
+    def _stop(self) -> None:
+        """Stop every worker now (the others may wait in a collective for a dead one)."""
+
+    def _adopt(self, facts: list[tuple[int, int, SpecCosts | None]]) -> None:
+        """What the ranks measured at start-up (worker_proc.runner_facts), one per rank."""
+        self.num_kv_blocks = min(f[0] for f in facts)
+        self.num_swap_blocks = min(f[1] for f in facts)
+        self.spec_costs = facts[0][2]
+
+    @staticmethod
+    def _wire(sched: SchedulerOutput) -> SchedulerOutput:
+        """sched as it crosses to the workers: a Future of grammar bitmasks does not cross
+        processes, so its masks are waited for (filled on the engine's worker thread)."""
+        if isinstance(sched.grammar_bitmask, Future):
+            return dataclasses.replace(sched, grammar_bitmask=sched.grammar_bitmask.result())
+        return sched
+
+    def _output(self, replies: list[tuple[str, Any]]) -> ModelRunnerOutput:
+        """The step's output (driver_output), every worker stopped when a rank failed alone."""
+        try:
+            return driver_output(replies)
+        except WorkerDiedError as e:
+            self._fail(str(e))
+
+    def _fail(self, why: str) -> NoReturn:
+        self._dead = why
+        logger.error("executor failed: %s; stopping every worker", why)
+        self._stop()
+        raise WorkerDiedError(why)
+
+    def _raise_if_dead(self) -> None:
+        if self._dead is not None:
+            raise WorkerDiedError(self._dead)

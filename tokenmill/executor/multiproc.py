@@ -2,9 +2,9 @@
 
 Each step's `SchedulerOutput` is pickled once and sent to every rank over its pipe; every rank
 executes it (their collectives pair up: shared memory and gloo on CPU, NCCL on CUDA) and
-replies; the driver's
-(rank 0's) reply carries the sampled tokens. Waiting for replies also watches the processes, so
-a rank that dies mid-step fails the step at once (`WorkerDiedError`) instead of hanging.
+replies; the driver's (rank 0's) reply carries the sampled tokens. Waiting for replies also
+watches the processes, so a rank that dies mid-step fails the step at once (`WorkerDiedError`)
+instead of hanging.
 
 Failure rules (`driver_output`, executor/base.py): a rank that dies, or fails while the driver
 did not, is fatal: every worker is stopped and `WorkerDiedError` raised.
@@ -22,27 +22,24 @@ import os
 import pickle
 import tempfile
 import time
-from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.interface import ModelRunnerOutput, SchedulerOutput
 from tokenmill.distributed import shm_all_reduce
-from tokenmill.executor.base import Executor, WorkerDiedError, driver_output
+from tokenmill.executor.base import WorkerPoolExecutor
 from tokenmill.worker.worker_proc import worker_main
 
 logger = logging.getLogger(__name__)
 _JOIN_TIMEOUT_S = 10.0
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(WorkerPoolExecutor):
     def __init__(self, config: EngineConfig) -> None:
         self.world_size = config.parallel.world_size
-        self._dead: str | None = None
-        self._closed = False
         self._tmp = tempfile.TemporaryDirectory(prefix="tokenmill-dist-")
         init_method = f"file://{os.path.join(self._tmp.name, 'rendezvous')}"
         threads = max(1, torch.get_num_threads() // self.world_size)
@@ -73,9 +70,7 @@ class MultiprocExecutor(Executor):
         if self._shm_path is not None:  # every rank has mapped it: no file left behind,
             os.unlink(self._shm_path)   # however this process ends
             self._shm_path = None
-        self.num_kv_blocks = min(f[0] for f in facts)
-        self.num_swap_blocks = min(f[1] for f in facts)
-        self.spec_costs = facts[0][2]
+        self._adopt(facts)
         logger.info("%d worker processes ready (tensor parallel, %d threads each) in %.1f s",
                     self.world_size, threads, time.perf_counter() - t0)
 
@@ -93,19 +88,14 @@ class MultiprocExecutor(Executor):
 
     def execute(self, sched: SchedulerOutput, block_ops: bool = True) -> ModelRunnerOutput:
         self.check_health()
-        if isinstance(sched.grammar_bitmask, Future):  # a Future does not cross processes
-            sched = _with_masks(sched)
-        data = pickle.dumps(("execute", sched, block_ops), protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(("execute", self._wire(sched), block_ops),
+                            protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for conn in self.conns:
                 conn.send_bytes(data)
         except OSError as e:
             self._fail(f"a worker's pipe broke ({e})")
-        replies = self._gather()
-        try:
-            return driver_output(replies)
-        except WorkerDiedError as e:
-            self._fail(str(e))
+        return self._output(self._gather())
 
     def _gather(self) -> list[tuple[str, Any]]:
         """Every rank's reply to this step; WorkerDiedError when a rank dies first."""
@@ -130,21 +120,15 @@ class MultiprocExecutor(Executor):
         p.join(timeout=_JOIN_TIMEOUT_S)  # it has exited or is exiting: its exit code
         return f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
 
-    def _fail(self, why: str) -> NoReturn:
-        self._dead = why
-        logger.error("executor failed: %s; stopping every worker", why)
+    def _stop(self) -> None:
         self.shutdown(graceful=False)
-        raise WorkerDiedError(why)
 
     def check_health(self) -> None:
         if self._dead is None and not self._closed:
             for rank, p in enumerate(self.procs):
                 if not p.is_alive():
-                    self._dead = self._exit_message(rank)
-                    self.shutdown(graceful=False)
-                    break
-        if self._dead is not None:
-            raise WorkerDiedError(self._dead)
+                    self._fail(self._exit_message(rank))
+        self._raise_if_dead()
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop every worker: asked to exit (graceful), or killed at once (after a failure,
@@ -174,9 +158,3 @@ class MultiprocExecutor(Executor):
         with contextlib.suppress(Exception):  # at exit multiprocessing may be torn down
             self.shutdown()
 
-
-def _with_masks(sched: SchedulerOutput) -> SchedulerOutput:
-    """sched with its grammar bitmasks filled (waits for the worker thread filling them)."""
-    import dataclasses
-
-    return dataclasses.replace(sched, grammar_bitmask=sched.grammar_bitmask.result())

@@ -24,11 +24,11 @@ import os
 import pickle
 import socket
 import time
-from typing import Any, NoReturn
+from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.interface import ModelRunnerOutput, SchedulerOutput
-from tokenmill.executor.base import Executor, WorkerDiedError, driver_output
+from tokenmill.executor.base import WorkerPoolExecutor
 
 logger = logging.getLogger(__name__)
 _START_TIMEOUT_S = 600.0
@@ -82,7 +82,7 @@ class RayWorker:
         return True
 
 
-class RayExecutor(Executor):
+class RayExecutor(WorkerPoolExecutor):
     def __init__(self, config: EngineConfig) -> None:
         import ray
         from ray.util.placement_group import placement_group
@@ -91,8 +91,6 @@ class RayExecutor(Executor):
         if not ray.is_initialized():
             ray.init()
         self.world_size = config.parallel.world_size
-        self._dead: str | None = None
-        self._closed = False
         t0 = time.perf_counter()
         resource = "GPU" if config.device.startswith("cuda") else "CPU"
         self._pg = placement_group([{resource: 1}] * self.world_size, strategy="PACK")
@@ -117,9 +115,7 @@ class RayExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        self.num_kv_blocks = min(f[0] for f in facts)
-        self.num_swap_blocks = min(f[1] for f in facts)
-        self.spec_costs = facts[0][2]
+        self._adopt(facts)
         logger.info("%d Ray workers ready on %d node(s) in %.1f s", self.world_size,
                     len({node for node, _ in places}), time.perf_counter() - t0)
 
@@ -145,35 +141,23 @@ class RayExecutor(Executor):
     def execute(self, sched: SchedulerOutput, block_ops: bool = True) -> ModelRunnerOutput:
         import ray
 
-        from tokenmill.executor.multiproc import _with_masks
+        self._raise_if_dead()
+        data = ray.put(pickle.dumps(self._wire(sched), protocol=pickle.HIGHEST_PROTOCOL))
+        return self._output(self._get([a.execute.remote(data, block_ops)
+                                       for a in self.actors], "a step"))
 
-        self.check_health(ping=False)
-        if sched.grammar_bitmask is not None and not isinstance(sched.grammar_bitmask, dict):
-            sched = _with_masks(sched)
-        data = ray.put(pickle.dumps(sched, protocol=pickle.HIGHEST_PROTOCOL))
-        replies = self._get([a.execute.remote(data, block_ops) for a in self.actors], "a step")
-        try:
-            return driver_output(replies)
-        except WorkerDiedError as e:
-            self._fail(str(e))
-
-    def _fail(self, why: str) -> NoReturn:
-        self._dead = why
-        logger.error("executor failed: %s; stopping every worker", why)
+    def _stop(self) -> None:
         self.shutdown()
-        raise WorkerDiedError(why)
 
-    def check_health(self, ping: bool = True) -> None:
+    def check_health(self) -> None:
         import ray
 
-        if ping and self._dead is None and not self._closed:
+        if self._dead is None and not self._closed:
             try:
                 ray.get([a.ping.remote() for a in self.actors], timeout=_PING_TIMEOUT_S)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-                self._dead = f"a Ray worker is gone: {type(e).__name__}: {e}"
-                self.shutdown()
-        if self._dead is not None:
-            raise WorkerDiedError(self._dead)
+                self._fail(f"a Ray worker is gone: {type(e).__name__}: {e}")
+        self._raise_if_dead()
 
     def shutdown(self) -> None:
         import ray

@@ -32,4 +32,6 @@ class UniProcExecutor(Executor):
         return self.runner.execute(sched, block_ops)
 
     def execute_async(self, sched: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        # the runner's own execute: the base's would submit `execute`, which itself submits
+        # to this same one thread and waits
         return self._submit(self.runner.execute, sched)

@@ -84,6 +84,13 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def shm_all_reduce_(x: torch.Tensor, segment: torch.Tensor, rank: int, world_size: int,
+                    slot_bytes: int, seq: int, timeout_s: float) -> int:
+    """x (contiguous float32) summed in place over the ranks sharing `segment`
+    (csrc/shm_all_reduce.h; distributed/shm_all_reduce.py); the last sequence number used."""
+    return _ops().shm_all_reduce_(x, segment, rank, world_size, slot_bytes, seq, timeout_s)
+
+
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
                          rows: torch.Tensor) -> bool:
     """-inf in rows `rows` (R,) of logits (S, V) wherever bitmask (R, W) int32 has a 0 bit;

@@ -59,7 +59,6 @@ class KVBlockOpsError(RuntimeError):
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: ParallelState = ParallelState()) -> None:
         self.config = config
-        self.tp = tp
         self.is_driver = tp.tp_rank == 0  # the rank that samples
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
