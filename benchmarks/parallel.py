@@ -1,20 +1,25 @@
-"""Tensor parallelism on this machine: the all-reduce, then offline throughput.
+"""Parallelism on this machine: the all-reduce, throughput under TP / PP / DP, the DP router.
 
-    python benchmarks/parallel.py [--model PATH] [--parts allreduce,uniform]
-                                  [--tp-sizes 1,3] [--num-requests N] [engine options]
+    python benchmarks/parallel.py [--model PATH] [--parts allreduce,uniform,router]
+                                  [--runs "TP=1,PP=2,..."] [--num-requests N]
+                                  [--num-conversations 16] [engine options]
 
 allreduce: two spawned ranks (one thread each) time a float32 all-reduce of T x 576 (SmolLM2's
 hidden size; T = 1 is a batch-1 decode step) through gloo over loopback and through the
 shared-memory op (csrc/shm_all_reduce.h). A TP step makes two per layer (60 for SmolLM2).
-uniform: the `uniform` workload (shared/README.md) offline at each of --tp-sizes, above 1 both
-with the shared-memory all-reduce and with gloo only (TOKENMILL_SHM_ALL_REDUCE=0); ratios to
-the first are of this run. Greedy outputs are checked equal across the runs. SmolLM2's 9 heads
-split over 1, 3 or 9 ranks only (TP=2 is refused at start-up, as vLLM refuses it).
+uniform: the `uniform` workload (shared/README.md), all requests at once, for each of --runs:
+TP=3 with the shared-memory all-reduce and with gloo only (TOKENMILL_SHM_ALL_REDUCE=0); PP=2;
+DP=1 and DP=2 through the server's engine front (the DP=1 row is the like-for-like base of
+DP=2). Ratios to the first are of this run; greedy outputs are checked equal across the runs.
+SmolLM2's 9 heads split over 1, 3 or 9 ranks only (TP=2 is refused, as vLLM refuses it).
+router: the `multi-turn` workload (16 conversations x 4 turns, each turn resending its
+history) over DP=2 with the cache_aware and the round_robin router: prefix-cache hits.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import multiprocessing as mp
 import os
 import statistics
@@ -80,7 +85,42 @@ def allreduce_part() -> None:
         print(f"{rows:>6}{g:>10.1f}{s:>10.1f}{g / s:>10.1f}")
 
 
-def uniform_part(model: str | None, num_requests: int | None, tp_sizes: list[int],
+RUNS = {  # name: (engine options, TOKENMILL_SHM_ALL_REDUCE); "DP" runs go through the
+    # server's engine front (AsyncLLM / DataParallelLLM, no HTTP), the others through LLM
+    "TP=1": ({}, "1"),
+    "TP=3 shm all-reduce": ({"tensor_parallel_size": 3}, "1"),
+    "TP=3 gloo all-reduce": ({"tensor_parallel_size": 3}, "0"),
+    "PP=2": ({"pipeline_parallel_size": 2}, "1"),
+    "DP=1 (server front)": ({}, "1"),
+    "DP=2 (server front)": ({"data_parallel_size": 2}, "1"),
+}
+
+
+async def _serve_all(front, prompts: list[list[int]], params: list) -> list:
+    """Every prompt through an AsyncLLM / DataParallelLLM at once; the final outputs."""
+    async def one(i: int):
+        final = None
+        async for out in await front.add_request(f"r{i}", prompts[i], params[i]):
+            final = out
+        return final
+
+    return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+
+def _front(model: str, router: str, options: dict):
+    """The server's engine front without HTTP: AsyncLLM over one engine (replicas 0: the
+    uni executor, as the server runs it) or DataParallelLLM over replicas."""
+    from tokenmill.engine.async_engine import AsyncLLM
+    from tokenmill.engine.data_parallel import DataParallelLLM, make_replicas
+
+    engines = make_replicas(model, **options)
+    front = (AsyncLLM(engines[0]) if len(engines) == 1
+             else DataParallelLLM(engines, router))
+    front.start()
+    return front, engines
+
+
+def uniform_part(model: str | None, num_requests: int | None, runs: list[str],
                  options: dict) -> None:
     from tokenmill import LLM, SamplingParams
     from tokenmill.bench.throughput import rates
@@ -89,32 +129,75 @@ def uniform_part(model: str | None, num_requests: int | None, tp_sizes: list[int
 
     model = model or default_model_path()
     reqs = load_workload(model, "uniform", 0, num_requests)
+    prompts = [r.prompt_token_ids for r in reqs]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
               for r in reqs]
-    options = {k: v for k, v in options.items() if k != "tensor_parallel_size"}
-    runs = [(f"TP={tp}" + ("" if tp == 1 else f" {name} all-reduce"), tp, flag)
-            for tp in tp_sizes for name, flag in (("shm", "1"), ("gloo", "0"))
-            if tp > 1 or flag == "1"]
     results, outputs = {}, {}
-    for name, tp, shm in runs:
+    for name in runs:
+        extra, shm = RUNS[name]
         os.environ["TOKENMILL_SHM_ALL_REDUCE"] = shm
-        llm = LLM(model, tensor_parallel_size=tp, **options)
-        start = time.perf_counter()
-        outs = llm.generate([r.prompt_token_ids for r in reqs], params, use_tqdm=False)
-        results[name] = rates(reqs, time.perf_counter() - start)
+        if name.startswith("DP"):
+            front, _ = _front(model, "cache_aware", options | extra)
+            start = time.perf_counter()
+            outs = asyncio.run(_serve_all(front, prompts, params))
+            seconds = time.perf_counter() - start
+            front.shutdown()
+        else:
+            llm = LLM(model, **options, **extra)
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            llm.engine.shutdown()
+            del llm
+        results[name] = rates(reqs, seconds)
         outputs[name] = [o.outputs[0].token_ids for o in outs]
-        llm.engine.shutdown()
-        del llm
-    first_name = runs[0][0]
-    first = results[first_name]["total_tokens_per_s"]
+    first = results[runs[0]]["total_tokens_per_s"]
     print(f"\nuniform workload: {len(reqs)} requests x (256 prompt + 128 output) tokens, "
-          "offline, greedy")
+          "all at once, greedy")
     print(f"{'run':<24}{'time s':>9}{'out tok/s':>11}{'total tok/s':>13}{'ratio':>9}")
     for name, r in results.items():
         print(f"{name:<24}{r['seconds']:>9.1f}{r['output_tokens_per_s']:>11.1f}"
               f"{r['total_tokens_per_s']:>13.1f}{r['total_tokens_per_s'] / first:>9.2f}")
-    same = all(o == outputs[first_name] for o in outputs.values())
+    same = all(o == outputs[runs[0]] for o in outputs.values())
     print(f"greedy outputs identical across the runs: {same}")
+
+
+def router_part(model: str | None, num_conversations: int, options: dict) -> None:
+    """multi-turn (shared/README.md): the conversations at once, each one's turns in order,
+    over DP=2 with each router; prefix-cache hits and prompt tokens computed."""
+    from tokenmill import SamplingParams
+    from tokenmill.bench.workloads import load_workload
+    from tokenmill.model_loader.default_model import default_model_path
+
+    model = model or default_model_path()
+    turns = load_workload(model, "multi-turn", 0, num_conversations)
+    convs = [turns[i:i + 4] for i in range(0, len(turns), 4)]
+
+    async def conversation(front, c: int) -> None:
+        for t, req in enumerate(convs[c]):
+            params = SamplingParams(temperature=0, max_tokens=req.output_len, ignore_eos=True)
+            async for _ in await front.add_request(f"c{c}t{t}", req.prompt_token_ids, params):
+                pass
+
+    async def all_of_them(front) -> None:
+        await asyncio.gather(*(conversation(front, c) for c in range(len(convs))))
+
+    print(f"\nmulti-turn workload: {len(convs)} conversations x 4 turns (each resends its "
+          "history + 64 tokens, 64 out), conversations at once, DP=2")
+    print(f"{'router':<14}{'time s':>9}{'hit tokens':>12}{'queried':>10}{'hit rate':>10}"
+          f"{'computed per replica':>24}")
+    for router in ("cache_aware", "round_robin"):
+        front, engines = _front(model, router, options | {"data_parallel_size": 2})
+        start = time.perf_counter()
+        asyncio.run(all_of_them(front))
+        seconds = time.perf_counter() - start
+        stats = [e.stats() for e in engines]
+        hits = sum(s.prefix_cache_hits for s in stats)
+        queries = sum(s.prefix_cache_queries for s in stats)
+        computed = [s.num_prompt_tokens_computed for s in stats]
+        front.shutdown()
+        print(f"{router:<14}{seconds:>9.1f}{hits:>12}{queries:>10}{hits / queries:>10.2f}"
+              f"{str(computed):>24}")
 
 
 def main() -> None:
@@ -122,9 +205,11 @@ def main() -> None:
     from tokenmill.cli import add_engine_args, engine_options
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--parts", default="allreduce,uniform")
+    p.add_argument("--parts", default="allreduce,uniform,router")
     p.add_argument("--num-requests", type=int, default=None)
-    p.add_argument("--tp-sizes", default="1,3", help="tensor-parallel sizes to compare")
+    p.add_argument("--runs", default=",".join(RUNS),
+                   help=f"uniform runs to compare, of: {', '.join(RUNS)}")
+    p.add_argument("--num-conversations", type=int, default=16)
     add_engine_args(p)
     args = p.parse_args()
     print(describe_machine())
@@ -132,8 +217,9 @@ def main() -> None:
     if "allreduce" in parts:
         allreduce_part()
     if "uniform" in parts:
-        uniform_part(args.model, args.num_requests,
-                     [int(x) for x in args.tp_sizes.split(",")], engine_options(args))
+        uniform_part(args.model, args.num_requests, args.runs.split(","), engine_options(args))
+    if "router" in parts:
+        router_part(args.model, args.num_conversations, engine_options(args))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
                     [--served-model-name NAME] [--max-waiting-requests 256]
                     [--max-request-body-bytes 8MiB] [--request-timeout S]
                     [--drain-timeout 30] [--enable-auto-tool-choice --tool-call-parser P]
+                    [--data-parallel-size D [--data-parallel-router cache_aware|round_robin]]
                     [engine options]
     tokenmill bench serve [--launch | --base-url URL] [--request-rate R | --concurrency C]
     tokenmill bench throughput [--workload mixed|uniform] [--compare-hf] [--json F] [--png F]
@@ -83,6 +84,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="split the model's heads, MLP and vocabulary over this many worker "
                         "processes (gloo on CPU, NCCL on CUDA)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
+                   help="split the model's layers into this many stages, one worker process "
+                        "(or tensor-parallel group) each, steps in flight through them")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                   help="serve this many engine replicas behind one API server, each with "
+                        "its own KV cache and worker processes (tokenmill serve only)")
     g.add_argument("--distributed-executor-backend", choices=["uni", "mp", "ray"],
                    default=None,
                    help="where the ranks run: uni (this process, size 1), mp (one process "
@@ -99,7 +106,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
              "prepack_weights",
              "attention_backend", "enforce_eager", "speculative_config",
              "structured_outputs_config", "tensor_parallel_size",
-             "distributed_executor_backend"]
+             "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend"]
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
@@ -122,7 +129,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.engine.data_parallel import make_replicas
     from tokenmill.server.api_server import ServerLimits, run_server
     from tokenmill.server.tools import ToolOptions
     from tokenmill.utils.request_context import RequestIdFilter
@@ -139,9 +146,10 @@ def _serve(args: argparse.Namespace) -> int:
                           request_timeout=args.request_timeout, drain_timeout=args.drain_timeout)
     tools = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)
     model = args.model_pos if args.model_pos is not None else args.model
-    engine = LLMEngine.from_options(model, **engine_options(args))
-    return run_server(engine, args.host, args.port, args.api_key, args.served_model_name,
-                      limits, tools)
+    engines = make_replicas(model, **engine_options(args))
+    return run_server(engines if len(engines) > 1 else engines[0], args.host, args.port,
+                      args.api_key, args.served_model_name, limits, tools,
+                      args.data_parallel_router)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                        help="how tool calls are parsed out of the model's text: hermes "
                             "(<tool_call> tags: Hermes, Qwen) or llama3_json (Llama 3.x)")
+    serve.add_argument("--data-parallel-router", choices=["cache_aware", "round_robin"],
+                       default="cache_aware",
+                       help="with --data-parallel-size: send each request to the replica "
+                            "likely to hold its prompt's prefix in cache unless it is "
+                            "overloaded (cache_aware, SGLang's policy), or in turn")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
     return parser

@@ -86,7 +86,7 @@ def test_smollm2_split_three_ways(smollm2_path):
 @pytest.mark.parametrize(("options", "message"), [
     ({"tensor_parallel_size": 3}, "cannot split 4 attention heads / 2 KV heads"),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "needs 'mp'"),
-    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size > 1 is not supported yet"),
+    ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be an integer >= 1"),
     ({"distributed_executor_backend": "slurm"}, "must be one of uni, mp, ray"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
 ])

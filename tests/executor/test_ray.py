@@ -1,9 +1,11 @@
 """The Ray executor (executor/ray_executor.py) against a local Ray instance the test starts,
-bound to 127.0.0.1: TP=2 greedy output identical to Hugging Face (the ranks are Ray actors in
-a placement group; gloo and the shared-memory all-reduce between them); a killed actor fails
-the engine at once; a dead actor is seen while the engine idles."""
+bound to 127.0.0.1: TP=2 and PP=2 greedy output identical to Hugging Face (the ranks are Ray
+actors in a placement group; gloo and the shared-memory all-reduce between them); a killed
+actor fails the engine at once; a dead actor is seen while the engine idles."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -22,14 +24,17 @@ def local_ray():
     ray.shutdown()
 
 
-def test_tp2_on_ray_is_identical_to_hf(local_ray, tiny_model):
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_two_ranks_on_ray_are_identical_to_hf(local_ray, tiny_model, tp, pp):
+    """TP=2 (heads split), PP=2 (two stages, steps in flight through the actors' queues)."""
     path, hf = tiny_model("llama")
     cases = mixed_prompts(6, 49152, seed=5, max_len=100, max_new=16)
-    llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray",
-              num_kv_blocks=64, block_size=8, max_num_batched_tokens=64)
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              distributed_executor_backend="ray", num_kv_blocks=64, block_size=8,
+              max_num_batched_tokens=64)
     try:
         got = generate_greedy(llm, cases)
-        assert [a.ping.remote() for a in llm.engine.executor.actors]  # two actors
+        assert len(ray.get([a.ping.remote() for a in llm.engine.executor.actors])) == 2
     finally:
         llm.engine.shutdown()
     assert got == [hf_greedy(hf, p, m) for p, m in cases]
@@ -55,7 +60,10 @@ def test_a_dead_actor_is_seen_while_idle(local_ray, tiny_model):
     engine = LLMEngine.from_options(path, tensor_parallel_size=2,
                                     distributed_executor_backend="ray", num_kv_blocks=64)
     engine.check_health()
-    ray.kill(engine.executor.actors[0])
+    ray.kill(engine.executor.actors[0])  # asynchronous: a ping may still be answered
+    deadline = time.monotonic() + 10
     with pytest.raises(EngineDeadError, match="Ray worker is gone"):
-        engine.check_health()
+        while time.monotonic() < deadline:
+            engine.check_health()
+            time.sleep(0.1)
     engine.shutdown()

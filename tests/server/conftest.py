@@ -22,22 +22,24 @@ from tokenmill.server.tools import ToolOptions
 @dataclass
 class RunningServer:
     base_url: str
-    engine: LLMEngine
+    engine: LLMEngine  # the first replica's, with data parallelism
     model: str
     server: DrainingServer | None = None
     thread: threading.Thread | None = None
+    engines: list[LLMEngine] | None = None  # every replica
 
     def wait_idle(self, timeout: float = 20.0) -> None:
-        """Wait until nothing runs and every KV block is back in the pool."""
+        """Wait until nothing runs and every KV block is back in the pool (every replica)."""
         deadline = time.monotonic() + timeout
-        kv = self.engine.kv
-        while time.monotonic() < deadline:
-            if (not self.engine.has_unfinished_requests()
-                    and kv.num_free_blocks == kv.num_usable_blocks):
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"server not idle: {kv.num_free_blocks}/{kv.num_usable_blocks} "
-                             f"blocks free, unfinished={self.engine.has_unfinished_requests()}")
+        for engine in self.engines or [self.engine]:
+            kv = engine.kv
+            while not (not engine.has_unfinished_requests()
+                       and kv.num_free_blocks == kv.num_usable_blocks):
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"server not idle: {kv.num_free_blocks}/{kv.num_usable_blocks} blocks "
+                        f"free, unfinished={engine.has_unfinished_requests()}")
+                time.sleep(0.05)
 
 
 def free_port() -> int:
@@ -46,12 +48,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(engine: LLMEngine, model: str, api_key: str | None = None,
-                 limits: ServerLimits | None = None,
-                 tool_options: ToolOptions | None = None) -> Iterator[RunningServer]:
-    """The server `tokenmill serve` runs (DrainingServer), on a thread of this process."""
+def start_server(engine: LLMEngine | list[LLMEngine], model: str, api_key: str | None = None,
+                 limits: ServerLimits | None = None, tool_options: ToolOptions | None = None,
+                 data_parallel_router: str = "cache_aware") -> Iterator[RunningServer]:
+    """The server `tokenmill serve` runs (DrainingServer), on a thread of this process; over
+    data-parallel replicas when `engine` is a list."""
     port = free_port()
-    app = build_app(engine, model, api_key, limits, tool_options)
+    app = build_app(engine, model, api_key, limits, tool_options, data_parallel_router)
+    engines = engine if isinstance(engine, list) else [engine]
     server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning", timeout_graceful_shutdown=5),
                             app.state.lifecycle)
@@ -63,7 +67,8 @@ def start_server(engine: LLMEngine, model: str, api_key: str | None = None,
             raise RuntimeError("test server did not start")
         time.sleep(0.05)
     try:
-        yield RunningServer(f"http://127.0.0.1:{port}", engine, model, server, thread)
+        yield RunningServer(f"http://127.0.0.1:{port}", engines[0], model, server, thread,
+                            engines)
     finally:
         server.should_exit = True
         thread.join(timeout=30)

@@ -7,6 +7,7 @@ request sets ignore_eos so output lengths are exactly as drawn.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -29,7 +30,31 @@ def make_workload(name: str, vocab_size: int, special_ids: set[int], seed: int =
         return [BenchRequest(draw(rng.randint(32, 512)), rng.randint(16, 256)) for _ in range(n)]
     if name == "single-stream":
         return [BenchRequest(draw(128), 256)]
-    raise ValueError(f"unknown workload {name!r}; known: uniform, mixed, single-stream")
+    if name == "shared-prefix":
+        system = draw(1024)
+        return [BenchRequest(system + draw(64), 32) for _ in range(num_requests or 64)]
+    if name == "multi-turn":  # conversation-major: conversation c's turns at 4c .. 4c + 3
+        return [turn for conv in make_conversations(draw, num_requests or 16)
+                for turn in conv]
+    raise ValueError(f"unknown workload {name!r}; known: uniform, mixed, shared-prefix, "
+                     "multi-turn, single-stream")
+
+
+def make_conversations(draw: Callable[[int], list[int]], num_conversations: int,
+                       turns: int = 4) -> list[list[BenchRequest]]:
+    """multi-turn: each turn resends the whole history, then 64 new tokens; a turn's answer
+    (64 tokens) stands in the next turn's history as drawn tokens (what a client resends is
+    the text it was given; a drawn stand-in keeps the workload independent of the model)."""
+    conversations = []
+    for _ in range(num_conversations):
+        history: list[int] = []
+        conv = []
+        for _ in range(turns):
+            prompt = history + draw(64)
+            conv.append(BenchRequest(prompt, 64))
+            history = prompt + draw(64)
+        conversations.append(conv)
+    return conversations
 
 
 def load_workload(model: str | None, name: str, seed: int = 0,

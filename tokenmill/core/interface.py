@@ -147,6 +147,13 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def is_noop(self) -> bool:
+        """Nothing for the runners to do (no request, no block operation, nothing ended)."""
+        return not (self.scheduled or self.finished_req_ids or self.blocks_to_copy
+                    or self.blocks_to_swap_out or self.blocks_to_swap_in
+                    or self.preempted_req_ids)
+
     def for_request(self, index: int) -> SchedulerOutput:
         """The step of `scheduled[index]` alone, with its diffs (harmless if applied already)
         and no block operations: for re-executing one request of a failed step."""

@@ -39,6 +39,10 @@ sampled itself. Not scheduled ahead: a request whose placeholder may be its last
 (max_tokens, max_model_len), one with a grammar (its matcher needs the token), and a preempted
 one (it resumes from the tokens the scheduler knows).
 
+Pipeline parallelism (`one_step_per_request`): the engine keeps a step in flight per stage;
+a request with a step in flight is skipped until that step's output is applied, so the steps
+in flight are of different requests.
+
 Invariant: every block in the pool is free when no request is running or waiting.
 """
 
@@ -77,8 +81,13 @@ PROBE_EVERY = 8
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  speculative: SpeculativeConfig | None = None,
-                 spec_costs: SpecCosts | None = None, jump_forward: bool = True) -> None:
+                 spec_costs: SpecCosts | None = None, jump_forward: bool = True,
+                 one_step_per_request: bool = False) -> None:
         self.config = config
+        # pipeline parallelism: requests whose step is in flight are not scheduled again until
+        # its output is applied (the stages hold no sampled token the scheduler has not seen)
+        self.one_step_per_request = one_step_per_request
+        self._stepping: set[str] = set()
         self.jump_forward = jump_forward
         self.num_jump_forward_tokens = 0  # tokens a grammar forced, appended without a step
         self.speculative = speculative
@@ -164,7 +173,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = self._num_new_tokens(request, budget)
+            n = (0 if request.request_id in self._stepping
+                 else self._num_new_tokens(request, budget))
             if n == 0:  # waiting for its token in flight
                 i += 1
                 continue
@@ -254,8 +264,8 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> int | None:
         """Give a waiting request its blocks (a cache hit, swap-in or new ones); the number of
         tokens it computes this step, or None if it cannot start now."""
-        if request.num_output_placeholders:  # its last token is still in flight
-            return None
+        if request.num_output_placeholders or request.request_id in self._stepping:
+            return None  # a step of it is still in flight
         if request.status == RequestStatus.SWAPPED:
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             copies = self.kv.swap_in(request, n)
@@ -311,6 +321,8 @@ class Scheduler:
             # and rolls back rejected drafts.
             request.num_computed_tokens = start + n + len(drafts)
             request.num_output_placeholders += sample
+            if self.one_step_per_request:
+                self._stepping.add(request.request_id)
             if request.request_id in self._followers:
                 self._maybe_fork(request)
         return out
@@ -359,6 +371,7 @@ class Scheduler:
                            runner_out: ModelRunnerOutput) -> list[Request]:
         """Append sampled tokens, finish stopped requests; return the requests that progressed."""
         progressed = []
+        self._stepping.difference_update(r.req_id for r in sched_out.scheduled)
         for req_id, token_ids in zip(runner_out.req_ids, runner_out.sampled_token_ids,
                                      strict=True):
             request = self.requests.get(req_id)

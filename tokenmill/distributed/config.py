@@ -1,9 +1,15 @@
 """ParallelConfig: how many processes serve one model, and who places them (vLLM's flags).
 
     --tensor-parallel-size N            attention heads, MLP and vocabulary split over N ranks
+    --pipeline-parallel-size M          the decoder layers split into M stages (each stage of
+                                        N ranks); M steps in flight, one per stage
+    --data-parallel-size D              D engine replicas behind one API server (the server
+                                        only: engine/data_parallel.py); an engine built from
+                                        this config is one replica
     --distributed-executor-backend B    "uni" (this process, size 1 only), "mp" (one spawned
-                                        process per rank; the default above size 1), "ray"
-                                        (Ray actors, on a Ray cluster's machines)
+                                        process per rank; the default above size 1 and with
+                                        data parallelism), "ray" (Ray actors, on a Ray
+                                        cluster's machines)
 
 Validated at start-up against the model (`check_model`): a size that cannot split the heads,
 or a feature that does not run split yet, is a ValueError naming both.
@@ -29,9 +35,6 @@ class ParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("pipeline_parallel_size", "data_parallel_size"):
-            if getattr(self, name) != 1:
-                raise ValueError(f"{name} > 1 is not supported yet (tensor_parallel_size is)")
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of "
@@ -39,6 +42,9 @@ class ParallelConfig:
         if backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one process; a world of "
                              f"{self.world_size} ranks needs 'mp' or 'ray'")
+        if backend == "uni" and self.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 runs each replica's model in worker "
+                             "processes: distributed_executor_backend 'mp' or 'ray'")
         if backend == "ray":
             import importlib.util
 
@@ -55,10 +61,28 @@ class ParallelConfig:
         """The backend that runs this config ("uni", "mp" or "ray")."""
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
-        return "uni" if self.world_size == 1 else "mp"
+        # data parallelism: each replica's model in its own process, off the server's GIL
+        return "uni" if self.world_size == 1 and self.data_parallel_size == 1 else "mp"
 
     def check_model(self, hf_config: Any, device: str, draft_model: bool) -> None:
         """ValueError unless this model can be split this way on this device."""
+        pp = self.pipeline_parallel_size
+        if pp > hf_config.num_hidden_layers:
+            raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's "
+                             f"{hf_config.num_hidden_layers} layers (a stage holds at least one)")
+        if draft_model and self.world_size > 1:
+            raise ValueError("speculative method 'draft_model' does not run with "
+                             "tensor_parallel_size or pipeline_parallel_size > 1 yet "
+                             "(n-gram and suffix drafts run with tensor parallelism)")
+        if device.startswith("cuda"):
+            import torch
+
+            if torch.cuda.device_count() < self.world_size:
+                raise ValueError(f"{self.world_size} ranks (tensor x pipeline parallel) need "
+                                 f"{self.world_size} GPUs; {torch.cuda.device_count()} visible")
+        self._check_tensor_split(hf_config)
+
+    def _check_tensor_split(self, hf_config: Any) -> None:
         from tokenmill.layers.linear import check_heads_split
 
         tp = self.tensor_parallel_size
@@ -69,12 +93,3 @@ class ParallelConfig:
         if hf_config.intermediate_size % tp:
             raise ValueError(f"tensor_parallel_size={tp} cannot split the MLP's "
                              f"{hf_config.intermediate_size} intermediate features evenly")
-        if draft_model:
-            raise ValueError("speculative method 'draft_model' does not run with "
-                             "tensor_parallel_size > 1 yet (n-gram and suffix drafts do)")
-        if device.startswith("cuda"):
-            import torch
-
-            if torch.cuda.device_count() < tp:
-                raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs; "
-                                 f"{torch.cuda.device_count()} visible")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import Any
 
 import torch
 
@@ -41,8 +42,11 @@ def create_segment(world_size: int, slot_bytes: int = SLOT_BYTES) -> str:
 
 class ShmAllReduce:
     def __init__(self, path: str, rank: int, world_size: int,
-                 slot_bytes: int = SLOT_BYTES) -> None:
+                 slot_bytes: int = SLOT_BYTES, group: Any = None) -> None:
+        # rank / world_size within the group sharing the segment (one pipeline stage's
+        # tensor-parallel ranks); `group`: their torch.distributed group, for the fallback
         self.rank, self.world_size, self.slot_bytes = rank, world_size, slot_bytes
+        self.group = group
         self.segment = torch.from_file(path, shared=True, size=segment_bytes(world_size,
                                                                              slot_bytes),
                                        dtype=torch.uint8)
@@ -53,7 +57,7 @@ class ShmAllReduce:
         from tokenmill.layers import cpu_ops
 
         if not cpu_ops.fused(x):  # float32 on CPU with the kernels built, alike on every rank
-            torch.distributed.all_reduce(x)
+            torch.distributed.all_reduce(x, group=self.group)
             return x
         y = x if x.is_contiguous() else x.contiguous()
         self.seq = cpu_ops.shm_all_reduce_(y, self.segment, self.rank, self.world_size,

@@ -31,7 +31,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tokenmill.engine.llm_engine import EngineDeadError, LLMEngine
+from tokenmill.engine.llm_engine import EngineDeadError, LLMEngine, PreparedRequest
 from tokenmill.metrics.stats import RequestTimings, SchedulerStats, StepTimings
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -123,15 +123,32 @@ class AsyncLLM:
         unfinished ends the request. At `deadline` (time.monotonic()) it is aborted and its
         stream ends with finish_reason "abort".
         """
+        return self.submit(await self.prepare(request_id, prompt, params), deadline)
+
+    async def prepare(self, request_id: str, prompt: Any, params: SamplingParams
+                      ) -> PreparedRequest:
+        """Tokenize and validate (ValueError for a bad request), off the event loop."""
         self._check_running()
         loop = asyncio.get_running_loop()
-        prepared = await loop.run_in_executor(None, self.engine.prepare_request, request_id,
-                                              prompt, params)
+        return await loop.run_in_executor(None, self.engine.prepare_request, request_id,
+                                          prompt, params)
+
+    def submit(self, prepared: PreparedRequest, deadline: float | None = None
+               ) -> RequestStream:
+        """Queue a prepared request for the engine thread; its output stream."""
         self._check_running()
-        stream = RequestStream(self, request_id)
-        self._streams[request_id] = (loop, stream.queue)
+        stream = RequestStream(self, prepared.request_id)
+        self._streams[prepared.request_id] = (asyncio.get_running_loop(), stream.queue)
         self._send("add", (prepared, deadline))
         return stream
+
+    @property
+    def num_requests(self) -> int:
+        """Requests whose stream has not ended (the load a data-parallel router sees)."""
+        return len(self._streams)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._streams
 
     def _check_running(self) -> None:
         if self.dead_error is not None:

@@ -24,6 +24,10 @@ PromptType = str | list[int] | dict[str, Any]
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        if (engine_options.get("data_parallel_size") or 1) > 1:
+            raise ValueError("data_parallel_size > 1 runs engine replicas behind one API server "
+                             "(tokenmill serve --data-parallel-size D); an offline LLM is one "
+                             "engine: run one LLM per process for offline data parallelism")
         self.engine = LLMEngine.from_options(model, **engine_options)
         self._ids = itertools.count()
 

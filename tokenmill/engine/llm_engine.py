@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -75,9 +76,12 @@ class LLMEngine:
         self.kv = KVCacheManager(self.executor.num_kv_blocks, config.cache.block_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching,
                                  num_swap_blocks=self.executor.num_swap_blocks)
+        # pipeline parallelism: one step in flight per stage, each of other requests
+        self._depth = config.parallel.pipeline_parallel_size
         self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len,
                                    config.speculative, self.executor.spec_costs,
-                                   jump_forward=config.structured_outputs.jump_forward)
+                                   jump_forward=config.structured_outputs.jump_forward,
+                                   one_step_per_request=self._depth > 1)
         eos = set(config.model.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -86,8 +90,9 @@ class LLMEngine:
                                                   config.model.vocab_size, self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer)
         self._all_failed_steps = 0  # consecutive steps in which every request failed
-        # async scheduling: the step the model is running and its output's Future
-        self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
+        # steps sent and not yet applied, oldest first, with their outputs' Futures (async
+        # scheduling: the one the model is running; pipeline parallelism: one per stage)
+        self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
 
     @property
     def runner(self) -> ModelRunner:
@@ -106,11 +111,10 @@ class LLMEngine:
             raise _worker_died(e) from e
 
     def shutdown(self) -> None:
-        """Finish a step in flight; stop the worker processes, if any (idempotent)."""
-        if self._in_flight is not None:
-            with contextlib.suppress(Exception):  # its requests are being dropped anyway
-                self._in_flight[1].result()
-            self._in_flight = None
+        """Finish the steps in flight; stop the worker processes, if any (idempotent)."""
+        while self._in_flight:
+            with contextlib.suppress(Exception):  # their requests are being dropped anyway
+                self._in_flight.popleft()[1].result()
         self.executor.shutdown()
 
     @classmethod
@@ -262,8 +266,8 @@ class LLMEngine:
         return self.kv.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        # a step in flight (async scheduling) is one more step() to drain
-        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+        # a step in flight (async scheduling, pipeline parallelism) is one more step() to drain
+        return bool(self._in_flight) or self.scheduler.has_unfinished_requests()
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(num_running=self.scheduler.num_running,
@@ -286,19 +290,37 @@ class LLMEngine:
         """One iteration; raises EngineDeadError for a failure not tied to a request.
 
         With async scheduling, step N+1 is scheduled while the model runs step N, and runs
-        while step N's outputs are applied and processed (see the module doc)."""
-        if not self.config.scheduler.async_scheduling:
-            sched_out = self._schedule()
-            return self._apply(sched_out, *self._run(sched_out))
-        if self._in_flight is None:
+        while step N's outputs are applied and processed (see the module doc); with pipeline
+        parallelism, steps go on being scheduled and sent until each stage has one."""
+        if self.config.scheduler.async_scheduling:
+            return self._step_async()
+        if self._depth > 1:
+            return self._step_pipelined()
+        sched_out = self._schedule()
+        return self._apply(sched_out, *self._run(sched_out))
+
+    def _step_async(self) -> list[RequestOutput]:
+        if not self._in_flight:
             first = self._schedule()
-            self._in_flight = (first, self.executor.execute_async(first))
-        sched_out, future = self._in_flight
+            self._in_flight.append((first, self.executor.execute_async(first)))
+        sched_out, future = self._in_flight.popleft()
         next_out = self._schedule()  # meanwhile the model runs sched_out
         runner_out, failed = self._run(sched_out, future)
-        self._in_flight = (None if next_out.is_empty
-                           else (next_out, self.executor.execute_async(next_out)))
+        # NOTE: sent only now: if sched_out failed, its requests are re-executed first
+        if not next_out.is_noop:
+            self._in_flight.append((next_out, self.executor.execute_async(next_out)))
         return self._apply(sched_out, runner_out, failed)
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Fill the pipeline (up to one step per stage, each of requests with no step in
+        flight: the scheduler skips those), then apply the oldest step's outputs."""
+        while len(self._in_flight) < self._depth:
+            sched_out = self._schedule()
+            if sched_out.is_noop and self._in_flight:
+                break  # nothing new to start: wait for the oldest
+            self._in_flight.append((sched_out, self.executor.execute_async(sched_out)))
+        sched_out, future = self._in_flight.popleft()
+        return self._apply(sched_out, *self._run(sched_out, future))
 
     def _schedule(self) -> SchedulerOutput:
         # profiler scopes name the parts of a step (benchmarks/profile_step.py)

@@ -38,24 +38,33 @@ class WorkerDiedError(RuntimeError):
     """A worker process ended or failed: the engine cannot go on."""
 
 
-def driver_output(replies: list[tuple[str, Any]]) -> ModelRunnerOutput:
-    """The driver's (rank 0's) output from every rank's reply to a step (worker_proc.py).
+def driver_output(replies: list[tuple[str, Any]], tp_size: int = 1) -> ModelRunnerOutput:
+    """The driver's output from every rank's reply to a step (worker_proc.py); the driver is
+    the last pipeline stage's first rank (ranks are stage-major, `tp_size` per stage).
 
-    A failure of the driver alone, or of every rank alike (the same inputs fail the same way),
-    is one step's failure, raised for the engine to isolate (RuntimeError, or KVBlockOpsError
-    for the block copies). A rank failing while the driver did not is fatal: its collectives
-    may be out of step with the others' (WorkerDiedError)."""
+    A step's failure is raised for the engine to isolate (RuntimeError, or KVBlockOpsError for
+    the block copies) when every rank that failed gave the same reason and those ranks are the
+    driver alone (sampling) or whole pipeline stages (the same inputs fail the same way on
+    every rank of a stage; the stages after it reply "upstream"). Anything else, a rank
+    failing while the rest of its stage did not, is fatal: its collectives may be out of step
+    with the others' (WorkerDiedError)."""
     from tokenmill.worker.model_runner import KVBlockOpsError
 
-    failed = {rank: why for rank, (kind, why) in enumerate(replies) if kind != "ok"}
-    if not failed:
-        return replies[0][1]
-    symmetric = len(failed) == len(replies) and len(set(failed.values())) == 1
-    if set(failed) != {0} and not symmetric:
-        raise WorkerDiedError("; ".join(f"rank {r}: {why}" for r, why in failed.items()))
-    if replies[0][0] == "kv_error":
-        raise KVBlockOpsError(replies[0][1])
-    raise RuntimeError(replies[0][1])
+    driver = len(replies) - tp_size
+    failed = {rank: why for rank, (kind, why) in enumerate(replies)
+              if kind in ("error", "kv_error")}
+    if not failed and replies[driver][0] == "ok":
+        return replies[driver][1]
+    stages = {rank // tp_size for rank in failed}
+    whole_stages = set(failed) == {r for s in stages for r in range(s * tp_size,
+                                                                      (s + 1) * tp_size)}
+    if len(set(failed.values())) != 1 or not (whole_stages or set(failed) == {driver}):
+        raise WorkerDiedError("; ".join(f"rank {r}: {kind}: {why}"
+                                        for r, (kind, why) in enumerate(replies) if kind != "ok"))
+    why = next(iter(failed.values()))
+    if any(replies[rank][0] == "kv_error" for rank in failed):
+        raise KVBlockOpsError(why)
+    raise RuntimeError(why)
 
 
 class Executor(ABC):
@@ -87,15 +96,41 @@ class Executor(ABC):
 
 
 class WorkerPoolExecutor(Executor):
-    """An executor whose ranks live in other processes (mp, ray)."""
+    """An executor whose ranks live in other processes (mp, ray).
+
+    A step is sent to every rank at once (`_send`) and its replies are collected on the step
+    thread, steps in the order sent (`_gather`): with pipeline parallelism several steps are
+    in flight, each stage working on a different one, and `execute` waits behind them."""
 
     world_size: int
+    tp_size: int
     _dead: str | None = None  # why it can no longer run steps
     _closed: bool = False
 
     @abstractmethod
     def _stop(self) -> None:
         """Stop every worker now (the others may wait in a collective for a dead one)."""
+
+    @abstractmethod
+    def _send(self, sched: SchedulerOutput, block_ops: bool) -> Any:
+        """Send a step to every rank; a handle for `_gather`."""
+
+    @abstractmethod
+    def _gather(self, handle: Any) -> list[tuple[str, Any]]:
+        """Every rank's reply to the step sent as `handle` (the oldest not yet gathered);
+        WorkerDiedError when a rank dies first."""
+
+    def execute(self, sched: SchedulerOutput, block_ops: bool = True) -> ModelRunnerOutput:
+        return self.execute_async(sched, block_ops).result()
+
+    def execute_async(self, sched: SchedulerOutput, block_ops: bool = True
+                      ) -> Future[ModelRunnerOutput]:
+        self._raise_if_dead()
+        handle = self._send(self._wire(sched), block_ops)
+        return self._submit(self._collect, handle)
+
+    def _collect(self, handle: Any) -> ModelRunnerOutput:
+        return self._output(self._gather(handle))
 
     def _adopt(self, facts: list[tuple[int, int, SpecCosts | None]]) -> None:
         """What the ranks measured at start-up (worker_proc.runner_facts), one per rank."""
@@ -114,7 +149,7 @@ class WorkerPoolExecutor(Executor):
     def _output(self, replies: list[tuple[str, Any]]) -> ModelRunnerOutput:
         """The step's output (driver_output), every worker stopped when a rank failed alone."""
         try:
-            return driver_output(replies)
+            return driver_output(replies, self.tp_size)
         except WorkerDiedError as e:
             self._fail(str(e))
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.interface import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.interface import SchedulerOutput
 from tokenmill.distributed import shm_all_reduce
 from tokenmill.executor.base import WorkerPoolExecutor
 from tokenmill.worker.worker_proc import worker_main
@@ -40,15 +40,21 @@ _JOIN_TIMEOUT_S = 10.0
 class MultiprocExecutor(WorkerPoolExecutor):
     def __init__(self, config: EngineConfig) -> None:
         self.world_size = config.parallel.world_size
+        self.tp_size = tp = config.parallel.tensor_parallel_size
         self._tmp = tempfile.TemporaryDirectory(prefix="tokenmill-dist-")
         init_method = f"file://{os.path.join(self._tmp.name, 'rendezvous')}"
-        threads = max(1, torch.get_num_threads() // self.world_size)
+        # the cores are shared by every rank of every data-parallel replica
+        threads = max(1, torch.get_num_threads()
+                      // (self.world_size * config.parallel.data_parallel_size))
         ctx = mp.get_context("spawn")
         # gloo on loopback: the ranks of this executor all live on this machine
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        # CPU: the layers' all-reduces go through shared memory (distributed/shm_all_reduce.py)
-        self._shm_path = (shm_all_reduce.create_segment(self.world_size)
-                          if config.device == "cpu" and shm_all_reduce.enabled() else None)
+        # CPU: the layers' all-reduces go through shared memory (distributed/shm_all_reduce.py),
+        # one segment per pipeline stage's tensor-parallel group
+        self._shm_paths = ([shm_all_reduce.create_segment(tp)
+                            for _ in range(config.parallel.pipeline_parallel_size)]
+                           if config.device == "cpu" and tp > 1 and shm_all_reduce.enabled()
+                           else None)
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
         t0 = time.perf_counter()
@@ -56,7 +62,7 @@ class MultiprocExecutor(WorkerPoolExecutor):
             ours, theirs = ctx.Pipe()
             p = ctx.Process(target=worker_main, name=f"tokenmill-worker-{rank}",
                             args=(rank, self.world_size, config, init_method, theirs, threads,
-                                  logging.getLogger().getEffectiveLevel(), self._shm_path),
+                                  logging.getLogger().getEffectiveLevel(), self._shm_paths),
                             daemon=True)
             p.start()
             theirs.close()
@@ -67,12 +73,13 @@ class MultiprocExecutor(WorkerPoolExecutor):
         except BaseException:
             self.shutdown()
             raise
-        if self._shm_path is not None:  # every rank has mapped it: no file left behind,
-            os.unlink(self._shm_path)   # however this process ends
-            self._shm_path = None
+        for path in self._shm_paths or []:  # every rank has mapped them: no file left
+            os.unlink(path)                  # behind, however this process ends
+        self._shm_paths = None
         self._adopt(facts)
-        logger.info("%d worker processes ready (tensor parallel, %d threads each) in %.1f s",
-                    self.world_size, threads, time.perf_counter() - t0)
+        logger.info("%d worker processes ready (tensor parallel %d x pipeline parallel %d, "
+                    "%d threads each) in %.1f s", self.world_size, tp,
+                    config.parallel.pipeline_parallel_size, threads, time.perf_counter() - t0)
 
     def _reply(self, rank: int, what: str) -> Any:
         """Rank's start-up reply (its facts), or RuntimeError naming its failure."""
@@ -82,23 +89,21 @@ class MultiprocExecutor(WorkerPoolExecutor):
             kind, payload = conn.recv()
             if kind == "ready":
                 return payload
-            raise RuntimeError(f"tensor-parallel worker rank {rank} failed to {what}:\n{payload}")
-        raise RuntimeError(f"tensor-parallel worker rank {rank} exited during {what} "
+            raise RuntimeError(f"worker rank {rank} failed to {what}:\n{payload}")
+        raise RuntimeError(f"worker rank {rank} exited during {what} "
                            f"(exit code {proc.exitcode})")
 
-    def execute(self, sched: SchedulerOutput, block_ops: bool = True) -> ModelRunnerOutput:
+    def _send(self, sched: SchedulerOutput, block_ops: bool) -> None:
         self.check_health()
-        data = pickle.dumps(("execute", self._wire(sched), block_ops),
-                            protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(("execute", sched, block_ops), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for conn in self.conns:
                 conn.send_bytes(data)
         except OSError as e:
             self._fail(f"a worker's pipe broke ({e})")
-        return self._output(self._gather())
 
-    def _gather(self) -> list[tuple[str, Any]]:
-        """Every rank's reply to this step; WorkerDiedError when a rank dies first."""
+    def _gather(self, handle: None) -> list[tuple[str, Any]]:
+        # each pipe's next reply answers the oldest step not yet gathered
         replies: list[tuple[str, Any] | None] = [None] * self.world_size
         pending = {conn: rank for rank, conn in enumerate(self.conns)}
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
@@ -118,7 +123,7 @@ class MultiprocExecutor(WorkerPoolExecutor):
     def _exit_message(self, rank: int) -> str:
         p = self.procs[rank]
         p.join(timeout=_JOIN_TIMEOUT_S)  # it has exited or is exiting: its exit code
-        return f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+        return f"worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
 
     def _stop(self) -> None:
         self.shutdown(graceful=False)
@@ -150,9 +155,9 @@ class MultiprocExecutor(WorkerPoolExecutor):
         for conn in self.conns:
             conn.close()
         self._tmp.cleanup()
-        if self._shm_path is not None:
+        for path in self._shm_paths or []:
             with contextlib.suppress(OSError):
-                os.unlink(self._shm_path)
+                os.unlink(path)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # at exit multiprocessing may be torn down

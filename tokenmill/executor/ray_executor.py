@@ -1,5 +1,6 @@
-"""RayExecutor: the tensor-parallel ranks as Ray actors (vLLM's `--distributed-executor-backend
-ray`), placed by a placement group on a running Ray cluster, one machine or several.
+"""RayExecutor: the ranks (tensor- and pipeline-parallel) as Ray actors (vLLM's
+`--distributed-executor-backend ray`), placed by a placement group on a running Ray cluster,
+one machine or several.
 
     ray start --head                       # on the first machine
     ray start --address=HEAD_IP:6379       # on each other machine
@@ -27,7 +28,7 @@ import time
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.interface import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.interface import SchedulerOutput
 from tokenmill.executor.base import WorkerPoolExecutor
 
 logger = logging.getLogger(__name__)
@@ -53,15 +54,16 @@ class RayWorker:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def create_segment(self) -> str:
+    def create_segments(self, ranks: int, count: int) -> list[str]:
         from tokenmill.distributed import shm_all_reduce
 
-        return shm_all_reduce.create_segment(self.world_size)
+        return [shm_all_reduce.create_segment(ranks) for _ in range(count)]
 
-    def remove(self, path: str) -> None:
-        os.unlink(path)
+    def remove(self, paths: list[str]) -> None:
+        for path in paths:
+            os.unlink(path)
 
-    def start(self, config: EngineConfig, init_method: str, shm_path: str | None,
+    def start(self, config: EngineConfig, init_method: str, shm_paths: list[str] | None,
               num_threads: int, local: bool) -> tuple[int, int, Any]:
         import torch
 
@@ -70,7 +72,7 @@ class RayWorker:
         if local:  # every rank on this machine: gloo over loopback
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         torch.set_num_threads(num_threads)
-        self.runner = build_runner(self.rank, self.world_size, config, init_method, shm_path)
+        self.runner = build_runner(self.rank, self.world_size, config, init_method, shm_paths)
         return runner_facts(self.runner)
 
     def execute(self, data: bytes, block_ops: bool) -> tuple[str, Any]:
@@ -91,6 +93,7 @@ class RayExecutor(WorkerPoolExecutor):
         if not ray.is_initialized():
             ray.init()
         self.world_size = config.parallel.world_size
+        self.tp_size = tp = config.parallel.tensor_parallel_size
         t0 = time.perf_counter()
         resource = "GPU" if config.device.startswith("cuda") else "CPU"
         self._pg = placement_group([{resource: 1}] * self.world_size, strategy="PACK")
@@ -105,13 +108,15 @@ class RayExecutor(WorkerPoolExecutor):
             local = len({node for node, _ in places}) == 1
             port = ray.get(self.actors[0].free_port.remote())
             init_method = f"tcp://{places[0][1]}:{port}"
-            shm_path = (ray.get(self.actors[0].create_segment.remote())
-                        if local and resource == "CPU" else None)
+            # one shared-memory all-reduce segment per pipeline stage's tensor-parallel group
+            shm_paths = (ray.get(self.actors[0].create_segments.remote(
+                tp, config.parallel.pipeline_parallel_size))
+                if local and resource == "CPU" and tp > 1 else None)
             threads = max(1, (os.cpu_count() or 1) // self.world_size) if local else 1
-            facts = self._get([a.start.remote(config, init_method, shm_path, threads, local)
+            facts = self._get([a.start.remote(config, init_method, shm_paths, threads, local)
                                for a in self.actors], "start")
-            if shm_path is not None:  # every rank mapped it
-                ray.get(self.actors[0].remove.remote(shm_path))
+            if shm_paths is not None:  # every rank mapped them
+                ray.get(self.actors[0].remove.remote(shm_paths))
         except BaseException:
             self.shutdown()
             raise
@@ -138,13 +143,14 @@ class RayExecutor(WorkerPoolExecutor):
                 raise
         return ray.get(refs)
 
-    def execute(self, sched: SchedulerOutput, block_ops: bool = True) -> ModelRunnerOutput:
+    def _send(self, sched: SchedulerOutput, block_ops: bool) -> list[Any]:
         import ray
 
-        self._raise_if_dead()
-        data = ray.put(pickle.dumps(self._wire(sched), protocol=pickle.HIGHEST_PROTOCOL))
-        return self._output(self._get([a.execute.remote(data, block_ops)
-                                       for a in self.actors], "a step"))
+        data = ray.put(pickle.dumps(sched, protocol=pickle.HIGHEST_PROTOCOL))
+        return [a.execute.remote(data, block_ops) for a in self.actors]  # run in call order
+
+    def _gather(self, handle: list[Any]) -> list[tuple[str, Any]]:
+        return self._get(handle, "a step")
 
     def _stop(self) -> None:
         self.shutdown()

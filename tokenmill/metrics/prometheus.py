@@ -6,6 +6,8 @@ live in one process, as they do in tests.
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tokenmill.metrics.stats import SchedulerStats, StepTimings
@@ -65,8 +67,17 @@ class PrometheusMetrics:
         self._preemptions_seen = 0
         self._prefix_seen = (0, 0)
         self._spec_seen = (0, 0, 0)
+        self._replicas: dict[int, SchedulerStats] = {}  # each replica's last stats
+        self._lock = threading.Lock()  # replicas record from their own engine threads
 
-    def record(self, stats: SchedulerStats, step: StepTimings) -> None:
+    def record(self, stats: SchedulerStats, step: StepTimings, replica: int = 0) -> None:
+        """A step's stats and timings; with data parallelism each replica's engine thread
+        calls this with its own stats, and the gauges and counters are of all replicas."""
+        with self._lock:
+            self._replicas[replica] = stats
+            self._record(SchedulerStats.combine(list(self._replicas.values())), step)
+
+    def _record(self, stats: SchedulerStats, step: StepTimings) -> None:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)

@@ -6,6 +6,8 @@ All times are `time.monotonic()` seconds.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -43,6 +45,21 @@ class SchedulerStats:
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries \
             else 0.0
+
+    @staticmethod
+    def combine(replicas: list[SchedulerStats]) -> SchedulerStats:
+        """Data-parallel replicas' stats as one engine's: counts and totals summed, KV usage
+        averaged (the replicas' caches are the same size)."""
+        if len(replicas) == 1:
+            return replicas[0]
+        summed = {f.name: sum(getattr(r, f.name) for r in replicas)
+                  for f in dataclasses.fields(SchedulerStats)
+                  if f.name not in ("kv_cache_usage", "spec_decode_num_accepted_tokens_per_pos")}
+        per_pos = [r.spec_decode_num_accepted_tokens_per_pos for r in replicas]
+        return SchedulerStats(
+            **summed, kv_cache_usage=sum(r.kv_cache_usage for r in replicas) / len(replicas),
+            spec_decode_num_accepted_tokens_per_pos=tuple(
+                map(sum, itertools.zip_longest(*per_pos, fillvalue=0))))
 
 
 @dataclass

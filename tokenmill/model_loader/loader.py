@@ -19,6 +19,7 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.distributed import ParallelState
+from tokenmill.distributed.pipeline import on_another_stage
 from tokenmill.model_loader.gguf_cache import converted_weights
 from tokenmill.model_loader.gguf_loader import iterate_gguf
 from tokenmill.model_loader.safetensors_loader import iterate_safetensors
@@ -80,6 +81,8 @@ def load_model(config: ModelConfig, device: torch.device, tp: ParallelState = Pa
                 target, shard = name.replace(f".{ckpt_name}.", f".{packed}."), shard_id
                 break
         param = params.get(target)
+        if param is None and on_another_stage(model, target):
+            continue
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {cls.__name__}")
         loader = getattr(param, "weight_loader", None)

@@ -8,6 +8,8 @@ and AttentionMetadata passed explicitly.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -15,6 +17,7 @@ from torch import nn
 
 from tokenmill.attention import AttentionMetadata
 from tokenmill.distributed import ParallelState
+from tokenmill.distributed.pipeline import PPMissingLayer
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.layernorm import RMSNorm
@@ -94,32 +97,56 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder stack; under pipeline parallelism this stage's share of it (`tp`'s
+    layer_range; the other stages' layers, and the embedding / final norm where another stage
+    runs them, are PPMissingLayer)."""
+
     def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
                  attention_cls: type[LlamaAttention], **attn_flags: bool) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp,
-                                                   quant, prefix="model.embed_tokens")
+        self.pp_last = tp.is_last_stage
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        # the last stage's tied LM head multiplies with the embedding's table
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp,
+                                                    quant, prefix="model.embed_tokens")
+                             if tp.is_first_stage or (tied and tp.is_last_stage)
+                             else PPMissingLayer())
+        here = tp.layer_range(config.num_hidden_layers)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, tp, quant, f"model.layers.{i}", attention_cls,
-                              **attn_flags)
+                              **attn_flags) if i in here else PPMissingLayer()
             for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layer_range = here
+        self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps) if tp.is_last_stage
+                     else PPMissingLayer())
         head_dim = getattr(config, "head_dim", None) or \
             config.hidden_size // config.num_attention_heads
         # One cos/sin table for all layers, gathered once per step.
         self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, config)
         # The same layers for a CPU decode step of a few tokens, in one C++ call.
-        self.small_batch_decode = SmallBatchDecode(self.layers)
+        self.small_batch_decode = SmallBatchDecode(self.layers[here.start:here.stop])
+
+    def local_layers(self) -> Iterator[nn.Module]:
+        """This stage's decoder layers, in order."""
+        return itertools.islice(self.layers, self.layer_range.start, self.layer_range.stop)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None  # (T, hidden)
+                meta: AttentionMetadata, hidden_in: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """hidden_in (T, hidden): the previous pipeline stage's output (None on the first
+        stage: the embeddings). The last stage returns the final hidden states; the others
+        hidden + residual after their last layer (distributed/pipeline.py: the next layer's
+        add + RMSNorm takes the sum as it would take the pair)."""
+        hidden = self.embed_tokens(input_ids) if hidden_in is None else hidden_in  # (T, hidden)
+        residual = None
         position_embeddings = self.rotary_emb(positions, hidden.dtype)  # cos, sin (T, 1, D)
         if self.small_batch_decode.applies(hidden, meta):
             hidden, residual = self.small_batch_decode.run(hidden, *position_embeddings, meta)
         else:
-            for layer in self.layers:
+            for layer in self.local_layers():
                 hidden, residual = layer(position_embeddings, hidden, residual, meta)
+        if not self.pp_last:
+            return hidden + residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -140,10 +167,11 @@ class LlamaForCausalLM(nn.Module):
                                 **self._attention_flags(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # A tied head multiplies with the embedding's table: its method is the embedding's.
-        self.lm_head = ParallelLMHead(
+        self.lm_head = (ParallelLMHead(
             config.vocab_size, config.hidden_size, tp, quant_config,
             prefix="model.embed_tokens" if self.tie_word_embeddings else "lm_head")
-        if self.tie_word_embeddings:
+            if tp.is_last_stage else PPMissingLayer())
+        if self.tie_word_embeddings and tp.is_last_stage:
             self.lm_head.tie_to(self.model.embed_tokens)
 
     def _attention_flags(self, config: Any) -> dict[str, bool]:
@@ -151,12 +179,15 @@ class LlamaForCausalLM(nn.Module):
         return {"qkv_bias": bias, "o_bias": bias}
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        """This stage's layers' attention (all of them without pipeline parallelism)."""
+        return [layer.self_attn.attn for layer in self.model.local_layers()]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions (T,) → final hidden states (T, hidden)."""
-        return self.model(input_ids, positions, meta)
+                meta: AttentionMetadata, hidden_in: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """input_ids, positions (T,) → final hidden states (T, hidden); under pipeline
+        parallelism from / to the neighbouring stages (LlamaModel.forward)."""
+        return self.model(input_ids, positions, meta, hidden_in)
 
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden, logits_indices)

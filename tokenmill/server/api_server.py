@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill import __version__
 from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError
+from tokenmill.engine.data_parallel import DataParallelLLM
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.server.admission import RETRY_AFTER_S, AdmissionControl, Overloaded
@@ -69,18 +70,28 @@ _ERROR_STATUSES = {400: "Invalid request", 401: "Invalid API key", 404: "Unknown
                    503: "Shutting down or engine dead"}
 
 
-def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None,
-              limits: ServerLimits | None = None,
-              tool_options: ToolOptions | None = None) -> FastAPI:
+def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str,
+              api_key: str | None = None, limits: ServerLimits | None = None,
+              tool_options: ToolOptions | None = None,
+              data_parallel_router: str = "cache_aware") -> FastAPI:
+    """The app over one engine, or over data-parallel replicas (a list of engines, one
+    request routed to one of them: engine/data_parallel.py)."""
     limits = limits or ServerLimits()
-    kv = engine.kv
-    metrics = PrometheusMetrics(served_model_name,
-                                kv_capacity_tokens=kv.num_usable_blocks * kv.block_size,
-                                kv_cache_dtype=engine.config.cache.kv_cache_dtype)
-    admission = AdmissionControl(engine.config.scheduler.max_num_seqs,
+    engines = engine if isinstance(engine, list) else [engine]
+    engine = engines[0]  # the replicas share tokenizer and config
+    metrics = PrometheusMetrics(served_model_name, kv_capacity_tokens=sum(
+        e.kv.num_usable_blocks * e.kv.block_size for e in engines),
+        kv_cache_dtype=engine.config.cache.kv_cache_dtype)
+    admission = AdmissionControl(engine.config.scheduler.max_num_seqs * len(engines),
                                  limits.max_waiting_requests)
-    async_llm = AsyncLLM(engine, on_step=metrics.record,
-                         on_dead=lambda _: lifecycle.call_soon(lifecycle.engine_died))
+
+    def on_dead(_: BaseException) -> None:
+        lifecycle.call_soon(lifecycle.engine_died)
+
+    async_llm: AsyncLLM | DataParallelLLM = (
+        AsyncLLM(engine, on_step=metrics.record, on_dead=on_dead) if len(engines) == 1
+        else DataParallelLLM(engines, data_parallel_router, on_step=metrics.record,
+                             on_dead=on_dead))
     lifecycle = ServerLifecycle(async_llm, admission, limits.drain_timeout)
     serving = (async_llm, served_model_name, admission, limits.request_timeout)
     completions = OpenAIServingCompletion(*serving)
@@ -261,16 +272,18 @@ def default_served_name(engine: LLMEngine) -> str:
     return name[:-5] if name.endswith(".gguf") else name
 
 
-def run_server(engine: LLMEngine, host: str, port: int, api_key: str | None,
-               served_model_name: str | None, limits: ServerLimits | None = None,
-               tool_options: ToolOptions | None = None) -> int:
+def run_server(engine: LLMEngine | list[LLMEngine], host: str, port: int,
+               api_key: str | None, served_model_name: str | None,
+               limits: ServerLimits | None = None, tool_options: ToolOptions | None = None,
+               data_parallel_router: str = "cache_aware") -> int:
     """Serve until SIGINT/SIGTERM (drained: exit 0) or the engine's death (exit 1)."""
     import uvicorn
 
     from tokenmill.server.lifecycle import DrainingServer
 
-    name = served_model_name or default_served_name(engine)
-    app = build_app(engine, name, api_key, limits, tool_options)
+    first = engine[0] if isinstance(engine, list) else engine
+    name = served_model_name or default_served_name(first)
+    app = build_app(engine, name, api_key, limits, tool_options, data_parallel_router)
     # uvicorn's access log is off: ours (middleware.py) carries the request id.
     config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
                             log_config=None, timeout_graceful_shutdown=5)

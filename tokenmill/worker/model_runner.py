@@ -36,6 +36,11 @@ from tokenmill.core.interface import (
     SchedulerOutput,
 )
 from tokenmill.distributed import ParallelState
+from tokenmill.distributed.pipeline import (
+    UpstreamStageFailed,
+    recv_from_prev_stage,
+    send_to_next_stage,
+)
 from tokenmill.layers.rejection_sampler import verify
 from tokenmill.layers.sampler import Sampler, gather_logprobs
 from tokenmill.layers.token_bitmask import apply_token_bitmask_
@@ -59,14 +64,16 @@ class KVBlockOpsError(RuntimeError):
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: ParallelState = ParallelState()) -> None:
         self.config = config
-        self.is_driver = tp.tp_rank == 0  # the rank that samples
+        self.ps = tp
+        self.is_driver = tp.is_driver  # the rank that samples
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         mc = config.model
         t0 = time.perf_counter()
         self.model = load_model(mc, self.device, tp, prepack=config.prepack_weights)
-        # this rank's share of the KV heads (all of them at tp 1)
+        # this rank's share of the KV heads (all of them at tp 1), for its stage's layers
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads
+        self.num_layers = len(self.model.attention_layers())
         if self.device.type == "cpu":
             # The weights a decode step streams (dense or quantized) go to huge pages.
             move_parameters_to_huge_pages(self.model)
@@ -79,7 +86,7 @@ class ModelRunner:
                                    DraftModelProposer.block_bytes(draft, self.block_size))
         self.num_kv_blocks = self._num_kv_blocks()
         kv_dtype = config.cache.kv_cache_dtype
-        self.kv_cache = allocate_kv_cache(mc.num_layers, self.num_kv_blocks, self.block_size,
+        self.kv_cache = allocate_kv_cache(self.num_layers, self.num_kv_blocks, self.block_size,
                                           self.num_kv_heads, mc.head_dim, mc.dtype, self.device,
                                           kv_dtype)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.0f MiB, %s) in %.1f s",
@@ -89,7 +96,7 @@ class ModelRunner:
                     mc.dtype if kv_dtype == "auto" else kv_dtype, time.perf_counter() - t0)
         self.num_swap_blocks, self.swap_cache = self._allocate_swap()
         # fp8's per-head scales, (num_layers, 2, Hkv); None for the other formats
-        self.kv_scales = allocate_kv_scales(mc.num_layers, self.num_kv_heads, self.device,
+        self.kv_scales = allocate_kv_scales(self.num_layers, self.num_kv_heads, self.device,
                                             kv_dtype)
         self.key_rotation = key_rotation(mc.head_dim, kv_dtype, self.device)  # quantized
         self.backend = get_attention_backend(config.attention_backend, self.block_size,
@@ -116,8 +123,9 @@ class ModelRunner:
                         " %.2f per draft-model forward", self.spec_costs.verify_per_draft,
                         self.spec_costs.draft_forward)
         self.decode_graphs: DecodeGraphs | None = None
-        # NOTE: not under TP: a captured step would hold the ranks' collectives (untested)
-        if self.device.type == "cuda" and not config.enforce_eager and tp.tp_size == 1:
+        # NOTE: not under TP / PP: a captured step would hold the ranks' collectives (untested)
+        if (self.device.type == "cuda" and not config.enforce_eager
+                and config.parallel.world_size == 1):
             self.decode_graphs = self._decode_graphs(capture=True)
             if self.decode_graphs is not None:
                 self.decode_graphs.capture_all()
@@ -136,7 +144,7 @@ class ModelRunner:
     def _block_bytes(self) -> int:
         """Bytes of one KV block across all layers (the unit of both GPU cache and swap)."""
         mc = self.config.model
-        return bytes_per_block(mc.num_layers, self.block_size, self.num_kv_heads, mc.head_dim,
+        return bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, mc.head_dim,
                                mc.dtype, self.config.cache.kv_cache_dtype)
 
     def _num_kv_blocks(self) -> int:
@@ -175,7 +183,30 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_ops: bool = True) -> ModelRunnerOutput:
         """Run one step. `block_ops=False` skips the step's block copies and swaps (the engine
-        re-executes requests of a failed step alone, after those were done once)."""
+        re-executes requests of a failed step alone, after those were done once).
+
+        Under pipeline parallelism a stage first receives the previous stage's hidden states
+        and, last, sends its own to the next stage, or a failure flag when it failed
+        (distributed/pipeline.py: one message each way per step, whatever happens)."""
+        if self.ps.pp_size == 1:
+            return self._execute(sched, block_ops)[0]
+        ps, mc = self.ps, self.config.model
+        shape = (sched.num_scheduled_tokens, mc.hf_config.hidden_size, mc.dtype, self.device)
+        hidden_in = None if ps.is_first_stage else recv_from_prev_stage(ps, *shape)
+        failed_upstream = not ps.is_first_stage and shape[0] > 0 and hidden_in is None
+        out, hidden = None, None
+        try:
+            out, hidden = self._execute(sched, block_ops, hidden_in, failed_upstream)
+        finally:
+            if not ps.is_last_stage:  # hidden None: this stage failed the step
+                send_to_next_stage(ps, hidden, *shape)
+        return out
+
+    def _execute(self, sched: SchedulerOutput, block_ops: bool = True,
+                 hidden_in: torch.Tensor | None = None, failed_upstream: bool = False
+                 ) -> tuple[ModelRunnerOutput, torch.Tensor | None]:
+        """The step's output, and the hidden states for the next pipeline stage (None on the
+        last stage)."""
         req_ids = [r.req_id for r in sched.scheduled]
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         with scope("prepare_inputs"):
@@ -192,15 +223,19 @@ class ModelRunner:
                         copy_blocks(self.drafter.kv_cache, sched.blocks_to_copy)
                 except Exception as e:
                     raise KVBlockOpsError(f"{type(e).__name__}: {e}") from e
+            if failed_upstream:  # after the block ops, which every stage does once
+                raise UpstreamStageFailed("an earlier pipeline stage failed this step")
             if sched.is_empty:
-                return out
+                return out, None
             reqs = [self.states.resolve(step) for step in sched.scheduled]
             batch = InputBatch.build(reqs, self.block_size, self.device)
             meta = self.backend.build_metadata(batch)
         with scope("forward"):
             hidden = self.decode_graphs.run(batch, meta) if self.decode_graphs else None
-            if hidden is None:
-                hidden = self.model(batch.input_ids, batch.positions, meta)  # (T, hidden)
+            if hidden is None:  # (T, hidden)
+                hidden = self.model(batch.input_ids, batch.positions, meta, hidden_in)
+        if not self.ps.is_last_stage:
+            return out, hidden
         # NOTE: every collective of the step (the LM head's gathers) before the driver's
         # sampling, so that a sampling error on the driver leaves the ranks in step.
         self._prompt_logprobs(reqs, batch, hidden, out)
@@ -214,7 +249,7 @@ class ModelRunner:
                 out.draft_token_ids, out.draft_probs = self.drafter.propose(
                     reqs, out.sampled_token_ids)
         self.states.append_sampled(req_ids, out.sampled_token_ids)
-        return out
+        return out, None
 
     def _sample(self, sched: SchedulerOutput, reqs: list[ScheduledRequest], batch: InputBatch,
                 logits: torch.Tensor, out: ModelRunnerOutput) -> None:

@@ -6,8 +6,9 @@ all-reduce segment (CPU), builds a ModelRunner over its tensor-parallel shard, r
 each a pickled tuple:
 
     ("execute", SchedulerOutput, block_ops)  → ("ok", ModelRunnerOutput | None)  (driver: its
-                                                output; other ranks: None), ("kv_error", why)
-                                                or ("error", why)
+                                                output; other ranks: None), ("kv_error", why),
+                                                ("error", why) or ("upstream", why) (an
+                                                earlier pipeline stage failed the step)
     ("shutdown",)                            → the process exits
 
 It exits when the engine's end of the pipe closes (the engine process is gone) and, on Linux,
@@ -42,8 +43,9 @@ def _die_with_parent() -> None:
 
 
 def build_runner(rank: int, world_size: int, config: Any, init_method: str,
-                 shm_path: str | None) -> Any:
-    """Join the process group, map the all-reduce segment, build this rank's ModelRunner
+                 shm_paths: list[str] | None) -> Any:
+    """Join the process group, make the stages' tensor-parallel groups, map this stage's
+    all-reduce segment (`shm_paths`: one per pipeline stage), build this rank's ModelRunner
     (shared by the pipe loop below and the Ray actor, executor/ray_executor.py)."""
     from tokenmill.distributed import ParallelState
     from tokenmill.distributed.shm_all_reduce import ShmAllReduce
@@ -55,8 +57,15 @@ def build_runner(rank: int, world_size: int, config: Any, init_method: str,
     torch.distributed.init_process_group(
         "nccl" if cuda else "gloo", init_method=init_method, rank=rank,
         world_size=world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    comm = None if shm_path is None else ShmAllReduce(shm_path, rank, world_size)
-    return ModelRunner(config, ParallelState(rank, world_size, comm))
+    tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
+    pp_rank, tp_rank = divmod(rank, tp)  # stage-major (distributed/parallel_state.py)
+    group = None  # one stage: its tensor-parallel group is the world
+    if pp > 1:  # every rank makes every group, in the same order (torch.distributed's rule)
+        group = [torch.distributed.new_group(list(range(s * tp, (s + 1) * tp)))
+                 for s in range(pp)][pp_rank]
+    comm = (None if shm_paths is None
+            else ShmAllReduce(shm_paths[pp_rank], tp_rank, tp, group=group))
+    return ModelRunner(config, ParallelState(tp_rank, tp, comm, pp_rank, pp, group))
 
 
 def runner_facts(runner: Any) -> tuple[int, int, Any]:
@@ -66,6 +75,7 @@ def runner_facts(runner: Any) -> tuple[int, int, Any]:
 
 def execute_step(runner: Any, sched: Any, block_ops: bool) -> tuple[str, Any]:
     """One step's reply (see the module doc)."""
+    from tokenmill.distributed.pipeline import UpstreamStageFailed
     from tokenmill.worker.model_runner import KVBlockOpsError
 
     try:
@@ -73,18 +83,20 @@ def execute_step(runner: Any, sched: Any, block_ops: bool) -> tuple[str, Any]:
         return ("ok", out if runner.is_driver else None)
     except KVBlockOpsError as e:
         return ("kv_error", str(e))
+    except UpstreamStageFailed as e:  # the earlier stage's reply names its error
+        return ("upstream", str(e))
     except Exception as e:  # the engine decides: one request's failure, or a dead rank
         return ("error", f"{type(e).__name__}: {e}")
 
 
 def worker_main(rank: int, world_size: int, config: Any, init_method: str, conn: Connection,
-                num_threads: int, log_level: int, shm_path: str | None) -> None:
+                num_threads: int, log_level: int, shm_paths: list[str] | None) -> None:
     _die_with_parent()
     logging.basicConfig(level=log_level,
                         format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
     torch.set_num_threads(num_threads)
     try:
-        runner = build_runner(rank, world_size, config, init_method, shm_path)
+        runner = build_runner(rank, world_size, config, init_method, shm_paths)
         conn.send(("ready", runner_facts(runner)))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
