@@ -1,7 +1,7 @@
 """The engine's own work in a decode step, next to the model's, without the profiler.
 
     python benchmarks/step_overhead.py [--model PATH] [--steps 64] [--async-rounds 3]
-                                       [--parts overhead,async]
+                                       [--parts overhead,async] [--tensor-parallel-size N]
 
 For decode batches of 1 and 64 (SmolLM2 float32 unless --model), each step's wall time is
 split into the model's forward pass and logits (timed around the model's own methods) and
@@ -109,15 +109,17 @@ def step_wall(llm: LLM, batch: int, prompt_len: int, steps: int, tag: str) -> fl
     return statistics.median(step_walls(llm)[:-2]) * 1e3  # the last steps drain the batch
 
 
-def async_part(model: str | None, steps: int, rounds: int) -> None:
+def async_part(model: str | None, steps: int, rounds: int, tp: int = 1) -> None:
     """Each (mode, round) in a fresh process, modes alternated: two engines in one process
     share a machine's OpenMP pools and disturb each other's figures."""
     print(f"\nasync scheduling: ms per decode step (median over {steps} steps; "
-          f"{rounds} alternated rounds each, each in a fresh process)")
+          f"{rounds} alternated rounds each, each in a fresh process; "
+          f"tensor_parallel_size={tp})")
     got: dict[tuple[str, int], list[float]] = defaultdict(list)
     for _ in range(rounds):
         for mode in ("sync", "async"):
-            cmd = [sys.executable, __file__, "--probe", mode, "--steps", str(steps)]
+            cmd = [sys.executable, __file__, "--probe", mode, "--steps", str(steps),
+                   "--tensor-parallel-size", str(tp)]
             if model:
                 cmd += ["--model", model]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -132,11 +134,12 @@ def async_part(model: str | None, steps: int, rounds: int) -> None:
               + " ".join(f"{x:.2f}" for x in got[("async", batch)]))
 
 
-def probe(model: str | None, mode: str, steps: int) -> None:
+def probe(model: str | None, mode: str, steps: int, tp: int) -> None:
     """One engine, one mode: print {batch: ms per decode step} as JSON."""
-    llm = LLM(model, async_scheduling=mode == "async")
+    llm = LLM(model, async_scheduling=mode == "async", tensor_parallel_size=tp)
     print(json.dumps({batch: step_wall(llm, batch, prompt_len, steps, f"p{batch}")
                       for batch, prompt_len in ((1, 128), (64, 32))}))
+    llm.engine.shutdown()
 
 
 def main() -> None:
@@ -146,11 +149,13 @@ def main() -> None:
     parser.add_argument("--async-rounds", type=int, default=3)
     parser.add_argument("--parts", default="overhead,async",
                         help="overhead (with the argmax comparison), async")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="async part: the engines' TP size (worker processes above 1)")
     parser.add_argument("--probe", choices=["sync", "async"], default=None,
                         help=argparse.SUPPRESS)  # one async_part measurement
     args = parser.parse_args()
     if args.probe:
-        return probe(args.model, args.probe, args.steps)
+        return probe(args.model, args.probe, args.steps, args.tensor_parallel_size)
     print(describe_machine())
     if "overhead" in args.parts:
         llm = LLM(args.model)
@@ -159,7 +164,7 @@ def main() -> None:
             argmax_part(llm)
         del llm
     if "async" in args.parts:
-        async_part(args.model, args.steps, args.async_rounds)
+        async_part(args.model, args.steps, args.async_rounds, args.tensor_parallel_size)
 
 
 def overhead_part(llm: LLM, steps: int) -> None:

@@ -363,9 +363,10 @@ class EngineConfig:
             draft = draft_model_config(speculative, model_cfg, device)
         parallel = ParallelConfig(**groups["parallel"])
         parallel.check_model(model_cfg.hf_config, device, draft is not None)
-        if sched.async_scheduling and (speculative is not None or parallel.world_size > 1):
+        if sched.async_scheduling and (speculative is not None
+                                       or parallel.pipeline_parallel_size > 1):
             raise ValueError("async_scheduling does not run with speculative decoding or "
-                             "tensor_parallel_size / pipeline_parallel_size > 1 yet")
+                             "pipeline_parallel_size > 1 yet")
         if speculative is not None and parallel.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding does not run with "
                              "pipeline_parallel_size > 1 yet")

@@ -2,7 +2,8 @@
 step N, feeding the token the runner sampled itself. Outputs must be exactly those of
 synchronous steps (greedy: Hugging Face's) under chunked prefill, prefix-cache hits, preemption
 by recompute and by swap, parallel samples, penalties, logprobs, min_tokens, stop strings and
-EOS, aborts; every KV block comes back. Speculative decoding and TP > 1 are refused."""
+EOS, aborts; every KV block comes back; under TP=2 too. Speculative decoding and PP > 1 are
+refused."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def test_abort_with_a_step_in_flight_frees_everything(tiny_model):
                                                                   ignore_eos=True))
     for _ in range(4):
         engine.step()
-    assert engine._in_flight is not None
+    assert engine._in_flight  # a step in flight
     for i in range(3):
         assert engine.abort_request(str(i))
     while engine.has_unfinished_requests():  # drains the step in flight
@@ -95,9 +96,55 @@ def test_abort_with_a_step_in_flight_frees_everything(tiny_model):
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 5
 
 
+def test_tensor_parallel_ranks_feed_the_driver_s_tokens(tiny_model):
+    """TP=2: the next step is sent before this one's tokens are back, so the driver hands its
+    sampled tokens to the other rank each step (the shared-memory all-reduce as a broadcast):
+    greedy output is Hugging Face's under preemption and prefix hits, seeded sampling is the
+    synchronous run's, and a request whose sampling fails on the driver fails alone (the
+    other rank, told, fails the step with it) while the rest go on."""
+    path, hf = tiny_model("llama")
+    cases = mixed_prompts(8, 49152, seed=3, max_len=120, max_new=24)
+    llm = LLM(path, async_scheduling=True, tensor_parallel_size=2, num_kv_blocks=40,
+              block_size=8, max_num_batched_tokens=64, max_num_seqs=6)
+    try:
+        got = generate_greedy(llm, cases) + generate_greedy(llm, cases[-1:])
+        engine = llm.engine
+        assert engine.scheduler.num_preemptions > 0 and engine.kv.prefix_hits > 0
+        assert_kv_all_free(engine)
+    finally:
+        llm.engine.shutdown()
+    assert got == [hf_greedy(hf, p, m) for p, m in cases + cases[-1:]]
+
+    prompts = [[5, 6, 7, 8] * 5, list(range(300, 340)), [9] * 30]
+    params = [SamplingParams(temperature=0.9, seed=5, max_tokens=30, n=2,
+                             presence_penalty=0.5, min_tokens=4),
+              SamplingParams(temperature=1.3, seed=7, max_tokens=40, top_k=50),
+              SamplingParams(temperature=0, max_tokens=25)]
+    results = []
+    for async_scheduling in (False, True):
+        llm = LLM(path, async_scheduling=async_scheduling, tensor_parallel_size=2,
+                  num_kv_blocks=64)
+        try:
+            engine = llm.engine
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+                engine.add_request(f"r{i}", p, sp)
+            bad = SamplingParams(temperature=1.0, max_tokens=10, seed=1)
+            engine.add_request("bad", [3, 4, 5], bad)
+            bad.seed = 2**70  # valid when checked; torch's manual_seed then overflows
+            finals = {}
+            while engine.has_unfinished_requests():
+                finals.update({o.request_id: o for o in engine.step() if o.finished})
+            assert finals.pop("bad").outputs[0].finish_reason == "error"
+            results.append({rid: [c.token_ids for c in o.outputs] for rid, o in finals.items()})
+            assert_kv_all_free(engine)
+        finally:
+            llm.engine.shutdown()
+    assert results[0] == results[1] and len(results[0]) == 3
+
+
 @pytest.mark.parametrize("options", [
     {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-    {"tensor_parallel_size": 2},
+    {"pipeline_parallel_size": 2},
 ])
 def test_refused_with_what_it_does_not_run_with(tiny_model, options):
     path, _ = tiny_model("llama")

@@ -12,7 +12,7 @@ from tokenmill.worker.model_runner import KVBlockOpsError
 
 OUT = ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[7]])
 OK, NONE = ("ok", OUT), ("ok", None)
-UP = ("upstream", "an earlier pipeline stage failed this step")
+UP = ("peer_failed", "an earlier pipeline stage failed this step")
 
 
 def err(why: str = "IndexError: index out of range") -> tuple[str, str]:

@@ -10,10 +10,8 @@ caching is on), or with preemption_mode="swap" its KV is copied to CPU swap spac
 its generated tokens are kept, so its output does not change. No request is admitted in a step
 that preempted, so swap-outs and swap-ins never meet in one step.
 
-Parallel sampling (n > 1): the first sample (the leader) is queued alone; the others
-(followers) wait beside it. Once the leader has computed all but the last prompt token, each
-follower forks those blocks (shared, reference-counted) and computes only the last prompt token
-itself, so it samples its own first token; the partly filled last block is copied on write.
+Parallel sampling (n > 1): the first sample (the leader) is queued alone; the others wait in
+`SampleGroups` (core/sample_groups.py) until they fork the leader's prompt blocks.
 
 Speculative decoding: with a proposer, a decoding request may also get draft tokens after its
 last token (`Request.spec_token_ids`), from the same token budget; the runner verifies them and
@@ -39,9 +37,10 @@ sampled itself. Not scheduled ahead: a request whose placeholder may be its last
 (max_tokens, max_model_len), one with a grammar (its matcher needs the token), and a preempted
 one (it resumes from the tokens the scheduler knows).
 
-Pipeline parallelism (`one_step_per_request`): the engine keeps a step in flight per stage;
-a request with a step in flight is skipped until that step's output is applied, so the steps
-in flight are of different requests.
+Pipeline parallelism (`pipeline_depth` stages): the engine keeps a step in flight per stage; a
+request with a step in flight is skipped until that step's output is applied, so the steps in
+flight are of different requests, and a step takes at most 1 / depth of the requests, so that
+in steady decoding every stage has a micro-batch to work on.
 
 Invariant: every block in the pool is free when no request is running or waiting.
 """
@@ -61,6 +60,7 @@ from tokenmill.core.interface import (
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.runner_view import RunnerView
+from tokenmill.core.sample_groups import SampleGroups
 from tokenmill.core.stop import check_stop
 from tokenmill.spec_decode import SpeculativeConfig, make_proposer
 from tokenmill.spec_decode.cost_model import SpecCosts
@@ -72,6 +72,7 @@ from tokenmill.spec_decode.policy import (
     draft_length,
     update_acceptance,
 )
+from tokenmill.utils import cdiv
 
 # A draft model whose acceptance says drafting does not pay still drafts once every this many
 # output tokens, so that its running acceptance can recover.
@@ -82,11 +83,11 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  speculative: SpeculativeConfig | None = None,
                  spec_costs: SpecCosts | None = None, jump_forward: bool = True,
-                 one_step_per_request: bool = False) -> None:
+                 pipeline_depth: int = 1) -> None:
         self.config = config
         # pipeline parallelism: requests whose step is in flight are not scheduled again until
         # its output is applied (the stages hold no sampled token the scheduler has not seen)
-        self.one_step_per_request = one_step_per_request
+        self.pipeline_depth = pipeline_depth
         self._stepping: set[str] = set()
         self.jump_forward = jump_forward
         self.num_jump_forward_tokens = 0  # tokens a grammar forced, appended without a step
@@ -109,8 +110,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_since_last_step: set[str] = set()
-        self._followers: dict[str, list[Request]] = {}  # leader id → samples waiting to fork
-        self._leader_of: dict[str, str] = {}  # follower id → leader id
+        self._groups = SampleGroups()  # n > 1: samples waiting for their leader's prompt
         self.num_preemptions = 0  # total, for stats and tests
         self.num_prompt_tokens_computed = 0  # prefill work done (cache hits are not counted)
         self._swap_out: list[tuple[int, int]] = []  # (gpu, cpu) block copies for the runner
@@ -129,10 +129,9 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
         if followers:
-            self._followers[request.request_id] = list(followers)
+            self._groups.add(request, followers)
             for f in followers:
                 self.requests[f.request_id] = f
-                self._leader_of[f.request_id] = request.request_id
 
     def abort_request(self, request_id: str) -> Request | None:
         """Finish a request as aborted and free its blocks; None if it is unknown or done."""
@@ -145,15 +144,13 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request_id in self._leader_of:
-            self._followers[self._leader_of.pop(request_id)].remove(request)
-        else:
+        elif not self._groups.remove_follower(request_id):
             self.waiting.remove(request)
         self._finish(request, status)
         return request
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self._followers)
+        return bool(self.waiting or self.running or self._groups)
 
     @property
     def num_waiting(self) -> int:
@@ -170,8 +167,11 @@ class Scheduler:
         preempted: list[Request] = []
 
         spec_room = SPEC_MAX_STEP_TOKENS - len(self.running)
+        # pipeline parallelism: this step's share of the requests (a micro-batch per stage)
+        cap = (cdiv(len(self.running) + len(self.waiting), self.pipeline_depth)
+               if self.pipeline_depth > 1 else self.config.max_num_seqs)
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < cap:
             request = self.running[i]
             n = (0 if request.request_id in self._stepping
                  else self._num_new_tokens(request, budget))
@@ -194,7 +194,7 @@ class Scheduler:
             budget -= n + len(drafts)
             i += 1
 
-        while (not preempted and self.waiting and budget > 0
+        while (not preempted and self.waiting and budget > 0 and len(scheduled) < cap
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             n = self._admit(request, budget)
@@ -321,35 +321,10 @@ class Scheduler:
             # and rolls back rejected drafts.
             request.num_computed_tokens = start + n + len(drafts)
             request.num_output_placeholders += sample
-            if self.one_step_per_request:
+            if self.pipeline_depth > 1:
                 self._stepping.add(request.request_id)
-            if request.request_id in self._followers:
-                self._maybe_fork(request)
+            self._groups.maybe_fork(request, self.kv, self.waiting)
         return out
-
-    def _maybe_fork(self, leader: Request) -> None:
-        """Once this step writes the leader's prompt[:-1], its followers share those blocks.
-
-        They queue at the head and run from the next step on, each computing the last prompt
-        token itself. NOTE: sharing blocks whose K/V this very step writes is safe because the
-        followers are not scheduled before this step's forward pass has run.
-        """
-        shared = leader.num_prompt_tokens - 1
-        if leader.num_computed_tokens < shared:
-            return
-        followers = self._followers.pop(leader.request_id)
-        for f in followers:
-            del self._leader_of[f.request_id]
-            self.kv.fork(leader, f, num_tokens=shared)
-            f.num_computed_tokens = shared
-        self.waiting.extendleft(reversed(followers))
-
-    def _release_followers(self, leader: Request) -> None:
-        """A leader that ends before forking lets its followers run on their own."""
-        followers = self._followers.pop(leader.request_id, [])
-        for f in followers:
-            del self._leader_of[f.request_id]
-        self.waiting.extendleft(reversed(followers))
 
     def _preempt(self, request: Request) -> None:
         """Swap the request out if configured and there is swap space, else recompute later."""
@@ -426,7 +401,7 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        self._release_followers(request)
+        self._groups.release(request, self.waiting)
         if self.proposer is not None:
             self.proposer.observe_output(request.request_id, request.output_token_ids)
         request.status = status

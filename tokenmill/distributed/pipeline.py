@@ -3,8 +3,8 @@
 Invariant: every step, each stage but the last sends exactly one message to the next stage
 (the rank with the same tp_rank) and each stage but the first receives exactly one, whatever
 happened locally: a stage that failed sends a failure flag instead of hidden states, and the
-stage after it fails the step with `UpstreamStageFailed` (the executor reports the stage that
-failed first, executor/base.driver_output), so no rank waits for a tensor that never comes and
+stage after it fails the step with `PeerFailed` (the executor reports the stage that failed
+first, executor/base.driver_output), so no rank waits for a tensor that never comes and
 the next step's messages stay paired. A step with no tokens sends nothing (both sides know).
 
 The message is one tensor of T * H + 1 values in the model's dtype: hidden + residual (T, H),
@@ -18,10 +18,6 @@ from __future__ import annotations
 import torch
 
 from tokenmill.distributed.parallel_state import ParallelState
-
-
-class UpstreamStageFailed(RuntimeError):
-    """An earlier pipeline stage failed this step (its own error is reported by the executor)."""
 
 
 def send_to_next_stage(ps: ParallelState, hidden: torch.Tensor | None, num_tokens: int,

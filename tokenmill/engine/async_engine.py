@@ -31,7 +31,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tokenmill.engine.llm_engine import EngineDeadError, LLMEngine, PreparedRequest
+from tokenmill.engine.llm_engine import EngineDeadError, LLMEngine
+from tokenmill.engine.request_intake import PreparedRequest
 from tokenmill.metrics.stats import RequestTimings, SchedulerStats, StepTimings
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams

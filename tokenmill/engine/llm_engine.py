@@ -5,7 +5,9 @@
     engine.abort_request(id)                 # frees its blocks at once
 
 One step is `schedule → execute → update_from_output`. A bad request is refused in
-`add_request` and never reaches the scheduler, so it cannot disturb the others.
+`add_request` (engine/request_intake.py validates it) and never reaches the scheduler, so it
+cannot disturb the others. Async scheduling keeps one step in flight while the next is
+scheduled; pipeline parallelism keeps one per stage, each of other requests.
 
 Failure isolation (the second line of defence, behind validation): when executing a step raises,
 each scheduled request is executed again alone. Those that succeed alone keep their tokens (the
@@ -22,12 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineConfig, resolve_device
@@ -36,14 +36,13 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.request_intake import PreparedRequest, RequestIntake
 from tokenmill.engine.tokenizer import load_tokenizer
 from tokenmill.executor import Executor, WorkerDiedError, make_executor
 from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SEED_MIN, SamplingParams
-from tokenmill.structured_output.backend import CompiledGrammar
 from tokenmill.structured_output.manager import StructuredOutputManager
-from tokenmill.utils import cdiv
 from tokenmill.utils.profiling import scope
 from tokenmill.worker.model_runner import KVBlockOpsError, ModelRunner
 
@@ -53,19 +52,6 @@ _MAX_ALL_FAILED_STEPS = 3
 
 class EngineDeadError(RuntimeError):
     """The engine cannot go on: a failure not tied to any one request."""
-
-
-@dataclass(frozen=True)
-class PreparedRequest:
-    """A validated, tokenized request, ready for `LLMEngine.add_prepared`."""
-
-    request_id: str
-    prompt: str | None
-    token_ids: list[int]
-    params: SamplingParams
-    max_tokens: int
-    arrival_time: float
-    grammar: CompiledGrammar | None = None  # structured outputs: each sample gets a matcher
 
 
 class LLMEngine:
@@ -81,7 +67,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len,
                                    config.speculative, self.executor.spec_costs,
                                    jump_forward=config.structured_outputs.jump_forward,
-                                   one_step_per_request=self._depth > 1)
+                                   pipeline_depth=self._depth)
         eos = set(config.model.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -89,6 +75,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(config.structured_outputs, self.tokenizer,
                                                   config.model.vocab_size, self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.intake = RequestIntake(config.model, self.tokenizer, self.kv, self.structured)
         self._all_failed_steps = 0  # consecutive steps in which every request failed
         # steps sent and not yet applied, oldest first, with their outputs' Futures (async
         # scheduling: the one the model is running; pipeline parallelism: one per stage)
@@ -144,16 +131,13 @@ class LLMEngine:
                         params: SamplingParams | None = None,
                         arrival_time: float | None = None) -> PreparedRequest:
         """Tokenize and validate without touching the scheduler (safe off the engine thread)."""
-        params = params or SamplingParams()
-        prompt_text, token_ids = self._split_prompt(prompt)
-        max_tokens = self._validate(token_ids, params)
-        if params.top_k >= self.config.model.vocab_size:  # the same draw, in the range of ops
-            params = dataclasses.replace(params, top_k=0)
-        grammar = (self.structured.compile(params.structured_outputs)
-                   if params.structured_outputs is not None else None)
-        return PreparedRequest(request_id, prompt_text, token_ids, params, max_tokens,
-                               time.monotonic() if arrival_time is None else arrival_time,
-                               grammar)
+        return self.intake.prepare(request_id, prompt, params, arrival_time)
+
+    def encode(self, text: str) -> list[int]:
+        return self.intake.encode(text)
+
+    def check_text_length(self, num_chars: int) -> None:
+        self.intake.check_text_length(num_chars)
 
     def add_prepared(self, p: PreparedRequest) -> None:
         if p.request_id in self.outputs.parents:
@@ -177,74 +161,6 @@ class LLMEngine:
             return params
         seed = None if params.seed is None else _wrap_seed(params.seed + index)
         return dataclasses.replace(params, n=1, seed=seed)
-
-    def _split_prompt(self, prompt: str | list[int] | dict[str, Any]
-                      ) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
-            if ids is None and not isinstance(text, str):
-                raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
-            return text, list(ids) if ids is not None else self.encode(text)
-        if isinstance(prompt, str):
-            return prompt, self.encode(prompt)
-        if isinstance(prompt, list | tuple):
-            return None, list(prompt)
-        raise ValueError(f"prompt must be a string, a list of token ids or a dict, "
-                         f"got {type(prompt).__name__}")
-
-    def encode(self, text: str) -> list[int]:
-        self.check_text_length(len(text))
-        return self.tokenizer.encode(text, add_special_tokens=True)
-
-    def check_text_length(self, num_chars: int) -> None:
-        """ValueError, before any tokenizing, for text too long to fit the context: no token
-        covers more characters than the vocabulary's longest entry (doubled for normalizers),
-        so such text needs more than max_model_len tokens. Tokenizing megabytes would hold a
-        worker for seconds only to refuse the request after."""
-        max_len = self.config.model.max_model_len
-        limit = 2 * self._max_token_chars * max_len
-        if num_chars > limit:
-            raise ValueError(f"prompt is too long: {num_chars} characters cannot fit in "
-                             f"max_model_len={max_len} tokens")
-
-    @functools.cached_property
-    def _max_token_chars(self) -> int:
-        vocab = self.tokenizer.get_vocab()
-        return max((len(t) for t in vocab), default=1)
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> int:
-        """The request's resolved max_tokens; ValueError for anything it cannot be served with."""
-        max_len = self.config.model.max_model_len
-        n = len(token_ids)
-        if n == 0:
-            raise ValueError("prompt is empty: it must have at least 1 token")
-        vocab = self.config.model.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        bad_bias = [t for t in params.logit_bias if t >= vocab]
-        if bad_bias:
-            raise ValueError(f"logit_bias token ids must be < vocab size {vocab}, got {bad_bias}")
-        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids must be < vocab size {vocab}, got {bad_stop}")
-        # No max_tokens given: up to the context length, or as much as the KV cache can hold
-        # for one request if that is less (a request must fit the cache to make progress).
-        capacity = self.kv.num_usable_blocks * self.kv.block_size
-        max_tokens = (params.max_tokens if params.max_tokens is not None
-                      else min(max_len, capacity) - n)
-        if n + max_tokens > max_len:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = "
-                             f"{n + max_tokens} exceeds the context length "
-                             f"max_model_len={max_len}")
-        if max_tokens < 1:
-            raise ValueError(f"prompt ({n} tokens) leaves no room to generate within "
-                             f"max_model_len={max_len} and a KV cache of {capacity} tokens")
-        need = cdiv(n + max_tokens, self.kv.block_size)
-        if need > self.kv.num_usable_blocks:
-            raise ValueError(f"prompt + max_tokens = {n + max_tokens} tokens need {need} KV "
-                             f"blocks but the cache has {self.kv.num_usable_blocks}; raise "
-                             "kv_cache_memory or lower max_tokens")
-        return max_tokens
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (all its samples); returns False if it was unknown or done."""

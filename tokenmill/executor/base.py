@@ -45,9 +45,9 @@ def driver_output(replies: list[tuple[str, Any]], tp_size: int = 1) -> ModelRunn
     A step's failure is raised for the engine to isolate (RuntimeError, or KVBlockOpsError for
     the block copies) when every rank that failed gave the same reason and those ranks are the
     driver alone (sampling) or whole pipeline stages (the same inputs fail the same way on
-    every rank of a stage; the stages after it reply "upstream"). Anything else, a rank
-    failing while the rest of its stage did not, is fatal: its collectives may be out of step
-    with the others' (WorkerDiedError)."""
+    every rank of a stage; the ranks that could not go on without them reply "peer_failed").
+    Anything else, a rank failing while the rest of its stage did not, is fatal: its
+    collectives may be out of step with the others' (WorkerDiedError)."""
     from tokenmill.worker.model_runner import KVBlockOpsError
 
     driver = len(replies) - tp_size

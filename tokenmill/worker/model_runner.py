@@ -8,8 +8,11 @@ plain decode step on CUDA: worker/cuda_graphs.py), logits only at
 
 Under tensor parallelism every rank runs one ModelRunner over its shard (the KV cache holds its
 share of KV heads); every rank executes the same steps in the same order, since the layers'
-collectives pair up across ranks, and only the driver (rank 0) samples: the others compute the
-logits (the LM head's gather is a collective) and return an empty output.
+collectives pair up across ranks, and only the driver samples: the others compute the logits
+(the LM head's gather is a collective) and return an empty output (with async scheduling they
+take the driver's sampled tokens, to feed them next step). Under pipeline parallelism a runner
+holds its stage's layers and KV cache; it receives the previous stage's hidden states and
+sends its own on (distributed/pipeline.py); the driver is the last stage's first rank.
 """
 
 from __future__ import annotations
@@ -35,12 +38,8 @@ from tokenmill.core.interface import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from tokenmill.distributed import ParallelState
-from tokenmill.distributed.pipeline import (
-    UpstreamStageFailed,
-    recv_from_prev_stage,
-    send_to_next_stage,
-)
+from tokenmill.distributed import ParallelState, PeerFailed
+from tokenmill.distributed.pipeline import recv_from_prev_stage, send_to_next_stage
 from tokenmill.layers.rejection_sampler import verify
 from tokenmill.layers.sampler import Sampler, gather_logprobs
 from tokenmill.layers.token_bitmask import apply_token_bitmask_
@@ -66,6 +65,8 @@ class ModelRunner:
         self.config = config
         self.ps = tp
         self.is_driver = tp.is_driver  # the rank that samples
+        # async scheduling under TP: every rank needs the sampled tokens for the next step
+        self.share_samples = config.scheduler.async_scheduling and tp.tp_size > 1
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         mc = config.model
@@ -224,7 +225,7 @@ class ModelRunner:
                 except Exception as e:
                     raise KVBlockOpsError(f"{type(e).__name__}: {e}") from e
             if failed_upstream:  # after the block ops, which every stage does once
-                raise UpstreamStageFailed("an earlier pipeline stage failed this step")
+                raise PeerFailed("an earlier pipeline stage failed this step")
             if sched.is_empty:
                 return out, None
             reqs = [self.states.resolve(step) for step in sched.scheduled]
@@ -242,7 +243,9 @@ class ModelRunner:
         if batch.sample_rows:
             with scope("logits"):
                 logits = self.model.compute_logits(hidden, batch.logits_indices)  # (S, V)
-            if self.is_driver:
+            if self.share_samples:
+                self._sample_and_share(sched, reqs, batch, logits, out)
+            elif self.is_driver:
                 self._sample(sched, reqs, batch, logits, out)
         if self.drafter is not None:
             with scope("draft"):
@@ -270,6 +273,27 @@ class ModelRunner:
                 k = rows[j].sampling_params.logprobs
                 if logprobs is not None and k is not None:
                     out.logprobs[out.req_ids[i]] = _select(logprobs, j, 1 + k)
+
+    def _sample_and_share(self, sched: SchedulerOutput, reqs: list[ScheduledRequest],
+                          batch: InputBatch, logits: torch.Tensor,
+                          out: ModelRunnerOutput) -> None:
+        """Async scheduling under TP: the next step is sent before this one's tokens are known,
+        so every rank feeds them itself (as a single runner does) and the driver hands them to
+        its group: -1s when its sampling failed, and the others then fail the step as
+        PeerFailed (one token per sampling row: speculative decoding does not run async)."""
+        rows = batch.sample_rows
+        tokens = torch.full((len(rows),), -1, dtype=torch.int64)
+        try:
+            if self.is_driver:
+                self._sample(sched, reqs, batch, logits, out)
+                tokens = torch.tensor([out.sampled_token_ids[i][0] for i in rows])
+        finally:
+            tokens = self.ps.broadcast_from_driver(tokens)
+        if not self.is_driver:
+            if bool((tokens < 0).any()):
+                raise PeerFailed("the driver failed this step's sampling")
+            for i, t in zip(rows, tokens.tolist(), strict=True):
+                out.sampled_token_ids[i] = [t]
 
     def _verify(self, logits: torch.Tensor, rows: list[ScheduledRequest],
                 sample_rows: list[int], out: ModelRunnerOutput) -> None:

@@ -7,8 +7,10 @@ each a pickled tuple:
 
     ("execute", SchedulerOutput, block_ops)  → ("ok", ModelRunnerOutput | None)  (driver: its
                                                 output; other ranks: None), ("kv_error", why),
-                                                ("error", why) or ("upstream", why) (an
-                                                earlier pipeline stage failed the step)
+                                                ("error", why) or ("peer_failed", why)
+                                                (another rank failed the step first: an
+                                                earlier pipeline stage, or the driver
+                                                whose sampled tokens this rank awaited)
     ("shutdown",)                            → the process exits
 
 It exits when the engine's end of the pipe closes (the engine process is gone) and, on Linux,
@@ -75,7 +77,7 @@ def runner_facts(runner: Any) -> tuple[int, int, Any]:
 
 def execute_step(runner: Any, sched: Any, block_ops: bool) -> tuple[str, Any]:
     """One step's reply (see the module doc)."""
-    from tokenmill.distributed.pipeline import UpstreamStageFailed
+    from tokenmill.distributed import PeerFailed
     from tokenmill.worker.model_runner import KVBlockOpsError
 
     try:
@@ -83,8 +85,8 @@ def execute_step(runner: Any, sched: Any, block_ops: bool) -> tuple[str, Any]:
         return ("ok", out if runner.is_driver else None)
     except KVBlockOpsError as e:
         return ("kv_error", str(e))
-    except UpstreamStageFailed as e:  # the earlier stage's reply names its error
-        return ("upstream", str(e))
+    except PeerFailed as e:  # the rank that failed first names the error
+        return ("peer_failed", str(e))
     except Exception as e:  # the engine decides: one request's failure, or a dead rank
         return ("error", f"{type(e).__name__}: {e}")
 

@@ -1,0 +1,125 @@
+"""RequestIntake: a request from what a caller sends to a PreparedRequest the engine can queue.
+
+Tokenizes (text, token ids or {"prompt": ..., "prompt_token_ids": ...}), refuses text too long
+to fit before tokenizing it, validates every field against the model and the KV cache (a
+ValueError names the field), resolves max_tokens and compiles a structured-output grammar.
+It touches nothing the engine thread owns (the KV cache's size is fixed), so servers run it
+off the event loop and off the engine thread; and every data-parallel replica would answer the
+same (engine/data_parallel.py tokenizes once, on replica 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.config import ModelConfig
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_output.backend import CompiledGrammar
+from tokenmill.structured_output.manager import StructuredOutputManager
+from tokenmill.utils import cdiv
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated, tokenized request, ready for `LLMEngine.add_prepared`."""
+
+    request_id: str
+    prompt: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    arrival_time: float
+    grammar: CompiledGrammar | None = None  # structured outputs: each sample gets a matcher
+
+
+class RequestIntake:
+    def __init__(self, model: ModelConfig, tokenizer: Any, kv: KVCacheManager,
+                 structured: StructuredOutputManager) -> None:
+        self.model, self.tokenizer, self.kv, self.structured = model, tokenizer, kv, structured
+
+    def prepare(self, request_id: str, prompt: str | list[int] | dict[str, Any],
+                params: SamplingParams | None = None,
+                arrival_time: float | None = None) -> PreparedRequest:
+        params = params or SamplingParams()
+        prompt_text, token_ids = self._split_prompt(prompt)
+        max_tokens = self._validate(token_ids, params)
+        if params.top_k >= self.model.vocab_size:  # the same draw, in the range of ops
+            params = dataclasses.replace(params, top_k=0)
+        grammar = (self.structured.compile(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
+        return PreparedRequest(request_id, prompt_text, token_ids, params, max_tokens,
+                               time.monotonic() if arrival_time is None else arrival_time,
+                               grammar)
+
+    def _split_prompt(self, prompt: str | list[int] | dict[str, Any]
+                      ) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+            if ids is None and not isinstance(text, str):
+                raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+            return text, list(ids) if ids is not None else self.encode(text)
+        if isinstance(prompt, str):
+            return prompt, self.encode(prompt)
+        if isinstance(prompt, list | tuple):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, "
+                         f"got {type(prompt).__name__}")
+
+    def encode(self, text: str) -> list[int]:
+        self.check_text_length(len(text))
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def check_text_length(self, num_chars: int) -> None:
+        """ValueError, before any tokenizing, for text too long to fit the context: no token
+        covers more characters than the vocabulary's longest entry (doubled for normalizers),
+        so such text needs more than max_model_len tokens. Tokenizing megabytes would hold a
+        worker for seconds only to refuse the request after."""
+        max_len = self.model.max_model_len
+        limit = 2 * self._max_token_chars * max_len
+        if num_chars > limit:
+            raise ValueError(f"prompt is too long: {num_chars} characters cannot fit in "
+                             f"max_model_len={max_len} tokens")
+
+    @functools.cached_property
+    def _max_token_chars(self) -> int:
+        vocab = self.tokenizer.get_vocab()
+        return max((len(t) for t in vocab), default=1)
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> int:
+        """The request's resolved max_tokens; ValueError for anything it cannot be served with."""
+        max_len = self.model.max_model_len
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty: it must have at least 1 token")
+        vocab = self.model.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        bad_bias = [t for t in params.logit_bias if t >= vocab]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids must be < vocab size {vocab}, got {bad_bias}")
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids must be < vocab size {vocab}, got {bad_stop}")
+        # No max_tokens given: up to the context length, or as much as the KV cache can hold
+        # for one request if that is less (a request must fit the cache to make progress).
+        capacity = self.kv.num_usable_blocks * self.kv.block_size
+        max_tokens = (params.max_tokens if params.max_tokens is not None
+                      else min(max_len, capacity) - n)
+        if n + max_tokens > max_len:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = "
+                             f"{n + max_tokens} exceeds the context length "
+                             f"max_model_len={max_len}")
+        if max_tokens < 1:
+            raise ValueError(f"prompt ({n} tokens) leaves no room to generate within "
+                             f"max_model_len={max_len} and a KV cache of {capacity} tokens")
+        need = cdiv(n + max_tokens, self.kv.block_size)
+        if need > self.kv.num_usable_blocks:
+            raise ValueError(f"prompt + max_tokens = {n + max_tokens} tokens need {need} KV "
+                             f"blocks but the cache has {self.kv.num_usable_blocks}; raise "
+                             "kv_cache_memory or lower max_tokens")
+        return max_tokens
