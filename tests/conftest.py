@@ -124,3 +124,14 @@ def assert_kv_all_free(engine) -> None:
     engine.kv.check_integrity()
     assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks
     assert not engine.has_unfinished_requests()
+
+
+def no_workers_left(timeout: float = 10.0) -> bool:
+    """Whether every child process (workers of mp executors) has exited within `timeout`."""
+    import multiprocessing
+    import time
+
+    deadline = time.monotonic() + timeout
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not multiprocessing.active_children()

@@ -13,16 +13,9 @@ import time
 
 import pytest
 
-from tests.conftest import generate_greedy, hf_greedy, mixed_prompts
+from tests.conftest import generate_greedy, hf_greedy, mixed_prompts, no_workers_left
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.llm_engine import EngineDeadError, LLMEngine
-
-
-def no_workers_left() -> bool:
-    deadline = time.monotonic() + 10
-    while multiprocessing.active_children() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not multiprocessing.active_children()
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama-mqa-llama3rope", "qwen3"])

@@ -13,8 +13,13 @@ import time
 
 import pytest
 
-from tests.conftest import assert_kv_all_free, generate_greedy, hf_greedy, mixed_prompts
-from tests.executor.test_multiproc import no_workers_left
+from tests.conftest import (
+    assert_kv_all_free,
+    generate_greedy,
+    hf_greedy,
+    mixed_prompts,
+    no_workers_left,
+)
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.llm_engine import EngineDeadError, LLMEngine
 

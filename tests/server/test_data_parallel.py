@@ -6,7 +6,6 @@ down with exit code 1 and /health 503, leaving no process."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import random
 import re
@@ -17,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import no_workers_left
 from tests.server.conftest import start_server, stream_completions
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.data_parallel import DataParallelLLM, make_replicas
@@ -50,7 +50,7 @@ def test_two_replicas_answer_concurrent_openai_requests(tiny_model):
         assert metric(srv.base_url, "tokenmill:request_success_total") == 10
         assert metric(srv.base_url, "tokenmill:num_requests_running") == 0
         assert metric(srv.base_url, "tokenmill:kv_cache_capacity_tokens") == 2 * 199 * 16
-    assert not multiprocessing.active_children()
+    assert no_workers_left()
 
 
 def _shared_prefix_hits(path: str, router: str) -> tuple[float, list[int]]:
@@ -99,10 +99,7 @@ def test_a_replica_that_dies_takes_the_server_down(tiny_model):
         assert health.status_code == 503 and "rank 0" in health.json()["error"]["message"]
         srv.thread.join(timeout=30)
         assert not srv.thread.is_alive() and srv.server.lifecycle.exit_code == 1
-    deadline = time.monotonic() + 10
-    while multiprocessing.active_children() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not multiprocessing.active_children()
+    assert no_workers_left()
 
 
 def test_offline_llm_and_in_process_replicas_are_refused(tiny_model):
@@ -111,4 +108,4 @@ def test_offline_llm_and_in_process_replicas_are_refused(tiny_model):
         LLM(path, data_parallel_size=2)
     with pytest.raises(ValueError, match="each replica's model in worker processes"):
         make_replicas(path, data_parallel_size=2, distributed_executor_backend="uni")
-    assert not multiprocessing.active_children()
+    assert no_workers_left()

@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from tests.conftest import no_workers_left
 from tests.server.conftest import start_server
 from tokenmill import SamplingParams
 from tokenmill.bench.serve_command import launch
@@ -133,7 +134,6 @@ def test_killed_worker_ends_streams_with_an_error_and_health_503(tiny_model):
     """Tensor parallelism: a worker process killed mid-stream ends the stream with a 503
     error event naming the rank, /health answers 503, the server exits 1, and no worker
     process is left."""
-    import multiprocessing
     import os
 
     path, _ = tiny_model("llama")
@@ -156,10 +156,7 @@ def test_killed_worker_ends_streams_with_an_error_and_health_503(tiny_model):
         assert health.status_code == 503 and "rank 1" in health.json()["error"]["message"]
         srv.thread.join(timeout=30)
         assert not srv.thread.is_alive() and srv.server.lifecycle.exit_code == 1
-    deadline = time.monotonic() + 10
-    while multiprocessing.active_children() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not multiprocessing.active_children()
+    assert no_workers_left()
 
 
 def test_admission_control_429(server):
