@@ -30,6 +30,8 @@ TINY_MODELS = {
     "mistral": ("MistralConfig", dict(sliding_window=None, tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
+                                      sliding_window=None, tie_word_embeddings=False)),
 }
 
 

@@ -20,8 +20,6 @@ from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.structured_output.config import StructuredOutputsConfig
 from tokenmill.utils import parse_size
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
 # RoPE types whose frequencies do not depend on the sequence length (so a cos/sin table works).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LOAD_FORMATS = ("auto", "dummy")
@@ -100,12 +98,15 @@ class ModelConfig:
     @staticmethod
     def _build(path: str, hf_config: Any, gguf_file: str | None, dtype: str,
                max_model_len: int | None, converted_dir: str | None = None) -> ModelConfig:
+        from tokenmill.models import registry
+
         archs = getattr(hf_config, "architectures", None) or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
+        spec = registry.find_architecture(archs)
+        if spec is None:
             raise ValueError(
                 f"unsupported model architecture {archs or hf_config.model_type!r} in {path}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"supported: {registry.supported()}")
+        arch = spec.name
         rope = getattr(hf_config, "rope_parameters", None) or {}
         rope_type = rope.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -118,7 +119,7 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be in [1, {ctx}] for this model, "
                              f"got {max_model_len}")
         window = getattr(hf_config, "sliding_window", None)
-        uses_window = getattr(hf_config, "use_sliding_window", arch == "MistralForCausalLM")
+        uses_window = getattr(hf_config, "use_sliding_window", spec.sliding_window_by_default)
         if window and uses_window and window < max_model_len:
             # A window at least as long as the context never drops a token: plain attention.
             raise ValueError(f"sliding-window attention (window {window} < max_model_len "

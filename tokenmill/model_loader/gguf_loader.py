@@ -2,9 +2,10 @@
 under Hugging Face names.
 
 llama.cpp's converter permutes the rows of Llama q/k projections for its interleaved RoPE; we
-undo that so the weights match HF's rotate_half convention. Other architectures are stored
-unpermuted. The tokenizer and chat template also live in the metadata; transformers builds a
-fast tokenizer from them (see engine/tokenizer.py).
+undo that so the weights match HF's rotate_half convention (the registry entry says which
+architectures it permuted: models/registry.py). Other architectures are stored unpermuted.
+The tokenizer and chat template also live in the metadata; transformers builds a fast
+tokenizer from them (see engine/tokenizer.py).
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ from typing import Any
 import numpy as np
 import torch
 
-_ARCH_TO_HF = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-               "qwen3": ("qwen3", "Qwen3ForCausalLM")}
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -67,15 +66,18 @@ def gguf_hf_config(path: str) -> Any:
     """A transformers config built from the GGUF metadata."""
     from transformers import AutoConfig
 
+    from tokenmill.models import registry
+
     r = _reader(path)
     arch = _field(r, "general.architecture")
-    if arch not in _ARCH_TO_HF:
+    spec = registry.gguf_architecture(arch)
+    if spec is None:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}; "
-                         f"supported: {', '.join(_ARCH_TO_HF)}")
+                         f"supported: {registry.gguf_names()}")
     if "rope_freqs.weight" in {t.name for t in r.tensors}:
         raise ValueError(f"{path} uses llama.cpp rope_freqs (Llama 3.1 RoPE scaling) which is "
                          "not supported from GGUF yet; load the Hugging Face folder instead")
-    model_type, hf_arch = _ARCH_TO_HF[arch]
+    model_type, hf_arch = spec.model_type, spec.name
     g = lambda key, default=None: _field(r, f"{arch}.{key}", default)
     n_heads = g("attention.head_count")
     hidden = g("embedding_length")
@@ -119,8 +121,11 @@ def iterate_gguf(path: str, hf_config: Any,
     them). The q/k un-permutation moves whole rows, so raw blocks stay untouched."""
     import gguf
 
+    from tokenmill.models import registry
+
     r = _reader(path)
-    permute = _field(r, "general.architecture") == "llama"
+    spec = registry.gguf_architecture(_field(r, "general.architecture"))
+    permute = spec is not None and spec.gguf_qk_permuted
     for t in r.tensors:
         name = _hf_name(t.name)
         if t.tensor_type.name in raw_types:

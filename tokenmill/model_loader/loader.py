@@ -76,10 +76,14 @@ def load_model(config: ModelConfig, device: torch.device, tp: ParallelState = Pa
         if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
             continue
         target, shard = name, None
-        for ckpt_name, (packed, shard_id) in mapping.items():
-            if f".{ckpt_name}." in name:
-                target, shard = name.replace(f".{ckpt_name}.", f".{packed}."), shard_id
-                break
+        mapped = model.map_weight_name(name) if hasattr(model, "map_weight_name") else None
+        if mapped is not None:  # the model's own names (an MoE's experts)
+            target, shard = mapped
+        else:
+            for ckpt_name, (packed, shard_id) in mapping.items():
+                if f".{ckpt_name}." in name:
+                    target, shard = name.replace(f".{ckpt_name}.", f".{packed}."), shard_id
+                    break
         param = params.get(target)
         if param is None and on_another_stage(model, target):
             continue
@@ -135,9 +139,10 @@ def _check_complete(model: nn.Module, params: dict[str, nn.Parameter],
     for packed, shard in mapping.values():
         shards_of.setdefault(packed, []).append(shard)
     missing = []
-    for name in params:
+    for name, param in params.items():
         module = name.rsplit(".", 2)[-2]
-        expected = [f"{name}:{s}" for s in shards_of[module]] if module in shards_of else [name]
+        shards = getattr(param, "expected_shards", None) or shards_of.get(module)
+        expected = [f"{name}:{s}" for s in shards] if shards else [name]
         missing += [e for e in expected if e not in loaded]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")

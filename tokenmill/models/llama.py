@@ -77,10 +77,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
-                 prefix: str, attention_cls: type[LlamaAttention], **attn_flags: bool) -> None:
+                 prefix: str, attention_cls: type[LlamaAttention],
+                 mlp_cls: type[nn.Module] = LlamaMLP, **attn_flags: bool) -> None:
         super().__init__()
         self.self_attn = attention_cls(config, tp, quant, f"{prefix}.self_attn", **attn_flags)
-        self.mlp = LlamaMLP(config, tp, quant, f"{prefix}.mlp")
+        self.mlp = mlp_cls(config, tp, quant, f"{prefix}.mlp")  # the MLP, or an MoE block
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -102,7 +103,8 @@ class LlamaModel(nn.Module):
     runs them, are PPMissingLayer)."""
 
     def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
-                 attention_cls: type[LlamaAttention], **attn_flags: bool) -> None:
+                 attention_cls: type[LlamaAttention], mlp_cls: type[nn.Module],
+                 **attn_flags: bool) -> None:
         super().__init__()
         self.pp_last = tp.is_last_stage
         tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -113,7 +115,7 @@ class LlamaModel(nn.Module):
                              else PPMissingLayer())
         here = tp.layer_range(config.num_hidden_layers)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, tp, quant, f"model.layers.{i}", attention_cls,
+            LlamaDecoderLayer(config, tp, quant, f"model.layers.{i}", attention_cls, mlp_cls,
                               **attn_flags) if i in here else PPMissingLayer()
             for i in range(config.num_hidden_layers))
         self.layer_range = here
@@ -158,12 +160,13 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
     attention_cls: type[LlamaAttention] = LlamaAttention
+    mlp_cls: type[nn.Module] = LlamaMLP  # a decoder layer's feed-forward block
 
     def __init__(self, config: Any, tp: ParallelState = ParallelState(),
                  quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, tp, quant_config, self.attention_cls,
+        self.model = LlamaModel(config, tp, quant_config, self.attention_cls, self.mlp_cls,
                                 **self._attention_flags(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # A tied head multiplies with the embedding's table: its method is the embedding's.

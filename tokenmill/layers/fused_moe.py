@@ -1,0 +1,130 @@
+"""FusedMoE: a layer of experts (gated SiLU MLPs) behind top-k routing, computed grouped.
+
+Weights, per expert e: w13[e] (2 I, H), the gate (w1) rows then the up (w3) rows, as a merged
+gate_up projection; w2[e] (H, I). Under tensor parallelism each expert's intermediate features
+are split as an MLP's are (w13 by rows, w2 by columns) and the experts' sum is all-reduced
+once. Checkpoint tensors arrive one expert and one matrix at a time (`weight_loader` with
+shard (e, "w1" | "w3" | "w2")); `expected_shards` lists them all, so a missing expert is an
+error at load.
+
+Routing (`select_experts`): softmax over the router logits in float32, top-k, renormalized to
+sum 1 where the model does (Mixtral does; `renormalize`).
+
+Grouped computation (`grouped_experts`): the T x k (token, expert) pairs are sorted by expert
+once, so each active expert's tokens are one contiguous slice: one gate_up GEMM, SiLU-and-mul,
+one down GEMM, scaled by the routing weights and added into the output rows with one
+index_add. The Python loop runs over the active experts (at most E), never over tokens, and the
+experts are added in ascending order, as Hugging Face's loop adds them. `masked_experts` is
+that loop (a one-hot mask and a `where` per expert), kept for benchmarks/moe.py.
+
+Quantized expert weights are not built yet: a model asks `check_quantization` and refuses.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.distributed import ParallelState
+from tokenmill.layers.activation import SiluAndMul
+from tokenmill.quantization.base import QuantizationConfig
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits (T, E) → routing weights (T, k) float32 and expert ids (T, k)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    weights: torch.Tensor, ids: torch.Tensor,
+                    act: nn.Module) -> torch.Tensor:
+    """x (T, H), w13 (E, 2I, H), w2 (E, H, I), weights / ids (T, k) → (T, H)."""
+    num_experts, k = w13.shape[0], ids.shape[1]
+    flat = ids.reshape(-1)  # (T k,) token-major
+    order = torch.argsort(flat, stable=True)  # the pairs, by expert
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # the one host sync
+    tokens = order // k  # (T k,) each sorted pair's token
+    pair_weights = weights.reshape(-1)[order]
+    xs = x[tokens]  # (T k, H), gathered once
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = slice(start, start + n)
+        h = act(F.linear(xs[rows], w13[e]))  # (n, I)
+        y = F.linear(h, w2[e]) * pair_weights[rows, None]  # (n, H), float32 weights
+        out.index_add_(0, tokens[rows], y.to(out.dtype))
+        start += n
+    return out
+
+
+def masked_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   weights: torch.Tensor, ids: torch.Tensor, act: nn.Module) -> torch.Tensor:
+    """The per-expert loop of Hugging Face's Mixtral (a mask and a `where` per expert): the
+    baseline benchmarks/moe.py measures the grouped path against."""
+    out = torch.zeros_like(x)
+    mask = F.one_hot(ids, num_classes=w13.shape[0]).permute(2, 1, 0)  # (E, k, T)
+    for e in range(w13.shape[0]):
+        pos, tok = torch.where(mask[e])
+        if tok.numel() == 0:
+            continue
+        y = F.linear(act(F.linear(x[tok], w13[e])), w2[e]) * weights[tok, pos, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out
+
+
+class FusedMoE(nn.Module):
+    """E experts of intermediate size I over hidden size H, top_k of them per token."""
+
+    grouped = True  # False: masked_experts (benchmarks/moe.py compares the two)
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool, tp: ParallelState = ParallelState()) -> None:
+        super().__init__()
+        if intermediate_size % tp.tp_size:
+            raise ValueError(f"tensor_parallel_size={tp.tp_size} cannot split the experts' "
+                             f"{intermediate_size} intermediate features evenly")
+        self.num_experts, self.top_k, self.renormalize, self.tp = (num_experts, top_k,
+                                                                   renormalize, tp)
+        self.shard = intermediate_size // tp.tp_size  # this rank's intermediate features
+        dtype = torch.get_default_dtype()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.shard, hidden_size,
+                                            dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard, dtype=dtype),
+                               requires_grad=False)
+        for param, names in ((self.w13, ("w1", "w3")), (self.w2, ("w2",))):
+            param.weight_loader = self.weight_loader
+            param.expected_shards = [(e, n) for e in range(num_experts) for n in names]
+        self.act = SiluAndMul()
+
+    @torch.no_grad()
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor,
+                      shard: tuple[int, str]) -> None:
+        """One expert's w1 / w3 (I, H) or w2 (H, I) from the checkpoint, this rank's part."""
+        e, name = shard
+        lo = self.tp.tp_rank * self.shard
+        if name == "w2":
+            param.data[e].copy_(tensor[:, lo:lo + self.shard])
+        else:
+            half = 0 if name == "w1" else self.shard
+            param.data[e, half:half + self.shard].copy_(tensor[lo:lo + self.shard])
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """x (T, H), router_logits (T, E) → (T, H), summed over tensor-parallel ranks."""
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        run = grouped_experts if self.grouped else masked_experts
+        return self.tp.all_reduce(run(x, self.w13, self.w2, weights, ids, self.act))
+
+
+def check_quantization(quant_config: QuantizationConfig | None, architecture: str) -> None:
+    """ValueError for a weight-quantized MoE model: its experts would stay unquantized."""
+    if quant_config is not None and quant_config.name != "none":
+        raise ValueError(f"{architecture}: quantized expert weights are not supported yet; "
+                         "load it unquantized (quantization=None)")

@@ -1,0 +1,57 @@
+"""Mixtral: the Llama block with a sparse mixture of experts in place of the MLP.
+
+Reads like transformers' modeling_mixtral.py: a router (`gate`, hidden → E logits) picks the
+top-k experts per token, their weights renormalized to sum 1, and the experts run grouped
+(layers/fused_moe.py). Checkpoints name the block `block_sparse_moe` with one w1 / w3 / w2 per
+expert; `map_weight_name` puts them into the block's stacked expert weights. The fused CPU
+decode call does not run it (its allow-list names Llama's MLP; tests/models/test_moe.py
+asserts it is not taken).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.distributed import ParallelState
+from tokenmill.layers.fused_moe import FusedMoE, check_quantization
+from tokenmill.layers.linear import ColumnParallelLinear
+from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.quantization import QuantizationConfig
+
+_EXPERT = re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+
+
+class MixtralMoE(nn.Module):
+    def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
+                 prefix: str) -> None:
+        super().__init__()
+        check_quantization(quant, "MixtralForCausalLM")
+        # the router is small and every rank needs all its logits: unsplit
+        self.gate = ColumnParallelLinear(config.hidden_size, config.num_local_experts,
+                                         bias=False, tp=ParallelState(), quant_config=None,
+                                         prefix=f"{prefix}.gate")
+        self.experts = FusedMoE(config.num_local_experts, config.num_experts_per_tok,
+                                config.hidden_size, config.intermediate_size,
+                                renormalize=True, tp=tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.gate(x))  # (T, hidden)
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    mlp_cls = MixtralMoE
+
+    @staticmethod
+    def map_weight_name(name: str) -> tuple[str, Any] | None:
+        """A checkpoint expert weight → (our parameter, (expert, w1 | w2 | w3)); the router
+        `block_sparse_moe.gate` → `mlp.gate`; None for every other name."""
+        if m := _EXPERT.match(name):
+            target = "w2" if m[3] == "w2" else "w13"
+            return f"{m[1]}.mlp.experts.{target}", (int(m[2]), m[3])
+        if ".block_sparse_moe.gate." in name:
+            return name.replace(".block_sparse_moe.", ".mlp."), None
+        return None
