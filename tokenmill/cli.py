@@ -146,13 +146,13 @@ def _serve(args: argparse.Namespace) -> int:
                           request_timeout=args.request_timeout, drain_timeout=args.drain_timeout)
     tools = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)
     model = args.model_pos if args.model_pos is not None else args.model
-    engines = make_replicas(model, **engine_options(args))
-    return run_server(engines if len(engines) > 1 else engines[0], args.host, args.port,
+    return run_server(make_replicas(model, **engine_options(args)), args.host, args.port,
                       args.api_key, args.served_model_name, limits, tools,
                       args.data_parallel_router)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tokenmill.engine.dp_router import ROUTERS
     from tokenmill.server.tool_parsers import TOOL_PARSERS
 
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__,
@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                        help="how tool calls are parsed out of the model's text: hermes "
                             "(<tool_call> tags: Hermes, Qwen) or llama3_json (Llama 3.x)")
-    serve.add_argument("--data-parallel-router", choices=["cache_aware", "round_robin"],
+    serve.add_argument("--data-parallel-router", choices=ROUTERS,
                        default="cache_aware",
                        help="with --data-parallel-size: send each request to the replica "
                             "likely to hold its prompt's prefix in cache unless it is "

@@ -4,9 +4,9 @@ The engine talks only to this interface: `execute(sched)` returns the driver ran
 `ModelRunnerOutput`; `num_kv_blocks` / `num_swap_blocks` / `spec_costs` are what the runners
 measured at start-up (the engine sizes its KV cache manager and scheduler by them);
 `check_health()` raises `WorkerDiedError` once a worker is gone; `shutdown()` leaves no process
-behind. `execute_async(sched)` runs `execute` on the executor's one step thread and returns its
-Future (async scheduling: the engine schedules the next step meanwhile; the model's kernels
-release the GIL).
+behind. `execute_async(sched)` starts a step and returns its output's Future (async scheduling
+and pipeline parallelism: the engine schedules the next step meanwhile; the model's kernels
+release the GIL); `_submit` runs work on the executor's one step thread.
 
     uni        the runner in this process (executor/uniproc.py)
     mp         one spawned process per rank, torch.distributed between them
@@ -78,9 +78,10 @@ class Executor(ABC):
     def execute(self, sched: SchedulerOutput, block_ops: bool = True) -> ModelRunnerOutput:
         """Run one step (ModelRunner.execute's contract) on every rank; the driver's output."""
 
+    @abstractmethod
     def execute_async(self, sched: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        """`execute(sched)` on the step thread (steps run one at a time, in order)."""
-        return self._submit(self.execute, sched)
+        """Start one step; its output's Future. Steps complete in the order started (one at a
+        time on the runner's step thread in process; through the stages of a worker pool)."""
 
     def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """fn(*args) on the executor's one step thread."""
