@@ -10,7 +10,9 @@ loaded with load_format="dummy". One engine; per batch size, rounds alternate th
 masked loop Hugging Face's Mixtral runs (a one-hot mask and a `where` per expert); each round
 decodes `--tokens` tokens per request after a 32-token prompt, greedy. Tokens/s counts the
 decoded tokens over the wall time of the generate call; the greedy outputs of the two paths
-are checked equal.
+are checked equal. A second engine with quantization="int8" (every weight in Q8_0 blocks, the
+experts' one block set per expert: quantization/moe.py) runs the grouped path in the same
+alternation, the "int8" column.
 """
 
 from __future__ import annotations
@@ -63,17 +65,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         write_model(folder, args.experts, args.top_k, args.intermediate, args.layers)
         llm = LLM(folder, load_format="dummy", kv_cache_memory="1GiB")
+        int8 = LLM(folder, load_format="dummy", kv_cache_memory="1GiB", quantization="int8")
         params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-        results: dict[str, dict[int, list[float]]] = {"grouped": {}, "masked loop": {}}
+        paths = ("grouped", "masked loop", "int8")
+        results: dict[str, dict[int, list[float]]] = {path: {} for path in paths}
         same = True
         for batch in (int(b) for b in args.batches.split(",")):
             prompts = [[100 + 7 * i + j for j in range(32)] for i in range(batch)]
             outputs = {}
             for r in range(args.rounds + 1):  # round 0 warms up
-                for path in ("grouped", "masked loop"):
-                    FusedMoE.grouped = path == "grouped"
+                for path in paths:
+                    FusedMoE.grouped = path != "masked loop"
                     t0 = time.perf_counter()
-                    outs = llm.generate(prompts, params, use_tqdm=False)
+                    outs = (int8 if path == "int8" else llm).generate(prompts, params,
+                                                                      use_tqdm=False)
                     rate = batch * args.tokens / (time.perf_counter() - t0)
                     if r:
                         results[path].setdefault(batch, []).append(rate)
@@ -81,15 +86,16 @@ def main() -> None:
             same &= outputs["grouped"] == outputs["masked loop"]
         FusedMoE.grouped = True
         llm.engine.shutdown()
+        int8.engine.shutdown()
     print(f"\nMixtral of SmolLM2's width: {args.layers} layers, {args.experts} experts x "
           f"{args.intermediate} intermediate, top-{args.top_k}, float32, random weights; "
           f"decode tokens/s after a 32-token prompt, {args.tokens} tokens per request, median "
           f"of {args.rounds} alternated rounds")
-    print(f"{'batch':>6}{'grouped':>12}{'masked loop':>14}{'grouped / loop':>16}")
+    print(f"{'batch':>6}{'grouped':>12}{'masked loop':>14}{'grouped / loop':>16}"
+          f"{'int8':>10}{'int8 / grouped':>16}")
     for batch in results["grouped"]:
-        g = statistics.median(results["grouped"][batch])
-        m = statistics.median(results["masked loop"][batch])
-        print(f"{batch:>6}{g:>12.1f}{m:>14.1f}{g / m:>16.2f}")
+        g, m, q = (statistics.median(results[path][batch]) for path in paths)
+        print(f"{batch:>6}{g:>12.1f}{m:>14.1f}{g / m:>16.2f}{q:>10.1f}{q / g:>16.2f}")
     print(f"greedy outputs identical across the two paths: {same}")
     if args.json:
         with open(args.json, "w") as f:

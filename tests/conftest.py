@@ -28,10 +28,54 @@ TINY_MODELS = {
     "llama-linear-rope": ("LlamaConfig", dict(
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
     "mistral": ("MistralConfig", dict(sliding_window=None, tie_word_embeddings=False)),
+    # every layer attends its last 24 tokens: blocks older than that are freed
+    "mistral-window": ("MistralConfig", dict(sliding_window=24, tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
                                       sliding_window=None, tie_word_embeddings=False)),
+    # dense layer 1 (mlp_only_layers), a shared expert, top-k not renormalized
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=48, mlp_only_layers=[1],
+                                         shared_expert_intermediate_size=96,
+                                         tie_word_embeddings=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, head_dim=32,
+                                         moe_intermediate_size=48, norm_topk_prob=True,
+                                         tie_word_embeddings=False)),
+    # layers alternate sliding (window 24) and global; soft caps small enough to bite on these
+    # weights; scores scaled by head_dim ** -0.5, as llama.cpp's GGUF assumes (Gemma 3's
+    # below scales by another value)
+    "gemma2": ("Gemma2Config", dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=24,
+                                    attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
+                                    num_hidden_layers=3)),
+    # two local layers (RoPE base 10^4) per global one (base 10^6, linear scaling x2)
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=32, query_pre_attn_scalar=24,
+                                        sliding_window=24, sliding_window_pattern=3,
+                                        num_hidden_layers=3,
+                                        rope_parameters={
+                                            "sliding_attention": {"rope_type": "default",
+                                                                  "rope_theta": 10000.0},
+                                            "full_attention": {"rope_type": "linear",
+                                                               "factor": 2.0,
+                                                               "rope_theta": 1e6}})),
+    # longrope from position 320 (tests/models/test_architectures.py decodes past it); full
+    # rotary: the layers are Llama's
+    "phi3": ("Phi3Config", dict(
+        original_max_position_embeddings=320, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                         "long_factor": [1.5 + 0.5 * i for i in range(8)]})),
+    # Phi-4-mini's shape: half of each head rotated; a 24-token window in every layer
+    "phi3-partial": ("Phi3Config", dict(sliding_window=24, tie_word_embeddings=True,
+                                        rope_parameters={"rope_type": "default",
+                                                         "rope_theta": 10000.0,
+                                                         "partial_rotary_factor": 0.5})),
+    # what llama.cpp's gemma3 GGUF can describe: 5 local layers per global one, scores
+    # scaled by head_dim ** -0.5, RoPE bases 10^4 (local) and 10^6 (global)
+    "gemma3-6": ("Gemma3TextConfig", dict(head_dim=32, query_pre_attn_scalar=32,
+                                          sliding_window=24, num_hidden_layers=6)),
+    "olmoe": ("OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2, clip_qkv=4.0,
+                                  tie_word_embeddings=False)),
 }
 
 

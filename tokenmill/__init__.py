@@ -7,11 +7,19 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.beam_search import BeamSearchOutput, BeamSearchSequence
 from tokenmill.engine.llm import LLM
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+)
+from tokenmill.pooling_params import PoolerConfig, PoolingParams
 from tokenmill.sampling_params import BeamSearchParams, SamplingParams
 from tokenmill.structured_output.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
-           "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob", "RequestOutput",
+           "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "EngineConfig",
+           "LLMEngine", "Logprob", "PoolerConfig", "PoolingParams", "RequestOutput",
            "SamplingParams", "StructuredOutputsParams", "__version__"]

@@ -78,6 +78,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding as JSON (vLLM\'s flag): method "ngram", '
                         '"suffix" or "draft_model" (with "model" and/or "quantization"), e.g. '
                         '\'{"method": "suffix", "num_speculative_tokens": 3}\'')
+    g.add_argument("--runner", default=None, choices=("auto", "generate", "pooling"),
+                   help="vLLM's flag: 'pooling' serves embeddings only (/v1/embeddings), "
+                   "'generate' text only; 'auto' (default) both")
+    g.add_argument("--pooler-config", dest="pooler_config", default=None,
+                   help='embeddings\' pooling as JSON (vLLM\'s flag): "pooling_type" ("LAST", '
+                   'the default, or "MEAN") and "normalize" (true, the default, or false)')
     g.add_argument("--structured-outputs-config", dest="structured_outputs_config",
                    default=None, help='structured outputs as JSON (vLLM\'s flag): "backend" '
                    '("auto", "guidance" or "xgrammar") and "jump_forward" (true or false)')
@@ -105,7 +111,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
              "preemption_mode", "async_scheduling", "swap_space", "device", "seed",
              "prepack_weights",
              "attention_backend", "enforce_eager", "speculative_config",
-             "structured_outputs_config", "tensor_parallel_size",
+             "structured_outputs_config", "runner", "pooler_config", "tensor_parallel_size",
              "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend"]
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 

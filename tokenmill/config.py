@@ -16,13 +16,16 @@ from typing import Any
 import torch
 
 from tokenmill.distributed.config import ParallelConfig
+from tokenmill.pooling_params import PoolerConfig
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.structured_output.config import StructuredOutputsConfig
 from tokenmill.utils import parse_size
 
 # RoPE types whose frequencies do not depend on the sequence length (so a cos/sin table works).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# (longrope: its short / long factors switch at a fixed position, layers/rotary.py)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 LOAD_FORMATS = ("auto", "dummy")
+RUNNERS = ("auto", "generate", "pooling")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
@@ -107,23 +110,19 @@ class ModelConfig:
                 f"unsupported model architecture {archs or hf_config.model_type!r} in {path}; "
                 f"supported: {registry.supported()}")
         arch = spec.name
-        rope = getattr(hf_config, "rope_parameters", None) or {}
-        rope_type = rope.get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"unsupported RoPE type {rope_type!r} in {path}; "
-                             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        from tokenmill.layers.rotary import rope_parameter_sets
+
+        for rope in rope_parameter_sets(hf_config).values():
+            rope_type = rope.get("rope_type", "default")
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"unsupported RoPE type {rope_type!r} in {path}; "
+                                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         ctx = int(hf_config.max_position_embeddings)
         if max_model_len is None:
             max_model_len = ctx
         elif not 1 <= max_model_len <= ctx:
             raise ValueError(f"max_model_len must be in [1, {ctx}] for this model, "
                              f"got {max_model_len}")
-        window = getattr(hf_config, "sliding_window", None)
-        uses_window = getattr(hf_config, "use_sliding_window", spec.sliding_window_by_default)
-        if window and uses_window and window < max_model_len:
-            # A window at least as long as the context never drops a token: plain attention.
-            raise ValueError(f"sliding-window attention (window {window} < max_model_len "
-                             f"{max_model_len}) is not supported; pass max_model_len={window}")
         return ModelConfig(path=path, hf_config=hf_config, architecture=arch,
                            dtype=_resolve_dtype(dtype, hf_config), max_model_len=max_model_len,
                            gguf_file=gguf_file, converted_dir=converted_dir)
@@ -131,6 +130,16 @@ class ModelConfig:
     @property
     def num_layers(self) -> int:
         return self.hf_config.num_hidden_layers
+
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """The window when every layer attends only its last `window` tokens (Mistral): KV
+        blocks older than that are freed as a sequence grows (core/kv_cache_manager.py).
+        None when some layer attends the whole context (Gemma's global layers, most models)."""
+        from tokenmill.layers.attention import layer_sliding_window
+
+        windows = {layer_sliding_window(self.hf_config, i) for i in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 else None
 
     @property
     def num_kv_heads(self) -> int:
@@ -300,6 +309,10 @@ class EngineConfig:
     draft_model: ModelConfig | None = None
     # Structured outputs (vLLM's --structured-outputs-config; structured_output/config.py).
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
+    # vLLM's --runner: "generate" (text only), "pooling" (embeddings only), "auto" (both)
+    runner: str = "auto"
+    # how an embedding request pools the hidden states (vLLM's --pooler-config)
+    pooler_config: PoolerConfig = PoolerConfig()
 
     def __post_init__(self) -> None:
         from tokenmill.attention.base import BACKEND_NAMES
@@ -307,6 +320,8 @@ class EngineConfig:
         if self.prepack_weights not in (True, False, "auto"):
             raise ValueError(f"prepack_weights must be True, False or 'auto', got "
                              f"{self.prepack_weights!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         if self.attention_backend not in BACKEND_NAMES:
             raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, "
                              f"got {self.attention_backend!r}")
@@ -329,7 +344,8 @@ class EngineConfig:
                   "device": "engine", "seed": "engine",
                   "prepack_weights": "engine", "attention_backend": "engine",
                   "enforce_eager": "engine", "speculative_config": "engine",
-                  "structured_outputs_config": "engine"}
+                  "structured_outputs_config": "engine", "runner": "engine",
+                  "pooler_config": "engine"}
         for name, value in options.items():
             if name not in owners:
                 raise ValueError(f"unknown engine option {name!r}; known: "
@@ -379,4 +395,7 @@ class EngineConfig:
                             enforce_eager=bool(groups["engine"].get("enforce_eager", False)),
                             speculative=speculative, draft_model=draft,
                             structured_outputs=StructuredOutputsConfig.parse(
-                                groups["engine"].get("structured_outputs_config")))
+                                groups["engine"].get("structured_outputs_config")),
+                            runner=groups["engine"].get("runner", "auto"),
+                            pooler_config=PoolerConfig.parse(
+                                groups["engine"].get("pooler_config")))

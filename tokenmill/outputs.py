@@ -51,3 +51,21 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobDict | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # set when the request failed inside the engine
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # (dimensions,) float32 values as Python floats
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """An embedding request's result (vLLM's `EmbeddingRequestOutput`): `outputs.embedding`.
+    `error` is set (and the embedding empty) when the request failed or was aborted."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)

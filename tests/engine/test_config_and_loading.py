@@ -103,7 +103,9 @@ def test_cli_generate_and_bad_input(tiny_model):
     assert r.returncode == 2 and "max_tokens must be an integer >= 1" in r.stderr
 
 
-def test_sliding_window_shorter_than_context_is_refused(tmp_path, tiny_model):
+def test_sliding_window_config_is_served_with_its_window(tmp_path, tiny_model):
+    """A window in every layer (Mistral) frees KV blocks behind it; Gemma's alternating
+    window and global layers keep them (tests/models/test_architectures.py runs both)."""
     import shutil
 
     path, _ = tiny_model("mistral")
@@ -112,9 +114,9 @@ def test_sliding_window_shorter_than_context_is_refused(tmp_path, tiny_model):
     cfg = json.loads((win / "config.json").read_text())
     cfg["sliding_window"] = 128
     (win / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"sliding-window.*max_model_len=128"):
-        EngineConfig.create(str(win))
-    assert EngineConfig.create(str(win), max_model_len=128).model.max_model_len == 128
+    assert EngineConfig.create(str(win)).model.kv_sliding_window == 128
+    assert EngineConfig.create(path).model.kv_sliding_window is None
+    assert EngineConfig.create(tiny_model("gemma2")[0]).model.kv_sliding_window is None
 
 
 def test_engine_flags_reach_the_config(tiny_model):

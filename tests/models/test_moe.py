@@ -44,8 +44,8 @@ def test_grouped_experts_equal_hugging_face_s_block(tokens):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
     weights, ids = select_experts(logits, 2, True)
     torch.testing.assert_close(weights.sum(-1), torch.ones(tokens))
-    assert torch.equal(grouped_experts(x, ours.w13, ours.w2, weights, ids, ours.act),
-                       masked_experts(x, ours.w13, ours.w2, weights, ids, ours.act))
+    assert torch.equal(grouped_experts(x, ours.up, ours.down, weights, ids, ours.act, 6),
+                       masked_experts(x, ours.up, ours.down, weights, ids, ours.act, 6))
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -66,7 +66,64 @@ def test_mixtral_greedy_is_identical_to_hf(tiny_model, tp):
     assert no_workers_left()
 
 
-def test_quantized_experts_are_refused(tiny_model):
+@torch.no_grad()
+@pytest.mark.parametrize("quantization, max_rel_error", [("int8", 0.02), ("int4", 0.25)])
+def test_quantized_experts_agree_with_float32(quantization, max_rel_error):
+    """int8 (Q8_0) and int4 (4-bit groups of 32) expert blocks: the layer's output within the
+    stated relative error of the float32 layer's (measured 0.0098 and 0.140), through
+    the C++ linear op on each expert's blocks; the float weights are gone."""
+    from tokenmill.quantization.load_time import Int4Config, Int8Config
+
+    torch.manual_seed(0)
+    dense = FusedMoE(6, 2, 64, 96, renormalize=True)
+    for p in (dense.w13, dense.w2):
+        torch.nn.init.normal_(p, std=0.1)
+    quant = FusedMoE(6, 2, 64, 96, renormalize=True,
+                     quant_config={"int8": Int8Config, "int4": Int4Config}[quantization](),
+                     prefix="m.experts")
+    quant.w13.data.copy_(dense.w13)
+    quant.w2.data.copy_(dense.w2)
+    quant.quant_method.process_weights_after_loading(quant)
+    assert not hasattr(quant, "w13") or quant.w13 is None
+    x, logits = torch.randn(40, 64), torch.randn(40, 6)
+    want, got = dense(x, logits), quant(x, logits)
+    rel = float((got - want).norm() / want.norm())
+    print(f"{quantization} experts: relative error {rel:.4f}")
+    assert 0 < rel < max_rel_error
+
+
+def test_quantized_mixtral_top1_agrees_with_float32(tiny_model):
+    """The whole tiny Mixtral with int8 experts (and int8 attention / MLP weights), fed the
+    float32 model's greedy continuations (teacher forcing, prompt logprobs): its top-1 token
+    is the float32 model's at >= 85% of those positions (measured 0.899 of 79; random tiny
+    weights have flatter logits than a trained model's)."""
+    from tokenmill import SamplingParams
+
     path, _ = tiny_model("mixtral")
-    with pytest.raises(ValueError, match="quantized expert weights are not supported yet"):
+    cases = mixed_prompts(6, 49152, seed=12, max_len=80, max_new=16)
+    llm = LLM(path)
+    sequences = [p + out for (p, _), out in zip(cases, generate_greedy(llm, cases), strict=True)]
+    llm.engine.shutdown()
+    quantized = LLM(path, quantization="int8")
+    outs = quantized.generate(sequences, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                              use_tqdm=False)
+    quantized.engine.shutdown()
+    ranks = [o.prompt_logprobs[i][seq[i]].rank for (p, _), seq, o in
+             zip(cases, sequences, outs, strict=True) for i in range(len(p), len(seq))]
+    agreement = sum(r == 1 for r in ranks) / len(ranks)
+    print(f"int8 Mixtral top-1 agreement with float32: {agreement:.3f} of {len(ranks)}")
+    assert agreement >= 0.85
+
+
+def test_unsupported_expert_quantization_is_refused(tiny_model, tmp_path):
+    """A format whose experts would need their own checkpoint loaders (a GGUF served in its
+    blocks) is refused by name, never left float silently; experts whose width 32 does not
+    divide are refused too."""
+    from tokenmill.quantization.gguf import GGUFConfig
+    from tokenmill.quantization.moe import moe_quant_method
+
+    with pytest.raises(ValueError, match="quantization='gguf' is not supported for MoE"):
+        moe_quant_method(GGUFConfig({}, False, {}, False), "m.experts")
+    path, _ = tiny_model("qwen2_moe")  # experts 48 wide
+    with pytest.raises(ValueError, match="divisible by 32; this model's experts have 48"):
         LLM(path, quantization="int8")

@@ -8,6 +8,12 @@ Contract:
   attention/kv_cache.py; kv_scales: the layer's fp8 scales), then returns attention of
   every query over its sequence's cached context (causal), shape (T, num_heads * head_dim).
   It runs once per layer and must not rebuild what `build_metadata` could have built.
+- Attention variants (`FEATURES`): a layer may ask for a sliding window ("sliding_window": a
+  query at position p attends keys at positions > p - window) and soft-capped scores
+  ("soft_cap": cap * tanh(score / cap), Gemma 2). A backend lists the variants it computes in
+  `FEATURES` (an allow-list); `get_attention_backend` gives a model only a backend that lists
+  every variant its layers use, and is told them at construction (`features`: a windowed model
+  plans no cascades, whose shared prefix could lie outside a window).
 - Hooks for code outside the backends, instead of reading its metadata: `fused_decode_queries`
   (can this step go through the fused small-batch decode call, and with which queries) and
   `decode_graph_state` (static buffers and padding for decode steps replayed as CUDA graphs).
@@ -42,9 +48,14 @@ class DecodeGraphState(ABC):
 
 
 class AttentionBackend(ABC):
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    FEATURES: frozenset[str] = frozenset()  # the attention variants this backend computes
+
+    def __init__(self, block_size: int, device: torch.device,
+                 features: frozenset[str] = frozenset()) -> None:
+        """features: the variants the model's layers use (a subset of FEATURES)."""
         self.block_size = block_size
         self.device = device
+        self.features = features
 
     @abstractmethod
     def build_metadata(self, batch: InputBatch) -> AttentionMetadata: ...
@@ -52,9 +63,11 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                kv_scales: torch.Tensor | None = None, sliding_window: int | None = None,
+                soft_cap: float | None = None) -> torch.Tensor:
         """q (T, Hq, D); k, v (T, Hkv, D); kv_cache (2, num_blocks, block_size, Hkv, R) in
-        any format of kv_cache.py, read in place; kv_scales (2, Hkv) for an fp8 cache."""
+        any format of kv_cache.py, read in place; kv_scales (2, Hkv) for an fp8 cache;
+        sliding_window / soft_cap: this layer's variants (None: off), as `features` said."""
 
     def fused_decode_queries(self, meta: AttentionMetadata, num_tokens: int) -> Any | None:
         """When every one of the step's `num_tokens` queries can go to the CPU paged-attention
@@ -76,10 +89,15 @@ BACKEND_NAMES = ("auto", *_REGISTRY)
 
 
 def get_attention_backend(name: str, block_size: int, device: torch.device,
-                          dtype: torch.dtype = torch.float32) -> AttentionBackend:
+                          dtype: torch.dtype = torch.float32,
+                          features: frozenset[str] = frozenset()) -> AttentionBackend:
     """`auto`: the C++ kernel backend for float32 on CPU when it builds, the Triton kernel on
-    CUDA when triton is installed, else PyTorch. Every backend reads every KV cache format
-    (attention/kv_cache.py)."""
+    CUDA when triton is installed, else PyTorch; in each case only if it computes every
+    attention variant in `features` (else PyTorch, which computes them all). Every backend
+    reads every KV cache format (attention/kv_cache.py)."""
+    if name not in _REGISTRY and name != "auto":
+        raise ValueError(f"unknown attention backend {name!r}; known: "
+                         f"{', '.join(BACKEND_NAMES)}")
     if name == "auto":
         name = "torch"
         if device.type == "cpu" and dtype == torch.float32:
@@ -90,8 +108,16 @@ def get_attention_backend(name: str, block_size: int, device: torch.device,
             from tokenmill.attention.triton_paged import triton_available
 
             name = "triton" if triton_available() else "torch"
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown attention backend {name!r}; known: "
-                         f"{', '.join(BACKEND_NAMES)}")
+        if not features <= _backend_class(name).FEATURES:
+            name = "torch"
+    cls = _backend_class(name)
+    if missing := features - cls.FEATURES:
+        raise ValueError(f"attention backend {name!r} does not compute "
+                         f"{', '.join(sorted(missing))}, which this model's layers use; "
+                         f"use attention_backend='torch' or 'auto'")
+    return cls(block_size, device, features)
+
+
+def _backend_class(name: str) -> type[AttentionBackend]:
     module, cls = _REGISTRY[name]
-    return getattr(importlib.import_module(module), cls)(block_size, device)
+    return getattr(importlib.import_module(module), cls)

@@ -17,6 +17,10 @@ Which path each query takes in a step:
 - longer prefill chunks keep the PyTorch path: they are GEMM-bound, and gathering their cached
   context once costs little next to q_len x context attention math.
 
+A sliding-window layer moves each kernel query's first attended token up to its window's start
+(the kernel's `start_lens`); soft-capped scores are not computed here (FEATURES), so a model
+using them gets the PyTorch backend.
+
 Same contract and results as TorchPagedAttention (its oracle): float32 queries, a KV cache in
 any format of kv_cache.py (the kernel dequantizes int8 / fp8 rows as it reads them; a cascade's
 shared prefix is dequantized once for SDPA).
@@ -81,8 +85,11 @@ class CPUAttentionMetadata(TorchAttentionMetadata):
 
 
 class CPUPagedAttention(TorchPagedAttention):
-    def __init__(self, block_size: int, device: torch.device) -> None:
-        super().__init__(block_size, device)
+    FEATURES = frozenset({"sliding_window"})
+
+    def __init__(self, block_size: int, device: torch.device,
+                 features: frozenset[str] = frozenset()) -> None:
+        super().__init__(block_size, device, features)
         op = paged_attention_op()
         if op is None:
             raise RuntimeError("the CPU paged-attention kernel is not available "
@@ -94,8 +101,9 @@ class CPUPagedAttention(TorchPagedAttention):
         meta = CPUAttentionMetadata(num_tokens=batch.num_tokens,
                                     slot_mapping=batch.slot_mapping)
         in_cascade: set[int] = set()
-        for c in plan_cascades(batch, self.block_size, range(len(batch.query_lens)),
-                               CASCADE_POLICY):
+        cascades = (plan_cascades(batch, self.block_size, range(len(batch.query_lens)),
+                                  CASCADE_POLICY) if self.cascades else [])
+        for c in cascades:
             queries = self._paged_queries(batch, c.rows, c.num_blocks * self.block_size)
             shared = batch.block_tables[c.rows[0], :c.num_blocks]
             meta.prefix_cascades.append(
@@ -135,24 +143,26 @@ class CPUPagedAttention(TorchPagedAttention):
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: CPUAttentionMetadata, scale: float,
-                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                kv_scales: torch.Tensor | None = None, sliding_window: int | None = None,
+                soft_cap: float | None = None) -> torch.Tensor:
         T, Hq, D = q.shape
         if (every := self.fused_decode_queries(meta, T)) is not None:
             # Every query goes to the kernel (a plain decode step): no gather / scatter, and
             # none of the PyTorch backend's per-group work.
             store_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
-            return self._paged(q, kv_cache, every, scale, kv_scales)[0].view(T, Hq * D)
+            return self._paged(q, kv_cache, every, scale, kv_scales,
+                               sliding_window)[0].view(T, Hq * D)
         p = meta.paged
         if meta.prefills:  # (this backend makes no decode groups: cascades replace them)
             # stores k/v; (T, Hq * D)
-            out = super().forward(q, k, v, kv_cache, meta, scale, kv_scales)
+            out = super().forward(q, k, v, kv_cache, meta, scale, kv_scales, sliding_window)
         else:
             store_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
             out = q.new_empty(T, Hq * D)
         out_q = out.view_as(q)
         if p is not None:
             out_q[p.token_indices] = self._paged(q[p.token_indices], kv_cache, p, scale,
-                                                 kv_scales)[0]
+                                                 kv_scales, sliding_window)[0]
         for c in meta.prefix_cascades:
             out_q[c.queries.token_indices] = self._cascade(q[c.queries.token_indices],
                                                            kv_cache, c, scale, kv_scales)
@@ -167,9 +177,13 @@ class CPUPagedAttention(TorchPagedAttention):
         return p if p is not None and p.token_indices.numel() == num_tokens else None
 
     def _paged(self, q: torch.Tensor, kv_cache: torch.Tensor, p: PagedQueries, scale: float,
-               kv_scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kernel: out (N, Hq, D) and log-sum-exp (N, Hq) of q (N, Hq, D)."""
-        return self._op(q, kv_cache[0], kv_cache[1], p.block_tables, p.seq_rows, p.start_lens,
+               kv_scales: torch.Tensor | None, window: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel: out (N, Hq, D) and log-sum-exp (N, Hq) of q (N, Hq, D); with a window,
+        each query attends only its last `window` positions (the cached tokens [ctx - window,
+        ctx), as transformers' mask: keys > its position - window)."""
+        start = p.start_lens if window is None else (p.ctx_lens - window).clamp_min_(0)
+        return self._op(q, kv_cache[0], kv_cache[1], p.block_tables, p.seq_rows, start,
                         p.ctx_lens, scale, kv_scales)
 
     def _cascade(self, q: torch.Tensor, kv_cache: torch.Tensor, c: PrefixCascade,

@@ -7,6 +7,11 @@ tables into a reused buffer and runs one batched SDPA call masked past each sequ
 length. Prefill sequences are done one at a time: with no cached prefix straight from this
 step's k/v (causal), otherwise over the gathered cached context with an offset causal mask.
 
+Sliding windows and soft-capped scores (base.py's FEATURES) are masks and a tanh on the
+scores: a layer's window mask is built from its group's (or chunk's) positions once per step
+and window size, shared by every layer with that window; soft-capped scores are computed
+explicitly (SDPA has no hook for them). A model with either plans no cascades.
+
 An int8 or fp8 cache (kv_cache.py) is read the same way and dequantized after the gather; a
 prefill with no cached prefix attends its own k/v rounded to the cache's grid, as stored, so
 that every path sees the values the cache holds and outputs do not depend on prefix-cache hits. This
@@ -46,6 +51,22 @@ class PrefillSeq:
     context_len: int  # tokens in cache after this step (cached prefix + this chunk)
     block_ids: torch.Tensor | None  # (num_blocks,) long; None when there is no cached prefix
     mask: torch.Tensor | None  # (q_len, context_len) bool, True = attend; None: plain causal
+    # window size → mask (q_len, context_len): built by the first layer with that window
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def causal_mask(self, window: int | None, device: torch.device) -> torch.Tensor:
+        """(q_len, context_len) bool: query i (at position context_len - q_len + i) attends
+        key j when j <= its position and, with a window, j > its position - window."""
+        key = window or 0
+        if key not in self.window_masks:
+            q_len = self.q_end - self.q_start
+            q_pos = torch.arange(self.context_len - q_len, self.context_len, device=device)
+            k_pos = torch.arange(self.context_len, device=device)
+            mask = k_pos[None, :] <= q_pos[:, None]
+            if window:
+                mask &= k_pos[None, :] > q_pos[:, None] - window
+            self.window_masks[key] = mask
+        return self.window_masks[key]
 
 
 @dataclass
@@ -62,12 +83,41 @@ class DecodeGroup:
     # Cascade: leading blocks every sequence of the group shares (a cached prefix). When set,
     # block_ids / max_blocks / mask describe only the blocks after them.
     shared_block_ids: torch.Tensor | None = None  # (k,) long
+    seq_lens: torch.Tensor | None = None  # (Bg,) long: for window masks
+    key_pos: torch.Tensor | None = None  # (max_blocks * block_size,) long: the keys' positions
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def windowed_mask(self, window: int | None) -> torch.Tensor:
+        """`mask` with each row's keys limited to its last `window` positions (None: mask)."""
+        if window is None:
+            return self.mask
+        if window not in self.window_masks:
+            inside = self.key_pos[None, :] >= self.seq_lens[:, None] - window
+            self.window_masks[window] = self.mask & inside[:, None, None, :]
+        return self.window_masks[window]
 
 
 @dataclass
 class TorchAttentionMetadata(AttentionMetadata):
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+def _attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            mask: torch.Tensor | None, scale: float, soft_cap: float | None) -> torch.Tensor:
+    """q (B, Hq, Lq, D), key / value (B, Hkv, Lk, D), mask bool broadcast to (B, Hq, Lq, Lk)
+    (True = attend) or None (all) → (B, Hq, Lq, D). SDPA, or with soft-capped scores the
+    same math written out (Gemma 2's eager attention: scale, cap * tanh(s / cap), mask)."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    scores = torch.matmul(q, key.transpose(-1, -2)) * scale  # (B, Hq, Lq, Lk)
+    scores = soft_cap * torch.tanh(scores / soft_cap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), value)
 
 
 def _softmax_attend(scores: torch.Tensor, values: torch.Tensor
@@ -88,9 +138,14 @@ def merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
 
 
 class TorchPagedAttention(AttentionBackend):
-    def __init__(self, block_size: int, device: torch.device) -> None:
-        super().__init__(block_size, device)
+    FEATURES = frozenset({"sliding_window", "soft_cap"})
+
+    def __init__(self, block_size: int, device: torch.device,
+                 features: frozenset[str] = frozenset()) -> None:
+        super().__init__(block_size, device, features)
         self._buffer = torch.empty(0, device=device)
+        # a window could leave a cascade's shared prefix partly out of sight: none planned
+        self.cascades = not features
 
     # ---- metadata ---------------------------------------------------------------------------
     def build_metadata(self, batch: InputBatch) -> TorchAttentionMetadata:
@@ -98,7 +153,9 @@ class TorchPagedAttention(AttentionBackend):
                                       slot_mapping=batch.slot_mapping)
         decode_rows = [i for i, n in enumerate(batch.query_lens) if n == 1]
         in_cascade: set[int] = set()
-        for c in plan_cascades(batch, self.block_size, decode_rows, CASCADE_POLICY):
+        cascades = (plan_cascades(batch, self.block_size, decode_rows, CASCADE_POLICY)
+                    if self.cascades else [])
+        for c in cascades:
             rows = sorted(c.rows, key=lambda i: -batch.seq_lens[i])
             meta.decode_groups.append(self._decode_group(batch, rows, c.num_blocks))
             in_cascade.update(rows)
@@ -134,7 +191,8 @@ class TorchPagedAttention(AttentionBackend):
         mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]
         return DecodeGroup(token_indices=batch.query_start_loc[rows_t], rows=rows_t,
                            block_ids=tables[:, k:].reshape(-1), max_blocks=max_blocks - k,
-                           mask=mask, shared_block_ids=tables[0, :k] if k else None)
+                           mask=mask, shared_block_ids=tables[0, :k] if k else None,
+                           seq_lens=seq_lens, key_pos=key_pos)
 
     def _prefill_seq(self, batch: InputBatch, i: int) -> PrefillSeq:
         q_start, q_end = batch.query_start_locs[i], batch.query_start_locs[i + 1]
@@ -151,15 +209,17 @@ class TorchPagedAttention(AttentionBackend):
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: TorchAttentionMetadata, scale: float,
-                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                kv_scales: torch.Tensor | None = None, sliding_window: int | None = None,
+                soft_cap: float | None = None) -> torch.Tensor:
         store_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
         T, Hq, D = q.shape
         out = torch.empty_like(q)
         for group in meta.decode_groups:
             out[group.token_indices] = self._decode(q[group.token_indices], kv_cache, group,
-                                                    scale, kv_scales)
+                                                    scale, kv_scales, sliding_window, soft_cap)
         for p in meta.prefills:
-            out[p.q_start:p.q_end] = self._prefill(q, k, v, kv_cache, p, scale, kv_scales)
+            out[p.q_start:p.q_end] = self._prefill(q, k, v, kv_cache, p, scale, kv_scales,
+                                                   sliding_window, soft_cap)
         return out.view(T, Hq * D)
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -172,16 +232,17 @@ class TorchPagedAttention(AttentionBackend):
         return torch.index_select(kv_cache, 1, block_ids, out=out)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup,
-                scale: float, kv_scales: torch.Tensor | None) -> torch.Tensor:
-        if group.shared_block_ids is not None:
+                scale: float, kv_scales: torch.Tensor | None, window: int | None = None,
+                soft_cap: float | None = None) -> torch.Tensor:
+        if group.shared_block_ids is not None:  # (never with a window or a soft cap)
             return self._decode_cascade(q, kv_cache, group, scale, kv_scales)
         Bg = q.shape[0]
         # (2, Bg * nb, bs, Hkv, D)
         kv = as_float(self._gather(kv_cache, group.block_ids), kv_scales)
         kv = kv.view(2, Bg, -1, *kv.shape[-2:])  # (2, Bg, L, Hkv, D)
         key, value = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # (Bg, Hkv, L, D)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), key, value, attn_mask=group.mask,
-                                           scale=scale, enable_gqa=True)  # (Bg, Hq, 1, D)
+        o = _attend(q.unsqueeze(2), key, value, group.windowed_mask(window), scale,
+                    soft_cap)  # (Bg, Hq, 1, D)
         return o.squeeze(2)
 
     def _decode_cascade(self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup,
@@ -223,7 +284,9 @@ class TorchPagedAttention(AttentionBackend):
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, p: PrefillSeq, scale: float,
-                 kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                 kv_scales: torch.Tensor | None = None, window: int | None = None,
+                 soft_cap: float | None = None) -> torch.Tensor:
+        plain = window is None and soft_cap is None
         qs = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)  # (1, Hq, q_len, D)
         if p.block_ids is None:
             k_own, v_own = k[p.q_start:p.q_end], v[p.q_start:p.q_end]  # (q_len, Hkv, D)
@@ -234,13 +297,16 @@ class TorchPagedAttention(AttentionBackend):
                                 else kv_scales[1])
             key = k_own.transpose(0, 1).unsqueeze(0)  # (1, Hkv, q_len, D)
             value = v_own.transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, key, value, is_causal=True, scale=scale,
-                                               enable_gqa=True)
+            if plain:
+                o = F.scaled_dot_product_attention(qs, key, value, is_causal=True,
+                                                   scale=scale, enable_gqa=True)
+            else:
+                o = _attend(qs, key, value, p.causal_mask(window, q.device), scale, soft_cap)
         else:
             kv = as_float(self._gather(kv_cache, p.block_ids), kv_scales)
             kv = kv.flatten(1, 2)[:, :p.context_len]
             key = kv[0].transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
             value = kv[1].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, key, value, attn_mask=p.mask, scale=scale,
-                                               enable_gqa=True)
+            mask = p.mask if window is None else p.causal_mask(window, q.device)
+            o = _attend(qs, key, value, mask, scale, soft_cap)
         return o.squeeze(0).transpose(0, 1)  # (q_len, Hq, D)

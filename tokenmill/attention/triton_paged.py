@@ -53,8 +53,9 @@ def triton_available() -> bool:
 
 
 class TritonPagedAttention(AttentionBackend):
-    def __init__(self, block_size: int, device: torch.device) -> None:
-        super().__init__(block_size, device)
+    def __init__(self, block_size: int, device: torch.device,
+                 features: frozenset[str] = frozenset()) -> None:
+        super().__init__(block_size, device, features)
         if not triton_available():
             raise RuntimeError("attention_backend='triton' needs the triton package "
                                "(it comes with torch's CUDA builds)")
@@ -92,7 +93,10 @@ class TritonPagedAttention(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: TritonAttentionMetadata, scale: float,
-                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                kv_scales: torch.Tensor | None = None, sliding_window: int | None = None,
+                soft_cap: float | None = None) -> torch.Tensor:
+        # FEATURES is empty: get_attention_backend never gives this backend a layer that
+        # sets either
         self._kernels.store_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
         T, Hq, D = q.shape
         out = torch.empty_like(q)

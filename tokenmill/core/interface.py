@@ -89,6 +89,9 @@ class RequestStep(_DraftWork):
     num_new_tokens: int  # of the request's own tokens (drafts not counted)
     sample: bool  # True when this step reaches the request's last known token
     banned_token_ids: list[int] = field(default_factory=list)  # min_tokens: EOS/stop ids
+    # an embedding request's pooling ("LAST" / "MEAN"): the runner returns its hidden states
+    # (worker/pooler.py) and samples nothing; None for a generating request
+    pooling: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -109,6 +112,7 @@ class ScheduledRequest(_DraftWork):
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     banned_token_ids: list[int] = field(default_factory=list)  # min_tokens: EOS/stop ids
+    pooling: str | None = None  # as RequestStep.pooling
     # token_ids ends with the drafts (_DraftWork)
 
     @property
@@ -189,3 +193,7 @@ class ModelRunnerOutput:
     # req_id → (len(drafts), V) the distributions those drafts were sampled from, for sampled
     # requests (greedy ones' drafts are one-hot and have none)
     draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)
+    # req_id → (first prompt position covered, number of positions, (H,) float32): an
+    # embedding request's share of this step, the sum of its positions' final hidden states
+    # (MEAN) or its last prompt position's (LAST, only in the step that reaches it)
+    pooled: dict[str, tuple[int, int, torch.Tensor]] = field(default_factory=dict)

@@ -14,6 +14,13 @@ node path covering a request's cached blocks is locked while the request lives, 
 Copy-on-write: before a request writes into a shared, partly filled block (after `fork`) it
 gets a private copy; the (src, dst) pair is queued for the runner to copy before the forward.
 
+Sliding window (every layer attends only its last `sliding_window` tokens, as Mistral's): a
+block whose every token lies before the window of the request's next query is dropped, its
+place in the block table taken by the null block (the backends mask those positions), so a
+long sequence holds about window / block_size blocks. Dropped blocks were offered to the
+prefix cache before (a block is offered when filled, dropped a window later), so the tree
+keeps them for prefix hits and evicts them LRU like any other.
+
 Slot arithmetic for one request, block_size = 4, 6 tokens computed, 3 new tokens:
 
     block table:  [ b7 ][ b2 ][ b9 ]
@@ -43,8 +50,9 @@ class ComputedBlocks:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 num_swap_blocks: int = 0) -> None:
+                 num_swap_blocks: int = 0, sliding_window: int | None = None) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks)
         self.tree = RadixCache(block_size) if enable_prefix_caching else None
         self.swap = SwapSpace(num_swap_blocks)
@@ -90,8 +98,8 @@ class KVCacheManager:
         left to compute: its logits are what the request samples from next."""
         if (self.tree is None or self.prefix_cache_suspended
                 or request.request_id in self.req_to_blocks
-                or request.sampling_params.prompt_logprobs is not None):
-            return ComputedBlocks()  # prompt logprobs need every prompt position computed
+                or request.needs_every_prompt_position):
+            return ComputedBlocks()
         match = self.tree.match_prefix(request.all_token_ids[:request.num_tokens - 1])
         blocks = [self.pool.blocks[b] for b in match.block_ids]
         return ComputedBlocks(blocks, len(blocks) * self.block_size, match.handle)
@@ -105,6 +113,12 @@ class KVCacheManager:
         blocks = self.req_to_blocks[rid]
         tokens = request.all_token_ids[:num_full * bs]
         ids = [b.block_id for b in blocks[:num_full]]
+        null = self.pool.null_block.block_id
+        if null in ids:  # blocks dropped out of the window: offer on only where the tree
+            last = len(ids) - 1 - ids[::-1].index(null)  # holds their tokens already
+            if len(self.tree.match_prefix(tokens[:(last + 1) * bs]).block_ids) <= last:
+                self._num_offered[rid] = num_full  # (the tree lost them: stop offering)
+                return
         result = self.tree.insert_prefix(tokens, ids)
         self.pool.incr_ref(blocks[result.cached_len // bs:num_full])  # the tree's references
         handle = result.handle
@@ -114,7 +128,7 @@ class KVCacheManager:
             # so we do not pin cached blocks we never use.
             tree_ids = self.tree.match_prefix(tokens).block_ids
             shared = next((i for i, (a, b) in enumerate(zip(tree_ids, ids, strict=True))
-                           if a != b), len(ids))
+                           if a != b and b != null), len(ids))
             if shared < len(ids):
                 handle = self.tree.match_prefix(tokens[:shared * bs]).handle if shared else None
         self._lock(rid, handle)
@@ -169,6 +183,7 @@ class KVCacheManager:
             blocks.extend(computed.blocks)
             self._num_offered[rid] = len(computed.blocks)
             num_computed = computed.num_tokens
+        self._drop_out_of_window(blocks, min(num_computed, request.num_tokens))
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = max(0, num_required - len(blocks))
         # Copy-on-write: the block receiving the next token is shared and partly filled.
@@ -197,6 +212,23 @@ class KVCacheManager:
         self._offer_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return new_ids
 
+    def _drop_out_of_window(self, blocks: list[KVBlock], next_position: int) -> None:
+        """Put the null block in place of the blocks no query from `next_position` on will
+        attend (keys at positions <= next_position - window), and release them."""
+        if self.sliding_window is None:
+            return
+        first_needed = next_position - self.sliding_window + 1  # the window's first key
+        dropped = []
+        for i in range(min(max(0, first_needed) // self.block_size, len(blocks))):
+            if blocks[i] is not self.pool.null_block:
+                dropped.append(blocks[i])
+                blocks[i] = self.pool.null_block
+        self.pool.free_blocks(reversed(dropped))
+
+    def _held(self, blocks: list[KVBlock]) -> list[KVBlock]:
+        """The blocks a request references (its table without the null block's places)."""
+        return [b for b in blocks if b is not self.pool.null_block]
+
     def fork(self, parent: Request, child: Request, num_tokens: int | None = None) -> None:
         """Let `child` share the blocks holding the parent's first `num_tokens` tokens (all of
         its blocks when None). The child must hold no blocks yet."""
@@ -206,7 +238,7 @@ class KVCacheManager:
         if num_tokens is not None:
             blocks = blocks[:cdiv(num_tokens, self.block_size)]
         blocks = list(blocks)
-        self.pool.incr_ref(blocks)
+        self.pool.incr_ref(self._held(blocks))
         self.req_to_blocks[child.request_id] = blocks
         self._lock(child.request_id, self._handles.get(parent.request_id))
         full = len(blocks) if num_tokens is None else num_tokens // self.block_size
@@ -223,7 +255,7 @@ class KVCacheManager:
         handle = self._handles.pop(rid, None)
         if handle is not None:
             self.tree.lock_handle(handle, unlock=True)
-        self.pool.free_blocks(reversed(self.req_to_blocks.pop(rid, [])))
+        self.pool.free_blocks(reversed(self._held(self.req_to_blocks.pop(rid, []))))
         self._num_offered.pop(rid, None)
 
     # ---- swapping ---------------------------------------------------------------------------
@@ -267,7 +299,7 @@ class KVCacheManager:
         self.swap.check_integrity()
         refs: dict[int, int] = {}
         for blocks in self.req_to_blocks.values():
-            for b in blocks:
+            for b in self._held(blocks):
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         if self.tree is not None:
             self.tree.check_integrity()

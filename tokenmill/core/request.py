@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import time
 
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.policy import INITIAL_ACCEPTANCE
 
@@ -53,8 +54,12 @@ _FINISH_REASONS = {
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_ids: list[int], max_tokens: int,
-                 arrival_time: float | None = None) -> None:
+                 arrival_time: float | None = None,
+                 pooling_params: PoolingParams | None = None) -> None:
         self.request_id = request_id
+        # an embedding request: computes its prompt, samples nothing, finishes when the
+        # prompt is computed (its sampling_params are unused)
+        self.pooling_params = pooling_params
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -85,6 +90,18 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def pooling_type(self) -> str | None:
+        """"LAST" / "MEAN" for an embedding request, None for a generating one."""
+        return None if self.pooling_params is None else self.pooling_params.pooling_type
+
+    @property
+    def needs_every_prompt_position(self) -> bool:
+        """Prompt logprobs and mean pooling read every prompt position's output: no
+        prefix-cache hit may skip computing some."""
+        return (self.sampling_params.prompt_logprobs is not None
+                or self.pooling_type == "MEAN")
 
     @property
     def num_output_tokens(self) -> int:

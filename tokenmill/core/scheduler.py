@@ -302,7 +302,8 @@ class Scheduler:
                  else out.new_requests).append(diff)
             drafts = request.spec_token_ids
             ahead = request.num_output_placeholders
-            sample = start + n == request.num_tokens + ahead
+            # an embedding request samples nothing: it ends when its prompt is computed
+            sample = start + n == request.num_tokens + ahead and request.pooling_params is None
             out.scheduled.append(RequestStep(
                 req_id=request.request_id,
                 start_pos=start,
@@ -314,7 +315,7 @@ class Scheduler:
                                        for j in range(1, len(drafts) + 1)],
                 spec_draft_probs=(request.proposed_probs[:len(drafts)]
                                   if drafts and request.proposed_probs is not None else None),
-                num_lookahead_tokens=lookahead,
+                num_lookahead_tokens=lookahead, pooling=request.pooling_type,
             ))
             # NOTE: advanced here, not after the forward pass, so the next schedule() sees the
             # tokens in flight (drafts included); update_from_output appends sampled tokens
@@ -378,6 +379,15 @@ class Scheduler:
                  else self.waiting).remove(request)
                 self._finish(request, status)
             progressed.append(request)
+        for step in sched_out.scheduled:  # embedding requests whose prompt is computed
+            request = self.requests.get(step.req_id)
+            if (request is not None and request.pooling_params is not None
+                    and request.num_computed_tokens >= request.num_prompt_tokens):
+                # (swapped out after it was scheduled, async scheduling: it waits, done)
+                (self.running if request.status == RequestStatus.RUNNING
+                 else self.waiting).remove(request)
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                progressed.append(request)
         return progressed
 
     def _append(self, request: Request, token_id: int) -> RequestStatus | None:

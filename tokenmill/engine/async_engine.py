@@ -225,7 +225,7 @@ class AsyncLLM:
                 self.engine.abort_request(payload)
                 self._timings.forget(payload)
             else:  # abort_all
-                for request_id in list(self.engine.outputs.parents):
+                for request_id in self.engine.outputs.request_ids():
                     self._finish_aborted(request_id)
 
     def _expire_deadlines(self) -> bool:
@@ -266,7 +266,7 @@ class AsyncLLM:
             self.on_dead(error)
 
     def _fail_all(self, error: BaseException) -> None:
-        for request_id in list(self.engine.outputs.parents):
+        for request_id in self.engine.outputs.request_ids():
             try:
                 self.engine.abort_request(request_id)
             except Exception:  # a dead engine's state may be inconsistent; streams still end

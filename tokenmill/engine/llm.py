@@ -4,6 +4,7 @@ subclass) and drives it until every submitted request has finished.
     llm = LLM()                                   # default model: SmolLM2-135M-Instruct
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
     outs = llm.chat([{"role": "user", "content": "Hi"}])
+    embs = LLM(model, runner="pooling").embed(["Hello"])   # embs[0].outputs.embedding
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from tqdm.auto import tqdm
 
 from tokenmill.engine.beam_search import BeamSearchOutput, beam_search
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -43,8 +45,22 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order."""
+        return self._run(self._submit(prompts, sampling_params, SamplingParams), use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`outputs.embedding`), in input order, batched by the
+        scheduler with whatever else runs (vLLM's LLM.embed; pooling per the engine's
+        pooler_config)."""
+        return self._run(self._submit(prompts, pooling_params, PoolingParams), use_tqdm)
+
+    def _submit(self, prompts: PromptType | Sequence[PromptType], params: Any,
+                kind: type) -> list[str]:
+        """Add every prompt with its params (one for all, one each, or None: kind()); the
+        request ids. A prompt refused aborts those added before it."""
         prompts = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompts))
+        params = _as_params_list(params, len(prompts), kind)
         request_ids = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
@@ -55,7 +71,7 @@ class LLM:
             for rid in request_ids:  # leave the engine as we found it
                 self.engine.abort_request(rid)
             raise
-        return self._run(request_ids, use_tqdm)
+        return request_ids
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -94,9 +110,9 @@ class LLM:
                 seq.finish_reason = "stop" if ended_on_eos else "length"
         return outputs
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[Any]:
         order = {rid: i for i, rid in enumerate(request_ids)}
-        results: list[RequestOutput | None] = [None] * len(request_ids)
+        results: list[Any] = [None] * len(request_ids)
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
                    dynamic_ncols=True)
         try:
@@ -123,14 +139,17 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     return prompts
 
 
-def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None,
-                    n: int) -> list[SamplingParams]:
+def _as_params_list(params: Any, n: int, kind: type = SamplingParams) -> list[Any]:
+    """One params object per prompt, of `kind` (SamplingParams or PoolingParams)."""
     if params is None:
-        return [SamplingParams()] * n
-    if isinstance(params, SamplingParams):
+        return [kind()] * n
+    if isinstance(params, kind):
         return [params] * n
     params = list(params)
+    field = "sampling_params" if kind is SamplingParams else "pooling_params"
     if len(params) != n:
-        raise ValueError(f"got {len(params)} sampling_params for {n} prompts; "
-                         "pass one, or one per prompt")
+        raise ValueError(f"got {len(params)} {field} for {n} prompts; pass one, or one per "
+                         "prompt")
+    if not all(isinstance(p, kind) for p in params):
+        raise ValueError(f"{field} must be {kind.__name__} objects")
     return params

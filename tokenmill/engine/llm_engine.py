@@ -61,7 +61,8 @@ class LLMEngine:
         self.executor: Executor = make_executor(config)  # the model runner(s)
         self.kv = KVCacheManager(self.executor.num_kv_blocks, config.cache.block_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching,
-                                 num_swap_blocks=self.executor.num_swap_blocks)
+                                 num_swap_blocks=self.executor.num_swap_blocks,
+                                 sliding_window=config.model.kv_sliding_window)
         # pipeline parallelism: one step in flight per stage, each of other requests
         self._depth = config.parallel.pipeline_parallel_size
         self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len,
@@ -75,7 +76,8 @@ class LLMEngine:
         self.structured = StructuredOutputManager(config.structured_outputs, self.tokenizer,
                                                   config.model.vocab_size, self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer)
-        self.intake = RequestIntake(config.model, self.tokenizer, self.kv, self.structured)
+        self.intake = RequestIntake(config.model, self.tokenizer, self.kv, self.structured,
+                                    config.runner, config.pooler_config)
         self._all_failed_steps = 0  # consecutive steps in which every request failed
         # steps sent and not yet applied, oldest first, with their outputs' Futures (async
         # scheduling: the one the model is running; pipeline parallelism: one per stage)
@@ -140,8 +142,14 @@ class LLMEngine:
         self.intake.check_text_length(num_chars)
 
     def add_prepared(self, p: PreparedRequest) -> None:
-        if p.request_id in self.outputs.parents:
+        if self.outputs.is_known(p.request_id):
             raise ValueError(f"request id {p.request_id!r} is already in use")
+        if p.pooling is not None:  # an embedding request: one, sampling nothing
+            request = Request(p.request_id, p.token_ids, p.params, self.eos_token_ids,
+                              p.max_tokens, p.arrival_time, pooling_params=p.pooling)
+            self.scheduler.add_request(request)
+            self.outputs.add_pooling(request)
+            return
         children = [Request(self._child_id(p.request_id, i, p.params.n), p.token_ids,
                             self._child_params(p.params, i), self.eos_token_ids, p.max_tokens,
                             p.arrival_time) for i in range(p.params.n)]
@@ -304,6 +312,7 @@ class LLMEngine:
             merged.sampled_token_ids[i] = out.sampled_token_ids[0]
             merged.logprobs.update(out.logprobs)
             merged.prompt_logprobs.update(out.prompt_logprobs)
+            merged.pooled.update(out.pooled)
         if not live:
             return merged
         everyone = len(culprits) == len(live)

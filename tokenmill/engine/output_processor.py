@@ -3,7 +3,8 @@
 It owns, per sample: incremental detokenization, stop-string search, logprobs converted to
 vLLM's dict form with decoded tokens; per user request: the n samples and prompt logprobs.
 Stop strings are found here (they need text) and reported back so the engine can finish those
-requests in the scheduler and free their blocks at once.
+requests in the scheduler and free their blocks at once. Embedding requests' partial poolings
+are added up here too (engine/pooled_outputs.py), into an EmbeddingRequestOutput when done.
 
 While a sample with stop strings is running, its visible text holds back the last
 (longest stop string - 1) characters, which could still turn out to begin a stop string.
@@ -17,7 +18,14 @@ from typing import Any
 from tokenmill.core.interface import ModelRunnerOutput, PositionLogprobs
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.outputs import CompletionOutput, Logprob, PositionLogprobDict, RequestOutput
+from tokenmill.engine.pooled_outputs import PooledState
+from tokenmill.outputs import (
+    CompletionOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PositionLogprobDict,
+    RequestOutput,
+)
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -53,6 +61,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
         self.samples: dict[str, SampleState] = {}  # scheduler request id → sample
+        self.pooled: dict[str, PooledState] = {}  # embedding requests (one id for both)
         self._token_text: dict[int, str] = {}
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -72,19 +81,35 @@ class OutputProcessor:
             self.samples[child.request_id] = sample
         self.parents[request_id] = parent
 
+    def add_pooling(self, request: Request) -> None:
+        self.pooled[request.request_id] = PooledState(request)
+
     def child_ids(self, request_id: str) -> list[str]:
+        if request_id in self.pooled:
+            return [request_id]
         return [cid for cid, s in self.samples.items() if s.parent.request_id == request_id]
 
     def remove(self, request_id: str) -> None:
         for cid in self.child_ids(request_id):
-            del self.samples[cid]
+            self.samples.pop(cid, None)
         self.parents.pop(request_id, None)
+        self.pooled.pop(request_id, None)
+
+    def is_known(self, request_id: str) -> bool:
+        return request_id in self.parents or request_id in self.pooled
+
+    def request_ids(self) -> list[str]:
+        """Every unfinished user request, generating or embedding."""
+        return [*self.parents, *self.pooled]
 
     def final_output(self, request_id: str, finish_reason: str,
-                     error: str | None = None) -> RequestOutput | None:
+                     error: str | None = None
+                     ) -> RequestOutput | EmbeddingRequestOutput | None:
         """The output of a request ended from outside a step (abort, deadline, failure), with
         `finish_reason` on every sample still running; None if it is unknown or done. The
         caller then removes the request (LLMEngine.abort_request)."""
+        if (pooled := self.pooled.get(request_id)) is not None:
+            return pooled.output(error or finish_reason)
         parent = self.parents.get(request_id)
         if parent is None:
             return None
@@ -96,13 +121,23 @@ class OutputProcessor:
         return out
 
     def parent_id(self, sample_id: str) -> str | None:
+        if sample_id in self.pooled:
+            return sample_id
         sample = self.samples.get(sample_id)
         return None if sample is None else sample.parent.request_id
 
     def process(self, progressed: list[Request], runner_out: ModelRunnerOutput
-                ) -> tuple[list[RequestOutput], list[str]]:
+                ) -> tuple[list[RequestOutput | EmbeddingRequestOutput], list[str]]:
         """Outputs of the requests that moved, and sample ids that hit a stop string."""
         touched: dict[str, ParentState] = {}
+        for rid, (first, n, vector) in runner_out.pooled.items():
+            if (pooled := self.pooled.get(rid)) is not None:
+                pooled.add(first, n, vector)
+        embeddings = []
+        for request in [r for r in progressed if r.request_id in self.pooled]:
+            if request.is_finished:  # (only a finished embedding request progresses)
+                embeddings.append(self.pooled.pop(request.request_id).output())
+        progressed = [r for r in progressed if r.pooling_params is None]
         for rid, (start, lps) in runner_out.prompt_logprobs.items():
             parent = self.samples[rid].parent
             for j in range(len(lps.token_ids)):
@@ -117,7 +152,7 @@ class OutputProcessor:
         for p in touched.values():
             if p.finished:
                 self.remove(p.request_id)
-        return outputs, stopped
+        return outputs + embeddings, stopped
 
     def _update_sample(self, s: SampleState, request: Request,
                        lps: PositionLogprobs | None) -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 
 from tokenmill.config import ModelConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.pooling_params import PoolerConfig, PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output.backend import CompiledGrammar
 from tokenmill.structured_output.manager import StructuredOutputManager
@@ -35,16 +36,26 @@ class PreparedRequest:
     max_tokens: int
     arrival_time: float
     grammar: CompiledGrammar | None = None  # structured outputs: each sample gets a matcher
+    pooling: PoolingParams | None = None  # an embedding request (params then unused), resolved
 
 
 class RequestIntake:
     def __init__(self, model: ModelConfig, tokenizer: Any, kv: KVCacheManager,
-                 structured: StructuredOutputManager) -> None:
+                 structured: StructuredOutputManager, runner: str = "auto",
+                 pooler: PoolerConfig | None = None) -> None:
         self.model, self.tokenizer, self.kv, self.structured = model, tokenizer, kv, structured
+        self.runner, self.pooler = runner, pooler or PoolerConfig()
 
     def prepare(self, request_id: str, prompt: str | list[int] | dict[str, Any],
-                params: SamplingParams | None = None,
+                params: SamplingParams | PoolingParams | None = None,
                 arrival_time: float | None = None) -> PreparedRequest:
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        if isinstance(params, PoolingParams):
+            return self._prepare_embedding(request_id, prompt, params, arrival)
+        if self.runner == "pooling":
+            raise ValueError("this engine runs embedding models (runner='pooling'): it "
+                             "embeds prompts and does not generate; start it with "
+                             "runner='generate' or 'auto' to generate")
         params = params or SamplingParams()
         prompt_text, token_ids = self._split_prompt(prompt)
         max_tokens = self._validate(token_ids, params)
@@ -52,9 +63,35 @@ class RequestIntake:
             params = dataclasses.replace(params, top_k=0)
         grammar = (self.structured.compile(params.structured_outputs)
                    if params.structured_outputs is not None else None)
-        return PreparedRequest(request_id, prompt_text, token_ids, params, max_tokens,
-                               time.monotonic() if arrival_time is None else arrival_time,
+        return PreparedRequest(request_id, prompt_text, token_ids, params, max_tokens, arrival,
                                grammar)
+
+    def _prepare_embedding(self, request_id: str, prompt: str | list[int] | dict[str, Any],
+                           params: PoolingParams, arrival: float) -> PreparedRequest:
+        """An embedding request: its prompt is checked as a generating one's, without the
+        room to generate (it computes its prompt and ends)."""
+        if self.runner == "generate":
+            raise ValueError("this engine generates (runner='generate'); start it with "
+                             "runner='pooling' or 'auto' to compute embeddings")
+        prompt_text, token_ids = self._split_prompt(prompt)
+        self._check_prompt(token_ids)
+        n, max_len = len(token_ids), self.model.max_model_len
+        if n > max_len:
+            raise ValueError(f"prompt ({n} tokens) exceeds the context length "
+                             f"max_model_len={max_len}")
+        if cdiv(n, self.kv.block_size) > self.kv.num_usable_blocks:
+            raise ValueError(f"prompt ({n} tokens) needs more KV blocks than the cache has "
+                             f"({self.kv.num_usable_blocks}); raise kv_cache_memory")
+        pooling = params.resolve(self.pooler, self.model.hf_config.hidden_size)
+        return PreparedRequest(request_id, prompt_text, token_ids, SamplingParams(max_tokens=1),
+                               0, arrival, pooling=pooling)
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty: it must have at least 1 token")
+        vocab = self.model.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
 
     def _split_prompt(self, prompt: str | list[int] | dict[str, Any]
                       ) -> tuple[str | None, list[int]]:
@@ -94,11 +131,8 @@ class RequestIntake:
         """The request's resolved max_tokens; ValueError for anything it cannot be served with."""
         max_len = self.model.max_model_len
         n = len(token_ids)
-        if n == 0:
-            raise ValueError("prompt is empty: it must have at least 1 token")
+        self._check_prompt(token_ids)
         vocab = self.model.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         bad_bias = [t for t in params.logit_bias if t >= vocab]
         if bad_bias:
             raise ValueError(f"logit_bias token ids must be < vocab size {vocab}, got {bad_bias}")

@@ -6,6 +6,9 @@ cache (`bind`); per step everything else arrives in the explicit AttentionMetada
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -14,10 +17,15 @@ from tokenmill.utils.profiling import scope
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, soft_cap: float | None = None) -> None:
+        """sliding_window: a query at position p attends keys at positions > p - window (as
+        transformers' sliding-window mask); soft_cap: scores become cap * tanh(score / cap)
+        before the softmax (Gemma 2). Both None: plain causal attention."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.sliding_window, self.soft_cap = sliding_window, soft_cap
         self.kv_cache: torch.Tensor | None = None  # (2, num_blocks, block_size, Hkv, R)
         self.kv_scales: torch.Tensor | None = None  # (2, Hkv): an fp8 cache's scales
         self.key_rotation: torch.Tensor | None = None  # (D, D): a quantized cache's
@@ -38,4 +46,29 @@ class Attention(nn.Module):
         with scope("attention"):
             if self.key_rotation is not None:  # q . k = (q R) . (k R): keys stored rotated
                 q, k = q @ self.key_rotation, k @ self.key_rotation
-            return self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.kv_scales)
+            return self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.kv_scales,
+                                        sliding_window=self.sliding_window,
+                                        soft_cap=self.soft_cap)
+
+
+def attention_features(layers: Iterable[Attention]) -> frozenset[str]:
+    """The attention variants (attention/base.py's FEATURES) some of `layers` use."""
+    features = set()
+    for a in layers:
+        if a.sliding_window is not None:
+            features.add("sliding_window")
+        if a.soft_cap is not None:
+            features.add("soft_cap")
+    return frozenset(features)
+
+
+def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
+    """The layer's attention window in tokens, or None for full attention: transformers'
+    `layer_types` ("sliding_attention" / "full_attention") where the config has them, else
+    `sliding_window` for every layer where the config enables it (`use_sliding_window`,
+    which configs without the flag, such as Mistral's, leave on)."""
+    window = getattr(config, "sliding_window", None) or None
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return window if types[layer_idx] == "sliding_attention" else None
+    return window if getattr(config, "use_sliding_window", True) else None

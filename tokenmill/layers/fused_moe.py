@@ -17,18 +17,26 @@ index_add. The Python loop runs over the active experts (at most E), never over 
 experts are added in ascending order, as Hugging Face's loop adds them. `masked_experts` is
 that loop (a one-hot mask and a `where` per expert), kept for benchmarks/moe.py.
 
-Quantized expert weights are not built yet: a model asks `check_quantization` and refuses.
+On CUDA the experts run as the Triton fused-MoE kernel's two grouped GEMM launches instead
+(layers/fused_moe_triton.py). Quantized experts (int8 / int4, quantization/moe.py): the same
+grouping, each active expert's two products through the C++ linear op on its blocks instead
+of F.linear on float weights.
 """
 
 from __future__ import annotations
+
+import re
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import ParallelState
+from tokenmill.layers import cpu_ops
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.quantization.base import QuantizationConfig
+from tokenmill.quantization.moe import moe_quant_method
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
@@ -41,11 +49,16 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
     return weights, ids
 
 
-def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    weights: torch.Tensor, ids: torch.Tensor,
-                    act: nn.Module) -> torch.Tensor:
-    """x (T, H), w13 (E, 2I, H), w2 (E, H, I), weights / ids (T, k) → (T, H)."""
-    num_experts, k = w13.shape[0], ids.shape[1]
+# expert e's product: (e, x (n, K)) → (n, N)
+ExpertProduct = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def grouped_experts(x: torch.Tensor, up: ExpertProduct, down: ExpertProduct,
+                    weights: torch.Tensor, ids: torch.Tensor, act: nn.Module,
+                    num_experts: int) -> torch.Tensor:
+    """x (T, H), up(e, ·): (·, H) → (·, 2I), down(e, ·): (·, I) → (·, H), weights / ids
+    (T, k) → (T, H)."""
+    k = ids.shape[1]
     flat = ids.reshape(-1)  # (T k,) token-major
     order = torch.argsort(flat, stable=True)  # the pairs, by expert
     counts = torch.bincount(flat, minlength=num_experts).tolist()  # the one host sync
@@ -58,24 +71,25 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         if n == 0:
             continue
         rows = slice(start, start + n)
-        h = act(F.linear(xs[rows], w13[e]))  # (n, I)
-        y = F.linear(h, w2[e]) * pair_weights[rows, None]  # (n, H), float32 weights
+        h = act(up(e, xs[rows]))  # (n, I)
+        y = down(e, h) * pair_weights[rows, None]  # (n, H), float32 weights
         out.index_add_(0, tokens[rows], y.to(out.dtype))
         start += n
     return out
 
 
-def masked_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   weights: torch.Tensor, ids: torch.Tensor, act: nn.Module) -> torch.Tensor:
+def masked_experts(x: torch.Tensor, up: ExpertProduct, down: ExpertProduct,
+                   weights: torch.Tensor, ids: torch.Tensor, act: nn.Module,
+                   num_experts: int) -> torch.Tensor:
     """The per-expert loop of Hugging Face's Mixtral (a mask and a `where` per expert): the
     baseline benchmarks/moe.py measures the grouped path against."""
     out = torch.zeros_like(x)
-    mask = F.one_hot(ids, num_classes=w13.shape[0]).permute(2, 1, 0)  # (E, k, T)
-    for e in range(w13.shape[0]):
+    mask = F.one_hot(ids, num_classes=num_experts).permute(2, 1, 0)  # (E, k, T)
+    for e in range(num_experts):
         pos, tok = torch.where(mask[e])
         if tok.numel() == 0:
             continue
-        y = F.linear(act(F.linear(x[tok], w13[e])), w2[e]) * weights[tok, pos, None]
+        y = down(e, act(up(e, x[tok]))) * weights[tok, pos, None]
         out.index_add_(0, tok, y.to(out.dtype))
     return out
 
@@ -84,9 +98,13 @@ class FusedMoE(nn.Module):
     """E experts of intermediate size I over hidden size H, top_k of them per token."""
 
     grouped = True  # False: masked_experts (benchmarks/moe.py compares the two)
+    # the Triton kernel (layers/fused_moe_triton.py): None = on CUDA when triton is there;
+    # True forces it (tests run it in Triton's interpreter on CPU)
+    use_triton: bool | None = None
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool, tp: ParallelState = ParallelState()) -> None:
+                 renormalize: bool, tp: ParallelState = ParallelState(),
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         if intermediate_size % tp.tp_size:
             raise ValueError(f"tensor_parallel_size={tp.tp_size} cannot split the experts' "
@@ -103,6 +121,8 @@ class FusedMoE(nn.Module):
             param.weight_loader = self.weight_loader
             param.expected_shards = [(e, n) for e in range(num_experts) for n in names]
         self.act = SiluAndMul()
+        # quantized experts: the loader calls its process_weights_after_loading
+        self.quant_method = moe_quant_method(quant_config, prefix)
 
     @torch.no_grad()
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor,
@@ -116,15 +136,51 @@ class FusedMoE(nn.Module):
             half = 0 if name == "w1" else self.shard
             param.data[e, half:half + self.shard].copy_(tensor[lo:lo + self.shard])
 
+    def _triton(self, x: torch.Tensor) -> bool:
+        if self.quant_method is not None:  # (quantized experts: the CPU kernels)
+            return False
+        if self.use_triton is not None:
+            return self.use_triton
+        from tokenmill.attention.triton_paged import triton_available
+
+        return x.is_cuda and triton_available()
+
+    def up(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e's gate_up product: (n, H) → (n, 2I)."""
+        if self.quant_method is None:
+            return F.linear(x, self.w13[e])
+        return cpu_ops.linear(x, self.quant_method.kernel(self, "w13", e))
+
+    def down(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        """Expert e's down product: (n, I) → (n, H)."""
+        if self.quant_method is None:
+            return F.linear(h, self.w2[e])
+        return cpu_ops.linear(h, self.quant_method.kernel(self, "w2", e))
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x (T, H), router_logits (T, E) → (T, H), summed over tensor-parallel ranks."""
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if self._triton(x):
+            from tokenmill.layers.fused_moe_triton import fused_experts
+
+            return self.tp.all_reduce(fused_experts(x, self.w13, self.w2, weights, ids))
         run = grouped_experts if self.grouped else masked_experts
-        return self.tp.all_reduce(run(x, self.w13, self.w2, weights, ids, self.act))
+        return self.tp.all_reduce(run(x, self.up, self.down, weights, ids, self.act,
+                                      self.num_experts))
 
 
-def check_quantization(quant_config: QuantizationConfig | None, architecture: str) -> None:
-    """ValueError for a weight-quantized MoE model: its experts would stay unquantized."""
-    if quant_config is not None and quant_config.name != "none":
-        raise ValueError(f"{architecture}: quantized expert weights are not supported yet; "
-                         "load it unquantized (quantization=None)")
+# Checkpoint names of one expert's matrices → our shard names (Mixtral's w1 / w3 / w2 and the
+# gate / up / down names of Qwen-MoE, OLMoE and most later MoE checkpoints).
+_EXPERT_MATRIX = {"w1": "w1", "w3": "w3", "w2": "w2",
+                  "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def map_expert_weight(name: str, block: str) -> tuple[str, tuple[int, str]] | None:
+    """A checkpoint tensor `{layer}.{block}.experts.{e}.{matrix}.weight` → (our stacked
+    parameter `{layer}.mlp.experts.w13 | w2`, (e, w1 | w3 | w2)); None for any other name."""
+    m = re.match(rf"(.*)\.{re.escape(block)}\.experts\.(\d+)\.(\w+)\.weight$", name)
+    if m is None or m[3] not in _EXPERT_MATRIX:
+        return None
+    shard = _EXPERT_MATRIX[m[3]]
+    return f"{m[1]}.mlp.experts.{'w2' if shard == 'w2' else 'w13'}", (int(m[2]), shard)
+

@@ -1,8 +1,18 @@
 """Rotary position embedding with a precomputed cos/sin table indexed by position.
 
 Inverse frequencies come from transformers' own RoPE initialisers (default, linear, llama3,
-yarn), so scaled variants match Hugging Face exactly; the table is (max_positions, head_dim)
-in the non-interleaved "rotate_half" convention of HF Llama.
+yarn, longrope), so scaled variants match Hugging Face exactly; the table is (max_positions,
+rotary_dim) in the non-interleaved "rotate_half" convention of HF Llama. `rotary_dim` is the
+head's first `partial_rotary_factor` share (Phi-4-mini and others rotate part of each head);
+the rest passes through.
+
+A model may have several RoPE variants: Gemma 3's sliding-window layers use another base than
+its global ones, its config's `rope_parameters` keyed by layer type. `rope_key(config, i)`
+names layer i's variant ("default" when the config has one), and the model keeps one table per
+variant. longrope (Phi-3): positions below `original_max_position_embeddings` take the short
+factors, positions from there on the long ones; transformers recomputes the frequencies per
+forward call from its longest position, which is the same thing for every token decoded
+one at a time and for every prompt shorter than that length.
 """
 
 from __future__ import annotations
@@ -15,43 +25,87 @@ from torch import nn
 from tokenmill.layers import cpu_ops
 
 
-def _inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+def rope_parameter_sets(hf_config: Any) -> dict[str, dict[str, Any]]:
+    """RoPE variant name → its parameters: {"default": rope_parameters}, or one entry per layer
+    type where the config keys them so (Gemma 3)."""
     rope = getattr(hf_config, "rope_parameters", None) or {}
+    types = set(getattr(hf_config, "layer_types", None) or [])
+    if types and types <= set(rope):
+        return {t: rope[t] or {} for t in types}
+    return {"default": rope}
+
+
+def rope_key(hf_config: Any, layer_idx: int) -> str:
+    """The RoPE variant layer `layer_idx` uses."""
+    sets = rope_parameter_sets(hf_config)
+    return "default" if "default" in sets else hf_config.layer_types[layer_idx]
+
+
+def _inv_freq(hf_config: Any, head_dim: int, key: str, seq_len: int | None = None
+              ) -> tuple[torch.Tensor, float]:
+    rope = rope_parameter_sets(hf_config)[key]
     rope_type = rope.get("rope_type", "default")
     if rope_type == "default":
         base = float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
-        exps = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        dim = rotary_dim(hf_config, head_dim)
+        exps = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         return 1.0 / (base ** exps), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    kwargs = {} if key == "default" else {"layer_type": key}
+    if seq_len is not None:
+        kwargs["seq_len"] = seq_len
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
     return inv_freq.float(), float(scaling)
 
 
+def rotary_dim(hf_config: Any, head_dim: int) -> int:
+    """How many leading features of each head are rotated."""
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    return int(head_dim * (factor or 1.0))
+
+
+def _table(inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = torch.outer(positions, inv_freq)  # (P, R/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (P, R)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, hf_config: Any) -> None:
+    def __init__(self, head_dim: int, max_positions: int, hf_config: Any,
+                 key: str = "default") -> None:
         super().__init__()
-        inv_freq, scaling = _inv_freq(hf_config, head_dim)
         pos = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)  # (P, D/2)
-        emb = torch.cat([freqs, freqs], dim=-1)  # (P, D)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        cos, sin = _table(*_inv_freq(hf_config, head_dim, key), pos)
+        rope = rope_parameter_sets(hf_config)[key]
+        if rope.get("rope_type") == "longrope":  # positions from the original length: long
+            start = int(rope["original_max_position_embeddings"])
+            long_cos, long_sin = _table(*_inv_freq(hf_config, head_dim, key, start + 1), pos)
+            cos[start:], sin[start:] = long_cos[start:], long_sin[start:]
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (T,) → cos, sin (T, 1, D): computed once per step by the model and shared
+        """positions (T,) → cos, sin (T, 1, R): computed once per step by the model and shared
         by every layer (as Hugging Face's `position_embeddings`)."""
-        cos = self.cos[positions].unsqueeze(1).to(dtype)  # (T, 1, D)
+        cos = self.cos[positions].unsqueeze(1).to(dtype)  # (T, 1, R)
         sin = self.sin[positions].unsqueeze(1).to(dtype)
         return cos, sin
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (T, Hq, D), k (T, Hkv, D), cos / sin (T, 1, D) → rotated q, k.
+    """q (T, Hq, D), k (T, Hkv, D), cos / sin (T, 1, R) → rotated q, k (the first R features
+    of each head rotated, the rest as they were: partial rotary when R < D).
 
     On CPU float32 q and k (views of the fused qkv output) are rotated in place."""
+    R = cos.shape[-1]
+    if q.shape[-1] > R:
+        q_rot, k_rot = apply_rotary(q[..., :R].contiguous(), k[..., :R].contiguous(), cos, sin)
+        return torch.cat([q_rot, q[..., R:]], -1), torch.cat([k_rot, k[..., R:]], -1)
     if cpu_ops.fused(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
         cpu_ops.rotary_(q, k, cos, sin)
         return q, k

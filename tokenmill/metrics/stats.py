@@ -11,7 +11,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,15 @@ class RequestTimings:
             t = self._timers.get(out.request_id)
             if t is None:
                 t = self._timers[out.request_id] = RequestTimer(out.metrics["arrival_time"])
+            if isinstance(out, EmbeddingRequestOutput):  # one output, when its prompt is done
+                step.prompt_tokens += len(out.prompt_token_ids)
+                scheduled = out.metrics.get("first_scheduled_time")
+                if scheduled is not None:
+                    step.queue.append(scheduled - t.arrival_time)
+                step.e2e.append(now - t.arrival_time)
+                step.finished += 1
+                del self._timers[out.request_id]
+                continue
             n = sum(len(c.token_ids) for c in out.outputs)
             new = n - t.num_tokens
             if new > 0:

@@ -6,6 +6,12 @@ undo that so the weights match HF's rotate_half convention (the registry entry s
 architectures it permuted: models/registry.py). Other architectures are stored unpermuted.
 The tokenizer and chat template also live in the metadata; transformers builds a fast
 tokenizer from them (see engine/tokenizer.py).
+
+Tensor names: `_LAYER_NAMES` is llama.cpp's Llama / Qwen / MoE table; an architecture's
+registry entry overrides the names it uses differently (Gemma's norms, Phi-3's fused tensors,
+Mixtral's `block_sparse_moe`), says whether norm weights were stored plus one (Gemma), and
+turns its metadata into config fields. A stacked expert tensor (E, rows, cols) is yielded as
+one tensor per expert under the model's checkpoint names.
 """
 
 from __future__ import annotations
@@ -25,7 +31,14 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    # mixtures of experts: the router, stacked experts ("{e}": one per expert), shared expert
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj", "ffn_down_exps": "mlp.experts.{e}.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# read into the config (longrope), not weights
+_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
@@ -64,16 +77,12 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 def gguf_hf_config(path: str) -> Any:
     """A transformers config built from the GGUF metadata."""
+    import gguf
     from transformers import AutoConfig
 
-    from tokenmill.models import registry
-
     r = _reader(path)
-    arch = _field(r, "general.architecture")
-    spec = registry.gguf_architecture(arch)
-    if spec is None:
-        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}; "
-                         f"supported: {registry.gguf_names()}")
+    spec = _architecture(r, path)
+    arch = spec.gguf_name
     if "rope_freqs.weight" in {t.name for t in r.tensors}:
         raise ValueError(f"{path} uses llama.cpp rope_freqs (Llama 3.1 RoPE scaling) which is "
                          "not supported from GGUF yet; load the Hugging Face folder instead")
@@ -101,7 +110,28 @@ def gguf_hf_config(path: str) -> Any:
     elif g("rope.scaling.type") not in (None, "none"):
         raise ValueError(f"unsupported GGUF RoPE scaling {g('rope.scaling.type')!r} in {path}")
     kwargs["rope_parameters"] = rope
+    tensors = {t.name: t for t in r.tensors}
+
+    def tensor(name: str) -> np.ndarray | None:
+        t = tensors.get(name)
+        return None if t is None else gguf.quants.dequantize(t.data, t.tensor_type)
+
+    kwargs.update(spec.gguf_config_kwargs(g, tensor, set(tensors)))
     return AutoConfig.for_model(model_type, **kwargs)
+
+
+def _architecture(r: Any, path: str) -> Any:
+    """The registry entry reading this file (by its architecture and whether it has experts)."""
+    from tokenmill.models import registry
+
+    arch = _field(r, "general.architecture")
+    experts = (_field(r, f"{arch}.expert_count") or 0) > 0
+    spec = registry.gguf_architecture(arch, experts)
+    if spec is None:
+        kind = f"{arch!r} with experts" if experts else repr(arch)
+        raise ValueError(f"unsupported GGUF architecture {kind} in {path}; "
+                         f"supported: {registry.gguf_names()}")
+    return spec
 
 
 def gguf_num_elements(path: str) -> int:
@@ -121,38 +151,49 @@ def iterate_gguf(path: str, hf_config: Any,
     them). The q/k un-permutation moves whole rows, so raw blocks stay untouched."""
     import gguf
 
-    from tokenmill.models import registry
-
     r = _reader(path)
-    spec = registry.gguf_architecture(_field(r, "general.architecture"))
-    permute = spec is not None and spec.gguf_qk_permuted
+    spec = _architecture(r, path)
+    names = _LAYER_NAMES | dict(spec.gguf_tensors)
     for t in r.tensors:
-        name = _hf_name(t.name)
+        if t.name in _CONFIG_TENSORS:
+            continue
+        name = _hf_name(t.name, names)
         if t.tensor_type.name in raw_types:
             data = np.array(t.data, dtype=np.uint8, copy=True)  # (rows, bytes), writable
             name = name[:-len("weight")] + "qweight"
         else:
             data = gguf.quants.dequantize(t.data, t.tensor_type)
             data = np.require(data, np.float32, ["C", "W"])  # torch wants writable memory
-        if permute and (".q_proj." in name or ".k_proj." in name):
+            if spec.gguf_norm_offset and name.endswith("norm.weight"):
+                data = data - spec.gguf_norm_offset
+            if name.endswith("shared_expert_gate.weight"):
+                data = data.reshape(1, -1)  # llama.cpp stores the (1, H) gate as (H,)
+        if spec.gguf_qk_permuted and (".q_proj." in name or ".k_proj." in name):
             heads = (hf_config.num_attention_heads if ".q_proj." in name
                      else hf_config.num_key_value_heads)
             data = _unpermute_qk(data, heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(data))
+        if "{e}" in name:  # stacked experts (E, rows, cols): one tensor each
+            for e in range(data.shape[0]):
+                yield name.format(e=e), torch.from_numpy(np.ascontiguousarray(data[e]))
+        else:
+            yield name, torch.from_numpy(np.ascontiguousarray(data))
 
 
 def gguf_tensor_types(path: str) -> dict[str, str]:
     """HF parameter name → GGML type name ("Q4_1", "F32", ...) of every tensor of the file."""
-    return {_hf_name(t.name): t.tensor_type.name for t in _reader(path).tensors}
+    r = _reader(path)
+    names = _LAYER_NAMES | dict(_architecture(r, path).gguf_tensors)
+    return {_hf_name(t.name, names): t.tensor_type.name for t in r.tensors
+            if t.name not in _CONFIG_TENSORS}
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    if not m or m.group(2) not in _LAYER_NAMES:
+    if not m or m.group(2) not in layer_names:
         raise ValueError(f"unexpected GGUF tensor {name!r}")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
 
 
 def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:

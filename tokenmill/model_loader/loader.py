@@ -72,7 +72,7 @@ def load_model(config: ModelConfig, device: torch.device, tp: ParallelState = Pa
     mapping = getattr(cls, "packed_modules_mapping", {})
     tied = getattr(model, "tie_word_embeddings", False)
     loaded: set[str] = set()
-    for name, tensor in iterate_weights(config):
+    for name, tensor in _split_fused(model, iterate_weights(config)):
         if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
             continue
         target, shard = name, None
@@ -103,6 +103,15 @@ def load_model(config: ModelConfig, device: torch.device, tp: ParallelState = Pa
         loaded.add(target if shard is None else f"{target}:{shard}")
     _check_complete(model, params, mapping, loaded)
     return _process_weights(model).eval()
+
+
+def _split_fused(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, a model's fused ones (Phi-3's qkv_proj) split into the
+    tensors its `split_checkpoint_tensor` names."""
+    split = getattr(model, "split_checkpoint_tensor", None)
+    for name, tensor in weights:
+        yield from ([(name, tensor)] if split is None else split(name, tensor))
 
 
 @torch.no_grad()

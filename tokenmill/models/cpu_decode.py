@@ -14,7 +14,8 @@ types `_allowed()` names (a subclass, such as Qwen3's attention with its q/k nor
 model and goes through the modules), unsplit or split over tensor-parallel ranks that share
 the shared-memory all-reduce (the call then sums the row-parallel outputs itself, between the
 same ops, so ranks stay bitwise equal to their modules), float32 activations on CPU,
-a KV cache in a format the kernel reads (`KERNEL_KV_DTYPES`: float32, int8, fp8), every
+a KV cache in a format the kernel reads (`KERNEL_KV_DTYPES`: float32, int8, fp8), plain
+causal attention (no sliding window, no soft cap) with RoPE over whole heads, every
 linear layer's method giving a CPU kernel, and a step whose every query goes to the CPU
 paged-attention kernel (the attention backend says so through `fused_decode_queries`;
 backends without that kernel never do). Anything else runs the
@@ -80,8 +81,9 @@ class _Plan:
 class SmallBatchDecode:
     """The decoder layers of a Llama model, run for a small decode batch (see module doc)."""
 
-    def __init__(self, layers: nn.ModuleList) -> None:
+    def __init__(self, layers: nn.ModuleList, full_rotary: bool = True) -> None:
         self.layers = layers
+        self.full_rotary = full_rotary  # RoPE over whole heads (the call rotates them all)
         self.enabled = True  # off: the modules (benchmarks/decode_paths.py compares them)
 
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -119,7 +121,7 @@ class SmallBatchDecode:
     def _plan(self) -> _Plan | None:
         """Taken at the first step (weights processed, huge pages moved, caches bound); None,
         cached too, when some layer is not on the allow-list."""
-        if _decode_layers_op() is None or not self.layers:
+        if _decode_layers_op() is None or not self.layers or not self.full_rotary:
             return None
         parts = [_parts_of(layer) for layer in self.layers]
         if any(p is None for p in parts):
@@ -134,7 +136,9 @@ class SmallBatchDecode:
                     or {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {eps}
                     or a.attn.backend is not first.attn.backend
                     or a.attn.key_rotation is not first.attn.key_rotation
-                    or a.attn.kv_cache.dtype not in KERNEL_KV_DTYPES):
+                    or a.attn.kv_cache.dtype not in KERNEL_KV_DTYPES
+                    # plain causal attention only: no window (Mistral), no soft cap
+                    or a.attn.sliding_window is not None or a.attn.soft_cap is not None):
                 return None
         return _Plan(norms=[t for p in parts for t in p[0]],
                      linears=[lin for p in parts for lin in p[1]],

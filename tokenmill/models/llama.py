@@ -9,7 +9,7 @@ and AttentionMetadata passed explicitly.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -18,11 +18,11 @@ from torch import nn
 from tokenmill.attention import AttentionMetadata
 from tokenmill.distributed import ParallelState
 from tokenmill.distributed.pipeline import PPMissingLayer
-from tokenmill.layers.activation import SiluAndMul
-from tokenmill.layers.attention import Attention
+from tokenmill.layers.activation import gated_activation
+from tokenmill.layers.attention import Attention, layer_sliding_window
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
+from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary, rope_key, rotary_dim
 from tokenmill.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.models.cpu_decode import SmallBatchDecode
 from tokenmill.quantization import QuantizationConfig
@@ -30,7 +30,7 @@ from tokenmill.quantization import QuantizationConfig
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
-                 prefix: str, qkv_bias: bool, o_bias: bool) -> None:
+                 prefix: str, layer_idx: int, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         n_heads, n_kv = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
@@ -42,7 +42,8 @@ class LlamaAttention(nn.Module):
                                         prefix=f"{prefix}.o_proj")
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
-                              scale=self.head_dim ** -0.5)
+                              scale=self.head_dim ** -0.5,
+                              sliding_window=layer_sliding_window(config, layer_idx))
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(T, (Hq + 2 Hkv) D) → q, k, v (T, Hq | Hkv | Hkv, D): one view and three slices,
@@ -60,16 +61,17 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
-                 prefix: str) -> None:
+                 prefix: str, layer_idx: int | None = None,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter],
                                                        bias=bias, tp=tp, quant_config=quant,
                                                        prefix=f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, tp=tp,
                                            quant_config=quant, prefix=f"{prefix}.down_proj")
-        self.act_fn = SiluAndMul()
+        self.act_fn = gated_activation(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -77,13 +79,17 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
-                 prefix: str, attention_cls: type[LlamaAttention],
-                 mlp_cls: type[nn.Module] = LlamaMLP, **attn_flags: bool) -> None:
+                 prefix: str, layer_idx: int, attention_cls: type[LlamaAttention],
+                 mlp_cls: Callable[..., nn.Module] = LlamaMLP,
+                 norm_cls: type[RMSNorm] = RMSNorm, **attn_flags: bool) -> None:
         super().__init__()
-        self.self_attn = attention_cls(config, tp, quant, f"{prefix}.self_attn", **attn_flags)
-        self.mlp = mlp_cls(config, tp, quant, f"{prefix}.mlp")  # the MLP, or an MoE block
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = attention_cls(config, tp, quant, f"{prefix}.self_attn", layer_idx,
+                                       **attn_flags)
+        # the MLP, or an MoE block (a model's mlp_cls may choose by layer_idx)
+        self.mlp = mlp_cls(config, tp, quant, f"{prefix}.mlp", layer_idx)
+        self.input_layernorm = norm_cls(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm_cls(config.hidden_size, config.rms_norm_eps)
+        self.rope_key = rope_key(config, layer_idx)  # which cos / sin table its RoPE reads
 
     def forward(self, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
@@ -100,12 +106,16 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """The decoder stack; under pipeline parallelism this stage's share of it (`tp`'s
     layer_range; the other stages' layers, and the embedding / final norm where another stage
-    runs them, are PPMissingLayer)."""
+    runs them, are PPMissingLayer). The model class's `layer_cls`, `norm_cls` and
+    `embed_scale` make it Gemma's stack too."""
 
     def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
-                 attention_cls: type[LlamaAttention], mlp_cls: type[nn.Module],
+                 attention_cls: type[LlamaAttention], mlp_cls: Callable[..., nn.Module],
+                 layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer,
+                 norm_cls: type[RMSNorm] = RMSNorm, embed_scale: float | None = None,
                  **attn_flags: bool) -> None:
         super().__init__()
+        self.embed_scale = embed_scale  # embeddings x this (Gemma: sqrt(hidden_size))
         self.pp_last = tp.is_last_stage
         tied = bool(getattr(config, "tie_word_embeddings", False))
         # the last stage's tied LM head multiplies with the embedding's table
@@ -115,18 +125,24 @@ class LlamaModel(nn.Module):
                              else PPMissingLayer())
         here = tp.layer_range(config.num_hidden_layers)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, tp, quant, f"model.layers.{i}", attention_cls, mlp_cls,
-                              **attn_flags) if i in here else PPMissingLayer()
+            layer_cls(config, tp, quant, f"model.layers.{i}", i, attention_cls, mlp_cls,
+                      norm_cls, **attn_flags) if i in here else PPMissingLayer()
             for i in range(config.num_hidden_layers))
         self.layer_range = here
-        self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps) if tp.is_last_stage
+        self.norm = (norm_cls(config.hidden_size, config.rms_norm_eps) if tp.is_last_stage
                      else PPMissingLayer())
         head_dim = getattr(config, "head_dim", None) or \
             config.hidden_size // config.num_attention_heads
-        # One cos/sin table for all layers, gathered once per step.
-        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, config)
-        # The same layers for a CPU decode step of a few tokens, in one C++ call.
-        self.small_batch_decode = SmallBatchDecode(self.layers[here.start:here.stop])
+        # One cos/sin table per RoPE variant (one for most models; Gemma 3's local and global
+        # layers have two), gathered once per step for all layers.
+        self.rotary_embs = nn.ModuleDict({
+            key: RotaryEmbedding(head_dim, config.max_position_embeddings, config, key)
+            for key in sorted({rope_key(config, i) for i in here})})
+        # The same layers for a CPU decode step of a few tokens, in one C++ call (which
+        # rotates whole heads: not for partial rotary)
+        self.small_batch_decode = SmallBatchDecode(
+            self.layers[here.start:here.stop],
+            full_rotary=rotary_dim(config, head_dim) == head_dim)
 
     def local_layers(self) -> Iterator[nn.Module]:
         """This stage's decoder layers, in order."""
@@ -139,14 +155,20 @@ class LlamaModel(nn.Module):
         stage: the embeddings). The last stage returns the final hidden states; the others
         hidden + residual after their last layer (distributed/pipeline.py: the next layer's
         add + RMSNorm takes the sum as it would take the pair)."""
-        hidden = self.embed_tokens(input_ids) if hidden_in is None else hidden_in  # (T, hidden)
+        if hidden_in is None:
+            hidden = self.embed_tokens(input_ids)  # (T, hidden)
+            if self.embed_scale is not None:  # (as transformers: the scale in hidden's dtype)
+                hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        else:
+            hidden = hidden_in
         residual = None
-        position_embeddings = self.rotary_emb(positions, hidden.dtype)  # cos, sin (T, 1, D)
-        if self.small_batch_decode.applies(hidden, meta):
-            hidden, residual = self.small_batch_decode.run(hidden, *position_embeddings, meta)
+        # rope key → cos, sin (T, 1, D)
+        tables = {key: emb(positions, hidden.dtype) for key, emb in self.rotary_embs.items()}
+        if self.small_batch_decode.applies(hidden, meta):  # (one table: plain Llama layers)
+            hidden, residual = self.small_batch_decode.run(hidden, *tables["default"], meta)
         else:
             for layer in self.local_layers():
-                hidden, residual = layer(position_embeddings, hidden, residual, meta)
+                hidden, residual = layer(tables[layer.rope_key], hidden, residual, meta)
         if not self.pp_last:
             return hidden + residual
         hidden, _ = self.norm(hidden, residual)
@@ -160,13 +182,17 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
     attention_cls: type[LlamaAttention] = LlamaAttention
-    mlp_cls: type[nn.Module] = LlamaMLP  # a decoder layer's feed-forward block
+    # a decoder layer's feed-forward block: (config, tp, quant, prefix, layer_idx) → module
+    mlp_cls: Callable[..., nn.Module] = LlamaMLP
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    norm_cls: type[RMSNorm] = RMSNorm
 
     def __init__(self, config: Any, tp: ParallelState = ParallelState(),
                  quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, tp, quant_config, self.attention_cls, self.mlp_cls,
+                                self.layer_cls, self.norm_cls, self._embed_scale(config),
                                 **self._attention_flags(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # A tied head multiplies with the embedding's table: its method is the embedding's.
@@ -180,6 +206,9 @@ class LlamaForCausalLM(nn.Module):
     def _attention_flags(self, config: Any) -> dict[str, bool]:
         bias = bool(getattr(config, "attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias}
+
+    def _embed_scale(self, config: Any) -> float | None:
+        return None
 
     def attention_layers(self) -> list[Attention]:
         """This stage's layers' attention (all of them without pipeline parallelism)."""

@@ -10,36 +10,39 @@ asserts it is not taken).
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 from torch import nn
 
 from tokenmill.distributed import ParallelState
-from tokenmill.layers.fused_moe import FusedMoE, check_quantization
+from tokenmill.layers.fused_moe import FusedMoE, map_expert_weight
 from tokenmill.layers.linear import ColumnParallelLinear
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.quantization import QuantizationConfig
 
-_EXPERT = re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
-
 
 class MixtralMoE(nn.Module):
     def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
-                 prefix: str) -> None:
+                 prefix: str, layer_idx: int) -> None:
         super().__init__()
-        check_quantization(quant, "MixtralForCausalLM")
         # the router is small and every rank needs all its logits: unsplit
         self.gate = ColumnParallelLinear(config.hidden_size, config.num_local_experts,
                                          bias=False, tp=ParallelState(), quant_config=None,
                                          prefix=f"{prefix}.gate")
         self.experts = FusedMoE(config.num_local_experts, config.num_experts_per_tok,
                                 config.hidden_size, config.intermediate_size,
-                                renormalize=True, tp=tp)
+                                renormalize=True, tp=tp, quant_config=quant,
+                                prefix=f"{prefix}.experts")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x))  # (T, hidden)
+
+
+def gguf_config(meta: Any, tensor: Any, names: set[str]) -> dict[str, Any]:
+    """llama.cpp's Mixtral ("llama" with experts): the experts' count and top-k."""
+    return {"num_local_experts": meta("expert_count"),
+            "num_experts_per_tok": meta("expert_used_count"), "sliding_window": None}
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
@@ -49,9 +52,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def map_weight_name(name: str) -> tuple[str, Any] | None:
         """A checkpoint expert weight → (our parameter, (expert, w1 | w2 | w3)); the router
         `block_sparse_moe.gate` → `mlp.gate`; None for every other name."""
-        if m := _EXPERT.match(name):
-            target = "w2" if m[3] == "w2" else "w13"
-            return f"{m[1]}.mlp.experts.{target}", (int(m[2]), m[3])
+        if mapped := map_expert_weight(name, "block_sparse_moe"):
+            return mapped
         if ".block_sparse_moe.gate." in name:
             return name.replace(".block_sparse_moe.", ".mlp."), None
         return None

@@ -16,8 +16,8 @@ from tokenmill.quantization import QuantizationConfig
 
 class Qwen3Attention(LlamaAttention):
     def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
-                 prefix: str, qkv_bias: bool, o_bias: bool) -> None:
-        super().__init__(config, tp, quant, prefix, qkv_bias, o_bias)
+                 prefix: str, layer_idx: int, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__(config, tp, quant, prefix, layer_idx, qkv_bias, o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 

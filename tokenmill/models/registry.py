@@ -1,17 +1,21 @@
 """The architecture registry: one entry per architecture owns what the rest of the engine asks
 about it (issue 21's design): the model class (imported lazily), the Hugging Face model_type,
-the llama.cpp GGUF architecture name and whether its converter permuted the q/k rows, and
-which options it has (a sliding window on by default). `config.py` asks it which checkpoints
+the llama.cpp GGUF architecture name, its GGUF tensor names where they differ from Llama's,
+how its GGUF metadata becomes a transformers config, and whether llama.cpp's converter permuted
+the q/k rows or stored norm weights plus one. `config.py` asks it which checkpoints
 load, `model_loader/gguf_loader.py` which GGUF files do; adding a Llama-like architecture is
 one entry here and one model file.
 
-Invariant: names, HF names and GGUF names are each unique across entries.
+Invariant: names and HF names are unique across entries, and so are (GGUF name, whether the file
+holds experts): llama.cpp stores Mixtral as "llama" with expert tensors.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -24,23 +28,64 @@ class Architecture:
     model_type: str  # transformers' model_type (its config class)
     gguf_name: str | None = None  # llama.cpp's `general.architecture`; None: no GGUF support
     gguf_qk_permuted: bool = False  # llama.cpp's converter interleaved the q/k rows (Llama)
-    sliding_window_by_default: bool = False  # `use_sliding_window` when the config omits it
+    gguf_experts: bool = False  # this entry reads the GGUF files of `gguf_name` with experts
+    # llama.cpp tensor name (without "blk.N." and ".weight") → our checkpoint name, where it
+    # differs from model_loader/gguf_loader.py's Llama table ("{e}": one tensor per expert)
+    gguf_tensors: tuple[tuple[str, str], ...] = ()
+    gguf_norm_offset: float = 0.0  # llama.cpp stored RMSNorm weights + this (Gemma: 1)
+    # a function of the model's module: (GGUF metadata getter, tensor names) → config kwargs
+    gguf_config: str | None = None
 
     def model_class(self) -> type[nn.Module]:
         return getattr(importlib.import_module(self.module), self.class_name)
 
+    def gguf_config_kwargs(self, meta: Callable[..., Any], tensor: Callable[[str], Any],
+                           names: set[str]) -> dict[str, Any]:
+        """This architecture's transformers config fields from its GGUF file (`meta(key,
+        default)` reads metadata `{gguf_name}.{key}`, `tensor(name)` a tensor as a float32
+        array or None, `names` the file's tensor names), beyond what every GGUF has."""
+        if self.gguf_config is None:
+            return {}
+        fn = getattr(importlib.import_module(self.module), self.gguf_config)
+        return fn(meta, tensor, names)
+
 
 _LLAMA = "tokenmill.models.llama"
+_MIXTRAL_GGUF = (("ffn_gate_inp", "block_sparse_moe.gate"),
+                 ("ffn_gate_exps", "block_sparse_moe.experts.{e}.w1"),
+                 ("ffn_up_exps", "block_sparse_moe.experts.{e}.w3"),
+                 ("ffn_down_exps", "block_sparse_moe.experts.{e}.w2"))
+# Gemma's four norms per layer
+_GEMMA_GGUF = (("attn_post_norm", "post_attention_layernorm"),
+               ("ffn_norm", "pre_feedforward_layernorm"),
+               ("post_ffw_norm", "post_feedforward_layernorm"))
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("LlamaForCausalLM", _LLAMA, "LlamaForCausalLM", "llama", gguf_name="llama",
                  gguf_qk_permuted=True),
-    Architecture("MistralForCausalLM", _LLAMA, "LlamaForCausalLM", "mistral",
-                 sliding_window_by_default=True),
+    Architecture("MistralForCausalLM", _LLAMA, "LlamaForCausalLM", "mistral"),
     Architecture("MixtralForCausalLM", "tokenmill.models.mixtral", "MixtralForCausalLM",
-                 "mixtral", sliding_window_by_default=True),
+                 "mixtral", gguf_name="llama", gguf_qk_permuted=True, gguf_experts=True,
+                 gguf_tensors=_MIXTRAL_GGUF, gguf_config="gguf_config"),
     Architecture("Qwen2ForCausalLM", _LLAMA, "Qwen2ForCausalLM", "qwen2", gguf_name="qwen2"),
     Architecture("Qwen3ForCausalLM", "tokenmill.models.qwen3", "Qwen3ForCausalLM", "qwen3",
                  gguf_name="qwen3"),
+    Architecture("Qwen2MoeForCausalLM", "tokenmill.models.qwen_moe", "Qwen2MoeForCausalLM",
+                 "qwen2_moe", gguf_name="qwen2moe", gguf_experts=True,
+                 gguf_config="gguf_config_qwen2moe"),
+    Architecture("Qwen3MoeForCausalLM", "tokenmill.models.qwen_moe", "Qwen3MoeForCausalLM",
+                 "qwen3_moe", gguf_name="qwen3moe", gguf_experts=True,
+                 gguf_config="gguf_config_qwen3moe"),
+    Architecture("OlmoeForCausalLM", "tokenmill.models.olmoe", "OlmoeForCausalLM", "olmoe"),
+    Architecture("Phi3ForCausalLM", "tokenmill.models.phi3", "Phi3ForCausalLM", "phi3",
+                 gguf_name="phi3", gguf_config="gguf_config",
+                 gguf_tensors=(("attn_qkv", "self_attn.qkv_proj"),
+                               ("ffn_up", "mlp.gate_up_proj"))),
+    Architecture("Gemma2ForCausalLM", "tokenmill.models.gemma", "Gemma2ForCausalLM", "gemma2",
+                 gguf_name="gemma2", gguf_tensors=_GEMMA_GGUF, gguf_norm_offset=1.0,
+                 gguf_config="gguf_config_gemma2"),
+    Architecture("Gemma3ForCausalLM", "tokenmill.models.gemma", "Gemma3ForCausalLM",
+                 "gemma3_text", gguf_name="gemma3", gguf_tensors=_GEMMA_GGUF,
+                 gguf_norm_offset=1.0, gguf_config="gguf_config_gemma3"),
 )}
 
 
@@ -59,12 +104,14 @@ def find_architecture(names: list[str]) -> Architecture | None:
     return next((ARCHITECTURES[n] for n in names if n in ARCHITECTURES), None)
 
 
-def gguf_architecture(gguf_name: str) -> Architecture | None:
-    return next((a for a in ARCHITECTURES.values() if a.gguf_name == gguf_name), None)
+def gguf_architecture(gguf_name: str, experts: bool = False) -> Architecture | None:
+    """The entry reading GGUF files of llama.cpp's `gguf_name`, with or without experts."""
+    return next((a for a in ARCHITECTURES.values()
+                 if a.gguf_name == gguf_name and a.gguf_experts == experts), None)
 
 
 def gguf_names() -> str:
-    return ", ".join(a.gguf_name for a in ARCHITECTURES.values() if a.gguf_name)
+    return ", ".join(sorted({a.gguf_name for a in ARCHITECTURES.values() if a.gguf_name}))
 
 
 def resolve_model_class(architecture: str) -> type[nn.Module]:

@@ -45,6 +45,7 @@ from tokenmill.server.protocol import (
 from tokenmill.server.serving_chat import OpenAIServingChat, render_chat
 from tokenmill.server.serving_common import ClientDisconnected, RequestFailed, error_response
 from tokenmill.server.serving_completion import OpenAIServingCompletion
+from tokenmill.server.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from tokenmill.server.tools import ToolOptions
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str,
     serving = (async_llm, served_model_name, admission, limits.request_timeout)
     completions = OpenAIServingCompletion(*serving)
     chat = OpenAIServingChat(*serving, tool_options=tool_options)
+    embeddings = OpenAIServingEmbedding(*serving)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -187,6 +189,10 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str,
     @v1.post("/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Any:
         return unknown_model(req.model) or await chat.create(req, raw)
+
+    @v1.post("/embeddings")
+    async def create_embedding(req: EmbeddingRequest, raw: Request) -> Any:
+        return unknown_model(req.model) or await embeddings.create(req, raw)
 
     def tokenize_sync(req: TokenizeRequest) -> list[int]:
         if req.messages is not None:

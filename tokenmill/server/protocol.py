@@ -199,6 +199,33 @@ class SamplingFields(StrictModel):
 Prompt = Text | list[Text] | list[TokenId] | list[list[TokenId]]
 
 
+def check_prompt(value: Any, name: str) -> Prompt:
+    """One text, one list of token ids, or a non-empty list of either (no bools, which JSON
+    parsers would otherwise read as 0 and 1); `name`: the field, for the error."""
+    def is_ids(v: Any) -> bool:
+        return (isinstance(v, list) and len(v) > 0
+                and all(type(t) is int and 0 <= t <= INT64_MAX for t in v))
+
+    if isinstance(value, str):
+        return _utf8(value)
+    if is_ids(value):
+        return value
+    if (isinstance(value, list) and 0 < len(value) <= MAX_PROMPTS
+            and (all(isinstance(v, str) for v in value) or all(is_ids(v) for v in value))):
+        return [_utf8(v) if isinstance(v, str) else v for v in value]
+    if isinstance(value, list) and len(value) > MAX_PROMPTS:
+        raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
+    raise ValueError(f"{name} must be a string, a non-empty list of token ids (integers "
+                     ">= 0), or a non-empty list of strings or of token id lists")
+
+
+def prompt_list(p: Prompt) -> list[Any]:
+    """The prompts of a checked prompt field, one per request."""
+    if isinstance(p, str) or (p and isinstance(p[0], int)):
+        return [p]
+    return list(p)
+
+
 class CompletionRequest(SamplingFields):
     prompt: Any
     logprobs: Annotated[StrictInt, Field(ge=0)] | None = None
@@ -208,29 +235,10 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt", mode="plain")
     @classmethod
     def _prompt(cls, value: Any) -> Prompt:
-        """One text, one list of token ids, or a non-empty list of either (no bools, which
-        JSON parsers would otherwise read as 0 and 1)."""
-        def is_ids(v: Any) -> bool:
-            return (isinstance(v, list) and len(v) > 0
-                    and all(type(t) is int and 0 <= t <= INT64_MAX for t in v))
-
-        if isinstance(value, str):
-            return _utf8(value)
-        if is_ids(value):
-            return value
-        if (isinstance(value, list) and 0 < len(value) <= MAX_PROMPTS
-                and (all(isinstance(v, str) for v in value) or all(is_ids(v) for v in value))):
-            return [_utf8(v) if isinstance(v, str) else v for v in value]
-        if isinstance(value, list) and len(value) > MAX_PROMPTS:
-            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
-        raise ValueError("prompt must be a string, a non-empty list of token ids (integers "
-                         ">= 0), or a non-empty list of strings or of token id lists")
+        return check_prompt(value, "prompt")
 
     def prompts(self) -> list[Any]:
-        p = self.prompt
-        if isinstance(p, str) or (p and isinstance(p[0], int)):
-            return [p]
-        return list(p)
+        return prompt_list(self.prompt)
 
     def to_sampling_params(self) -> SamplingParams:
         # OpenAI's completions default is 16 tokens.

@@ -40,6 +40,7 @@ from tokenmill.core.interface import (
 )
 from tokenmill.distributed import ParallelState, PeerFailed
 from tokenmill.distributed.pipeline import recv_from_prev_stage, send_to_next_stage
+from tokenmill.layers.attention import attention_features
 from tokenmill.layers.rejection_sampler import verify
 from tokenmill.layers.sampler import Sampler, gather_logprobs
 from tokenmill.layers.token_bitmask import apply_token_bitmask_
@@ -51,6 +52,7 @@ from tokenmill.utils import cdiv
 from tokenmill.utils.huge_pages import move_parameters_to_huge_pages
 from tokenmill.utils.profiling import scope
 from tokenmill.worker.cuda_graphs import DecodeGraphs
+from tokenmill.worker.pooler import pool_step
 from tokenmill.worker.request_states import RequestStates
 
 logger = logging.getLogger(__name__)
@@ -101,7 +103,8 @@ class ModelRunner:
                                             kv_dtype)
         self.key_rotation = key_rotation(mc.head_dim, kv_dtype, self.device)  # quantized
         self.backend = get_attention_backend(config.attention_backend, self.block_size,
-                                             self.device, mc.dtype)
+                                             self.device, mc.dtype,
+                                             attention_features(self.model.attention_layers()))
         for i, attn in enumerate(self.model.attention_layers()):
             attn.bind(self.kv_cache[i], self.backend,
                       None if self.kv_scales is None else self.kv_scales[i], self.key_rotation)
@@ -240,6 +243,7 @@ class ModelRunner:
         # NOTE: every collective of the step (the LM head's gathers) before the driver's
         # sampling, so that a sampling error on the driver leaves the ranks in step.
         self._prompt_logprobs(reqs, batch, hidden, out)
+        out.pooled = pool_step(reqs, batch, hidden)  # embedding requests
         if batch.sample_rows:
             with scope("logits"):
                 logits = self.model.compute_logits(hidden, batch.logits_indices)  # (S, V)

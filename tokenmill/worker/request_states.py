@@ -87,4 +87,4 @@ class RequestStates:
             spec_token_ids=step.spec_token_ids,
             spec_banned_token_ids=step.spec_banned_token_ids,
             spec_draft_probs=step.spec_draft_probs,
-            num_lookahead_tokens=step.num_lookahead_tokens)
+            num_lookahead_tokens=step.num_lookahead_tokens, pooling=step.pooling)

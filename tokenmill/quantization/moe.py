@@ -1,0 +1,75 @@
+"""Quantized expert weights: the stacked w13 (E, 2I, H) and w2 (E, H, I) of a FusedMoE layer
+(layers/fused_moe.py) in the blocks of the load-time formats (`int8`: Q8_0; `int4`: 4-bit
+groups, round to nearest), one block set per expert, multiplied by the same C++ `linear` op
+as every quantized linear layer (its CPULinearKernel per expert and matrix).
+
+The checkpoint fills the float stacked weights as for an unquantized model (same loaders, same
+tensor-parallel split); `process_weights_after_loading` quantizes each expert's matrices and
+drops the floats. Formats whose checkpoint already holds blocks (gguf, awq, gptq) are refused
+for experts by name: their expert tensors would need loaders of their own.
+
+Agreement with float32 is measured in tests/models/test_moe.py (the layer's relative error,
+the model's greedy tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.quantization.base import CPULinearKernel, QuantizationConfig, replace_param
+from tokenmill.quantization.blocks import quantize_q4, quantize_q8_0
+from tokenmill.quantization.load_time import INT4_GROUP, LoadTimeQuantMethod
+
+
+class MoEQuantMethod:
+    """How a FusedMoE layer's experts are stored and multiplied (one per layer)."""
+
+    def __init__(self, kind: int, group: int, int8_activations: bool) -> None:
+        self.kind, self.group, self.int8_activations = kind, group, int8_activations
+
+    def _group(self, input_size: int) -> int:
+        if input_size % 32:
+            raise ValueError(f"quantized experts need input sizes divisible by 32; this "
+                             f"model's experts have {input_size}")
+        if self.kind == CPULinearKernel.Q8_0:
+            return 32
+        return self.group if input_size % self.group == 0 else 32
+
+    def _quantize(self, w: torch.Tensor, group: int) -> tuple[torch.Tensor, ...]:
+        if self.kind == CPULinearKernel.Q8_0:
+            return quantize_q8_0(w)
+        return quantize_q4(w, group)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Replace layer.w13 / w2 by per-expert blocks `w13_q, w13_d(, w13_m)`, `w2_*`."""
+        for name in ("w13", "w2"):
+            w = getattr(layer, name).data  # (E, N, K)
+            group = self._group(w.shape[-1])
+            parts = [self._quantize(w[e], group) for e in range(w.shape[0])]
+            replace_param(layer, name, None)
+            for suffix, i in (("q", 0), ("d", 1), ("m", 2)):
+                if i < len(parts[0]):
+                    replace_param(layer, f"{name}_{suffix}",
+                                  torch.stack([p[i] for p in parts]).contiguous())
+            setattr(layer, f"{name}_group", group)
+
+    def kernel(self, layer: nn.Module, name: str, e: int) -> CPULinearKernel:
+        """Expert e's `name` (w13 | w2) matrix as the C++ linear op reads it."""
+        suffixes = ("q", "d", "m") if self.kind == CPULinearKernel.Q4 else ("q", "d")
+        return CPULinearKernel(self.kind, getattr(layer, f"{name}_group"),
+                               tuple(getattr(layer, f"{name}_{s}")[e] for s in suffixes),
+                               self.int8_activations)
+
+
+def moe_quant_method(quant: QuantizationConfig | None, prefix: str) -> MoEQuantMethod | None:
+    """The experts' method under the model's quantization (None: float weights);
+    ValueError for a format whose expert weights are not supported."""
+    if quant is None or quant.name == "none":
+        return None
+    method = quant.linear_method(prefix) if quant.name in ("int8", "int4") else None
+    if not isinstance(method, LoadTimeQuantMethod):
+        raise ValueError(f"quantization={quant.name!r} is not supported for MoE expert "
+                         "weights (int8 and int4 are); load the model with one of those or "
+                         "unquantized")
+    return MoEQuantMethod(method.kind, method.group or INT4_GROUP, method.int8_activations)
