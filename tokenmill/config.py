@@ -43,6 +43,9 @@ class ModelConfig:
     # A GGUF model's converted copy (model_loader/gguf_cache.py): tokenizer and weights are
     # read from here when set, the GGUF file itself otherwise.
     converted_dir: str | None = None
+    # a base model without an LM head (registry.HEADLESS): embeddings only, tensor names
+    # without the "model." prefix
+    headless: bool = False
     # "auto": the weights of the checkpoint; "dummy": seeded random weights of the model's
     # shape, no checkpoint read (vLLM's name; benchmarks of real shapes, model_loader/loader.py)
     load_format: str = "auto"
@@ -123,9 +126,15 @@ class ModelConfig:
         elif not 1 <= max_model_len <= ctx:
             raise ValueError(f"max_model_len must be in [1, {ctx}] for this model, "
                              f"got {max_model_len}")
+        window = getattr(hf_config, "sliding_window", None)
+        if window and window >= max_model_len:
+            # a window as long as the context never drops a token: plain attention (which
+            # the fused CPU decode call runs), the same model
+            hf_config.sliding_window = None
         return ModelConfig(path=path, hf_config=hf_config, architecture=arch,
                            dtype=_resolve_dtype(dtype, hf_config), max_model_len=max_model_len,
-                           gguf_file=gguf_file, converted_dir=converted_dir)
+                           gguf_file=gguf_file, converted_dir=converted_dir,
+                           headless=registry.is_headless(archs))
 
     @property
     def num_layers(self) -> int:
@@ -171,6 +180,17 @@ class ModelConfig:
         if eos is None:
             return []
         return list(eos) if isinstance(eos, list | tuple) else [int(eos)]
+
+
+def _runner(asked: str, model: ModelConfig) -> str:
+    """The runner: a base model without an LM head only embeds."""
+    if not model.headless:
+        return asked
+    if asked == "generate":
+        raise ValueError(f"{model.path} is a base model without an LM head "
+                         f"({model.hf_config.architectures[0]}): it computes embeddings only; "
+                         "use runner='pooling'")
+    return "pooling"
 
 
 def _checkpoint_quantization(hf_config: Any) -> dict[str, Any] | None:
@@ -396,6 +416,6 @@ class EngineConfig:
                             speculative=speculative, draft_model=draft,
                             structured_outputs=StructuredOutputsConfig.parse(
                                 groups["engine"].get("structured_outputs_config")),
-                            runner=groups["engine"].get("runner", "auto"),
+                            runner=_runner(groups["engine"].get("runner", "auto"), model_cfg),
                             pooler_config=PoolerConfig.parse(
                                 groups["engine"].get("pooler_config")))

@@ -115,6 +115,8 @@ def test_sliding_window_config_is_served_with_its_window(tmp_path, tiny_model):
     cfg["sliding_window"] = 128
     (win / "config.json").write_text(json.dumps(cfg))
     assert EngineConfig.create(str(win)).model.kv_sliding_window == 128
+    # a window as long as the context drops nothing: plain attention
+    assert EngineConfig.create(str(win), max_model_len=128).model.kv_sliding_window is None
     assert EngineConfig.create(path).model.kv_sliding_window is None
     assert EngineConfig.create(tiny_model("gemma2")[0]).model.kv_sliding_window is None
 

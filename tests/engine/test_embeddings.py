@@ -129,3 +129,36 @@ def test_runner_choice_is_enforced(tiny_model):
         LLM(path, pooler_config={"pooling_type": "CLS"})
     with pytest.raises(ValueError, match="runner must be one of"):
         LLM(path, runner="embed")
+
+
+@pytest.mark.parametrize("config_cls", ["Qwen3Config", "MistralConfig"])
+def test_base_model_checkpoint_embeds(tokenizer_dir, tmp_path, config_cls):
+    """A transformers `*Model` checkpoint (no LM head; names without "model.", as e5-mistral
+    and gte-Qwen2 ship) loads for embeddings only: runner auto becomes pooling, the
+    embeddings equal HF's AutoModel, generation is refused by name."""
+    import shutil
+
+    import transformers
+
+    config = getattr(transformers, config_cls)(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-5, initializer_range=0.2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    base = transformers.AutoModel.from_config(config, dtype=torch.float32).eval()
+    base.save_pretrained(tmp_path)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    llm = LLM(str(tmp_path), max_num_batched_tokens=32)
+    assert llm.engine.config.runner == "pooling"
+    prompts = [p for p, _ in mixed_prompts(4, 49152, seed=15, max_len=90)]
+    outs = llm.embed(prompts, use_tqdm=False)
+    with pytest.raises(ValueError, match="does not generate"):
+        llm.generate(["hi"])
+    llm.engine.shutdown()
+    for p, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            want = F.normalize(base(torch.tensor([p])).last_hidden_state[0, -1], dim=-1)
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), want, rtol=0, atol=2e-5)
+    with pytest.raises(ValueError, match="base model without an LM head"):
+        LLM(str(tmp_path), runner="generate")

@@ -12,10 +12,10 @@ import pytest
 from tests.conftest import assert_kv_all_free, generate_greedy, hf_greedy, mixed_prompts
 from tokenmill import LLM, SamplingParams
 
-# kind → the attention backend `auto` picks for it on CPU (the C++ kernel computes windows but
-# not soft-capped scores)
+# kind → the attention backend `auto` picks for it on CPU (the C++ kernel computes windows and
+# soft-capped scores)
 ARCHITECTURES = {"qwen2_moe": "cpu", "qwen3_moe": "cpu", "olmoe": "cpu",
-                 "mistral-window": "cpu", "gemma2": "torch", "gemma3": "cpu",
+                 "mistral-window": "cpu", "gemma2": "cpu", "gemma3": "cpu",
                  "phi3": "cpu", "phi3-partial": "cpu"}
 # whose layers are exactly Llama's: the fused CPU decode call takes their decode steps
 FUSED_DECODE = {"phi3"}

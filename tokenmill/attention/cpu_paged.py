@@ -18,8 +18,8 @@ Which path each query takes in a step:
   context once costs little next to q_len x context attention math.
 
 A sliding-window layer moves each kernel query's first attended token up to its window's start
-(the kernel's `start_lens`); soft-capped scores are not computed here (FEATURES), so a model
-using them gets the PyTorch backend.
+(the kernel's `start_lens`); a soft cap goes to the kernel as its `soft_cap` (cap tanh(s / cap)
+on every score before the softmax), and to the PyTorch path of long chunks.
 
 Same contract and results as TorchPagedAttention (its oracle): float32 queries, a KV cache in
 any format of kv_cache.py (the kernel dequantizes int8 / fp8 rows as it reads them; a cascade's
@@ -85,7 +85,7 @@ class CPUAttentionMetadata(TorchAttentionMetadata):
 
 
 class CPUPagedAttention(TorchPagedAttention):
-    FEATURES = frozenset({"sliding_window"})
+    FEATURES = frozenset({"sliding_window", "soft_cap"})
 
     def __init__(self, block_size: int, device: torch.device,
                  features: frozenset[str] = frozenset()) -> None:
@@ -150,19 +150,20 @@ class CPUPagedAttention(TorchPagedAttention):
             # Every query goes to the kernel (a plain decode step): no gather / scatter, and
             # none of the PyTorch backend's per-group work.
             store_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
-            return self._paged(q, kv_cache, every, scale, kv_scales,
-                               sliding_window)[0].view(T, Hq * D)
+            return self._paged(q, kv_cache, every, scale, kv_scales, sliding_window,
+                               soft_cap)[0].view(T, Hq * D)
         p = meta.paged
         if meta.prefills:  # (this backend makes no decode groups: cascades replace them)
             # stores k/v; (T, Hq * D)
-            out = super().forward(q, k, v, kv_cache, meta, scale, kv_scales, sliding_window)
+            out = super().forward(q, k, v, kv_cache, meta, scale, kv_scales, sliding_window,
+                                  soft_cap)
         else:
             store_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
             out = q.new_empty(T, Hq * D)
         out_q = out.view_as(q)
         if p is not None:
             out_q[p.token_indices] = self._paged(q[p.token_indices], kv_cache, p, scale,
-                                                 kv_scales, sliding_window)[0]
+                                                 kv_scales, sliding_window, soft_cap)[0]
         for c in meta.prefix_cascades:
             out_q[c.queries.token_indices] = self._cascade(q[c.queries.token_indices],
                                                            kv_cache, c, scale, kv_scales)
@@ -177,14 +178,14 @@ class CPUPagedAttention(TorchPagedAttention):
         return p if p is not None and p.token_indices.numel() == num_tokens else None
 
     def _paged(self, q: torch.Tensor, kv_cache: torch.Tensor, p: PagedQueries, scale: float,
-               kv_scales: torch.Tensor | None, window: int | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               kv_scales: torch.Tensor | None, window: int | None = None,
+               soft_cap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel: out (N, Hq, D) and log-sum-exp (N, Hq) of q (N, Hq, D); with a window,
         each query attends only its last `window` positions (the cached tokens [ctx - window,
         ctx), as transformers' mask: keys > its position - window)."""
         start = p.start_lens if window is None else (p.ctx_lens - window).clamp_min_(0)
         return self._op(q, kv_cache[0], kv_cache[1], p.block_tables, p.seq_rows, start,
-                        p.ctx_lens, scale, kv_scales)
+                        p.ctx_lens, scale, kv_scales, soft_cap or 0.0)
 
     def _cascade(self, q: torch.Tensor, kv_cache: torch.Tensor, c: PrefixCascade,
                  scale: float, kv_scales: torch.Tensor | None) -> torch.Tensor:

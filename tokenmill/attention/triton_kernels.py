@@ -11,6 +11,10 @@ keys [0, first_ctx + j). Decode is the TILE = 1 case; prefill chunks over a cach
 none) use a larger TILE. The same function runs on CUDA and, under TRITON_INTERPRET=1, on CPU
 tensors, which is how the tests check it against the PyTorch backend without a GPU.
 
+A sliding window (WINDOW > 0) limits each row to the keys at positions > its own - WINDOW, and
+the key loop starts at the first block any row of the tile sees; a soft cap (HAS_CAP) turns
+scores into cap * tanh(score / cap) before the mask (tanh as 2 sigmoid(2x) - 1).
+
 A quantized cache (attention/kv_cache.py) is read in place and dequantized as it is loaded:
 int8 rows (D values, then their float32 scale's 4 bytes, read through a float pointer) or fp8
 e4m3 bytes (decoded by moving their bits into a float32's, times 2^120, times the KV head's
@@ -55,10 +59,11 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, kv_scales_ptr,
     block_tables_ptr, tile_rows_ptr, tile_q_starts_ptr, tile_q_lens_ptr, tile_first_ctx_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    scale, block_size,
+    scale, block_size, window, soft_cap,
     G: tl.constexpr, G_PAD: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
     D_PAD: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, ROW: tl.constexpr, KV_FORMAT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -87,7 +92,10 @@ def _paged_attention_kernel(
     if KV_FORMAT == 2:  # fp8: this KV head's fixed scales
         k_scale = tl.load(kv_scales_ptr + kv_head)
         v_scale = tl.load(kv_scales_ptr + HKV + kv_head)
-    for n0 in range(0, kv_len, BLOCK_N):
+    lo = 0
+    if HAS_WINDOW:  # the tile's first query sees keys from first_ctx - window on
+        lo = tl.maximum(first_ctx - window, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(lo, kv_len, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < kv_len
         block = tl.load(block_tables_ptr + seq_row * stride_bt + n // block_size, mask=n_ok,
@@ -100,7 +108,12 @@ def _paged_attention_kernel(
         k = k.to(q.dtype)  # (BLOCK_N, D_PAD)
         v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (ROWS, BLOCK_N)
-        s = tl.where((n[None, :] < sees[:, None]) & n_ok[None, :], s, float("-inf"))
+        if HAS_CAP:
+            s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)
+        visible = (n[None, :] < sees[:, None]) & n_ok[None, :]
+        if HAS_WINDOW:
+            visible &= n[None, :] >= sees[:, None] - window
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
@@ -118,7 +131,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     out: torch.Tensor, block_tables: torch.Tensor, tile_rows: torch.Tensor,
                     tile_q_starts: torch.Tensor, tile_q_lens: torch.Tensor,
                     tile_first_ctx: torch.Tensor, tile: int, scale: float,
-                    kv_scales: torch.Tensor | None = None) -> None:
+                    kv_scales: torch.Tensor | None = None, sliding_window: int | None = None,
+                    soft_cap: float | None = None) -> None:
     """Write into out (T, Hq, D) the attention of the queries of every tile.
 
     q (T, Hq, D); k_cache, v_cache (num_blocks, block_size, Hkv, R), contiguous, in any
@@ -141,12 +155,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, out, kv_scales,
         block_tables, tile_rows, tile_q_starts, tile_q_lens, tile_first_ctx,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        scale, block_size,
+        scale, block_size, sliding_window or 0, soft_cap or 1.0,
         G=G, G_PAD=g_pad, HKV=Hkv, D=D, D_PAD=max(16, triton.next_power_of_2(D)),
         TILE=tile, ROWS=rows, BLOCK_N=64 if tile > 1 else 32,
         # float32: exact products (Triton's default on GPU would be TF32); bf16 / fp16: default
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         ROW=row, KV_FORMAT=kv_format,
+        HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None,
     )
 
 

@@ -53,6 +53,7 @@ def triton_available() -> bool:
 
 
 class TritonPagedAttention(AttentionBackend):
+    FEATURES = frozenset({"sliding_window", "soft_cap"})
     def __init__(self, block_size: int, device: torch.device,
                  features: frozenset[str] = frozenset()) -> None:
         super().__init__(block_size, device, features)
@@ -95,15 +96,13 @@ class TritonPagedAttention(AttentionBackend):
                 kv_cache: torch.Tensor, meta: TritonAttentionMetadata, scale: float,
                 kv_scales: torch.Tensor | None = None, sliding_window: int | None = None,
                 soft_cap: float | None = None) -> torch.Tensor:
-        # FEATURES is empty: get_attention_backend never gives this backend a layer that
-        # sets either
         self._kernels.store_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
         T, Hq, D = q.shape
         out = torch.empty_like(q)
         for t in meta.tiles:
             self._kernels.paged_attention(q, kv_cache[0], kv_cache[1], out, t.block_tables,
                                           t.rows, t.q_starts, t.q_lens, t.first_ctx, t.tile,
-                                          scale, kv_scales)
+                                          scale, kv_scales, sliding_window, soft_cap)
         return out.view(T, Hq * D)
 
     def decode_graph_state(self, max_seqs: int, max_blocks: int) -> TritonDecodeGraphState:

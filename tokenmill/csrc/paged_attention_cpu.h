@@ -144,7 +144,8 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
                                            torch::Tensor v_cache, torch::Tensor block_tables,
                                            torch::Tensor seq_rows, torch::Tensor start_lens,
                                            torch::Tensor ctx_lens, double scale,
-                                           c10::optional<torch::Tensor> kv_scales = c10::nullopt) {
+                                           c10::optional<torch::Tensor> kv_scales = c10::nullopt,
+                                           double soft_cap = 0.0) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be (N, Hq, D) float32");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache must be contiguous");
   const KVFormat fmt = kv_format(k_cache);
@@ -171,6 +172,7 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
+  const float cap = static_cast<float>(soft_cap);  // > 0: scores become cap tanh(s / cap)
   int64_t longest = 0;
   for (int64_t n = 0; n < N; ++n) {
     TORCH_CHECK(sp[n] >= 0 && lp[n] > sp[n] && lp[n] <= max_blocks * bs,
@@ -246,6 +248,9 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
           vrows[i] = vd;
         }
         score_keys_any(qn, krows.data(), heads_per_item, keys, G, D, sc, scores.data());
+        if (cap > 0.f) {  // Gemma 2's soft cap, before the softmax
+          for (int64_t j = 0; j < rows_q * keys; ++j) scores[j] = cap * std::tanh(scores[j] / cap);
+        }
         for (int64_t r = 0; r < rows_q; ++r) {
           float* s = scores.data() + r * keys;
           const float m = std::max(run_max[r], max_of(s, keys));

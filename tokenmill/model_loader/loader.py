@@ -19,7 +19,7 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.distributed import ParallelState
-from tokenmill.distributed.pipeline import on_another_stage
+from tokenmill.distributed.pipeline import PPMissingLayer, on_another_stage
 from tokenmill.model_loader.gguf_cache import converted_weights
 from tokenmill.model_loader.gguf_loader import iterate_gguf
 from tokenmill.model_loader.safetensors_loader import iterate_safetensors
@@ -65,6 +65,8 @@ def load_model(config: ModelConfig, device: torch.device, tp: ParallelState = Pa
     quant = quantization_config(config, device, prepack_decision(config, prepack))
     with _default_dtype(config.dtype), torch.device(device):
         model = cls(config.hf_config, tp, quant)
+    if config.headless:  # embeddings only: no LM head to fill
+        model.lm_head, model.tie_word_embeddings = PPMissingLayer(), False
     if config.load_format == "dummy":
         _init_dummy(model)
         return _process_weights(model).eval()
@@ -73,6 +75,8 @@ def load_model(config: ModelConfig, device: torch.device, tp: ParallelState = Pa
     tied = getattr(model, "tie_word_embeddings", False)
     loaded: set[str] = set()
     for name, tensor in _split_fused(model, iterate_weights(config)):
+        if config.headless:  # a base model's names: the stack's, without "model."
+            name = f"model.{name}"
         if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
             continue
         target, shard = name, None

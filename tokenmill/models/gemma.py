@@ -12,8 +12,8 @@ modeling_gemma2.py / modeling_gemma3.py compute them:
   different RoPE bases (layers/rotary.py: one table per variant) and RMS-normalizes each
   head's q and k before RoPE.
 
-Soft-capped scores need the PyTorch attention backend (the C++ kernel computes windows, not
-caps), which `auto` picks; the fused CPU decode call does not run these layers.
+Every attention backend computes the windows and soft caps (attention/base.py's FEATURES); the
+fused CPU decode call does not run these layers (its allow-list).
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
 
 
 def supported() -> str:
-    return ", ".join(ARCHITECTURES)
+    return ", ".join([*ARCHITECTURES, *(f"{n} (embeddings)" for n in HEADLESS)])
 
 
 def get_architecture(name: str) -> Architecture:
@@ -99,9 +99,25 @@ def get_architecture(name: str) -> Architecture:
     return ARCHITECTURES[name]
 
 
+# Base-model checkpoints (transformers' `*Model`: the decoder stack without its LM head, as
+# embedding models such as e5-mistral or gte-Qwen2 ship it) → the causal LM serving them, for
+# embeddings only; their tensor names lack the "model." prefix.
+HEADLESS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+            "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM",
+            "Gemma2Model": "Gemma2ForCausalLM"}
+
+
 def find_architecture(names: list[str]) -> Architecture | None:
-    """The first of a config's `architectures` that is registered."""
+    """The first of a config's `architectures` that is registered (a base model's name: its
+    causal LM's entry)."""
+    names = [HEADLESS.get(n, n) for n in names]
     return next((ARCHITECTURES[n] for n in names if n in ARCHITECTURES), None)
+
+
+def is_headless(names: list[str]) -> bool:
+    """Whether the config names a base model (no LM head) before any causal LM."""
+    known = [n for n in names if n in HEADLESS or n in ARCHITECTURES]
+    return bool(known) and known[0] in HEADLESS
 
 
 def gguf_architecture(gguf_name: str, experts: bool = False) -> Architecture | None:
