@@ -23,7 +23,8 @@ KINDS = {"mixtral": ("llama", "MixtralForCausalLM"),
          "qwen3_moe": ("qwen3moe", "Qwen3MoeForCausalLM"),
          "gemma2": ("gemma2", "Gemma2ForCausalLM"),
          "gemma3-6": ("gemma3", "Gemma3ForCausalLM"),
-         "phi3": ("phi3", "Phi3ForCausalLM")}
+         "phi3": ("phi3", "Phi3ForCausalLM"),
+         "olmoe": ("olmoe", "OlmoeForCausalLM")}
 
 
 def _permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
@@ -59,6 +60,8 @@ def _metadata(arch: str, c) -> dict[str, tuple[object, str]]:
         m["attn_logit_softcapping"] = (c.attn_logit_softcapping, "f32")
         m["final_logit_softcapping"] = (c.final_logit_softcapping, "f32")
         m["attention.sliding_window"] = (c.sliding_window, "u32")
+    if getattr(c, "clip_qkv", None) is not None:
+        m["attention.clamp_kqv"] = (c.clip_qkv, "f32")
     if arch == "phi3":
         m["rope.dimension_count"] = (head_dim, "u32")
         m["rope.scaling.original_context_length"] = (c.original_max_position_embeddings, "u32")

@@ -24,13 +24,25 @@ def load_tokenizer(config: ModelConfig) -> Any:
         if config.converted_dir is not None:
             return _load_folder(config.converted_dir)
         if config.gguf_file is not None:
-            from transformers import AutoTokenizer
-
-            folder, name = os.path.split(config.gguf_file)
-            return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            return gguf_tokenizer(config.gguf_file)
         return _load_folder(config.path)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError, ...
         raise ValueError(f"cannot load a tokenizer for {config.path}: {e}") from e
+
+
+def gguf_tokenizer(gguf_path: str) -> Any:
+    """The tokenizer in a GGUF file's metadata. AutoTokenizer first parses the file's model
+    config, which transformers refuses for architectures it has no GGUF config mapping for
+    (OLMoE): those build the generic fast tokenizer from the same metadata directly."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    folder, name = os.path.split(gguf_path)
+    try:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except ValueError as e:
+        if "is not supported yet" not in str(e):
+            raise
+        return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
 
 
 def _load_folder(folder: str) -> Any:

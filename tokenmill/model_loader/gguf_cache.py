@@ -108,8 +108,7 @@ def converted_weights(folder: str, gguf_path: str) -> str | None:
 
 
 def _convert(gguf_path: str, folder: Path) -> str | None:
-    from transformers import AutoTokenizer
-
+    from tokenmill.engine.tokenizer import gguf_tokenizer
     from tokenmill.model_loader.gguf_loader import gguf_hf_config
 
     hf_config = gguf_hf_config(gguf_path)
@@ -122,8 +121,7 @@ def _convert(gguf_path: str, folder: Path) -> str | None:
         hf_config.save_pretrained(tmp)  # config.json for other tools; tokenmill reads the
         # full dump below (every attribute, defaults included) as a plain PretrainedConfig,
         # which skips importing the architecture's config class (about 1.4 s of imports).
-        src_dir, name = os.path.split(gguf_path)
-        AutoTokenizer.from_pretrained(src_dir, gguf_file=name).save_pretrained(tmp)
+        gguf_tokenizer(gguf_path).save_pretrained(tmp)
         with open(tmp / _FULL_CONFIG, "w") as f:  # written last: it marks the folder complete
             json.dump(hf_config.to_dict(), f, indent=1)
         try:

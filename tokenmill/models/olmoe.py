@@ -44,6 +44,13 @@ class OlmoeAttention(LlamaAttention):
         return self.o_proj(self.attn(q, k, v.reshape(T, -1, D), meta))  # (T, hidden)
 
 
+def gguf_config(meta: Any, tensor: Any, names: set[str]) -> dict[str, Any]:
+    """llama.cpp's olmoe: the experts (as wide as feed_forward_length), top-k not
+    renormalized, q / k / v clamped where the file says (attention.clamp_kqv)."""
+    return {"num_experts": meta("expert_count"), "num_experts_per_tok": meta("expert_used_count"),
+            "norm_topk_prob": False, "clip_qkv": meta("attention.clamp_kqv")}
+
+
 def olmoe_mlp(config: Any, tp: ParallelState, quant: QuantizationConfig | None,
               prefix: str, layer_idx: int) -> QwenSparseMoeBlock:
     return QwenSparseMoeBlock(config, tp, quant, prefix)
