@@ -13,6 +13,11 @@ decoded tokens over the wall time of the generate call; the greedy outputs of th
 are checked equal. A second engine with quantization="int8" (every weight in Q8_0 blocks, the
 experts' one block set per expert: quantization/moe.py) runs the grouped path in the same
 alternation, the "int8" column.
+
+With `--device cuda` (the lent GPU; `--tokenizer DIR` where the model package is absent) the
+paths are the Triton fused-MoE kernel (layers/fused_moe_triton.py: two grouped GEMM launches
+per layer), the grouped PyTorch path and the masked loop, in the engine's CUDA dtype (bfloat16
+unless --dtype says otherwise); int8 is a CPU method and is not run there.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def write_model(folder: str, experts: int, top_k: int, intermediate: int, layers: int) -> None:
-    """config.json of the Mixtral and SmolLM2's tokenizer (weights: load_format="dummy")."""
+def write_model(folder: str, experts: int, top_k: int, intermediate: int, layers: int,
+                tokenizer: str | None = None) -> None:
+    """config.json of the Mixtral and SmolLM2's tokenizer (weights: load_format="dummy"), from
+    the model package or from the folder `tokenizer`."""
     from transformers import AutoTokenizer, MixtralConfig
 
     from tokenmill.model_loader.default_model import default_model_path
@@ -41,12 +48,17 @@ def write_model(folder: str, experts: int, top_k: int, intermediate: int, layers
                         sliding_window=None, tie_word_embeddings=True)
     cfg.architectures = ["MixtralForCausalLM"]
     cfg.save_pretrained(folder)
+    if tokenizer is not None:
+        AutoTokenizer.from_pretrained(tokenizer).save_pretrained(folder)
+        return
     gguf = default_model_path()
     AutoTokenizer.from_pretrained(os.path.dirname(gguf),
                                   gguf_file=os.path.basename(gguf)).save_pretrained(folder)
 
 
 def main() -> None:
+    import torch
+
     from tokenmill import LLM, SamplingParams
     from tokenmill.bench.machine import describe_machine
     from tokenmill.layers.fused_moe import FusedMoE
@@ -59,15 +71,26 @@ def main() -> None:
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--tokenizer", default=None,
+                   help="a folder holding SmolLM2's tokenizer (default: the model package's)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    print(describe_machine())
+    cuda = args.device == "cuda"
+    print(torch.cuda.get_device_name() if cuda else describe_machine())
+    # path → (engine, FusedMoE.grouped, FusedMoE.use_triton)
+    paths = (("triton fused", "grouped", "masked loop") if cuda
+             else ("grouped", "masked loop", "int8"))
     with tempfile.TemporaryDirectory() as folder:
-        write_model(folder, args.experts, args.top_k, args.intermediate, args.layers)
-        llm = LLM(folder, load_format="dummy", kv_cache_memory="1GiB")
-        int8 = LLM(folder, load_format="dummy", kv_cache_memory="1GiB", quantization="int8")
+        write_model(folder, args.experts, args.top_k, args.intermediate, args.layers,
+                    args.tokenizer)
+        engine = dict(load_format="dummy", kv_cache_memory="1GiB", device=args.device,
+                      dtype=args.dtype)
+        llm = LLM(folder, **engine)
+        int8 = None if cuda else LLM(folder, quantization="int8", **engine)
+        dtype = llm.engine.config.model.dtype
         params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-        paths = ("grouped", "masked loop", "int8")
         results: dict[str, dict[int, list[float]]] = {path: {} for path in paths}
         same = True
         for batch in (int(b) for b in args.batches.split(",")):
@@ -76,6 +99,7 @@ def main() -> None:
             for r in range(args.rounds + 1):  # round 0 warms up
                 for path in paths:
                     FusedMoE.grouped = path != "masked loop"
+                    FusedMoE.use_triton = path == "triton fused" if cuda else None
                     t0 = time.perf_counter()
                     outs = (int8 if path == "int8" else llm).generate(prompts, params,
                                                                       use_tqdm=False)
@@ -83,20 +107,25 @@ def main() -> None:
                     if r:
                         results[path].setdefault(batch, []).append(rate)
                     outputs[path] = [o.outputs[0].token_ids for o in outs]
-            same &= outputs["grouped"] == outputs["masked loop"]
-        FusedMoE.grouped = True
+            same &= all(outputs[path] == outputs["masked loop"] for path in paths
+                        if path != "int8")
+        FusedMoE.grouped, FusedMoE.use_triton = True, None
         llm.engine.shutdown()
-        int8.engine.shutdown()
+        if int8 is not None:
+            int8.engine.shutdown()
     print(f"\nMixtral of SmolLM2's width: {args.layers} layers, {args.experts} experts x "
-          f"{args.intermediate} intermediate, top-{args.top_k}, float32, random weights; "
-          f"decode tokens/s after a 32-token prompt, {args.tokens} tokens per request, median "
-          f"of {args.rounds} alternated rounds")
-    print(f"{'batch':>6}{'grouped':>12}{'masked loop':>14}{'grouped / loop':>16}"
-          f"{'int8':>10}{'int8 / grouped':>16}")
-    for batch in results["grouped"]:
-        g, m, q = (statistics.median(results[path][batch]) for path in paths)
-        print(f"{batch:>6}{g:>12.1f}{m:>14.1f}{g / m:>16.2f}{q:>10.1f}{q / g:>16.2f}")
-    print(f"greedy outputs identical across the two paths: {same}")
+          f"{args.intermediate} intermediate, top-{args.top_k}, {str(dtype)[6:]}, random "
+          f"weights, {args.device}; decode tokens/s after a 32-token prompt, {args.tokens} "
+          f"tokens per request, median of {args.rounds} alternated rounds")
+    others = [path for path in paths if path != "masked loop"]
+    print(f"{'batch':>6}" + "".join(f"{path:>14}" for path in paths)
+          + "".join(f"{path + ' / loop':>22}" for path in others))
+    for batch in results[paths[0]]:
+        rate = {path: statistics.median(results[path][batch]) for path in paths}
+        print(f"{batch:>6}" + "".join(f"{rate[path]:>14.1f}" for path in paths)
+              + "".join(f"{rate[path] / rate['masked loop']:>22.2f}" for path in others))
+    print(f"greedy outputs identical across {', '.join(p for p in paths if p != 'int8')}: "
+          f"{same}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -99,6 +99,9 @@ def main() -> None:
     parser.add_argument("--read-gbps", type=float, default=None,
                         help="memory read bandwidth for the floor (default: H100 HBM ~3,090 "
                              "GB/s on CUDA, this CPU's ~30 GB/s otherwise)")
+    # on CUDA 8 GiB (default), which hold the batch's 64 x 384 tokens of the 8B model (128 KiB
+    # a token in bfloat16) without preemption; the engine's default 2 GiB on CPU
+    parser.add_argument("--kv-cache-memory", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -117,7 +120,9 @@ def main() -> None:
             vocab = SHAPES[name]["vocab_size"]
             for mode, options in modes.items():
                 llm = LLM(str(folder), load_format="dummy", device=args.device,
-                          dtype=args.dtype, max_model_len=4096, **options)
+                          dtype=args.dtype, max_model_len=4096,
+                          kv_cache_memory=args.kv_cache_memory
+                          or ("8GiB" if args.device == "cuda" else "2GiB"), **options)
                 weight_bytes = sum(p.numel() * p.element_size()
                                    for p in llm.engine.runner.model.parameters())
                 floor_ms = weight_bytes / (read_gbps * 1e9) * 1e3

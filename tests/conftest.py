@@ -87,11 +87,17 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str) -> Path:
-    """SmolLM2's tokenizer saved as tokenizer.json once, for the tiny models to share."""
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+                  ) -> Path:
+    """SmolLM2's tokenizer saved as tokenizer.json once, for the tiny models to share; or the
+    folder TOKENMILL_TEST_TOKENIZER_DIR names, saved so earlier (for a machine without the
+    model's package, such as the lent GPU, where the GGUF file cannot travel)."""
     from transformers import AutoTokenizer
 
-    folder, name = os.path.split(smollm2_path)
+    saved = os.environ.get("TOKENMILL_TEST_TOKENIZER_DIR")
+    if saved:
+        return Path(saved)
+    folder, name = os.path.split(request.getfixturevalue("smollm2_path"))
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     out = tmp_path_factory.mktemp("tokenizer")
     tok.save_pretrained(out)
@@ -110,7 +116,12 @@ def build_tiny_model(kind: str, out: Path, tokenizer_dir: Path) -> torch.nn.Modu
                   rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, initializer_range=0.2)
     config = getattr(transformers, cls_name)(**(kwargs | extra))
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # Soft-capped scores: HF's eager attention, the one that caps them (transformers 5.17
+    # gave Gemma 2 SDPA by default, which skips the cap without a word)
+    attn = {"attn_implementation": "eager"} if getattr(config, "attn_logit_softcapping",
+                                                      None) else {}
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                          **attn).eval()
     model.save_pretrained(out, safe_serialization=True)
     for f in os.listdir(tokenizer_dir):
         shutil.copy(tokenizer_dir / f, out / f)

@@ -8,7 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.attention.test_paged_backends import BACKENDS, MIXED, build_step, needs_kernel
+from tests.attention.test_paged_backends import (
+    BACKENDS,
+    MIXED,
+    build_step,
+    kernel_device,
+    needs_kernel,
+    run,
+)
 from tokenmill.attention import get_attention_backend
 
 
@@ -32,16 +39,15 @@ def dense(q, k, v, scale, window, cap):
 def test_variants_match_dense(backend, window, cap):
     features = frozenset({"sliding_window"} if window else set()) | (
         frozenset({"soft_cap"}) if cap else frozenset())
-    backend_cls = type(get_attention_backend(backend, 4, torch.device("cpu")))
+    backend_cls = type(get_attention_backend(backend, 4, kernel_device(backend)))
     if not features <= backend_cls.FEATURES:
         with pytest.raises(ValueError, match="does not compute"):
-            get_attention_backend(backend, 4, torch.device("cpu"), features=features)
+            get_attention_backend(backend, 4, kernel_device(backend), features=features)
         return
     bs, hq, hkv, d = 4, 6, 2, 16
     cache, batch, q, k_new, v_new, full_k, full_v = build_step(bs, hq, hkv, d, MIXED)
-    impl = get_attention_backend(backend, bs, torch.device("cpu"), features=features)
-    out = impl.forward(q, k_new, v_new, cache.clone(), impl.build_metadata(batch),
-                       scale=d ** -0.5, sliding_window=window, soft_cap=cap).view_as(q)
+    _, out = run(backend, bs, cache, batch, q, k_new, v_new, features=features,
+                 sliding_window=window, soft_cap=cap)
     for i in range(len(MIXED)):
         s, e = batch.query_start_locs[i], batch.query_start_locs[i + 1]
         want = dense(q[s:e], full_k[i], full_v[i], d ** -0.5, window, cap)

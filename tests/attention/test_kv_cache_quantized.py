@@ -21,10 +21,11 @@ from tests.attention.test_paged_backends import (
     MIXED,
     build_step,
     dense_reference,
+    kernel_device,
     needs_kernel,
     needs_triton,
+    run,
 )
-from tokenmill.attention import get_attention_backend
 from tokenmill.attention.kv_cache import (
     allocate_kv_cache,
     as_float,
@@ -83,9 +84,14 @@ def test_store_and_block_copy_keep_values_and_scales_together(fmt):
 
 
 def _triton_store(cache, k, v, slots, scales):
+    """Triton's store on its device (compiled on a GPU), written back into `cache`."""
     from tokenmill.attention import triton_kernels
 
-    triton_kernels.store_kv(cache, k, v, slots, scales)
+    device = kernel_device("triton")
+    on_device = cache.to(device)
+    triton_kernels.store_kv(on_device, k.to(device), v.to(device), slots.to(device),
+                            None if scales is None else scales.to(device))
+    cache.copy_(on_device.cpu())
 
 
 STORES = [pytest.param(lambda c, k, v, s, sc: cpu_ops.store_kv_(c[0], c[1], k, v, s, sc),
@@ -148,11 +154,7 @@ def quantized_step(fmt, shape, seqs, shared_prefix=0, seed=0):
 
 
 def run_quantized(backend_name, bs, cache, scales, batch, q, k_new, v_new):
-    backend = get_attention_backend(backend_name, bs, torch.device("cpu"))
-    meta = backend.build_metadata(batch)
-    cache = cache.clone()
-    out = backend.forward(q, k_new, v_new, cache, meta, q.shape[-1] ** -0.5, scales)
-    return meta, out.view_as(q)
+    return run(backend_name, bs, cache, batch, q, k_new, v_new, kv_scales=scales)
 
 
 def check_against_dense(out, batch, q, full_k, full_v, d):

@@ -82,18 +82,31 @@ def build_step(bs, hq, hkv, d, seqs, shared_prefix=0, seed=0, consecutive_shared
     return cache, batch, q, k_new, v_new, full_k, full_v
 
 
-def run(backend_name, bs, cache, batch, q, k_new, v_new):
-    device = torch.device("cpu")
-    if backend_name == "triton" and torch.cuda.is_available():  # compiled, not interpreted
-        device = torch.device("cuda")
-        batch = dataclasses.replace(batch, **{
-            f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
-            if isinstance(getattr(batch, f.name), torch.Tensor)})
-        cache, q, k_new, v_new = (t.to(device) for t in (cache, q, k_new, v_new))
-    backend = get_attention_backend(backend_name, bs, device)
+def kernel_device(backend_name: str) -> torch.device:
+    """Where a backend runs in these tests: Triton compiled on a GPU when there is one (else in
+    its interpreter on CPU tensors), the others on the CPU."""
+    cuda = backend_name == "triton" and torch.cuda.is_available()
+    return torch.device("cuda" if cuda else "cpu")
+
+
+def batch_to(batch: InputBatch, device: torch.device) -> InputBatch:
+    return dataclasses.replace(batch, **{
+        f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
+        if isinstance(getattr(batch, f.name), torch.Tensor)})
+
+
+def run(backend_name, bs, cache, batch, q, k_new, v_new, kv_scales=None,
+        features=frozenset(), **variants):
+    """One step's attention by the backend on its device (kernel_device); (metadata, output
+    on the CPU). `variants`: the layer's sliding_window / soft_cap."""
+    device = kernel_device(backend_name)
+    batch = batch_to(batch, device)
+    cache, q, k_new, v_new = (t.to(device) for t in (cache, q, k_new, v_new))
+    kv_scales = None if kv_scales is None else kv_scales.to(device)
+    backend = get_attention_backend(backend_name, bs, device, features=features)
     meta = backend.build_metadata(batch)
-    cache = cache.clone()
-    out = backend.forward(q, k_new, v_new, cache, meta, scale=q.shape[-1] ** -0.5)
+    out = backend.forward(q, k_new, v_new, cache.clone(), meta, q.shape[-1] ** -0.5,
+                          kv_scales, **variants)
     return meta, out.view_as(q).cpu()
 
 

@@ -179,6 +179,8 @@ def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k, v = quantize_rows(k), quantize_rows(v)
     elif is_fp8(kv_cache.dtype):
         k, v = quantize_fp8(k, kv_scales[0]), quantize_fp8(v, kv_scales[1])
+        # the bytes: index_copy_ has no float8 kernel on every torch and device (2.11's CPU)
+        flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
     flat[0].index_copy_(0, slot_mapping, k)
     flat[1].index_copy_(0, slot_mapping, v)
 

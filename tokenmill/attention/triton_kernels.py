@@ -35,7 +35,8 @@ import triton.language as tl
 from tokenmill.attention.kv_cache import is_fp8
 
 FLOAT, INT8, FP8 = 0, 1, 2  # KV_FORMAT: the cache's row format
-_FP8_REBIAS = 1.329227995784916e36  # 2^120: e4m3's bias (7) to float32's (127)
+# 2^120: e4m3's bias (7) to float32's (127); constexpr, as every global a kernel reads
+_FP8_REBIAS = tl.constexpr(1.329227995784916e36)
 
 
 @triton.jit
@@ -174,7 +175,9 @@ def runs_here(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-_RNE_MAGIC = 12582912.0  # 1.5 * 2^23: x + it - it rounds float32 |x| < 2^22 half-to-even
+# 1.5 * 2^23: x + it - it rounds float32 |x| < 2^22 half-to-even. A constexpr: compiled
+# Triton reads no other module globals (the interpreter does, so only the GPU showed it).
+_RNE_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit

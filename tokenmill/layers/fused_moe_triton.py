@@ -3,7 +3,8 @@ two grouped GEMM launches on the GPU instead of a loop over active experts.
 
 `align_block_size` sorts the T x k (token, expert) pairs by expert and pads each expert's run
 to a multiple of BLOCK_M with an out-of-range pair id, so that every BLOCK_M rows of the sorted
-order belong to one expert (`block_expert`). One program then computes one BLOCK_M x BLOCK_N
+order belong to one expert (`block_expert`), in buffers sized by T, k and E alone (no host
+sync: decode steps run as CUDA graphs). One program then computes one BLOCK_M x BLOCK_N
 tile of C = A[rows] @ W[expert]^T: launch one gathers the pairs' token rows of x and
 multiplies by w13 (E, 2I, H); SiLU-and-mul runs between; launch two multiplies the pairs'
 intermediate rows by w2 (E, H, I) and scales each row by its routing weight; the k rows of a
@@ -34,6 +35,8 @@ def _moe_gemm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if tl.load(sorted_pairs_ptr + pid_m * BM) >= num_pairs:  # a block of padding alone
+        return
     pairs = tl.load(sorted_pairs_ptr + pid_m * BM + tl.arange(0, BM))  # (BM,)
     ok = pairs < num_pairs  # padding rows hold num_pairs
     expert = tl.load(block_expert_ptr + pid_m)
@@ -58,20 +61,29 @@ def _moe_gemm_kernel(
 def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """ids (T, k) → sorted pair ids padded per expert to multiples of block_m (padding: T k),
-    and each block's expert (num_blocks,)."""
+    and each block's expert (num_blocks,).
+
+    Sizes depend on T, k and E alone, never on the routing (as vLLM's moe_align_block_size):
+    no host sync, so a CUDA graph captures it. Each expert's run takes a whole number of
+    blocks, which bounds the total by T k + E (block_m - 1); blocks past the experts' runs are
+    all padding (their expert clamped to E - 1, never read: the kernel returns at once), and a
+    block starts with a real pair whenever it holds one."""
     flat = ids.reshape(-1)
     num_pairs = flat.numel()
     order = torch.argsort(flat, stable=True)  # pair ids by expert
-    counts = torch.bincount(flat, minlength=num_experts)  # (E,)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # (E,); bincount would sync
     padded = (counts + block_m - 1) // block_m * block_m
-    starts = torch.cumsum(padded, 0) - padded  # each expert's first slot
+    ends = torch.cumsum(padded, 0)  # each expert's run ends here (exclusive)
     firsts = torch.cumsum(counts, 0) - counts  # each expert's first sorted pair
-    total = int(padded.sum())  # the one host sync
-    sorted_pairs = torch.full((total,), num_pairs, dtype=torch.int64, device=ids.device)
-    rank = torch.arange(num_pairs, device=ids.device) - firsts[flat[order]]
-    sorted_pairs[starts[flat[order]] + rank] = order
-    block_expert = torch.repeat_interleave(torch.arange(num_experts, device=ids.device),
-                                           padded // block_m)
+    num_blocks = -(-(num_pairs + num_experts * (block_m - 1)) // block_m)
+    sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int64,
+                              device=ids.device)
+    expert = flat[order]
+    rank = torch.arange(num_pairs, device=ids.device) - firsts[expert]
+    sorted_pairs[ends[expert] - padded[expert] + rank] = order
+    block_starts = torch.arange(num_blocks, device=ids.device) * block_m
+    block_expert = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1)
     return sorted_pairs, block_expert
 
 

@@ -77,15 +77,20 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, hf_config: Any,
                  key: str = "default") -> None:
         super().__init__()
-        pos = torch.arange(max_positions, dtype=torch.float32)
-        cos, sin = _table(*_inv_freq(hf_config, head_dim, key), pos)
-        rope = rope_parameter_sets(hf_config)[key]
-        if rope.get("rope_type") == "longrope":  # positions from the original length: long
-            start = int(rope["original_max_position_embeddings"])
-            long_cos, long_sin = _table(*_inv_freq(hf_config, head_dim, key, start + 1), pos)
-            cos[start:], sin[start:] = long_cos[start:], long_sin[start:]
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        device = torch.get_default_device()  # the model's (built under torch.device(...))
+        # The table is computed on the CPU whatever that device (transformers' initialisers
+        # make CPU tensors; one device's arithmetic for every engine), then moved there.
+        with torch.device("cpu"):
+            pos = torch.arange(max_positions, dtype=torch.float32)
+            cos, sin = _table(*_inv_freq(hf_config, head_dim, key), pos)
+            rope = rope_parameter_sets(hf_config)[key]
+            if rope.get("rope_type") == "longrope":  # from the original length on: long factors
+                start = int(rope["original_max_position_embeddings"])
+                long_cos, long_sin = _table(*_inv_freq(hf_config, head_dim, key, start + 1),
+                                            pos)
+                cos[start:], sin[start:] = long_cos[start:], long_sin[start:]
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The GPU checks in one command, for the lent CUDA machine (no package registry there: it runs
+# that machine's own torch, triton and transformers, with tokenmill from this folder):
+#
+#   bash benchmarks/gpu_session.sh --save-tokenizer DIR     (here, where the model package is)
+#   bash benchmarks/gpu_session.sh OUT_DIR TOKENIZER_DIR [PART ...]      (there)
+#
+# TOKENIZER_DIR: SmolLM2's tokenizer saved by --save-tokenizer (its GGUF file is too large to
+# travel). PARTs (default all): tests (attention backends, CUDA graphs, HF parity and the
+# fused-MoE kernel, on the GPU), shapes (benchmarks/real_shapes.py), moe (benchmarks/moe.py on
+# the GPU). Each part has its own time limit and log under OUT_DIR, so one that fails or hangs
+# leaves the others their time.
+set -u
+if [ "${1:-}" = --save-tokenizer ]; then
+  exec python3 -c "import os, sys
+from transformers import AutoTokenizer
+from tokenmill.model_loader.default_model import default_model_path
+path = default_model_path()
+AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)
+                              ).save_pretrained(sys.argv[1])" "${2:?DIR}"
+fi
+out=${1:?OUT_DIR}
+tok=${2:?TOKENIZER_DIR}
+shift 2
+parts=${*:-tests shapes moe}
+mkdir -p "$out"
+# A pytest plugin that writes each failure's report the moment it happens, so that a run cut
+# off by its time limit still says what failed and why.
+plugin_dir=$(mktemp -d)
+cat > "$plugin_dir/report_at_once.py" <<'PY'
+import os
+
+_controller = True
+
+
+def pytest_configure(config):
+    global _controller
+    _controller = not hasattr(config, "workerinput")  # xdist: the controller writes
+
+
+def pytest_runtest_logreport(report):
+    if _controller and (report.failed or report.when == "call"):
+        with open(os.environ["TESTS_REPORT"], "a") as f:
+            f.write(f"{report.outcome.upper()} {report.nodeid} ({report.duration:.1f} s)\n")
+            if report.failed:
+                f.write(report.longreprtext[-4000:] + "\n\n")
+PY
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$plugin_dir TOKENMILL_TEST_TOKENIZER_DIR=$tok
+export TESTS_REPORT=$out/tests_report.log
+# The C++ kernels are CPU kernels; their tests run in CI. Skipping their build saves minutes.
+export TOKENMILL_CPU_KERNELS=0
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton',
+triton.__version__, 'transformers', transformers.__version__)"
+for part in $parts; do
+  echo "=== $part $(date +%T)"
+  case $part in
+    # 8 test processes of 2 threads each on the machine's 16 cores
+    tests) OMP_NUM_THREADS=2 timeout "${TESTS_S:-270}" python3 -m pytest -q -p no:cacheprovider \
+             -p report_at_once -rfE -n 8 --timeout 120 \
+             tests/attention tests/worker tests/models/test_hf_parity.py \
+             tests/layers/test_fused_moe_triton.py 2>&1 | tee "$out/tests.log" ;;
+    shapes) timeout "${SHAPES_S:-200}" python3 benchmarks/real_shapes.py \
+              --json "$out/real_shapes.json" 2>&1 | tee "$out/real_shapes.log" ;;
+    moe) timeout "${MOE_S:-50}" python3 benchmarks/moe.py --device cuda --tokenizer "$tok" \
+           --dtype "${MOE_DTYPE:-auto}" \
+           --json "$out/moe.json" 2>&1 | tee "$out/moe.log" ;;
+  esac
+  echo "=== $part done $(date +%T) rc=${PIPESTATUS[0]}"
+done
