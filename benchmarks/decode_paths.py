@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.bench.machine import describe_machine  # noqa: E402
 from tokenmill.bench.workloads import load_workload  # noqa: E402
 from tokenmill.model_loader.default_model import default_model_path  # noqa: E402
 
@@ -53,6 +54,7 @@ def main() -> None:
     (req,) = load_workload(model, "single-stream", 0)
     llm = LLM(model, quantization=args.quantization)
     decode = llm.engine.runner.model.model.small_batch_decode
+    print(describe_machine())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.rounds} rounds "
           f"of {args.tokens} tokens per way")
     gaps: dict[str, list[float]] = {w: [] for w in WAYS}

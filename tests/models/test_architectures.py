@@ -17,8 +17,9 @@ from tokenmill import LLM, SamplingParams
 ARCHITECTURES = {"qwen2_moe": "cpu", "qwen3_moe": "cpu", "olmoe": "cpu",
                  "mistral-window": "cpu", "gemma2": "cpu", "gemma3": "cpu",
                  "phi3": "cpu", "phi3-partial": "cpu"}
-# whose layers are exactly Llama's: the fused CPU decode call takes their decode steps
-FUSED_DECODE = {"phi3"}
+# whose layers are exactly Llama's (Mistral's with one window for all): the fused CPU decode
+# call takes their decode steps
+FUSED_DECODE = {"phi3", "mistral-window"}
 
 
 @pytest.mark.parametrize("kind", list(ARCHITECTURES))
@@ -32,8 +33,8 @@ def test_greedy_matches_hf_under_chunking_prefix_hits_and_preemption(tiny_model,
         got = generate_greedy(llm, cases) + generate_greedy(llm, cases[-1:])
         assert engine.scheduler.num_preemptions > 0 and engine.kv.prefix_hits > 0
         assert type(engine.runner.backend).__name__.lower().startswith(ARCHITECTURES[kind])
-        # the others' layers are not the fused call's (MoE blocks, q/k norms, windows,
-        # partial rotary, Gemma's norms)
+        # the others' layers are not the fused call's (MoE blocks, q/k norms, partial
+        # rotary, Gemma's norms and mixed windows)
         plan = engine.runner.model.model.small_batch_decode._plan
         assert (plan is not None) == (kind in FUSED_DECODE)
         assert_kv_all_free(engine)
@@ -133,3 +134,33 @@ def test_tensor_parallel_greedy_matches_hf(tiny_model, kind):
         llm.engine.shutdown()
     assert got == [hf_greedy(hf, p, m) for p, m in cases]
     assert no_workers_left()
+
+
+def test_fused_decode_call_runs_a_windowed_mistral_bitwise_equal_to_the_modules(tiny_model,
+                                                                               monkeypatch):
+    """Mistral with a 24-token window in every layer: its decode steps go through the fused
+    call (each query's first key moved to its window, as the backend moves it), tokens and
+    logprobs bitwise equal to the modules', greedy == HF past the window."""
+    from tokenmill.models import cpu_decode
+
+    path, hf = tiny_model("mistral-window")
+    cases = mixed_prompts(4, 49152, seed=16, max_len=60, max_new=20)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=2)
+              for _, m in cases]
+
+    def run():
+        llm = LLM(path)
+        outs = llm.generate([p for p, _ in cases], params, use_tqdm=False)
+        llm.engine.shutdown()
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    calls = []
+    real = cpu_decode._decode_layers_op()
+    monkeypatch.setattr(cpu_decode, "_decode_layers_op", lambda: lambda *a: calls.append(1)
+                        or real(*a))
+    fused = run()
+    assert calls
+    assert [t for t, _ in fused] == [hf_greedy(hf, p, m) for p, m in cases]
+    monkeypatch.setattr(cpu_decode.SmallBatchDecode, "applies", lambda *a: False)
+    assert run() == fused
+

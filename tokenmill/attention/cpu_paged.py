@@ -60,6 +60,13 @@ class PagedQueries:
     ctx_lens: torch.Tensor  # (N,) long: tokens [start, ctx) of the cache are attended
     block_tables: torch.Tensor  # (B, max_blocks) long
 
+    def first_keys(self, window: int | None) -> torch.Tensor:
+        """(N,) each query's first attended cached token: start_lens, or with a sliding
+        window its last `window` positions ([ctx - window, ctx), as transformers' mask: keys
+        > its position - window; windowed layers have no cascades). The fused decode call
+        (models/cpu_decode.py) starts its kernel walk by this rule too."""
+        return self.start_lens if window is None else (self.ctx_lens - window).clamp_min(0)
+
 
 @dataclass
 class PrefixCascade:
@@ -181,11 +188,9 @@ class CPUPagedAttention(TorchPagedAttention):
                kv_scales: torch.Tensor | None, window: int | None = None,
                soft_cap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel: out (N, Hq, D) and log-sum-exp (N, Hq) of q (N, Hq, D); with a window,
-        each query attends only its last `window` positions (the cached tokens [ctx - window,
-        ctx), as transformers' mask: keys > its position - window)."""
-        start = p.start_lens if window is None else (p.ctx_lens - window).clamp_min_(0)
-        return self._op(q, kv_cache[0], kv_cache[1], p.block_tables, p.seq_rows, start,
-                        p.ctx_lens, scale, kv_scales, soft_cap or 0.0)
+        each query attends only its last `window` positions (PagedQueries.first_keys)."""
+        return self._op(q, kv_cache[0], kv_cache[1], p.block_tables, p.seq_rows,
+                        p.first_keys(window), p.ctx_lens, scale, kv_scales, soft_cap or 0.0)
 
     def _cascade(self, q: torch.Tensor, kv_cache: torch.Tensor, c: PrefixCascade,
                  scale: float, kv_scales: torch.Tensor | None) -> torch.Tensor:

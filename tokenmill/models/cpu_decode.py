@@ -14,8 +14,9 @@ types `_allowed()` names (a subclass, such as Qwen3's attention with its q/k nor
 model and goes through the modules), unsplit or split over tensor-parallel ranks that share
 the shared-memory all-reduce (the call then sums the row-parallel outputs itself, between the
 same ops, so ranks stay bitwise equal to their modules), float32 activations on CPU,
-a KV cache in a format the kernel reads (`KERNEL_KV_DTYPES`: float32, int8, fp8), plain
-causal attention (no sliding window, no soft cap) with RoPE over whole heads, every
+a KV cache in a format the kernel reads (`KERNEL_KV_DTYPES`: float32, int8, fp8), causal
+attention without a soft cap, with one sliding window or none for all layers (the window
+moves each query's first key, as the attention backend does) and RoPE over whole heads, every
 linear layer's method giving a CPU kernel, and a step whose every query goes to the CPU
 paged-attention kernel (the attention backend says so through `fused_decode_queries`;
 backends without that kernel never do). Anything else runs the
@@ -76,6 +77,7 @@ class _Plan:
     eps: float
     scale: float
     comm: ShmAllReduce | None  # tensor parallelism: the all-reduce the call makes itself
+    window: int | None  # every layer's sliding window (Mistral), or None
 
 
 class SmallBatchDecode:
@@ -110,7 +112,8 @@ class SmallBatchDecode:
             hidden, residual, seq = _decode_layers_op()(
                 hidden, plan.norms, plan.linears, [a.kv_cache for a in plan.attns],
                 [a.kv_scales for a in plan.attns], plan.attns[0].key_rotation, cos, sin,
-                meta.slot_mapping, p.block_tables, p.seq_rows, p.start_lens, p.ctx_lens,
+                meta.slot_mapping, p.block_tables, p.seq_rows, p.first_keys(plan.window),
+                p.ctx_lens,
                 *plan.heads, plan.eps, plan.scale, *shm[:4],
                 0 if comm is None else comm.seq, shm[4])
         if comm is not None:
@@ -137,13 +140,15 @@ class SmallBatchDecode:
                     or a.attn.backend is not first.attn.backend
                     or a.attn.key_rotation is not first.attn.key_rotation
                     or a.attn.kv_cache.dtype not in KERNEL_KV_DTYPES
-                    # plain causal attention only: no window (Mistral), no soft cap
-                    or a.attn.sliding_window is not None or a.attn.soft_cap is not None):
+                    # causal attention, one window (or none) for all layers, no soft cap
+                    or a.attn.sliding_window != first.attn.sliding_window
+                    or a.attn.soft_cap is not None):
                 return None
         return _Plan(norms=[t for p in parts for t in p[0]],
                      linears=[lin for p in parts for lin in p[1]],
                      attns=[layer.self_attn.attn for layer in self.layers],
-                     heads=heads, eps=eps, scale=scale, comm=first.o_proj.tp.comm)
+                     heads=heads, eps=eps, scale=scale, comm=first.o_proj.tp.comm,
+                     window=first.attn.sliding_window)
 
 
 def _split_supported(lin: nn.Module) -> bool:
