@@ -76,6 +76,11 @@ TINY_MODELS = {
                                           sliding_window=24, num_hidden_layers=6)),
     "olmoe": ("OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2, clip_qkv=4.0,
                                   tie_word_embeddings=False)),
+    # IBM Granite: four multipliers, each far from 1 (granite-3.0-2b's embedding, residual
+    # and logits values; scores scaled by 0.5 / sqrt(head_dim))
+    "granite": ("GraniteConfig", dict(embedding_multiplier=12.0, residual_multiplier=0.22,
+                                      attention_multiplier=0.125, logits_scaling=8.0,
+                                      tie_word_embeddings=True)),
 }
 
 

@@ -24,7 +24,8 @@ KINDS = {"mixtral": ("llama", "MixtralForCausalLM"),
          "gemma2": ("gemma2", "Gemma2ForCausalLM"),
          "gemma3-6": ("gemma3", "Gemma3ForCausalLM"),
          "phi3": ("phi3", "Phi3ForCausalLM"),
-         "olmoe": ("olmoe", "OlmoeForCausalLM")}
+         "olmoe": ("olmoe", "OlmoeForCausalLM"),
+         "granite": ("granite", "GraniteForCausalLM")}
 
 
 def _permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
@@ -62,6 +63,11 @@ def _metadata(arch: str, c) -> dict[str, tuple[object, str]]:
         m["attention.sliding_window"] = (c.sliding_window, "u32")
     if getattr(c, "clip_qkv", None) is not None:
         m["attention.clamp_kqv"] = (c.clip_qkv, "f32")
+    if arch == "granite":  # the converter's names for the four multipliers
+        m["embedding_scale"] = (c.embedding_multiplier, "f32")
+        m["residual_scale"] = (c.residual_multiplier, "f32")
+        m["attention.scale"] = (c.attention_multiplier, "f32")
+        m["logit_scale"] = (c.logits_scaling, "f32")
     if arch == "phi3":
         m["rope.dimension_count"] = (head_dim, "u32")
         m["rope.scaling.original_context_length"] = (c.original_max_position_embeddings, "u32")

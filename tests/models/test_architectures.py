@@ -16,7 +16,7 @@ from tokenmill import LLM, SamplingParams
 # soft-capped scores)
 ARCHITECTURES = {"qwen2_moe": "cpu", "qwen3_moe": "cpu", "olmoe": "cpu",
                  "mistral-window": "cpu", "gemma2": "cpu", "gemma3": "cpu",
-                 "phi3": "cpu", "phi3-partial": "cpu"}
+                 "phi3": "cpu", "phi3-partial": "cpu", "granite": "cpu"}
 # whose layers are exactly Llama's (Mistral's with one window for all): the fused CPU decode
 # call takes their decode steps
 FUSED_DECODE = {"phi3", "mistral-window"}
@@ -34,7 +34,7 @@ def test_greedy_matches_hf_under_chunking_prefix_hits_and_preemption(tiny_model,
         assert engine.scheduler.num_preemptions > 0 and engine.kv.prefix_hits > 0
         assert type(engine.runner.backend).__name__.lower().startswith(ARCHITECTURES[kind])
         # the others' layers are not the fused call's (MoE blocks, q/k norms, partial
-        # rotary, Gemma's norms and mixed windows)
+        # rotary, Gemma's norms and mixed windows, Granite's multipliers)
         plan = engine.runner.model.model.small_batch_decode._plan
         assert (plan is not None) == (kind in FUSED_DECODE)
         assert_kv_all_free(engine)
@@ -164,3 +164,23 @@ def test_fused_decode_call_runs_a_windowed_mistral_bitwise_equal_to_the_modules(
     monkeypatch.setattr(cpu_decode.SmallBatchDecode, "applies", lambda *a: False)
     assert run() == fused
 
+
+def test_granite_logprobs_are_hf_s_scaled_logits(tiny_model):
+    """Granite divides its logits by logits_scaling (8 here): greedy tokens cannot show it, the
+    sampled distribution does. The first token's logprobs equal HF's log-softmax."""
+    import torch
+
+    path, hf = tiny_model("granite")
+    prompt = mixed_prompts(3, 49152, seed=4, max_len=40)[2][0]
+    llm = LLM(path)
+    try:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5),
+                           use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.engine.shutdown()
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0, -1].log_softmax(-1)
+    top = out.logprobs[0]
+    assert len(top) == 5
+    for token, logprob in top.items():
+        assert abs(logprob.logprob - float(want[token])) < 1e-4
