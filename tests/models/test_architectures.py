@@ -74,11 +74,19 @@ def test_fused_decode_call_runs_phi3_bitwise_equal_to_the_modules(tiny_model, mo
     through the fused call, and the tokens and logprobs equal the modules' exactly; a
     310-token prompt decodes past position 320, where longrope's long factors take over,
     and stays equal to HF's."""
-    from tokenmill.models import cpu_decode
-
     path, hf = tiny_model("phi3")
     cases = mixed_prompts(4, 49152, seed=9, max_len=40, max_new=12)
     cases.append((mixed_prompts(2, 49152, seed=10, max_len=310)[1][0], 20))  # 310 tokens
+    fused, modules = fused_then_modules(path, cases, monkeypatch)
+    assert fused == modules
+    assert fused[-1][0] == hf_greedy(hf, cases[-1][0], 20)
+
+
+def fused_then_modules(path: str, cases, monkeypatch) -> tuple[list, list]:
+    """Greedy (token ids, logprobs) of every case through the fused decode call (asserted to
+    run), then through the modules alone."""
+    from tokenmill.models import cpu_decode
+
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=2)
               for _, m in cases]
 
@@ -94,9 +102,8 @@ def test_fused_decode_call_runs_phi3_bitwise_equal_to_the_modules(tiny_model, mo
                         or real(*a))
     fused = run()
     assert calls
-    assert fused[-1][0] == hf_greedy(hf, cases[-1][0], 20)
     monkeypatch.setattr(cpu_decode.SmallBatchDecode, "applies", lambda *a: False)
-    assert run() == fused
+    return fused, run()
 
 
 def test_gemma2_final_logit_soft_cap_shapes_the_logprobs(tiny_model):
@@ -141,28 +148,11 @@ def test_fused_decode_call_runs_a_windowed_mistral_bitwise_equal_to_the_modules(
     """Mistral with a 24-token window in every layer: its decode steps go through the fused
     call (each query's first key moved to its window, as the backend moves it), tokens and
     logprobs bitwise equal to the modules', greedy == HF past the window."""
-    from tokenmill.models import cpu_decode
-
     path, hf = tiny_model("mistral-window")
     cases = mixed_prompts(4, 49152, seed=16, max_len=60, max_new=20)
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=2)
-              for _, m in cases]
-
-    def run():
-        llm = LLM(path)
-        outs = llm.generate([p for p, _ in cases], params, use_tqdm=False)
-        llm.engine.shutdown()
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
-
-    calls = []
-    real = cpu_decode._decode_layers_op()
-    monkeypatch.setattr(cpu_decode, "_decode_layers_op", lambda: lambda *a: calls.append(1)
-                        or real(*a))
-    fused = run()
-    assert calls
+    fused, modules = fused_then_modules(path, cases, monkeypatch)
+    assert fused == modules
     assert [t for t, _ in fused] == [hf_greedy(hf, p, m) for p, m in cases]
-    monkeypatch.setattr(cpu_decode.SmallBatchDecode, "applies", lambda *a: False)
-    assert run() == fused
 
 
 def test_granite_logprobs_are_hf_s_scaled_logits(tiny_model):
