@@ -12,12 +12,10 @@
 # leaves the others their time.
 set -u
 if [ "${1:-}" = --save-tokenizer ]; then
-  exec python3 -c "import os, sys
-from transformers import AutoTokenizer
+  exec python3 -c "import sys
+from tokenmill.engine.tokenizer import gguf_tokenizer
 from tokenmill.model_loader.default_model import default_model_path
-path = default_model_path()
-AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)
-                              ).save_pretrained(sys.argv[1])" "${2:?DIR}"
+gguf_tokenizer(default_model_path()).save_pretrained(sys.argv[1])" "${2:?DIR}"
 fi
 out=${1:?OUT_DIR}
 tok=${2:?TOKENIZER_DIR}

@@ -39,6 +39,7 @@ def write_model(folder: str, experts: int, top_k: int, intermediate: int, layers
     the model package or from the folder `tokenizer`."""
     from transformers import AutoTokenizer, MixtralConfig
 
+    from tokenmill.engine.tokenizer import gguf_tokenizer
     from tokenmill.model_loader.default_model import default_model_path
 
     cfg = MixtralConfig(vocab_size=49152, hidden_size=576, intermediate_size=intermediate,
@@ -48,12 +49,9 @@ def write_model(folder: str, experts: int, top_k: int, intermediate: int, layers
                         sliding_window=None, tie_word_embeddings=True)
     cfg.architectures = ["MixtralForCausalLM"]
     cfg.save_pretrained(folder)
-    if tokenizer is not None:
-        AutoTokenizer.from_pretrained(tokenizer).save_pretrained(folder)
-        return
-    gguf = default_model_path()
-    AutoTokenizer.from_pretrained(os.path.dirname(gguf),
-                                  gguf_file=os.path.basename(gguf)).save_pretrained(folder)
+    tok = (AutoTokenizer.from_pretrained(tokenizer) if tokenizer is not None
+           else gguf_tokenizer(default_model_path()))
+    tok.save_pretrained(folder)
 
 
 def main() -> None:
@@ -79,7 +77,7 @@ def main() -> None:
     args = p.parse_args()
     cuda = args.device == "cuda"
     print(torch.cuda.get_device_name() if cuda else describe_machine())
-    # path → (engine, FusedMoE.grouped, FusedMoE.use_triton)
+    # each path: which engine, FusedMoE.grouped and FusedMoE.use_triton (set per round below)
     paths = (("triton fused", "grouped", "masked loop") if cuda
              else ("grouped", "masked loop", "int8"))
     with tempfile.TemporaryDirectory() as folder:

@@ -99,8 +99,8 @@ def main() -> None:
     parser.add_argument("--read-gbps", type=float, default=None,
                         help="memory read bandwidth for the floor (default: H100 HBM ~3,090 "
                              "GB/s on CUDA, this CPU's ~30 GB/s otherwise)")
-    # on CUDA 8 GiB (default), which hold the batch's 64 x 384 tokens of the 8B model (128 KiB
-    # a token in bfloat16) without preemption; the engine's default 2 GiB on CPU
+    # default on CUDA 8 GiB, which hold the batch's 64 x 384 tokens of the 8B model (128 KiB a
+    # token in bfloat16) without preemption; on CPU the engine's own default
     parser.add_argument("--kv-cache-memory", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -108,6 +108,8 @@ def main() -> None:
     from tokenmill import LLM
 
     modes = MODES_CUDA if args.device == "cuda" else {"default": {}}
+    kv = args.kv_cache_memory or ("8GiB" if args.device == "cuda" else None)
+    kv_memory = {"kv_cache_memory": kv} if kv else {}
     read_gbps = args.read_gbps or (3090.0 if args.device == "cuda" else 30.0)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"torch {torch.__version__}, device {gpu}, dtype {args.dtype}\n")
@@ -120,9 +122,7 @@ def main() -> None:
             vocab = SHAPES[name]["vocab_size"]
             for mode, options in modes.items():
                 llm = LLM(str(folder), load_format="dummy", device=args.device,
-                          dtype=args.dtype, max_model_len=4096,
-                          kv_cache_memory=args.kv_cache_memory
-                          or ("8GiB" if args.device == "cuda" else "2GiB"), **options)
+                          dtype=args.dtype, max_model_len=4096, **kv_memory, **options)
                 weight_bytes = sum(p.numel() * p.element_size()
                                    for p in llm.engine.runner.model.parameters())
                 floor_ms = weight_bytes / (read_gbps * 1e9) * 1e3

@@ -28,8 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def write_model(folder: str, window: int | None) -> None:
-    from transformers import AutoTokenizer, MistralConfig
+    from transformers import MistralConfig
 
+    from tokenmill.engine.tokenizer import gguf_tokenizer
     from tokenmill.model_loader.default_model import default_model_path
 
     cfg = MistralConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -38,9 +39,7 @@ def write_model(folder: str, window: int | None) -> None:
                         eos_token_id=2, sliding_window=window, tie_word_embeddings=True)
     cfg.architectures = ["MistralForCausalLM"]
     cfg.save_pretrained(folder)
-    gguf = default_model_path()
-    AutoTokenizer.from_pretrained(os.path.dirname(gguf),
-                                  gguf_file=os.path.basename(gguf)).save_pretrained(folder)
+    gguf_tokenizer(default_model_path()).save_pretrained(folder)
 
 
 def run(llm, prompts: list[list[int]], tokens: int) -> tuple[float, int, list[list[int]]]:

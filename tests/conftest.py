@@ -97,15 +97,13 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixt
     """SmolLM2's tokenizer saved as tokenizer.json once, for the tiny models to share; or the
     folder TOKENMILL_TEST_TOKENIZER_DIR names, saved so earlier (for a machine without the
     model's package, such as the lent GPU, where the GGUF file cannot travel)."""
-    from transformers import AutoTokenizer
+    from tokenmill.engine.tokenizer import gguf_tokenizer
 
     saved = os.environ.get("TOKENMILL_TEST_TOKENIZER_DIR")
     if saved:
         return Path(saved)
-    folder, name = os.path.split(request.getfixturevalue("smollm2_path"))
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     out = tmp_path_factory.mktemp("tokenizer")
-    tok.save_pretrained(out)
+    gguf_tokenizer(request.getfixturevalue("smollm2_path")).save_pretrained(out)
     return out
 
 
