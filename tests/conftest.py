@@ -25,6 +25,10 @@ TINY_MODELS = {
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 64})),
+    # MLPs gated by GELU, exact and tanh-approximated (configs real checkpoints carry)
+    "llama-gelu": ("LlamaConfig", dict(hidden_act="gelu", tie_word_embeddings=True)),
+    "qwen2-gelu-tanh": ("Qwen2Config", dict(hidden_act="gelu_pytorch_tanh",
+                                            tie_word_embeddings=False)),
     "llama-linear-rope": ("LlamaConfig", dict(
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
     "mistral": ("MistralConfig", dict(sliding_window=None, tie_word_embeddings=False)),

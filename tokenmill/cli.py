@@ -71,6 +71,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "for large batches (default: for models up to 5 GiB of weights)")
     g.add_argument("--no-prepack-weights", dest="prepack_weights", action="store_false",
                    default=None, help="CPU float32: no packed copy (half the weight memory)")
+    g.add_argument("--batch-invariant", dest="batch_invariant", action="store_true",
+                   default=None, help="a request's tokens never depend on what shares its "
+                   "step (the default on CPU in float32)")
+    g.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                   default=None, help="the fastest kernel for each step size instead (results "
+                   "may then vary in the last bits with the batch)")
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="CUDA: run decode steps eagerly, without CUDA graphs")
     g.add_argument("--seed", type=int, default=None)
@@ -110,7 +116,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
              "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
              "preemption_mode", "async_scheduling", "swap_space", "device", "seed",
              "prepack_weights",
-             "attention_backend", "enforce_eager", "speculative_config",
+             "attention_backend", "batch_invariant", "enforce_eager", "speculative_config",
              "structured_outputs_config", "runner", "pooler_config", "tensor_parallel_size",
              "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend"]
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}

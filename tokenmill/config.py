@@ -228,6 +228,33 @@ def _resolve_quantization(asked: str | None, checkpoint: dict[str, Any] | None,
     return asked
 
 
+def resolve_batch_invariant(asked: bool | None, device: str, model: ModelConfig,
+                            attention_backend: str) -> bool:
+    """Whether the engine runs batch-invariant (EngineConfig.batch_invariant): as asked, or
+    by default (None) wherever it is built: on CPU, in float32, with the C++ kernels and an
+    attention backend that keeps each query's order (the C++ paged kernel, "cpu" or "auto").
+    Asked for where it is not built: ValueError saying why (vLLM's mode is a GPU opt-in)."""
+    from tokenmill.utils.cpp_extension import kernels_enabled
+
+    if asked not in (None, True, False):
+        raise ValueError(f"batch_invariant must be True or False, got {asked!r}")
+    why_not = None
+    if not device.startswith("cpu"):
+        why_not = f"on {device}: the batch-invariant kernels are the CPU's"
+    elif not kernels_enabled():
+        why_not = "without the C++ CPU kernels (TOKENMILL_CPU_KERNELS=0)"
+    elif model.dtype != torch.float32:
+        why_not = f"in {model.dtype}: the CPU kernels compute float32"
+    elif attention_backend not in ("auto", "cpu"):
+        why_not = (f"with attention_backend={attention_backend!r}: only the C++ paged kernel "
+                   "attends every query in a fixed order")
+    if why_not is None:
+        return asked is not False
+    if asked:
+        raise ValueError(f"batch_invariant=True is not available {why_not}")
+    return False
+
+
 def resolve_device(device: str | None) -> str:
     """The device an engine runs on: the one asked for, else CUDA when present, else CPU."""
     return device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -316,8 +343,15 @@ class EngineConfig:
     seed: int = 0
     # CPU float32: also keep a copy of each dense weight in oneDNN's blocked layout for large
     # GEMMs (layers/cpu_gemm.py); "auto": for models up to PREPACK_AUTO_MAX_BYTES of float32
-    # weights (quantization/unquantized.py), since the copy doubles their memory.
+    # weights (quantization/unquantized.py), since the copy doubles their memory. Only
+    # without batch invariance (whose kernels read the weights as stored).
     prepack_weights: bool | str = "auto"
+    # A request's logits do not depend on the rest of its step (other requests, chunking,
+    # a prefix-cache hit, preemption, speculative verify steps): every linear layer and
+    # attention query is summed in one order at every step size (csrc/linear_dot.h, the
+    # paged kernel's fixed key chunks). Resolved at create (resolve_batch_invariant): on by
+    # default where built (CPU, float32, the C++ kernels), off elsewhere.
+    batch_invariant: bool = False
     # auto: the C++ paged kernel for float32 on CPU, else the PyTorch backend (attention/).
     attention_backend: str = "auto"
     # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs (vLLM's name).
@@ -364,6 +398,7 @@ class EngineConfig:
                   "device": "engine", "seed": "engine",
                   "prepack_weights": "engine", "attention_backend": "engine",
                   "enforce_eager": "engine", "speculative_config": "engine",
+                  "batch_invariant": "engine",
                   "structured_outputs_config": "engine", "runner": "engine",
                   "pooler_config": "engine"}
         for name, value in options.items():
@@ -407,11 +442,14 @@ class EngineConfig:
         if speculative is not None and parallel.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding does not run with "
                              "pipeline_parallel_size > 1 yet")
+        attention_backend = groups["engine"].get("attention_backend", "auto")
+        invariant = resolve_batch_invariant(groups["engine"].get("batch_invariant"), device,
+                                            model_cfg, attention_backend)
         return EngineConfig(model=model_cfg, cache=CacheConfig(**groups["cache"]),
                             scheduler=sched, parallel=parallel,
                             device=device, seed=int(groups["engine"].get("seed", 0)),
                             prepack_weights=groups["engine"].get("prepack_weights", "auto"),
-                            attention_backend=groups["engine"].get("attention_backend", "auto"),
+                            attention_backend=attention_backend, batch_invariant=invariant,
                             enforce_eager=bool(groups["engine"].get("enforce_eager", False)),
                             speculative=speculative, draft_model=draft,
                             structured_outputs=StructuredOutputsConfig.parse(

@@ -1,7 +1,8 @@
-"""oneDNN-prepacked linear layers (the unquantized method's large-M path): same results as
-F.linear (float32, summation order aside) for every batch size (the small ones go through the
-C++ kernel when it is built), bias handled; the dense copy is freed unless a kernel or an
-embedding lookup reads it; with prepacking off no copy is made."""
+"""oneDNN-prepacked linear layers (the unquantized method's large-M path without batch
+invariance): same results as F.linear (float32, summation order aside) for every batch size
+(the small ones go through the C++ kernel when it is built), bias handled; the dense copy is
+freed unless a kernel or an embedding lookup reads it; with prepacking off, or batch-invariant
+(whose kernels read the weight as stored), no copy is made."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ pytestmark = pytest.mark.skipif(not onednn_available(torch.device("cpu"), torch.
                                 reason="oneDNN unavailable")
 
 
+PACKED = UnquantizedConfig(prepack=True, batch_invariant=False)
+
+
 def process(*layers: torch.nn.Module) -> None:
     for layer in layers:
         layer.quant_method.process_weights_after_loading(layer)
@@ -27,8 +31,8 @@ def process(*layers: torch.nn.Module) -> None:
 @pytest.mark.parametrize("rows", [0, 1, 3, 64, 300])
 def test_packed_linear_matches_f_linear(rows):
     torch.manual_seed(rows)
-    qkv = QKVParallelLinear(96, 16, 4, 2, bias=True)
-    row = RowParallelLinear(64, 96, bias=True)
+    qkv = QKVParallelLinear(96, 16, 4, 2, bias=True, quant_config=PACKED)
+    row = RowParallelLinear(64, 96, bias=True, quant_config=PACKED)
     for layer in (qkv, row):
         torch.nn.init.normal_(layer.weight)
         torch.nn.init.normal_(layer.bias)
@@ -42,8 +46,10 @@ def test_packed_linear_matches_f_linear(rows):
         torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
 
 
-def test_no_prepack_keeps_one_copy():
-    layer = RowParallelLinear(64, 96, quant_config=UnquantizedConfig(prepack=False))
+@pytest.mark.parametrize("config", [UnquantizedConfig(prepack=False, batch_invariant=False),
+                                    UnquantizedConfig(prepack=True, batch_invariant=True)])
+def test_no_prepack_keeps_one_copy(config):
+    layer = RowParallelLinear(64, 96, quant_config=config)
     torch.nn.init.normal_(layer.weight)
     process(layer)
     assert layer.packed_weight is None and layer.weight is not None
@@ -53,8 +59,8 @@ def test_no_prepack_keeps_one_copy():
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_lm_head_prepack_keeps_a_tied_table(tied):
-    embed = VocabParallelEmbedding(1000, 32)
-    head = ParallelLMHead(1000, 32)
+    embed = VocabParallelEmbedding(1000, 32, quant_config=PACKED)
+    head = ParallelLMHead(1000, 32, quant_config=PACKED)
     owner = embed if tied else head
     if tied:
         head.tie_to(embed)

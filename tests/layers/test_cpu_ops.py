@@ -13,7 +13,7 @@ from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import MergedColumnParallelLinear
 from tokenmill.layers.rotary import _rotate_half, apply_rotary
 from tokenmill.layers.vocab_embedding import ParallelLMHead
-from tokenmill.quantization import CPULinearKernel
+from tokenmill.quantization import CPULinearKernel, UnquantizedConfig
 
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
 
@@ -33,17 +33,14 @@ def test_dense_linear_matches_f_linear(m, k, n, bias):
                                atol=2e-4, rtol=1e-5)
 
 
-def test_dense_linear_takes_up_to_16_rows_and_rejects_more():
-    x, w = torch.randn(16, 8), torch.randn(3, 8)
-    torch.testing.assert_close(cpu_ops.linear(x, dense(w)), x @ w.T)
-    with pytest.raises(RuntimeError, match="more than 16 rows"):
-        cpu_ops.linear(torch.randn(17, 8), dense(w))
-
-
 @pytest.mark.parametrize("rows", [1, 4, 5, 33])
-def test_linear_layer_takes_the_small_m_kernel_and_agrees(rows, monkeypatch):
+@pytest.mark.parametrize("invariant", [True, False])
+def test_linear_layer_takes_the_c_kernel_and_agrees(rows, invariant, monkeypatch):
+    """Batch-invariant layers multiply through the C++ op at every M; otherwise only small
+    steps do (larger ones take oneDNN's prepacked copy)."""
     torch.manual_seed(rows)
-    layer = MergedColumnParallelLinear(40, [24, 24], bias=True)
+    layer = MergedColumnParallelLinear(40, [24, 24], bias=True, quant_config=UnquantizedConfig(
+        batch_invariant=invariant))
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)
     calls = []
@@ -52,7 +49,7 @@ def test_linear_layer_takes_the_small_m_kernel_and_agrees(rows, monkeypatch):
     x = torch.randn(rows, 40)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias),
                                atol=1e-4, rtol=1e-5)
-    assert len(calls) == (1 if rows <= cpu_ops.SMALL_M else 0)
+    assert len(calls) == (1 if rows <= cpu_ops.SMALL_M or invariant else 0)
 
 
 def test_lm_head_decode_logits():

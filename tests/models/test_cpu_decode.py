@@ -79,20 +79,98 @@ def test_same_outputs_as_module_path(kind, quantization, kv, tiny_model, tmp_pat
         assert [t for t, _ in fast] == [hf_greedy(hf, p, 10) for p in batch + single]
 
 
-def test_allow_list_refuses_a_subclass(tiny_model):
-    """A layer type the fused call does not know (here a subclass of the MLP, standing for a
-    model that changes it) turns the path off instead of being run as a Llama layer."""
+def _counting_fused_calls(monkeypatch) -> list[int]:
+    """The token count of every fused decode call from now on."""
+    calls: list[int] = []
+    real_op = cpu_decode._decode_layers_op()
+
+    def counting_op(hidden, *args):
+        calls.append(hidden.shape[0])
+        return real_op(hidden, *args)
+
+    monkeypatch.setattr(cpu_decode, "_decode_layers_op", lambda: counting_op)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["llama-gelu", "qwen2-gelu-tanh"])
+def test_gelu_models_decode_through_the_fused_call(kind, tiny_model, tmp_path, monkeypatch):
+    """An MLP gated by GELU (exact, and tanh with q/k/v biases): the fused call computes the
+    activation the config names (it once ran SiLU for every model), takes the decode steps,
+    and the tokens are HF's and bitwise the modules' (logprobs included)."""
+    from transformers import AutoModelForCausalLM
+
+    path = with_random_norms_and_biases(tiny_model(kind)[0], tmp_path / kind)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (4, 19, 33, 50)]
+    calls = _counting_fused_calls(monkeypatch)
+    fast = run(path, prompts[:2]) + run(path, prompts[2:3]) + run(path, prompts[3:])
+    assert 1 in calls and 2 in calls  # batch-1 and batch-2 decode steps took the call
+    assert [t for t, _ in fast] == [hf_greedy(hf, p, 10) for p in prompts]
+    monkeypatch.setattr(SmallBatchDecode, "applies", lambda self, hidden, meta: False)
+    assert run(path, prompts[:2]) + run(path, prompts[2:3]) + run(path, prompts[3:]) == fast
+
+
+def test_a_subclass_that_redefines_forward_states_nothing(tiny_model):
+    """The plan comes from what modules state (layers/op_spec.py): a subclass that redefines
+    a method its spec describes states nothing, so the call declines; one that only inherits
+    computes the same thing and keeps it."""
+    from tokenmill.layers.op_spec import spec_of
     from tokenmill.models.llama import LlamaMLP
 
-    class OtherMLP(LlamaMLP):
+    class SameMLP(LlamaMLP):
         pass
+
+    class ScaledMLP(LlamaMLP):
+        def forward(self, x):
+            return super().forward(x) * 2.0
 
     llm = LLM(tiny_model("llama")[0])
     model = llm.engine.runner.model.model
     assert model.small_batch_decode._plan is not None
-    fresh = SmallBatchDecode(model.layers)
-    model.layers[1].mlp.__class__ = OtherMLP
-    assert fresh._plan is None
+    mlp = model.layers[1].mlp
+    mlp.__class__ = SameMLP
+    assert spec_of(mlp) is not None
+    assert SmallBatchDecode(model.layers, model.rotary_embs)._plan is not None
+    mlp.__class__ = ScaledMLP
+    assert spec_of(mlp) is None and spec_of(model.layers[1]) is None
+    assert SmallBatchDecode(model.layers, model.rotary_embs)._plan is None
+
+
+def test_a_spec_the_call_does_not_compute_makes_it_decline(tiny_model, monkeypatch):
+    """A module stating an op variant the C++ side lacks (a made-up activation, relu(g)^2 *
+    up) turns the call off: the decode steps run the modules, which compute it, and the
+    tokens follow the module's own arithmetic, not a substitute."""
+    from torch import nn
+
+    from tokenmill.layers.op_spec import OpSpec
+
+    class ReluSquaredAndMul(nn.Module):
+        computes = ("forward",)
+
+        def forward(self, x):
+            gate, up = x.chunk(2, dim=-1)
+            return torch.relu(gate) ** 2 * up
+
+        def op_spec(self):
+            return OpSpec("gated_act", frozenset({"relu_squared"}))
+
+    assert "gated_act.relu_squared" not in cpu_decode.implemented_ops()
+    assert "gated_act.silu" in cpu_decode.implemented_ops()
+    path = tiny_model("llama")[0]
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    calls = _counting_fused_calls(monkeypatch)
+    llm = LLM(path)
+    for layer in llm.engine.runner.model.model.layers:
+        layer.mlp.act_fn = ReluSquaredAndMul()
+    made_up = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert calls == []  # every decode step declined the call
+    assert llm.engine.runner.model.model.small_batch_decode._plan is None
+    plain = [o.outputs[0] for o in LLM(path).generate(prompts, params, use_tqdm=False)]
+    assert calls  # the same model with SiLU takes it
+    # the modules computed the made-up activation: other logits than SiLU's
+    assert [c.logprobs for c in made_up] != [c.logprobs for c in plain]
 
 
 def test_fused_path_not_taken_for_a_cascade(tiny_model, monkeypatch):
@@ -123,7 +201,7 @@ def test_fused_path_not_taken_for_a_cascade(tiny_model, monkeypatch):
     rng = random.Random(2)
     prefix = [rng.randrange(3, 49152) for _ in range(80)]  # 5 blocks of 16, shared
     prompts = [prefix + [rng.randrange(3, 49152) for _ in range(3)] for _ in range(4)]
-    llm = LLM(path, block_size=16)
+    llm = LLM(path, block_size=16, batch_invariant=False)  # (invariant steps never cascade)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                         use_tqdm=False)

@@ -40,8 +40,8 @@ def test_grouped_experts_equal_hugging_face_s_block(tokens):
     x = torch.randn(tokens, 48)
     expected = hf(x[None])[0]
     logits = torch.nn.functional.linear(x, hf.gate.weight)
-    got = ours(x, logits)
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    got = ours(x, logits)  # (the experts' products in the C++ kernels' summation order)
+    torch.testing.assert_close(got, expected, rtol=0, atol=5e-6)
     weights, ids = select_experts(logits, 2, True)
     torch.testing.assert_close(weights.sum(-1), torch.ones(tokens))
     assert torch.equal(grouped_experts(x, ours.up, ours.down, weights, ids, ours.act, 6),

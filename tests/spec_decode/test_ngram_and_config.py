@@ -66,8 +66,13 @@ def test_config_parses_vllm_json_and_refuses_what_it_cannot_do():
     assert (draft.model, draft.quantization, draft.num_speculative_tokens) == (None, "gguf", 2)
     with pytest.raises(ValueError, match="'medusa'; supported: ngram"):
         SpeculativeConfig.parse({"method": "medusa"})
-    with pytest.raises(ValueError, match="num_speculative_tokens must be an integer in 1..3"):
-        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 8})
+    for k in range(1, 9):  # vLLM's range (it sets no upper bound)
+        assert SpeculativeConfig.parse({"method": "ngram",
+                                        "num_speculative_tokens": k}).num_speculative_tokens == k
+    for bad in (0, 33, 2.0, True):
+        with pytest.raises(ValueError, match="num_speculative_tokens must be an integer in "
+                                             "1..32"):
+            SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": bad})
     with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max"):
         SpeculativeConfig.parse({"method": "ngram", "prompt_lookup_min": 5})
     with pytest.raises(ValueError, match="model do not apply to method 'ngram'"):

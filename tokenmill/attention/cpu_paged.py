@@ -17,6 +17,12 @@ Which path each query takes in a step:
 - longer prefill chunks keep the PyTorch path: they are GEMM-bound, and gathering their cached
   context once costs little next to q_len x context attention math.
 
+Batch-invariant (the "batch_invariant" feature, EngineConfig.batch_invariant): no cascades and
+no PyTorch path; every query of every step goes to the kernel, which cuts each query's keys at
+fixed multiples of INVARIANT_SPLIT_KEYS and merges the pieces in order (`split_keys`), so a
+query's arithmetic depends on its own position and cache alone: not on the step's other rows,
+its chunk or whether its prefix came from the prefix cache.
+
 A sliding-window layer moves each kernel query's first attended token up to its window's start
 (the kernel's `start_lens`); a soft cap goes to the kernel as its `soft_cap` (cap tanh(s / cap)
 on every score before the softmax), and to the PyTorch path of long chunks.
@@ -43,6 +49,9 @@ from tokenmill.attention.torch_ref import (
 )
 
 _KERNEL_MAX_QUERY = 8
+# Batch-invariant steps: each query's keys in pieces cut at multiples of this (the unit of
+# parallel work for long contexts; one piece below it).
+INVARIANT_SPLIT_KEYS = 512
 # A cascade: 2+ sequences sharing 4+ blocks, 4+ queries in all; a chunk joins only if the
 # kernel's share stays small, its query x key pairs after the prefix (the kernel walks them one
 # query at a time; SDPA is faster for big chunks).
@@ -59,6 +68,9 @@ class PagedQueries:
     start_lens: torch.Tensor  # (N,) long: the first cached token each query attends
     ctx_lens: torch.Tensor  # (N,) long: tokens [start, ctx) of the cache are attended
     block_tables: torch.Tensor  # (B, max_blocks) long
+    # > 0: keys cut at its multiples, whatever the step (batch invariance); 0: the kernel
+    # balances the call's work over the threads
+    split_keys: int = 0
 
     def first_keys(self, window: int | None) -> torch.Tensor:
         """(N,) each query's first attended cached token: start_lens, or with a sliding
@@ -92,11 +104,13 @@ class CPUAttentionMetadata(TorchAttentionMetadata):
 
 
 class CPUPagedAttention(TorchPagedAttention):
-    FEATURES = frozenset({"sliding_window", "soft_cap"})
+    FEATURES = frozenset({"sliding_window", "soft_cap", "batch_invariant"})
 
     def __init__(self, block_size: int, device: torch.device,
                  features: frozenset[str] = frozenset()) -> None:
         super().__init__(block_size, device, features)
+        self.invariant = "batch_invariant" in features
+        self.cascades = self.cascades and not self.invariant
         op = paged_attention_op()
         if op is None:
             raise RuntimeError("the CPU paged-attention kernel is not available "
@@ -122,7 +136,7 @@ class CPUPagedAttention(TorchPagedAttention):
         for i, n in enumerate(batch.query_lens):
             if i in in_cascade:
                 continue
-            if n > _KERNEL_MAX_QUERY:
+            if n > _KERNEL_MAX_QUERY and not self.invariant:
                 meta.prefills.append(self._prefill_seq(batch, i))
             else:
                 kernel_rows.append(i)
@@ -145,7 +159,8 @@ class CPUPagedAttention(TorchPagedAttention):
         return PagedQueries(token_indices=as_long(tokens), seq_rows=as_long(seq_rows),
                             start_lens=torch.full((len(tokens),), start, dtype=torch.long,
                                                   device=self.device),
-                            ctx_lens=as_long(ctx_lens), block_tables=batch.block_tables)
+                            ctx_lens=as_long(ctx_lens), block_tables=batch.block_tables,
+                            split_keys=INVARIANT_SPLIT_KEYS if self.invariant else 0)
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -190,7 +205,8 @@ class CPUPagedAttention(TorchPagedAttention):
         """The kernel: out (N, Hq, D) and log-sum-exp (N, Hq) of q (N, Hq, D); with a window,
         each query attends only its last `window` positions (PagedQueries.first_keys)."""
         return self._op(q, kv_cache[0], kv_cache[1], p.block_tables, p.seq_rows,
-                        p.first_keys(window), p.ctx_lens, scale, kv_scales, soft_cap or 0.0)
+                        p.first_keys(window), p.ctx_lens, scale, kv_scales, soft_cap or 0.0,
+                        p.split_keys)
 
     def _cascade(self, q: torch.Tensor, kv_cache: torch.Tensor, c: PrefixCascade,
                  scale: float, kv_scales: torch.Tensor | None) -> torch.Tensor:

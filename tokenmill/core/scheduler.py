@@ -19,9 +19,9 @@ last token (`Request.spec_token_ids`), from the same token budget; the runner ve
 are simply overwritten later). Lookup drafts (n-gram, suffix) are made here; a draft model's
 are made by the runner after a step, for requests given lookahead slots for their K/V, and
 scheduled the step after (`Request.proposed_token_ids`). Drafts go only to steps small enough
-that verifying costs about what a plain decode step does (SPEC_MAX_STEP_TOKENS), and only as
-many as the request's running acceptance and the measured costs make worth it
-(spec_decode/policy.py, cost_model.py).
+that verifying stays cheap (policy.spec_step_tokens: 4 tokens, or 1 + num_speculative_tokens
+where that is larger), and only as many as the request's running acceptance and the measured
+cost of such steps make worth it (spec_decode/policy.py, cost_model.py).
 
 Structured outputs: a request with a grammar matcher (`Request.grammar`) has it advanced on
 every token appended here; a token it refuses ends the request with finish reason "error" (a
@@ -67,9 +67,9 @@ from tokenmill.spec_decode.cost_model import SpecCosts
 from tokenmill.spec_decode.policy import (
     DRAFT_MODEL_COST,
     DRAFT_MODEL_INITIAL_ACCEPTANCE,
-    SPEC_MAX_STEP_TOKENS,
     VERIFY_COST_PER_DRAFT,
     draft_length,
+    spec_step_tokens,
     update_acceptance,
 )
 from tokenmill.utils import cdiv
@@ -94,6 +94,8 @@ class Scheduler:
         self.speculative = speculative
         # what drafting costs, in decode steps (measured by the runner at start-up)
         self.spec_costs = spec_costs or SpecCosts(VERIFY_COST_PER_DRAFT, DRAFT_MODEL_COST)
+        self.spec_step_tokens = spec_step_tokens(speculative.num_speculative_tokens
+                                                 if speculative else 0)
         # n-gram and suffix drafts are made here at schedule time; a draft model's come from
         # the runner after the step before (Request.proposed_token_ids), into reserved
         # lookahead slots
@@ -166,7 +168,7 @@ class Scheduler:
         scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, lookahead)
         preempted: list[Request] = []
 
-        spec_room = SPEC_MAX_STEP_TOKENS - len(self.running)
+        spec_room = self.spec_step_tokens - len(self.running)
         # pipeline parallelism: this step's share of the requests (a micro-batch per stage)
         cap = (cdiv(len(self.running) + len(self.waiting), self.pipeline_depth)
                if self.pipeline_depth > 1 else self.config.max_num_seqs)
@@ -236,7 +238,8 @@ class Scheduler:
             drafts, matched = self.proposer.propose_with_match(request.all_token_ids, k)
             long_match = matched >= self.proposer.confident_match
             drafts = drafts[:draft_length(request.spec_acceptance, len(drafts), long_match,
-                                          self.spec_costs.verify_per_draft)]
+                                          self.spec_costs.verify_per_draft,
+                                          verify_curve=self.spec_costs.verify_curve)]
         if request.grammar is not None and drafts:
             drafts = drafts[:request.grammar.validate(drafts)]
         return drafts
@@ -245,7 +248,7 @@ class Scheduler:
         """How many tokens a draft model drafts for the request after this step: for a
         decoding request (not after its prompt, whose first draft would run the draft model
         over the whole prompt before the first token is returned), in a batch small enough for
-        the next step to verify them (SPEC_MAX_STEP_TOKENS split evenly), as many as its
+        the next step to verify them (spec_step_tokens split evenly), as many as its
         acceptance makes worth it (one every PROBE_EVERY tokens when none is, so that its
         acceptance can recover)."""
         if (not self.draft_model or n != 1 or request.num_output_tokens == 0
@@ -253,13 +256,14 @@ class Scheduler:
             return 0
         running = len(self.running)
         k = min(self.speculative.num_speculative_tokens,
-                (SPEC_MAX_STEP_TOKENS - running) // running,
+                (self.spec_step_tokens - running) // running,
                 self._tokens_left(request) - 2)  # this step emits at least one
         if k <= 0:
             return 0
         probe = request.num_output_tokens % PROBE_EVERY == 0
         return draft_length(request.spec_acceptance, k, probe,
-                            self.spec_costs.verify_per_draft, self.spec_costs.draft_forward)
+                            self.spec_costs.verify_per_draft, self.spec_costs.draft_forward,
+                            self.spec_costs.verify_curve)
 
     def _admit(self, request: Request, budget: int) -> int | None:
         """Give a waiting request its blocks (a cache hit, swap-in or new ones); the number of

@@ -3,7 +3,7 @@
 // - linear (linear_cpu.h): y = x @ W^T (+ bias) for every CPU weight format.
 // - add_rms_norm: s = x + residual; out = weight * s / sqrt(mean(s^2) + eps): one pass
 //   instead of an add and a norm.
-// - silu_and_mul: [gate | up] (T, 2I) -> silu(gate) * up (T, I) in one pass.
+// - gated_act: [gate | up] (T, 2I) -> act(gate) * up (T, I) in one pass (SiLU, GELU, GELU-tanh).
 // - rotary_: rotate_half RoPE applied in place to q (T, Hq, D) and k (T, Hkv, D) (row strides
 //   may be those of a fused qkv output) with cos / sin (T, D).
 // - store_kv_: this step's k, v (T, Hkv, D) rows (strided views of the qkv output) copied into
@@ -63,29 +63,78 @@ inline std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor re
   return {out, sum};
 }
 
-// ---- silu_and_mul --------------------------------------------------------------------------
-inline torch::Tensor silu_and_mul(torch::Tensor x) {
+// ---- gated activations ---------------------------------------------------------------------
+// [gate | up] (T, 2I) -> act(gate) * up (T, I) in one pass, act one of the kGatedActs (the
+// codes models/cpu_decode.py and layers/activation.py share):
+//   0 silu        g / (1 + exp(-g))
+//   1 gelu        g / 2 (1 + erf(g / sqrt 2))                     (transformers' "gelu")
+//   2 gelu_tanh   g / 2 (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))  ("gelu_pytorch_tanh")
+// Each row is computed alone, its vectors and scalar tail at fixed positions: a row's result
+// does not depend on the other rows.
+constexpr const char* kGatedActs[] = {"silu", "gelu", "gelu_tanh"};
+
+template <int ACT>
+static inline Vec gated(const Vec& g) {
+  const Vec one(1.f), half(0.5f);
+  if constexpr (ACT == 0) return g / (one + g.neg().exp_u20());
+  if constexpr (ACT == 1) return half * g * (one + (g * Vec(static_cast<float>(M_SQRT1_2))).erf());
+  const Vec inner = Vec(0.7978845608028654f) * (g + Vec(0.044715f) * g * g * g);
+  return half * g * (one + inner.tanh());
+}
+
+template <int ACT>
+static inline float gated(float g) {
+  if constexpr (ACT == 0) return g / (1.f + std::exp(-g));
+  if constexpr (ACT == 1) return 0.5f * g * (1.f + std::erf(g * static_cast<float>(M_SQRT1_2)));
+  return 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+}
+
+template <int ACT>
+static void gated_rows(const float* xp, float* op, int64_t I, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const float *g = xp + t * 2 * I, *u = g + I;
+    float* o = op + t * I;
+    int64_t i = 0;
+    for (; i + kV <= I; i += kV) (gated<ACT>(Vec::loadu(g + i)) * Vec::loadu(u + i)).store(o + i);
+    for (; i < I; ++i) o[i] = gated<ACT>(g[i]) * u[i];
+  }
+}
+
+inline torch::Tensor gated_act(torch::Tensor x, int64_t act) {
   check_f32(x, "x");
+  TORCH_CHECK(act >= 0 && act < 3, "gated_act: unknown activation code ", act);
   x = x.contiguous();
-  const int64_t I = x.size(-1) / 2, T = x.numel() / (2 * I);
+  const int64_t I = x.size(-1) / 2, T = x.numel() / std::max<int64_t>(2 * I, 1);
   auto sizes = x.sizes().vec();
   sizes.back() = I;
   auto out = torch::empty(sizes, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const Vec one(1.f);
   at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)),
                    [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float *g = xp + t * 2 * I, *u = g + I;
-      float* o = op + t * I;
-      int64_t i = 0;
-      for (; i + kV <= I; i += kV) {
-        const Vec gv = Vec::loadu(g + i);
-        (gv / (one + gv.neg().exp_u20()) * Vec::loadu(u + i)).store(o + i);
-      }
-      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    switch (act) {
+      case 0: return gated_rows<0>(xp, op, I, t0, t1);
+      case 1: return gated_rows<1>(xp, op, I, t0, t1);
+      default: return gated_rows<2>(xp, op, I, t0, t1);
     }
+  });
+  return out;
+}
+
+inline torch::Tensor silu_and_mul(torch::Tensor x) { return gated_act(x, 0); }
+
+// ---- sigmoid -------------------------------------------------------------------------------
+// 1 / (1 + exp(-x)) elementwise with the scalar exp for every element: torch's vectorized
+// kernel takes another exp for a tensor's last few elements, so an element's value would
+// depend on how many others the tensor holds (Qwen2-MoE's shared-expert gate, one per token).
+inline torch::Tensor sigmoid(torch::Tensor x) {
+  check_f32(x, "x");
+  x = x.contiguous();
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.numel(), 4096, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) op[i] = 1.f / (1.f + std::exp(-xp[i]));
   });
   return out;
 }

@@ -7,18 +7,20 @@
 // paged_attention_cpu.h), so its results are bitwise equal to the modules'
 // (tests/models/test_cpu_decode.py). Each linear layer comes as its quantization method's
 // descriptor (kind, group, tensors): any weight format `linear` knows runs here unchanged.
-// The caller (models/cpu_decode.py) guarantees what makes this equal to the modules: exactly
-// the allow-listed Llama layer types, float32 activations (the KV cache in any format of
-// kv_formats.h, with each layer's fp8 scales or None), and a step whose every
-// query goes to the paged-attention kernel (no cascade, no prefill chunk).
 //
-// Per layer, with hidden (T, H) and residual (T, H):
+// What it computes is a fixed set of ops, `kOps` below, published to Python as OPS: the
+// caller (models/cpu_decode.py) builds its plan from what each module states it computes
+// (layers/op_spec.py) and runs this call only when every stated op and variant is in the set;
+// anything else runs the modules. The caller also guarantees float32 activations and a step
+// whose every query goes to the paged-attention kernel (no cascade, no prefill chunk).
+//
+// Per layer ("pre_norm_block"), with hidden (T, H) and residual (T, H):
 //   h, residual = add_rms_norm(hidden, residual, in_norm)   (layer 0: rms_norm, residual = x)
 //   q, k, v     = split(linear(h, qkv))                      (T, Hq | Hkv | Hkv, D) views
-//   rotary_(q, k); q, k = q R, k R (a quantized cache's key rotation, when given)
+//   rotary_(q, k); q, k = q R, k R (a quantized cache's key rotation, given as R^T)
 //   store k, v at slot_mapping; a = paged_attention(q)   (T, Hq * D)
 //   h, residual = add_rms_norm(all_reduce(linear(a, o)), residual, post_norm)
-//   hidden      = all_reduce(linear(silu_and_mul(linear(h, gate_up)), down))
+//   hidden      = all_reduce(linear(gated_act(linear(h, gate_up), act), down))
 // all_reduce: under tensor parallelism (a shared-memory segment given: shm_all_reduce.h) the
 // row-parallel outputs are summed over the ranks, as RowParallelLinear does (which is why the
 // caller admits those layers only without a bias); without a segment it is the identity.
@@ -27,15 +29,31 @@
 #include "paged_attention_cpu.h"
 
 namespace {
+// The ops and variants this call computes (names as layers/op_spec.py's specs state them).
+const std::vector<std::string> kOps = {
+    "pre_norm_block", "rms_norm", "rope",
+    "attention", "attention.window", "attention.key_rotation", "attention.kv_float32",
+    "attention.kv_int8", "attention.kv_fp8",
+    "linear", "linear.bias", "linear.tp_all_reduce",
+    "gated_mlp", "gated_act", "gated_act.silu", "gated_act.gelu", "gated_act.gelu_tanh"};
 constexpr size_t kNormsPerLayer = 2;    // in_norm, post_norm
 constexpr size_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down (bias None where absent)
-// kind, group, tensors, int8 activations, input scale, bias (as cpu_ops.linear takes them)
+// kind, group, tensors, int8 activations, input scale, batch-invariant, bias (as
+// cpu_ops.linear takes them)
 using LinearDesc = std::tuple<int64_t, int64_t, std::vector<torch::Tensor>, bool,
-                              c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>;
+                              c10::optional<torch::Tensor>, bool, c10::optional<torch::Tensor>>;
+
+// x (T, H, D) @ R, given R^T (D, D): rows through the invariant dot kernels, as the
+// attention module rotates them (layers/attention.py).
+torch::Tensor rotate(const torch::Tensor& x, const torch::Tensor& rotation_t) {
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  return linear(x.reshape({T * H, D}), 0, 0, {rotation_t}, c10::nullopt, false, c10::nullopt,
+                true).view({T, H, D});
+}
 
 torch::Tensor run_linear(const LinearDesc& d, const torch::Tensor& x) {
-  return linear(x, std::get<0>(d), std::get<1>(d), std::get<2>(d), std::get<5>(d),
-                std::get<3>(d), std::get<4>(d));
+  return linear(x, std::get<0>(d), std::get<1>(d), std::get<2>(d), std::get<6>(d),
+                std::get<3>(d), std::get<4>(d), std::get<5>(d));
 }
 }  // namespace
 
@@ -48,11 +66,13 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> decode_layers(
     torch::Tensor block_tables, torch::Tensor seq_rows, torch::Tensor start_lens,
     torch::Tensor ctx_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     double eps, double scale, const c10::optional<torch::Tensor>& shm_segment, int64_t rank,
-    int64_t world, int64_t slot_bytes, int64_t seq, double timeout_s) {
+    int64_t world, int64_t slot_bytes, int64_t seq, double timeout_s,
+    const std::vector<int64_t>& acts, int64_t split_keys) {
   const size_t L = kv_caches.size();
   TORCH_CHECK(norms.size() == L * kNormsPerLayer && linears.size() == L * kLinearsPerLayer,
               "decode_layers: 2 norms and 4 linear layers per layer");
-  TORCH_CHECK(kv_scales.size() == L, "decode_layers: one kv_scales entry per layer");
+  TORCH_CHECK(kv_scales.size() == L && acts.size() == L,
+              "decode_layers: one kv_scales entry and one activation per layer");
   TORCH_CHECK(hidden.dim() == 2 && hidden.size(0) >= 1 && hidden.size(0) <= 4,
               "decode_layers takes 1 to 4 tokens");
   const int64_t T = hidden.size(0), Hq = num_heads, Hkv = num_kv_heads, D = head_dim;
@@ -78,17 +98,18 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> decode_layers(
     auto q = qkv.narrow(1, 0, Hq), k = qkv.narrow(1, Hq, Hkv), v = qkv.narrow(1, Hq + Hkv, Hkv);
     rotary_(q, k, cos, sin);
     if (key_rotation.has_value()) {  // a quantized cache's keys are stored rotated (and q)
-      q = at::matmul(q, *key_rotation);
-      k = at::matmul(k, *key_rotation);
+      q = rotate(q, *key_rotation);
+      k = rotate(k, *key_rotation);
     }
     const auto& cache = kv_caches[l];  // (2, num_blocks, block_size, Hkv, R), any row format
     auto k_cache = cache.select(0, 0), v_cache = cache.select(0, 1);
     store_kv_(k_cache, v_cache, k, v, slot_mapping, kv_scales[l]);
     auto attn = paged_attention(q, k_cache, v_cache, block_tables, seq_rows, start_lens,
-                                ctx_lens, scale, kv_scales[l])[0].view({T, Hq * D});
+                                ctx_lens, scale, kv_scales[l], 0.0, split_keys)[0]
+                    .view({T, Hq * D});
     auto normed = add_rms_norm(all_reduce(run_linear(lin[1], attn)), residual, w[1], eps);
     residual = normed[1];
-    hidden = all_reduce(run_linear(lin[3], silu_and_mul(run_linear(lin[2], normed[0]))));
+    hidden = all_reduce(run_linear(lin[3], gated_act(run_linear(lin[2], normed[0]), acts[l])));
   }
   return {hidden, residual, seq};
 }
@@ -97,4 +118,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released: a server's event loop keeps running during the step.
   m.def("decode_layers", &decode_layers, "all decoder layers of a 1-4 token decode step",
         py::call_guard<py::gil_scoped_release>());
+  m.attr("OPS") = py::cast(kOps);
 }

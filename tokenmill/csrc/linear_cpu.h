@@ -31,6 +31,7 @@
 #pragma once
 #include "linear_int8_gemm.h"
 #include "linear_rows_vnni.h"
+#include "linear_dot.h"
 #include "quant_blocks.h"
 
 // Up to this many rows of x, float activations go through the row kernels below, four rows
@@ -245,14 +246,105 @@ static void small_m_range(int64_t kind, int64_t G, const std::vector<torch::Tens
   else q4_rows<M>(in.x, in.xsum, q, d, mn, b, y, K, N, G, n0, n1);
 }
 
+// How one call multiplies: the batch-invariant dot kernels (linear_dot.h), the row kernels
+// four rows of x at a time, or a batched GEMM (each has its own summation order: only the
+// first two keep a row's result independent of M).
+enum class LinearPath { kDot, kRows, kInt8Gemm, kInt16Gemm, kQ4Int8GemmAvx2, kFloatTiles };
+
+// Invariant calls: dense and float-activation weights take the dot kernels, except on VNNI
+// builds, whose quantized weights meet int16-rounded activations in the row kernels at every
+// M (their rounding is per row: the same at any M); int8 activations take the row kernels.
+// Otherwise the fastest kernel for M (benchmarks/batch_invariance.py compares the two).
+static LinearPath choose_path(int64_t kind, bool int8_path, int64_t M, bool invariant) {
+  if (invariant) {
+    if (kind == 0 || (!int8_path && !kVnniRows)) return LinearPath::kDot;
+    return LinearPath::kRows;
+  }
+  if (kind == 0) return M <= 4 ? LinearPath::kRows : LinearPath::kDot;
+  if (kVnniGemm && int8_path && M >= kVnniGemmMinRows) return LinearPath::kInt8Gemm;
+  if (kVnniGemm && !int8_path && M > kRowKernelMaxRows) return LinearPath::kInt16Gemm;
+#if defined(TOKENMILL_AVX2_Q4_GEMM)
+  if (int8_path && kind == 2 && M >= kVnniGemmMinRows) return LinearPath::kQ4Int8GemmAvx2;
+#endif
+  if (M <= kRowKernelMaxRows || int8_path) return LinearPath::kRows;
+  return LinearPath::kFloatTiles;
+}
+
+// Tiles of rows expanded to float32 (<= 256 KiB each) and one GEMM per tile, run
+// single-threaded inside the parallel region; y's columns [n0, n1) come from tile n0.
+static void float_tiles(const torch::Tensor& x, int64_t kind, int64_t G,
+                        const std::vector<torch::Tensor>& t, torch::Tensor& y) {
+  const int64_t K = x.size(1), N = y.size(1);
+  const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(256, (65536 / K) / 16 * 16));
+  at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t t0, int64_t t1) {
+    // OpenMP workers do not inherit the caller's inference mode; without it, writing into y
+    // (an inference tensor when the engine made it) would be refused.
+    c10::InferenceMode inference;
+    auto w = torch::empty({tile, K}, x.options());
+    for (int64_t ti = t0; ti < t1; ++ti) {
+      const int64_t n0 = ti * tile, rows = std::min(tile, N - n0);
+      std::vector<int64_t> ids(rows);
+      for (int64_t i = 0; i < rows; ++i) ids[i] = n0 + i;
+      expand_rows(kind, G, t, ids.data(), rows, K, w.data_ptr<float>());
+      auto part = at::mm(x, w.narrow(0, 0, rows).t());  // (M, rows)
+      y.narrow(1, n0, rows).copy_(part);
+    }
+  });
+}
+
+// The row kernels, four rows of x at a time; one contiguous range of W's rows per thread, so
+// each core streams its own part of W once per four rows. i8 / i16: the rows quantized where
+// the kernels multiply integers; xs: the group sums of x (4-bit offsets).
+static void rows_of_x(int64_t kind, int64_t G, const std::vector<torch::Tensor>& t,
+                      const float* xp, const float* xs, const QuantizedRows* i8,
+                      const BlockRows<int16_t>* i16, const float* b, float* yp, int64_t M,
+                      int64_t K, int64_t N) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = std::max<int64_t>(16, (N + threads - 1) / threads);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < M; m += 4) {
+      const QRows r8 = i8 ? rows_from(*i8, m, K) : QRows{};
+      const BlockRowsView<int16_t> r16 = i16 ? rows_from(*i16, m, K) : BlockRowsView<int16_t>{};
+      const RowInputs in{xp + m * K, xs ? xs + m * (K / G) : nullptr, i8 ? &r8 : nullptr,
+                         i16 ? &r16 : nullptr};
+      float* ym = yp + m * N;
+      switch (std::min<int64_t>(4, M - m)) {
+        case 1: small_m_range<1>(kind, G, t, in, b, ym, K, N, n0, n1); break;
+        case 2: small_m_range<2>(kind, G, t, in, b, ym, K, N, n0, n1); break;
+        case 3: small_m_range<3>(kind, G, t, in, b, ym, K, N, n0, n1); break;
+        default: small_m_range<4>(kind, G, t, in, b, ym, K, N, n0, n1); break;
+      }
+    }
+  });
+}
+
+// (M, K/G) group sums of x for the 4-bit offsets (a plain loop: a torch op here cost about
+// 4 us a call, a fifth of a small layer's time)
+static std::vector<float> group_sums(const float* xp, int64_t M, int64_t K, int64_t G) {
+  std::vector<float> xsum(M * (K / G));
+  auto sums = [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* xg = xp + i * G;
+      float s = 0.f;
+      for (int64_t j = 0; j < G; ++j) s += xg[j];
+      xsum[i] = s;
+    }
+  };
+  if (M <= 4) sums(0, xsum.size());
+  else at::parallel_for(0, xsum.size(), 1024, sums);
+  return xsum;
+}
+
 // y = x @ W^T + bias for x (M, K) float32 and the weight (kind, G, tensors). int8_acts: a
 // quantized weight multiplies int8-quantized activations (any M).
 // input_scale (K,): x is multiplied by it first (activation-aware 4-bit weights store W / s
 // per input channel and take x * s; quantization/awq_search.py).
+// invariant: every row of y is summed in an order that does not depend on M (choose_path).
 inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
                             const std::vector<torch::Tensor>& t,
                             c10::optional<torch::Tensor> bias, bool int8_acts = false,
-                            c10::optional<torch::Tensor> input_scale = c10::nullopt) {
+                            c10::optional<torch::Tensor> input_scale = c10::nullopt,
+                            bool invariant = false) {
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2 && !t.empty(), "linear takes x (M, K) and a weight");
   const int64_t M = x.size(0), K = x.size(1), N = t[0].size(0);
@@ -275,92 +367,53 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t threads = at::get_num_threads();
-  // (M, K/G) group sums of x for the 4-bit offsets (a plain loop: a torch op here cost
-  // about 4 us a call, a fifth of a small layer's time)
   const bool int8_path = int8_acts && kind != 0;
-  const bool tiles = kind != 0 && !int8_path && M > kRowKernelMaxRows && !kVnniGemm;
-  std::vector<float> xsum(kind == 2 && !tiles ? M * (K / G) : 0);
-  auto group_sums = [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* xg = xp + i * G;
-      float s = 0.f;
-      for (int64_t j = 0; j < G; ++j) s += xg[j];
-      xsum[i] = s;
-    }
-  };
-  if (M <= 4) group_sums(0, xsum.size());
-  else at::parallel_for(0, xsum.size(), 1024, group_sums);
-  const float* xs = kind == 2 && !xsum.empty() ? xsum.data() : nullptr;
+  const LinearPath path = choose_path(kind, int8_path, M, invariant);
+  if (path == LinearPath::kDot) {
+    const dot_form::WeightRows w{kind, G, K, kind == 0 ? t[0].data_ptr<float>() : nullptr,
+                            kind == 0 ? nullptr : t[0].data_ptr(),
+                            kind == 0 ? nullptr : t[1].data_ptr<at::Half>(),
+                            kind == 2 ? t[2].data_ptr<at::Half>() : nullptr};
+    dot_form::linear(w, xp, M, N, b, yp);
+    return y;
+  }
+  if (path == LinearPath::kFloatTiles) {
+    float_tiles(x, kind, G, t, y);
+    if (b) y.add_(bias_c);
+    return y;
+  }
+  const std::vector<float> xsum = kind == 2 ? group_sums(xp, M, K, G) : std::vector<float>();
+  const float* xs = xsum.empty() ? nullptr : xsum.data();
   QuantizedRows xq;
   if (int8_path) xq = quantize_rows(xp, M, K);
-  // VNNI builds round float activations to int16 for quantized weights at every M: below
-  // here for the row kernels (linear_rows_vnni.h), in int16_gemm above 16 rows.
-  const bool wide_rows = kVnniRows && kind != 0 && !int8_path && M <= kRowKernelMaxRows;
+  // VNNI builds round float activations to int16 for quantized weights: per 32-block, the
+  // same at every M (linear_rows_vnni.h here, int16_gemm below).
   BlockRows<int16_t> xw;
+  const bool wide_rows = kVnniRows && kind != 0 && !int8_path && path == LinearPath::kRows;
   if (wide_rows) xw = quantize_rows<int16_t>(xp, M, K);
 #if defined(TOKENMILL_VNNI_ROWS)
-  // the 4-bit row kernels read x in pairs of blocks; the int8 GEMM (>= 12 rows) does not
-  if (kind == 2 && wide_rows) pair_order(xw.q.data(), M, K);
-  if (kind == 2 && int8_path && M < kVnniGemmMinRows) pair_order(xq.q.data(), M, K);
+  // the 4-bit row kernels read x in pairs of blocks; the int8 GEMM does not
+  if (kind == 2 && path == LinearPath::kRows) {
+    if (wide_rows) pair_order(xw.q.data(), M, K);
+    else if (int8_path) pair_order(xq.q.data(), M, K);
+  }
 #endif
+  switch (path) {
 #if defined(TOKENMILL_VNNI_GEMM)
-  if (int8_path && M >= kVnniGemmMinRows) {
-    int8_gemm(kind, G, t, xq, xs, b, yp, M, K, N);
-    return y;
-  }
-  if (kind != 0 && !int8_path && M > kRowKernelMaxRows) {
-    int16_gemm(kind, G, t, xp, xs, b, yp, M, K, N);
-    return y;
-  }
+    case LinearPath::kInt8Gemm: int8_gemm(kind, G, t, xq, xs, b, yp, M, K, N); return y;
+    case LinearPath::kInt16Gemm: int16_gemm(kind, G, t, xp, xs, b, yp, M, K, N); return y;
 #endif
 #if defined(TOKENMILL_AVX2_Q4_GEMM)
-  if (int8_path && kind == 2 && M >= kVnniGemmMinRows) {
-    q4_int8_gemm_avx2(G, t, xq, xs, b, yp, M, K, N);
-    return y;
-  }
+    case LinearPath::kQ4Int8GemmAvx2:
+      q4_int8_gemm_avx2(G, t, xq, xs, b, yp, M, K, N);
+      return y;
 #endif
-  if (M <= kRowKernelMaxRows || int8_path) {
-    // Four rows of x at a time through the decode-sized kernels; one contiguous range of
-    // W's rows per thread, so each core streams its own part of W once per four rows.
-    const int64_t grain = std::max<int64_t>(16, (N + threads - 1) / threads);
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-      for (int64_t m = 0; m < M; m += 4) {
-        const QRows i8 = int8_path ? rows_from(xq, m, K) : QRows{};
-        const BlockRowsView<int16_t> i16 = wide_rows ? rows_from(xw, m, K)
-                                                     : BlockRowsView<int16_t>{};
-        const RowInputs in{xp + m * K, xs ? xs + m * (K / G) : nullptr,
-                           int8_path ? &i8 : nullptr, wide_rows ? &i16 : nullptr};
-        float* ym = yp + m * N;
-        switch (std::min<int64_t>(4, M - m)) {
-          case 1: small_m_range<1>(kind, G, t, in, b, ym, K, N, n0, n1); break;
-          case 2: small_m_range<2>(kind, G, t, in, b, ym, K, N, n0, n1); break;
-          case 3: small_m_range<3>(kind, G, t, in, b, ym, K, N, n0, n1); break;
-          default: small_m_range<4>(kind, G, t, in, b, ym, K, N, n0, n1); break;
-        }
-      }
-    });
-    return y;
+    case LinearPath::kRows:
+      rows_of_x(kind, G, t, xp, xs, int8_path ? &xq : nullptr, wide_rows ? &xw : nullptr, b,
+                yp, M, K, N);
+      return y;
+    default: TORCH_CHECK(false, "linear: no kernel for this path in this build");
   }
-  TORCH_CHECK(kind != 0, "dense weights with more than 16 rows go through the GEMM libraries");
-  // Tiles of rows expanded to float32 (<= 256 KiB each) and one GEMM per tile, run
-  // single-threaded inside the parallel region; y's columns [n0, n1) come from tile n0.
-  const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(256, (65536 / K) / 16 * 16));
-  at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t t0, int64_t t1) {
-    // OpenMP workers do not inherit the caller's inference mode; without it, writing into y
-    // (an inference tensor when the engine made it) would be refused.
-    c10::InferenceMode inference;
-    auto w = torch::empty({tile, K}, x.options());
-    for (int64_t ti = t0; ti < t1; ++ti) {
-      const int64_t n0 = ti * tile, rows = std::min(tile, N - n0);
-      std::vector<int64_t> ids(rows);
-      for (int64_t i = 0; i < rows; ++i) ids[i] = n0 + i;
-      expand_rows(kind, G, t, ids.data(), rows, K, w.data_ptr<float>());
-      auto part = at::mm(x, w.narrow(0, 0, rows).t());  // (M, rows)
-      y.narrow(1, n0, rows).copy_(part);
-    }
-  });
-  if (b) y.add_(bias_c);
   return y;
 }
 

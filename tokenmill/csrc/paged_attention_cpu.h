@@ -140,14 +140,125 @@ static inline float max_of(const float* s, int64_t n) {
   return m;
 }
 
+// A running softmax state over keys: per query head, the unnormalised output (D), max, sum.
+// `merge_into` folds a later range's partial state into it; it is the one rule by which key
+// ranges are combined, whichever thread computed them.
+static inline void merge_into(float* out, float& mx, float& sum, const float* acc, float m,
+                              float s, int64_t D) {
+  const float new_max = std::max(mx, m);
+  const float a = std::exp(mx - new_max), b = std::exp(m - new_max);
+  sum = sum * a + s * b;
+  mx = new_max;
+  int64_t i = 0;
+  const Vec av(a), bv(b);
+  for (; i + Vec::size() <= D; i += Vec::size())
+    at::vec::fmadd(Vec::loadu(acc + i), bv, Vec::loadu(out + i) * av).store(out + i);
+  for (; i < D; ++i) out[i] = std::fma(acc[i], b, out[i] * a);
+}
+
+// What every work item reads.
+struct PagedArgs {
+  const float* q;           // (N, Hq, D)
+  const uint8_t *kb, *vb;   // the caches' bytes
+  const int64_t *tables, *rows, *starts, *lens;
+  const float* head_scales;  // fp8 only
+  KVFormat fmt;
+  int64_t Hq, Hkv, G, D, bs, max_blocks, row_bytes;
+  float scale, cap;
+};
+
+// Per-thread buffers of an item covering `heads` KV heads (G query heads each).
+struct PagedScratch {
+  std::vector<float> scores, kbuf, vbuf;
+  std::vector<const float*> krows, vrows;
+  PagedScratch(const PagedArgs& a, int64_t heads, int64_t tile)
+      : scores(heads * a.G * tile),
+        kbuf(a.fmt == KVFormat::kFloat32 ? 0 : tile * heads * a.D), vbuf(kbuf.size()),
+        krows(tile), vrows(tile) {}
+};
+
+// Keys [k0, k1) of query row n for KV heads [h0, h0 + heads), as an online softmax over tiles
+// of kTile keys starting at k0: acc (heads G, D) unnormalised, mx and sum per query head.
+static void attend_keys(const PagedArgs& a, PagedScratch& s, int64_t n, int64_t h0,
+                        int64_t heads, int64_t k0, int64_t k1, float* acc, float* mx,
+                        float* sum) {
+  constexpr int64_t kTile = 64;
+  const int64_t rows_q = heads * a.G, D = a.D;
+  const float* qn = a.q + (n * a.Hq + h0 * a.G) * D;
+  const int64_t* table = a.tables + a.rows[n] * a.max_blocks;
+  std::fill_n(acc, rows_q * D, 0.f);
+  std::fill_n(mx, rows_q, -std::numeric_limits<float>::infinity());
+  std::fill_n(sum, rows_q, 0.f);
+  // A tile's K and V rows (all heads of the item) are read from memory once and stay in
+  // cache while each query head uses them.
+  for (int64_t t0 = k0; t0 < k1; t0 += kTile) {
+    const int64_t keys = std::min(kTile, k1 - t0);
+    for (int64_t i = 0; i < keys; ++i) {
+      const int64_t t = t0 + i;
+      const int64_t row = (table[t / a.bs] * a.bs + t % a.bs) * a.Hkv + h0;  // first head's
+      if (a.fmt == KVFormat::kFloat32) {  // read in place
+        s.krows[i] = reinterpret_cast<const float*>(a.kb) + row * D;
+        s.vrows[i] = reinterpret_cast<const float*>(a.vb) + row * D;
+        continue;
+      }
+      float* kd = &s.kbuf[i * heads * D];
+      float* vd = &s.vbuf[i * heads * D];
+      for (int64_t h = 0; h < heads; ++h) {
+        const float ks = a.head_scales ? a.head_scales[h0 + h] : 0.f;
+        const float vs = a.head_scales ? a.head_scales[a.Hkv + h0 + h] : 0.f;
+        kv_load_row(a.fmt, a.kb + (row + h) * a.row_bytes, D, ks, kd + h * D);
+        kv_load_row(a.fmt, a.vb + (row + h) * a.row_bytes, D, vs, vd + h * D);
+      }
+      s.krows[i] = kd;
+      s.vrows[i] = vd;
+    }
+    score_keys_any(qn, s.krows.data(), heads, keys, a.G, D, a.scale, s.scores.data());
+    if (a.cap > 0.f) {  // Gemma 2's soft cap, before the softmax
+      for (int64_t j = 0; j < rows_q * keys; ++j)
+        s.scores[j] = a.cap * std::tanh(s.scores[j] / a.cap);
+    }
+    for (int64_t r = 0; r < rows_q; ++r) {
+      float* sc = s.scores.data() + r * keys;
+      const float m = std::max(mx[r], max_of(sc, keys));
+      const float corr = std::exp(mx[r] - m);  // 0 on the first tile (-inf)
+      sum[r] = sum[r] * corr + exp_minus_max(sc, m, keys);
+      mx[r] = m;
+      rescale_accumulate(sc, s.vrows.data(), (r / a.G) * D, keys, D, corr, acc + r * D);
+    }
+  }
+}
+
+// Which keys each query row attends, in ranges (chunks) combined by merge_into.
+// split_keys > 0 (batch-invariant): chunk c of row n is [start, ctx) cut at the multiples of
+// split_keys, a function of the row alone. 0: the keys of every row in `splits` equal parts,
+// as many as balance this call's work over the threads (flash-decoding for a few rows).
+struct KeyChunks {
+  int64_t split_keys, splits;
+  const int64_t *starts, *lens;
+
+  int64_t count(int64_t n) const {
+    if (split_keys == 0) return splits;
+    return (lens[n] - 1) / split_keys - starts[n] / split_keys + 1;
+  }
+  std::pair<int64_t, int64_t> range(int64_t n, int64_t c) const {
+    if (split_keys == 0) {
+      const int64_t span = lens[n] - starts[n];
+      return {starts[n] + span * c / splits, starts[n] + span * (c + 1) / splits};
+    }
+    const int64_t first = starts[n] / split_keys + c;
+    return {std::max(starts[n], first * split_keys), std::min(lens[n], (first + 1) * split_keys)};
+  }
+};
+
 inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cache,
                                            torch::Tensor v_cache, torch::Tensor block_tables,
                                            torch::Tensor seq_rows, torch::Tensor start_lens,
                                            torch::Tensor ctx_lens, double scale,
                                            c10::optional<torch::Tensor> kv_scales = c10::nullopt,
-                                           double soft_cap = 0.0) {
+                                           double soft_cap = 0.0, int64_t split_keys = 0) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be (N, Hq, D) float32");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache must be contiguous");
+  TORCH_CHECK(split_keys >= 0, "split_keys must be >= 0");
   const KVFormat fmt = kv_format(k_cache);
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V caches differ in dtype");
   q = q.contiguous();
@@ -159,144 +270,115 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
   TORCH_CHECK(kv_head_dim(fmt, k_cache.size(3)) == D && Hq % Hkv == 0,
               "head shapes do not match");
-  const float* head_scales = kv_head_scales(fmt, kv_scales, Hkv);  // fp8 only: K's, V's
-  const int64_t G = Hq / Hkv, max_blocks = tables.size(1);
+  const PagedArgs a{q.data_ptr<float>(), static_cast<const uint8_t*>(k_cache.data_ptr()),
+                    static_cast<const uint8_t*>(v_cache.data_ptr()), tables.data_ptr<int64_t>(),
+                    rows.data_ptr<int64_t>(), starts.data_ptr<int64_t>(),
+                    lens.data_ptr<int64_t>(), kv_head_scales(fmt, kv_scales, Hkv), fmt, Hq, Hkv,
+                    Hq / Hkv, D, bs, tables.size(1), kv_row_bytes(fmt, D),
+                    static_cast<float>(scale), static_cast<float>(soft_cap)};
   auto out = torch::empty_like(q);
   auto lse = torch::empty({N, Hq}, q.options());
-  const int64_t* sp = starts.data_ptr<int64_t>();
-  const float* qp = q.data_ptr<float>();
-  const auto* kb = static_cast<const uint8_t*>(k_cache.data_ptr());
-  const auto* vb = static_cast<const uint8_t*>(v_cache.data_ptr());
-  const int64_t row_bytes = kv_row_bytes(fmt, D);
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* rp = rows.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  const float sc = static_cast<float>(scale);
-  const float cap = static_cast<float>(soft_cap);  // > 0: scores become cap tanh(s / cap)
   int64_t longest = 0;
   for (int64_t n = 0; n < N; ++n) {
-    TORCH_CHECK(sp[n] >= 0 && lp[n] > sp[n] && lp[n] <= max_blocks * bs,
+    TORCH_CHECK(a.starts[n] >= 0 && a.lens[n] > a.starts[n] && a.lens[n] <= a.max_blocks * bs,
                 "context range out of bounds");
-    longest = std::max(longest, lp[n] - sp[n]);
+    longest = std::max(longest, a.lens[n] - a.starts[n]);
   }
 
-  // A work item is one query row, a range of its KV heads and a range of its keys. With enough
-  // rows every item takes all heads and keys, so each cached token's K (and V) row of Hkv * D
-  // floats is read once, sequentially. With few rows (batch-1 decode) items split by head and
-  // then the keys into `splits` chunks (flash-decoding), whose partial results are merged
-  // through their maxima and sums below: every core gets an equal share.
+  // A work item is one query row, a range of its KV heads and its chunks of keys: all of them
+  // (merged as they are computed) when there are rows enough to keep every core busy, else one
+  // chunk (partial states kept, merged below). With enough rows an item takes all heads, so
+  // each cached token's K (and V) row of Hkv * D floats is read once, sequentially. Neither
+  // choice changes any row's arithmetic: only which thread does it.
   const int64_t threads = at::get_num_threads();
   const int64_t heads_per_item = N >= 4 * threads ? Hkv : 1;
   const int64_t items_per_row = Hkv / heads_per_item;
   constexpr int64_t kMinKeysPerSplit = 64;
-  // Keys per tile of the online softmax: the tile's K and V rows (2 x 48 KB for 3 KV heads of
-  // 64) stay in L2 while the query heads use them; big enough to amortise the rescale.
-  constexpr int64_t kTile = 64;
-  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(
+  const int64_t splits = split_keys > 0 ? 0 : std::max<int64_t>(1, std::min<int64_t>(
       (8 * threads + N * items_per_row - 1) / (N * items_per_row), longest / kMinKeysPerSplit));
-  // Only with splits > 1, per (row, split, query head): unnormalised output (D), max and sum.
-  const int64_t parts = splits > 1 ? N * splits * Hq : 0;
+  const KeyChunks chunks{split_keys, splits, a.starts, a.lens};
+  std::vector<int64_t> first_chunk(N + 1, 0);  // row n's chunks: [first[n], first[n + 1])
+  for (int64_t n = 0; n < N; ++n) first_chunk[n + 1] = first_chunk[n] + chunks.count(n);
+  const int64_t total_chunks = first_chunk[N];
+  const bool whole_rows = total_chunks == N || N * items_per_row >= 4 * threads;
+  // Per-chunk items: (chunk, query head) partial states, merged after the parallel region.
+  const int64_t parts = whole_rows ? 0 : total_chunks * Hq;
   std::vector<float> part_acc(parts * D), part_max(parts), part_sum(parts);
+  std::vector<int64_t> chunk_row(whole_rows ? 0 : total_chunks);
+  for (int64_t n = 0; n < N && !whole_rows; ++n)
+    std::fill(chunk_row.begin() + first_chunk[n], chunk_row.begin() + first_chunk[n + 1], n);
   float* op = out.data_ptr<float>();
   float* lsep = lse.data_ptr<float>();
+  const int64_t rows_q = heads_per_item * a.G;  // query heads of an item
 
-  at::parallel_for(0, N * items_per_row * splits, 1, [&](int64_t begin, int64_t end) {
-    const int64_t rows_q = heads_per_item * G;  // query heads of an item
-    std::vector<float> scores(rows_q * kTile);  // (query heads, tile keys)
-    std::vector<const float*> krows(kTile), vrows(kTile);
-    // A quantized tile's K and V rows, dequantized: (keys, the item's heads, D) each.
-    std::vector<float> kbuf(fmt == KVFormat::kFloat32 ? 0 : kTile * heads_per_item * D);
-    std::vector<float> vbuf(kbuf.size());
-    std::vector<float> acc(rows_q * D), run_max(rows_q), run_sum(rows_q);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t c = item % splits;
-      const int64_t n = item / splits / items_per_row;
-      const int64_t h0 = (item / splits % items_per_row) * heads_per_item;
-      const int64_t span = lp[n] - sp[n];
-      const int64_t k0 = sp[n] + span * c / splits, k1 = sp[n] + span * (c + 1) / splits;
-      const int64_t* table = tp + rp[n] * max_blocks;
-      const int64_t slot = (n * splits + c) * Hq + h0 * G;  // first (row, split, head) entry
-      if (k1 == k0) {  // a short row's empty chunk (splits > 1): nothing to merge
-        std::fill_n(&part_sum[slot], rows_q, 0.f);
-        continue;
-      }
-      const float* qn = qp + (n * Hq + h0 * G) * D;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(run_sum.begin(), run_sum.end(), 0.f);
-      // Online softmax over tiles of keys: a tile's K and V rows (all heads of the item) are
-      // read from memory once and stay in cache while each query head uses them.
-      for (int64_t t0 = k0; t0 < k1; t0 += kTile) {
-        const int64_t keys = std::min(kTile, k1 - t0);
-        for (int64_t i = 0; i < keys; ++i) {
-          const int64_t t = t0 + i;
-          const int64_t row = (table[t / bs] * bs + t % bs) * Hkv + h0;  // its first head's
-          if (fmt == KVFormat::kFloat32) {  // read in place
-            krows[i] = reinterpret_cast<const float*>(kb) + row * D;
-            vrows[i] = reinterpret_cast<const float*>(vb) + row * D;
-            continue;
-          }
-          float* kd = &kbuf[i * heads_per_item * D];
-          float* vd = &vbuf[i * heads_per_item * D];
-          for (int64_t h = 0; h < heads_per_item; ++h) {
-            const float ks = head_scales ? head_scales[h0 + h] : 0.f;
-            const float vs = head_scales ? head_scales[Hkv + h0 + h] : 0.f;
-            kv_load_row(fmt, kb + (row + h) * row_bytes, D, ks, kd + h * D);
-            kv_load_row(fmt, vb + (row + h) * row_bytes, D, vs, vd + h * D);
-          }
-          krows[i] = kd;
-          vrows[i] = vd;
-        }
-        score_keys_any(qn, krows.data(), heads_per_item, keys, G, D, sc, scores.data());
-        if (cap > 0.f) {  // Gemma 2's soft cap, before the softmax
-          for (int64_t j = 0; j < rows_q * keys; ++j) scores[j] = cap * std::tanh(scores[j] / cap);
-        }
-        for (int64_t r = 0; r < rows_q; ++r) {
-          float* s = scores.data() + r * keys;
-          const float m = std::max(run_max[r], max_of(s, keys));
-          const float corr = std::exp(run_max[r] - m);  // 0 on the first tile (-inf)
-          run_sum[r] = run_sum[r] * corr + exp_minus_max(s, m, keys);
-          run_max[r] = m;
-          rescale_accumulate(s, vrows.data(), (r / G) * D, keys, D, corr, &acc[r * D]);
-        }
-      }
-      for (int64_t r = 0; r < rows_q; ++r) {
-        if (splits > 1) {  // kept for the merge below
-          part_max[slot + r] = run_max[r];
-          part_sum[slot + r] = run_sum[r];
-          std::copy_n(&acc[r * D], D, &part_acc[(slot + r) * D]);
+  // The normalised output and log-sum-exp of row n's query heads [r0, r0 + count).
+  auto finish = [&](int64_t n, int64_t r0, int64_t count, const float* acc, const float* mx,
+                    const float* sum) {
+    for (int64_t r = 0; r < count; ++r) {
+      float* o = op + (n * Hq + r0 + r) * D;
+      const float inv = 1.f / sum[r];
+      for (int64_t i = 0; i < D; ++i) o[i] = acc[r * D + i] * inv;
+      lsep[n * Hq + r0 + r] = mx[r] + std::log(sum[r]);
+    }
+  };
+  const int64_t units = whole_rows ? N * items_per_row : total_chunks * items_per_row;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    PagedScratch s(a, heads_per_item, 64);
+    std::vector<float> acc(rows_q * D), mx(rows_q), sum(rows_q);
+    std::vector<float> run(rows_q * D), run_max(rows_q), run_sum(rows_q);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t h0 = (u % items_per_row) * heads_per_item;
+      if (!whole_rows) {  // one chunk: its partial state, kept
+        const int64_t c = u / items_per_row, n = chunk_row[c];
+        const auto [k0, k1] = chunks.range(n, c - first_chunk[n]);
+        const int64_t e = c * Hq + h0 * a.G;
+        if (k1 == k0) {  // (adaptive splits) a short row's empty chunk: nothing to merge
+          std::fill_n(&part_sum[e], rows_q, 0.f);
           continue;
         }
-        float* o = op + (n * Hq + h0 * G + r) * D;
-        const float inv = 1.f / run_sum[r];
-        for (int64_t i = 0; i < D; ++i) o[i] = acc[r * D + i] * inv;
-        lsep[n * Hq + h0 * G + r] = run_max[r] + std::log(run_sum[r]);
+        attend_keys(a, s, n, h0, heads_per_item, k0, k1, &part_acc[e * D], &part_max[e],
+                    &part_sum[e]);
+        continue;
       }
+      const int64_t n = u / items_per_row;
+      bool first = true;
+      for (int64_t c = 0; c < chunks.count(n); ++c) {
+        const auto [k0, k1] = chunks.range(n, c);
+        if (k1 == k0) continue;
+        if (first) {  // the running state starts as the first chunk's
+          attend_keys(a, s, n, h0, heads_per_item, k0, k1, run.data(), run_max.data(),
+                      run_sum.data());
+          first = false;
+          continue;
+        }
+        attend_keys(a, s, n, h0, heads_per_item, k0, k1, acc.data(), mx.data(), sum.data());
+        for (int64_t r = 0; r < rows_q; ++r)
+          merge_into(&run[r * D], run_max[r], run_sum[r], &acc[r * D], mx[r], sum[r], D);
+      }
+      finish(n, h0 * a.G, rows_q, run.data(), run_max.data(), run_sum.data());
     }
   });
-  if (splits > 1) {  // merge the chunks of every (row, query head)
-    for (int64_t n = 0; n < N; ++n) {
-      for (int64_t h = 0; h < Hq; ++h) {
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t c = 0; c < splits; ++c) {  // empty chunks (sum 0) have no max
-          const int64_t e = (n * splits + c) * Hq + h;
-          if (part_sum[e] > 0.f) m = std::max(m, part_max[e]);
+  if (!whole_rows) {  // merge each (row, query head)'s chunks in order
+    at::parallel_for(0, N * Hq, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> run(D);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t n = i / Hq, h = i % Hq;
+        float run_max = 0.f, run_sum = 0.f;
+        bool first = true;
+        for (int64_t c = first_chunk[n]; c < first_chunk[n + 1]; ++c) {
+          const int64_t e = c * Hq + h;
+          if (part_sum[e] == 0.f) continue;  // an empty chunk
+          if (first) {
+            std::copy_n(&part_acc[e * D], D, run.data());
+            run_max = part_max[e], run_sum = part_sum[e], first = false;
+          } else {
+            merge_into(run.data(), run_max, run_sum, &part_acc[e * D], part_max[e],
+                       part_sum[e], D);
+          }
         }
-        float total = 0.f;
-        float* o = op + (n * Hq + h) * D;
-        std::fill_n(o, D, 0.f);
-        for (int64_t c = 0; c < splits; ++c) {
-          const int64_t e = (n * splits + c) * Hq + h;
-          if (part_sum[e] == 0.f) continue;
-          const float w = std::exp(part_max[e] - m);
-          total += part_sum[e] * w;
-          axpy(w, &part_acc[e * D], o, D);
-        }
-        const float inv = 1.f / total;
-        for (int64_t i = 0; i < D; ++i) o[i] *= inv;
-        lsep[n * Hq + h] = m + std::log(total);
+        finish(n, h, 1, run.data(), &run_max, &run_sum);
       }
-    }
+    });
   }
   return {out, lse};
 }

@@ -1,7 +1,8 @@
 """Gated activations for gated MLPs: x = [gate | up] (…, 2I) → act(gate) * up (…, I).
-SiLU (Llama, Qwen, Mixtral: one C++ pass on CPU float32, layers/cpu_ops.py) and GELU, exact or
-tanh-approximated (Gemma's gelu_pytorch_tanh); `gated_activation` maps a config's name to one
-and refuses the names it does not know."""
+SiLU (Llama, Qwen, Mixtral) and GELU, exact or tanh-approximated (Gemma's gelu_pytorch_tanh):
+one C++ pass each on CPU float32 (layers/cpu_ops.py `gated_act`, which the fused decode call
+runs too), PyTorch's ops elsewhere; `gated_activation` maps a config's name to one and
+refuses the names it does not know. Each states its op for the fused call (layers/op_spec.py)."""
 
 from __future__ import annotations
 
@@ -12,24 +13,40 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers import cpu_ops
+from tokenmill.layers.op_spec import OpSpec
 
 
 class SiluAndMul(nn.Module):
+    computes = ("forward",)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_ops.fused(x):
-            return cpu_ops.silu_and_mul(x)
+            return cpu_ops.gated_act(x, "silu")
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def op_spec(self) -> OpSpec:
+        return OpSpec("gated_act", frozenset({"silu"}))
+
 
 class GeluAndMul(nn.Module):
+    computes = ("forward",)
+
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GELU approximation {approximate!r}: 'none' or 'tanh'")
         self.approximate = approximate
+        self.act = "gelu" if approximate == "none" else "gelu_tanh"  # cpu_ops' name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_ops.fused(x):
+            return cpu_ops.gated_act(x, self.act)
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate=self.approximate) * up
+
+    def op_spec(self) -> OpSpec:
+        return OpSpec("gated_act", frozenset({self.act}))
 
 
 # transformers' ACT2FN names → the gated activation computing act(gate) * up

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from tokenmill.attention import AttentionBackend, AttentionMetadata
+from tokenmill.layers import cpu_ops
+from tokenmill.quantization.base import CPULinearKernel
 from tokenmill.utils.profiling import scope
 
 
@@ -29,6 +31,9 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None  # (2, num_blocks, block_size, Hkv, R)
         self.kv_scales: torch.Tensor | None = None  # (2, Hkv): an fp8 cache's scales
         self.key_rotation: torch.Tensor | None = None  # (D, D): a quantized cache's
+        # R^T as a weight of the C++ linear op (rows of x @ R in a fixed order at any T;
+        # torch's matmul rounds small batches differently)
+        self.rotation_weight: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
 
     def bind(self, kv_cache: torch.Tensor, backend: AttentionBackend,
@@ -37,6 +42,7 @@ class Attention(nn.Module):
         """kv_scales, key_rotation: a quantized cache's (attention/kv_cache.py)."""
         self.kv_cache, self.backend, self.kv_scales = kv_cache, backend, kv_scales
         self.key_rotation = key_rotation
+        self.rotation_weight = None if key_rotation is None else key_rotation.t().contiguous()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -45,10 +51,19 @@ class Attention(nn.Module):
             raise RuntimeError("attention layer used before its KV cache was bound")
         with scope("attention"):
             if self.key_rotation is not None:  # q . k = (q R) . (k R): keys stored rotated
-                q, k = q @ self.key_rotation, k @ self.key_rotation
+                q, k = self._rotate(q), self._rotate(k)
             return self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.kv_scales,
                                         sliding_window=self.sliding_window,
                                         soft_cap=self.soft_cap)
+
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, H, D) @ R."""
+        if not cpu_ops.fused(x):
+            return x @ self.key_rotation
+        T, H, D = x.shape
+        kernel = CPULinearKernel(CPULinearKernel.DENSE, 0, (self.rotation_weight,))
+        return cpu_ops.linear(x.reshape(T * H, D), kernel).view(T, H, D)
 
 
 def attention_features(layers: Iterable[Attention]) -> frozenset[str]:

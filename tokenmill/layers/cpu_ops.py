@@ -41,10 +41,10 @@ def fused(x: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, kernel: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) @ W^T + bias → (M, N) for a weight described by `kernel` (a
     quantization.CPULinearKernel: dense float32, Q8_0 or 4-bit blocks; csrc/linear_cpu.h).
-    Dense weights take it for M <= SMALL_M only; quantized ones at every M."""
+    A batch-invariant kernel sums every row in an order that does not depend on M."""
     with scope("tokenmill::linear"):  # a GEMM in benchmarks/profile_step.py
-        kind, group, tensors, int8_acts, input_scale = kernel.as_args()
-        return _ops().linear(x, kind, group, tensors, bias, int8_acts, input_scale)
+        kind, group, tensors, int8_acts, input_scale, invariant = kernel.as_args()
+        return _ops().linear(x, kind, group, tensors, bias, int8_acts, input_scale, invariant)
 
 
 def gather_rows(ids: torch.Tensor, kernel: Any) -> torch.Tensor:
@@ -59,9 +59,23 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return out, summed
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[gate | up] (…, 2I) → silu(gate) * up (…, I)."""
-    return _ops().silu_and_mul(x)
+def gated_act(x: torch.Tensor, act: str) -> torch.Tensor:
+    """[gate | up] (…, 2I) → act(gate) * up (…, I), act one of GATED_ACTS ("silu", "gelu",
+    "gelu_tanh"), each row alone (its result does not depend on the other rows)."""
+    return _ops().gated_act(x, gated_act_code(act))
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """torch.sigmoid(x), each element computed alike wherever it lies in x (torch's kernel
+    rounds a tensor's last few elements otherwise): for values one per token."""
+    if fused(x):
+        return _ops().sigmoid(x)
+    return torch.sigmoid(x)
+
+
+def gated_act_code(act: str) -> int:
+    """The C++ code of a gated activation's name (csrc/cpu_ops.h kGatedActs)."""
+    return list(_ops().GATED_ACTS).index(act)
 
 
 def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

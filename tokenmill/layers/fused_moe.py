@@ -20,7 +20,9 @@ that loop (a one-hot mask and a `where` per expert), kept for benchmarks/moe.py.
 On CUDA the experts run as the Triton fused-MoE kernel's two grouped GEMM launches instead
 (layers/fused_moe_triton.py). Quantized experts (int8 / int4, quantization/moe.py): the same
 grouping, each active expert's two products through the C++ linear op on its blocks instead
-of F.linear on float weights.
+of F.linear on float weights. Batch-invariant (the model's quantization config says so), float
+experts take the C++ op too: a token's products then do not depend on how many other tokens
+its experts serve in the step, and its experts' outputs are added in expert order.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from torch import nn
 from tokenmill.distributed import ParallelState
 from tokenmill.layers import cpu_ops
 from tokenmill.layers.activation import SiluAndMul
-from tokenmill.quantization.base import QuantizationConfig
+from tokenmill.quantization.base import CPULinearKernel, QuantizationConfig
 from tokenmill.quantization.moe import moe_quant_method
 
 
@@ -123,6 +125,7 @@ class FusedMoE(nn.Module):
         self.act = SiluAndMul()
         # quantized experts: the loader calls its process_weights_after_loading
         self.quant_method = moe_quant_method(quant_config, prefix)
+        self.batch_invariant = quant_config is None or quant_config.batch_invariant
 
     @torch.no_grad()
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor,
@@ -147,15 +150,19 @@ class FusedMoE(nn.Module):
 
     def up(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e's gate_up product: (n, H) → (n, 2I)."""
-        if self.quant_method is None:
-            return F.linear(x, self.w13[e])
-        return cpu_ops.linear(x, self.quant_method.kernel(self, "w13", e))
+        return self._product("w13", e, x)
 
     def down(self, e: int, h: torch.Tensor) -> torch.Tensor:
         """Expert e's down product: (n, I) → (n, H)."""
-        if self.quant_method is None:
-            return F.linear(h, self.w2[e])
-        return cpu_ops.linear(h, self.quant_method.kernel(self, "w2", e))
+        return self._product("w2", e, h)
+
+    def _product(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return cpu_ops.linear(x, self.quant_method.kernel(self, name, e))
+        w = getattr(self, name)[e]
+        if self.batch_invariant and cpu_ops.fused(x):
+            return cpu_ops.linear(x, CPULinearKernel(CPULinearKernel.DENSE, 0, (w,)))
+        return F.linear(x, w)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x (T, H), router_logits (T, E) → (T, H), summed over tensor-parallel ranks."""

@@ -10,9 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers import cpu_ops
+from tokenmill.layers.op_spec import OpSpec
 
 
 class RMSNorm(nn.Module):
+    computes = ("forward", "_norm")
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -34,3 +37,6 @@ class RMSNorm(nn.Module):
             return cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
         x = x + residual
         return self._norm(x), x
+
+    def op_spec(self) -> OpSpec:
+        return OpSpec("rms_norm", params={"weight": self.weight, "eps": self.eps})

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tokenmill.distributed import ParallelState
+from tokenmill.layers.op_spec import OpSpec
 from tokenmill.quantization.base import QuantizationConfig
 from tokenmill.quantization.unquantized import UnquantizedConfig
 
@@ -52,6 +53,8 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 class LinearBase(nn.Module):
+    computes = ("forward",)
+
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, tp: ParallelState,
                  quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
@@ -94,6 +97,15 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
+
+    def op_spec(self) -> OpSpec | None:
+        """The product through the method's CPU kernel (None where it has none). A column
+        split needs no communication: each rank's rows are its own outputs."""
+        kernel = self.quant_method.cpu_kernel(self)
+        if kernel is None:
+            return None
+        return OpSpec("linear", frozenset({"bias"} if self.bias is not None else ()),
+                      params={"kernel": kernel, "bias": self.bias})
 
 
 class ColumnParallelLinear(LinearBase):
@@ -188,3 +200,22 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(self.quant_method.apply(self, x, None))
         return y if self.bias is None else y + self.bias
+
+    def op_spec(self) -> OpSpec | None:
+        """Split over ranks, the partial outputs are summed: through the shared-memory
+        all-reduce ("tp_all_reduce", which a fast path may make itself) or a process group;
+        a bias is added after the sum ("bias_after_reduce")."""
+        kernel = self.quant_method.cpu_kernel(self)
+        if kernel is None:
+            return None
+        variants = set()
+        if self.tp.tp_size > 1:
+            comm = self.tp.comm
+            shared = comm is not None and comm.world_size == self.tp.tp_size
+            variants.add("tp_all_reduce" if shared else "tp_process_group")
+            if self.bias is not None:
+                variants.add("bias_after_reduce")
+        elif self.bias is not None:
+            variants.add("bias")
+        return OpSpec("linear", frozenset(variants),
+                      params={"kernel": kernel, "bias": self.bias, "comm": self.tp.comm})

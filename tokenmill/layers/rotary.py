@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tokenmill.layers import cpu_ops
+from tokenmill.layers.op_spec import OpSpec
 
 
 def rope_parameter_sets(hf_config: Any) -> dict[str, dict[str, Any]]:
@@ -74,9 +75,12 @@ def _table(inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor
 
 
 class RotaryEmbedding(nn.Module):
+    computes = ("forward",)
+
     def __init__(self, head_dim: int, max_positions: int, hf_config: Any,
                  key: str = "default") -> None:
         super().__init__()
+        self.head_dim, self.rotary_dim = head_dim, rotary_dim(hf_config, head_dim)
         device = torch.get_default_device()  # the model's (built under torch.device(...))
         # The table is computed on the CPU whatever that device (transformers' initialisers
         # make CPU tensors; one device's arithmetic for every engine), then moved there.
@@ -99,6 +103,12 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].unsqueeze(1).to(dtype)  # (T, 1, R)
         sin = self.sin[positions].unsqueeze(1).to(dtype)
         return cos, sin
+
+    def op_spec(self) -> OpSpec:
+        """rotate_half RoPE from this table, over whole heads or their first rotary_dim
+        features ("partial")."""
+        partial = self.rotary_dim < self.head_dim
+        return OpSpec("rope", frozenset({"partial"} if partial else ()), params={"table": self})
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

@@ -60,9 +60,12 @@ def prepack_decision(config: ModelConfig, prepack: bool | str) -> bool:
 
 
 def load_model(config: ModelConfig, device: torch.device, tp: ParallelState = ParallelState(),
-               prepack: bool | str = "auto") -> nn.Module:
+               prepack: bool | str = "auto", batch_invariant: bool = True) -> nn.Module:
+    """The model with its weights; batch_invariant: its linear layers' kernels sum every row
+    in one order at every step size (EngineConfig.batch_invariant)."""
     cls = resolve_model_class(config.architecture)
-    quant = quantization_config(config, device, prepack_decision(config, prepack))
+    quant = quantization_config(config, device, prepack_decision(config, prepack),
+                                batch_invariant and device.type == "cpu")
     with _default_dtype(config.dtype), torch.device(device):
         model = cls(config.hf_config, tp, quant)
     if config.headless:  # embeddings only: no LM head to fill

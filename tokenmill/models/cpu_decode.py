@@ -9,23 +9,23 @@ method object (`cpu_kernel`: dense float32, Q8_0, 4-bit blocks), so every weight
 methods know takes this path and none is written twice. Results are bitwise equal to the
 modules' forward (tests/models/test_cpu_decode.py).
 
-It is opt-in by an allow-list: it runs only layers whose every part is exactly one of the
-types `_allowed()` names (a subclass, such as Qwen3's attention with its q/k norms, is another
-model and goes through the modules), unsplit or split over tensor-parallel ranks that share
-the shared-memory all-reduce (the call then sums the row-parallel outputs itself, between the
-same ops, so ranks stay bitwise equal to their modules), float32 activations on CPU,
-a KV cache in a format the kernel reads (`KERNEL_KV_DTYPES`: float32, int8, fp8), causal
-attention without a soft cap, with one sliding window or none for all layers (the window
-moves each query's first key, as the attention backend does) and RoPE over whole heads, every
-linear layer's method giving a CPU kernel, and a step whose every query goes to the CPU
-paged-attention kernel (the attention backend says so through `fused_decode_queries`;
-backends without that kernel never do). Anything else runs the
-modules, whose layers call the same kernels through the same method objects.
+What it runs is what the modules state they compute (layers/op_spec.py), never what their
+types suggest: the plan is built from each layer's `OpSpec` tree and the model's RoPE table,
+and the call runs only when the C++ side implements every op and variant they require (its
+`OPS`: a pre-norm block of RMSNorms, RoPE over whole heads, paged attention with or without
+one window, a key rotation and a float32 / int8 / fp8 cache, linear layers with biases and the
+shared-memory all-reduce, a gated MLP with SiLU, GELU or GELU-tanh), for float32 activations
+on CPU, with all layers alike in what the call takes once (heads, eps, scale, window, backend)
+and a step whose every query goes to the CPU paged-attention kernel (the attention backend
+says so through `fused_decode_queries`). Anything else (another op, a variant, a subclass
+that redefines a forward) runs the modules, whose layers call the same kernels through the
+same method objects.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,34 +36,32 @@ from tokenmill.attention import AttentionMetadata
 from tokenmill.distributed.shm_all_reduce import ShmAllReduce
 from tokenmill.layers import cpu_ops
 from tokenmill.layers.attention import Attention
-from tokenmill.layers.layernorm import RMSNorm
-from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tokenmill.layers.op_spec import OpSpec, spec_of
 from tokenmill.utils.cpp_extension import load_cpu_extension
 from tokenmill.utils.profiling import scope
 
+logger = logging.getLogger(__name__)
+
 # A linear layer as decode_layers takes it: (kind, group, tensors, int8 activations, input
-# scale or None, bias or None).
-LinearArgs = tuple[int, int, list[torch.Tensor], bool, torch.Tensor | None,
+# scale or None, batch-invariant, bias or None).
+LinearArgs = tuple[int, int, list[torch.Tensor], bool, torch.Tensor | None, bool,
                    torch.Tensor | None]
-# KV cache storage the kernels read and write (csrc/kv_formats.h), the allow-list.
-KERNEL_KV_DTYPES = tuple(d for d in (torch.float32, torch.int8,
-                                     getattr(torch, "float8_e4m3fn", None)) if d is not None)
 
 
 @functools.cache
+def _module() -> Any | None:
+    return load_cpu_extension("decode_layers_cpu")
+
+
 def _decode_layers_op() -> Any | None:
-    module = load_cpu_extension("decode_layers_cpu")
+    module = _module()
     return None if module is None else module.decode_layers
 
 
-def _allowed() -> dict[str, type]:
-    """The exact module types decode_layers implements (imported late: models import this)."""
-    from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
-
-    return {"layer": LlamaDecoderLayer, "self_attn": LlamaAttention, "mlp": LlamaMLP,
-            "input_layernorm": RMSNorm, "post_attention_layernorm": RMSNorm,
-            "qkv_proj": QKVParallelLinear, "o_proj": RowParallelLinear,
-            "gate_up_proj": MergedColumnParallelLinear, "down_proj": RowParallelLinear}
+def implemented_ops() -> frozenset[str]:
+    """The ops and variants decode_layers computes (empty without the kernels)."""
+    module = _module()
+    return frozenset() if module is None else frozenset(module.OPS)
 
 
 @dataclass(frozen=True)
@@ -72,20 +70,22 @@ class _Plan:
 
     norms: list[torch.Tensor]  # in_norm, post_norm per layer
     linears: list[LinearArgs]  # qkv, o, gate_up, down per layer
+    acts: list[int]  # each layer's gated activation (cpu_ops' code)
     attns: list[Attention]
     heads: tuple[int, int, int]  # Hq, Hkv, D
     eps: float
     scale: float
     comm: ShmAllReduce | None  # tensor parallelism: the all-reduce the call makes itself
     window: int | None  # every layer's sliding window (Mistral), or None
+    rope_key: str  # the one RoPE table all layers read
 
 
 class SmallBatchDecode:
-    """The decoder layers of a Llama model, run for a small decode batch (see module doc)."""
+    """The decoder layers of a model, run for a small decode batch (see module doc)."""
 
-    def __init__(self, layers: nn.ModuleList, full_rotary: bool = True) -> None:
+    def __init__(self, layers: nn.ModuleList, rotary_embs: nn.ModuleDict) -> None:
         self.layers = layers
-        self.full_rotary = full_rotary  # RoPE over whole heads (the call rotates them all)
+        self.rotary_embs = rotary_embs
         self.enabled = True  # off: the modules (benchmarks/decode_paths.py compares them)
 
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -99,23 +99,24 @@ class SmallBatchDecode:
         run the kernel (every query of a plain decode step goes to it), else None."""
         return self._plan.attns[0].backend.fused_decode_queries(meta, num_tokens)
 
-    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def run(self, hidden: torch.Tensor, tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
             meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden (T, H) embeddings → (hidden, residual) after the last layer, as the modules'
-        loop returns them. cos / sin (T, 1, D) as RotaryEmbedding gives them. Only after
-        `applies` said True."""
+        loop returns them. tables: RoPE key → cos / sin (T, 1, D), as RotaryEmbedding gives
+        them. Only after `applies` said True."""
         plan = self._plan
+        cos, sin = tables[plan.rope_key]
         p = self._queries(meta, hidden.shape[0])
         comm = plan.comm
         shm = (None, 0, 1, 0, 0.0) if comm is None else comm.kernel_args()
         with scope("tokenmill::decode_layers"):
             hidden, residual, seq = _decode_layers_op()(
                 hidden, plan.norms, plan.linears, [a.kv_cache for a in plan.attns],
-                [a.kv_scales for a in plan.attns], plan.attns[0].key_rotation, cos, sin,
+                [a.kv_scales for a in plan.attns], plan.attns[0].rotation_weight, cos, sin,
                 meta.slot_mapping, p.block_tables, p.seq_rows, p.first_keys(plan.window),
                 p.ctx_lens,
                 *plan.heads, plan.eps, plan.scale, *shm[:4],
-                0 if comm is None else comm.seq, shm[4])
+                0 if comm is None else comm.seq, shm[4], plan.acts, p.split_keys)
         if comm is not None:
             comm.seq = seq
         return hidden, residual
@@ -123,63 +124,59 @@ class SmallBatchDecode:
     @functools.cached_property
     def _plan(self) -> _Plan | None:
         """Taken at the first step (weights processed, huge pages moved, caches bound); None,
-        cached too, when some layer is not on the allow-list."""
-        if _decode_layers_op() is None or not self.layers or not self.full_rotary:
+        cached too, when the call does not compute what the layers state."""
+        if _decode_layers_op() is None or not self.layers or len(self.rotary_embs) != 1:
             return None
-        parts = [_parts_of(layer) for layer in self.layers]
-        if any(p is None for p in parts):
+        specs = [spec_of(layer) for layer in self.layers]
+        rope = spec_of(next(iter(self.rotary_embs.values())))
+        if any(s is None for s in specs) or rope is None:
             return None
-        first = self.layers[0].self_attn
-        heads = (first.num_heads, first.num_kv_heads, first.head_dim)
-        eps = self.layers[0].input_layernorm.eps
-        scale = first.attn.scale
-        for layer in self.layers:  # decode_layers takes one of each for all layers
-            a = layer.self_attn
-            if ((a.num_heads, a.num_kv_heads, a.head_dim) != heads or a.attn.scale != scale
-                    or {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {eps}
-                    or a.attn.backend is not first.attn.backend
-                    or a.attn.key_rotation is not first.attn.key_rotation
-                    or a.attn.kv_cache.dtype not in KERNEL_KV_DTYPES
-                    # causal attention, one window (or none) for all layers, no soft cap
-                    or a.attn.sliding_window != first.attn.sliding_window
-                    or a.attn.soft_cap is not None):
-                return None
-        return _Plan(norms=[t for p in parts for t in p[0]],
-                     linears=[lin for p in parts for lin in p[1]],
-                     attns=[layer.self_attn.attn for layer in self.layers],
-                     heads=heads, eps=eps, scale=scale, comm=first.o_proj.tp.comm,
-                     window=first.attn.sliding_window)
-
-
-def _split_supported(lin: nn.Module) -> bool:
-    """Whether the call computes this layer as its module does under its tensor parallelism:
-    unsplit, or split with the shared-memory all-reduce (which the call makes itself) and, for
-    a row-parallel layer, no bias (the module adds it after the reduction)."""
-    tp = lin.tp
-    if tp.tp_size == 1:
-        return True
-    if tp.comm is None or tp.comm.world_size != tp.tp_size:
-        return False
-    return not isinstance(lin, RowParallelLinear) or lin.bias is None
-
-
-def _parts_of(layer: nn.Module) -> tuple[list[torch.Tensor], list[LinearArgs]] | None:
-    """The layer's norms and linear kernels, or None unless every part is allow-listed."""
-    allowed = _allowed()
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    modules = {"layer": layer, "self_attn": attn, "mlp": mlp,
-               "input_layernorm": getattr(layer, "input_layernorm", None),
-               "post_attention_layernorm": getattr(layer, "post_attention_layernorm", None),
-               "qkv_proj": getattr(attn, "qkv_proj", None),
-               "o_proj": getattr(attn, "o_proj", None),
-               "gate_up_proj": getattr(mlp, "gate_up_proj", None),
-               "down_proj": getattr(mlp, "down_proj", None)}
-    if any(type(m) is not allowed[name] for name, m in modules.items()):
-        return None
-    linears: list[LinearArgs] = []
-    for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-        kernel = lin.quant_method.cpu_kernel(lin)
-        if kernel is None or not _split_supported(lin):
+        missing = set().union(*(s.requires() for s in specs), rope.requires())
+        missing -= implemented_ops()
+        if missing:
+            logger.debug("fused decode call off: the C++ side does not compute %s",
+                         ", ".join(sorted(missing)))
             return None
-        linears.append((*kernel.as_args(), lin.bias))
-    return [layer.input_layernorm.weight, layer.post_attention_layernorm.weight], linears
+        return _plan_of(specs)
+
+
+def _linear_args(spec: OpSpec) -> LinearArgs:
+    return (*spec.params["kernel"].as_args(), spec.params["bias"])
+
+
+def _plan_of(specs: list[OpSpec]) -> _Plan | None:
+    """The call's arguments from the layers' specs; None where the layers differ in what the
+    call takes once for all of them."""
+    attn = [s.parts["self_attn"] for s in specs]
+    norms = [(s.parts["input_layernorm"], s.parts["post_attention_layernorm"]) for s in specs]
+    first = attn[0].params
+    eps = norms[0][0].params["eps"]
+    backend, rotation = first["attn"].backend, first["attn"].key_rotation
+    comms = {id(a.parts["o_proj"].params["comm"]) for a in attn}
+    for a, (n_in, n_post), s in zip(attn, norms, specs, strict=True):
+        p = a.params
+        if (p["heads"] != first["heads"] or p["scale"] != first["scale"]
+                or p["window"] != first["window"] or {n_in.params["eps"],
+                                                       n_post.params["eps"]} != {eps}
+                or p["attn"].backend is not backend or p["attn"].key_rotation is not rotation
+                or s.params["rope_key"] != specs[0].params["rope_key"] or len(comms) != 1):
+            return None
+    acts = []
+    for s in specs:
+        (act,) = s.parts["mlp"].parts["act_fn"].variants
+        acts.append(cpu_ops.gated_act_code(act))
+    linears = [_linear_args(part) for s in specs
+               for part in (s.parts["self_attn"].parts["qkv_proj"],
+                            s.parts["self_attn"].parts["o_proj"],
+                            s.parts["mlp"].parts["gate_up_proj"],
+                            s.parts["mlp"].parts["down_proj"])]
+    return _Plan(norms=[n.params["weight"] for pair in norms for n in pair], linears=linears,
+                 acts=acts, attns=[a.params["attn"] for a in attn], heads=first["heads"],
+                 eps=eps, scale=first["scale"],
+                 comm=attn[0].parts["o_proj"].params["comm"] if _split(attn[0]) else None,
+                 window=first["window"], rope_key=specs[0].params["rope_key"])
+
+
+def _split(attn: OpSpec) -> bool:
+    """Whether the layers' row-parallel outputs are summed over ranks (by the call itself)."""
+    return "tp_all_reduce" in attn.parts["o_proj"].variants

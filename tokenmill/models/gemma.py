@@ -28,6 +28,7 @@ from tokenmill.attention import AttentionMetadata
 from tokenmill.distributed import ParallelState
 from tokenmill.layers.attention import Attention, layer_sliding_window
 from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.layers.op_spec import OpSpec
 from tokenmill.layers.rotary import apply_rotary
 from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from tokenmill.quantization import QuantizationConfig
@@ -47,6 +48,11 @@ class GemmaRMSNorm(RMSNorm):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def op_spec(self) -> OpSpec:
+        """RMSNorm scaled by (1 + weight): the op with a unit offset."""
+        return OpSpec("rms_norm", frozenset({"unit_offset"}),
+                      params={"weight": self.weight, "eps": self.eps})
 
 
 class GemmaAttention(LlamaAttention):

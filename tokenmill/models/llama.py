@@ -22,13 +22,20 @@ from tokenmill.layers.activation import gated_activation
 from tokenmill.layers.attention import Attention, layer_sliding_window
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary, rope_key, rotary_dim
+from tokenmill.layers.op_spec import OpSpec, specs_of
+from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary, rope_key
 from tokenmill.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.models.cpu_decode import SmallBatchDecode
 from tokenmill.quantization import QuantizationConfig
 
+# a KV cache's storage as an attention variant
+_KV_VARIANTS = {torch.float32: "kv_float32", torch.int8: "kv_int8",
+                torch.float8_e4m3fn: "kv_fp8"}
+
 
 class LlamaAttention(nn.Module):
+    computes = ("forward", "split_heads")
+
     def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
                  prefix: str, layer_idx: int, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
@@ -58,8 +65,25 @@ class LlamaAttention(nn.Module):
         q, k = apply_rotary(q, k, *position_embeddings)
         return self.o_proj(self.attn(q, k, v, meta))  # (T, hidden)
 
+    def op_spec(self) -> OpSpec | None:
+        """qkv projection, RoPE (the model's table), paged attention over the layer's cache
+        with its variants, output projection."""
+        parts = specs_of(qkv_proj=self.qkv_proj, o_proj=self.o_proj)
+        a = self.attn
+        if parts is None or a.kv_cache is None:
+            return None
+        on = {"window": a.sliding_window is not None, "soft_cap": a.soft_cap is not None,
+              "key_rotation": a.key_rotation is not None}
+        variants = {name for name, used in on.items() if used}
+        variants.add(_KV_VARIANTS.get(a.kv_cache.dtype, f"kv_{a.kv_cache.dtype}"))
+        return OpSpec("attention", frozenset(variants), parts=parts,
+                      params={"attn": a, "scale": a.scale, "window": a.sliding_window,
+                              "heads": (self.num_heads, self.num_kv_heads, self.head_dim)})
+
 
 class LlamaMLP(nn.Module):
+    computes = ("forward",)
+
     def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
                  prefix: str, layer_idx: int | None = None,
                  intermediate_size: int | None = None) -> None:
@@ -76,8 +100,15 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
+    def op_spec(self) -> OpSpec | None:
+        parts = specs_of(gate_up_proj=self.gate_up_proj, act_fn=self.act_fn,
+                         down_proj=self.down_proj)
+        return None if parts is None else OpSpec("gated_mlp", parts=parts)
+
 
 class LlamaDecoderLayer(nn.Module):
+    computes = ("forward",)
+
     def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
                  prefix: str, layer_idx: int, attention_cls: type[LlamaAttention],
                  mlp_cls: Callable[..., nn.Module] = LlamaMLP,
@@ -101,6 +132,13 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(position_embeddings, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def op_spec(self) -> OpSpec | None:
+        """Pre-norm block: (add +) norm, attention, add + norm, MLP; its RoPE table by key."""
+        parts = specs_of(input_layernorm=self.input_layernorm, self_attn=self.self_attn,
+                         post_attention_layernorm=self.post_attention_layernorm, mlp=self.mlp)
+        return None if parts is None else OpSpec("pre_norm_block", parts=parts,
+                                                  params={"rope_key": self.rope_key})
 
 
 class LlamaModel(nn.Module):
@@ -138,11 +176,10 @@ class LlamaModel(nn.Module):
         self.rotary_embs = nn.ModuleDict({
             key: RotaryEmbedding(head_dim, config.max_position_embeddings, config, key)
             for key in sorted({rope_key(config, i) for i in here})})
-        # The same layers for a CPU decode step of a few tokens, in one C++ call (which
-        # rotates whole heads: not for partial rotary)
-        self.small_batch_decode = SmallBatchDecode(
-            self.layers[here.start:here.stop],
-            full_rotary=rotary_dim(config, head_dim) == head_dim)
+        # The same layers for a CPU decode step of a few tokens, in one C++ call, where it
+        # computes everything they state (models/cpu_decode.py)
+        self.small_batch_decode = SmallBatchDecode(self.layers[here.start:here.stop],
+                                                   self.rotary_embs)
 
     def local_layers(self) -> Iterator[nn.Module]:
         """This stage's decoder layers, in order."""
@@ -164,8 +201,8 @@ class LlamaModel(nn.Module):
         residual = None
         # rope key → cos, sin (T, 1, D)
         tables = {key: emb(positions, hidden.dtype) for key, emb in self.rotary_embs.items()}
-        if self.small_batch_decode.applies(hidden, meta):  # (one table: plain Llama layers)
-            hidden, residual = self.small_batch_decode.run(hidden, *tables["default"], meta)
+        if self.small_batch_decode.applies(hidden, meta):
+            hidden, residual = self.small_batch_decode.run(hidden, tables, meta)
         else:
             for layer in self.local_layers():
                 hidden, residual = layer(tables[layer.rope_key], hidden, residual, meta)

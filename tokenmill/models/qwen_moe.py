@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import ParallelState
+from tokenmill.layers import cpu_ops
 from tokenmill.layers.fused_moe import FusedMoE, map_expert_weight
 from tokenmill.layers.linear import ColumnParallelLinear
 from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP
@@ -58,7 +58,7 @@ class QwenSparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.gate(x))  # (T, hidden)
         if self.shared_expert is not None:
-            out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + cpu_ops.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
 

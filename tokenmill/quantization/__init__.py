@@ -104,29 +104,32 @@ def default_quantization(model: ModelConfig, device: str) -> str | None:
     return "gguf"
 
 
-def quantization_config(model: ModelConfig, device: torch.device,
-                        prepack: bool) -> QuantizationConfig:
+def quantization_config(model: ModelConfig, device: torch.device, prepack: bool,
+                        batch_invariant: bool = True) -> QuantizationConfig:
     """The weight format of `model` on `device` (model.quantization already validated by
-    ModelConfig against the checkpoint)."""
-    name, int8_acts = model.quantization, model.int8_activations
+    ModelConfig against the checkpoint); batch_invariant: its kernels sum every row in one
+    order at every step size (EngineConfig.batch_invariant)."""
+    name, int8_acts, inv = model.quantization, model.int8_activations, batch_invariant
     if name is None:
         if int8_acts:
             raise ValueError("int8_activations applies to quantized weights; pass a "
                              "quantization method too")
-        return UnquantizedConfig(prepack)
+        return UnquantizedConfig(prepack, inv)
     if model.dtype != torch.float32:  # before int4's calibration, which takes seconds
         raise ValueError(f"quantization={name!r} computes in float32 on CPU; dtype is "
                          f"{model.dtype}")
     config: QuantizationConfig
     if name == "int8":
         from tokenmill.quantization.load_time import Int8Config
-        config = Int8Config(int8_acts)
+        config = Int8Config(int8_acts, inv)
     elif name == "int4":
         from tokenmill.quantization.load_time import Int4Config
-        config = Int4Config(int8_activations=int8_acts, activations=_calibration(model))
+        config = Int4Config(int8_activations=int8_acts, activations=_calibration(model),
+                            batch_invariant=inv)
     elif name in ("awq", "gptq"):
         from tokenmill.quantization.int4_checkpoints import Int4CheckpointConfig
-        config = Int4CheckpointConfig(name, model.hf_quant_config or {}, prepack, int8_acts)
+        config = Int4CheckpointConfig(name, model.hf_quant_config or {}, prepack, int8_acts,
+                                      inv)
     elif name == "gguf":
         from tokenmill.model_loader.gguf_loader import gguf_tensor_types
         from tokenmill.models import resolve_model_class
@@ -134,7 +137,8 @@ def quantization_config(model: ModelConfig, device: torch.device,
 
         assert model.gguf_file is not None
         mapping = getattr(resolve_model_class(model.architecture), "packed_modules_mapping", {})
-        config = GGUFConfig(gguf_tensor_types(model.gguf_file), prepack, mapping, int8_acts)
+        config = GGUFConfig(gguf_tensor_types(model.gguf_file), prepack, mapping, int8_acts,
+                            inv)
     else:
         raise ValueError(f"unknown quantization {name!r}; supported: "
                          f"{', '.join(QUANTIZATION_METHODS)} or None")

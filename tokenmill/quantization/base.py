@@ -52,10 +52,14 @@ class CPULinearKernel:
     # (K,): x is multiplied by it before the product (activation-aware 4-bit weights hold
     # W / s per input channel; quantization/awq_search.py). None: no scaling.
     input_scale: torch.Tensor | None = None
+    # Every row summed in one order whatever the step's number of rows (csrc/linear_dot.h):
+    # a request's result does not depend on its neighbours. False: the fastest kernel for
+    # each M (EngineConfig.batch_invariant).
+    batch_invariant: bool = True
 
-    def as_args(self) -> tuple[int, int, list[torch.Tensor], bool, torch.Tensor | None]:
+    def as_args(self) -> tuple[int, int, list[torch.Tensor], bool, torch.Tensor | None, bool]:
         return (self.kind, self.group, list(self.tensors), self.int8_activations,
-                self.input_scale)
+                self.input_scale, self.batch_invariant)
 
 
 def set_weight_attrs(param: nn.Parameter, output_dim: int | None = None,
@@ -85,6 +89,9 @@ def replace_param(layer: nn.Module, name: str, value: torch.Tensor | None) -> No
 
 class LinearMethodBase(ABC):
     """How one layer stores and multiplies its weight (see module doc)."""
+
+    # the kernels' summation order does not depend on a step's rows (CPULinearKernel)
+    batch_invariant: bool = True
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
@@ -134,6 +141,8 @@ class QuantizationConfig(ABC):
     """A weight format for a whole model: picks each layer's method object."""
 
     name: str
+    # every method it hands out multiplies batch-invariantly (EngineConfig.batch_invariant)
+    batch_invariant: bool = True
 
     @abstractmethod
     def linear_method(self, prefix: str) -> LinearMethodBase:

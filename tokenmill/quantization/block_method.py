@@ -17,12 +17,14 @@ from tokenmill.quantization.base import CPULinearKernel, LinearMethodBase, repla
 
 
 class BlockLinearMethod(LinearMethodBase):
-    def __init__(self, kind: int, group: int, int8_activations: bool = False) -> None:
+    def __init__(self, kind: int, group: int, int8_activations: bool = False,
+                 batch_invariant: bool = True) -> None:
         if kind not in (CPULinearKernel.Q8_0, CPULinearKernel.Q4):
             raise ValueError(f"not a block kind: {kind}")
         self.kind, self.group = kind, group
         # Every step multiplies int8-quantized activations (EngineConfig option).
         self.int8_activations = int8_activations
+        self.batch_invariant = batch_invariant
 
     @staticmethod
     def set_blocks(layer: nn.Module, q: torch.Tensor, d: torch.Tensor,
@@ -38,4 +40,5 @@ class BlockLinearMethod(LinearMethodBase):
                                              else ())
         group = getattr(layer, "group_size", self.group)  # set where it varies by layer
         return CPULinearKernel(self.kind, group, tuple(getattr(layer, n) for n in names),
-                               self.int8_activations, getattr(layer, "input_scale", None))
+                               self.int8_activations, getattr(layer, "input_scale", None),
+                               self.batch_invariant)

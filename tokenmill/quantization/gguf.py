@@ -57,9 +57,10 @@ def split_blocks(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, ...]:
 class GGUFBlockMethod(BlockLinearMethod):
     """A layer whose GGUF tensors are all of one block type."""
 
-    def __init__(self, type_name: str, int8_activations: bool = False) -> None:
+    def __init__(self, type_name: str, int8_activations: bool = False,
+                 batch_invariant: bool = True) -> None:
         self.type_name = type_name
-        super().__init__(BLOCK_TYPES[type_name][1], 32, int8_activations)
+        super().__init__(BLOCK_TYPES[type_name][1], 32, int8_activations, batch_invariant)
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
@@ -83,11 +84,12 @@ class GGUFConfig(QuantizationConfig):
 
     def __init__(self, tensor_types: dict[str, str], prepack: bool,
                  packed_modules: dict[str, tuple[str, int | str]],
-                 int8_activations: bool = False) -> None:
+                 int8_activations: bool = False, batch_invariant: bool = True) -> None:
         self.int8_activations = int8_activations
+        self.batch_invariant = batch_invariant
         # HF parameter name ("model.layers.0.self_attn.q_proj.weight") → GGML type name
         self.tensor_types = tensor_types
-        self.dense = UnquantizedLinearMethod(prepack)
+        self.dense = UnquantizedLinearMethod(prepack, batch_invariant)
         self.packed_modules = packed_modules
         bad = sorted({t for t in tensor_types.values() if t not in SUPPORTED_TYPES})
         if bad:
@@ -113,13 +115,14 @@ class GGUFConfig(QuantizationConfig):
         (t,) = types
         if t in DENSE_TYPES:
             return self.dense
-        return GGUFBlockMethod(t, int8_activations_for(prefix, self.int8_activations))
+        return GGUFBlockMethod(t, int8_activations_for(prefix, self.int8_activations),
+                               self.batch_invariant)
 
     def embedding_method(self, prefix: str) -> LinearMethodBase:
         """As linear_method, but float activations always: rounding them cost most agreement
         in the logits (benchmarks/RESULTS.md)."""
         method = self.linear_method(prefix)
         if isinstance(method, GGUFBlockMethod) and method.int8_activations:
-            return GGUFBlockMethod(method.type_name)
+            return GGUFBlockMethod(method.type_name, batch_invariant=self.batch_invariant)
         return method
 

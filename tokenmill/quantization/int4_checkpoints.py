@@ -61,8 +61,8 @@ def _awq_unorder(values: torch.Tensor) -> torch.Tensor:
 
 
 class _ZeroPointMethod(BlockLinearMethod):
-    def __init__(self, group: int, int8_activations: bool) -> None:
-        super().__init__(CPULinearKernel.Q4, group, int8_activations)
+    def __init__(self, group: int, int8_activations: bool, batch_invariant: bool = True) -> None:
+        super().__init__(CPULinearKernel.Q4, group, int8_activations, batch_invariant)
 
     def _group(self, input_size: int) -> int:
         G = input_size if self.group == -1 else self.group
@@ -101,8 +101,9 @@ class AWQLinearMethod(_ZeroPointMethod):
 
 
 class GPTQLinearMethod(_ZeroPointMethod):
-    def __init__(self, group: int, int8_activations: bool, zeros_minus_one: bool) -> None:
-        super().__init__(group, int8_activations)
+    def __init__(self, group: int, int8_activations: bool, zeros_minus_one: bool,
+                 batch_invariant: bool = True) -> None:
+        super().__init__(group, int8_activations, batch_invariant)
         self.zeros_minus_one = zeros_minus_one
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
@@ -134,8 +135,9 @@ class Int4CheckpointConfig(QuantizationConfig):
     """From a checkpoint's `quantization_config` (config.json)."""
 
     def __init__(self, name: str, hf_quant_config: dict[str, Any], prepack: bool,
-                 int8_activations: bool = False) -> None:
+                 int8_activations: bool = False, batch_invariant: bool = True) -> None:
         self.name = name
+        self.batch_invariant = batch_invariant
         cfg = hf_quant_config
         method = str(cfg.get("quant_method", "")).lower()
         if method != name:
@@ -152,17 +154,18 @@ class Int4CheckpointConfig(QuantizationConfig):
                                  f"{cfg.get('zero_point', True)}) is not supported; the GEMM "
                                  "layout with zero points is")
             self.methods: dict[bool, BlockLinearMethod] = {
-                acts: AWQLinearMethod(group, acts) for acts in (False, True)}
+                acts: AWQLinearMethod(group, acts, batch_invariant) for acts in (False, True)}
         else:
             fmt = str(cfg.get("checkpoint_format", "gptq")).lower()
             if fmt not in ("gptq", "gptq_v2"):
                 raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported "
                                  "(gptq, gptq_v2)")
-            self.methods = {acts: GPTQLinearMethod(group, acts, zeros_minus_one=fmt == "gptq")
+            self.methods = {acts: GPTQLinearMethod(group, acts, zeros_minus_one=fmt == "gptq",
+                                                   batch_invariant=batch_invariant)
                             for acts in (False, True)}  # by int8 activations
         self.int8_activations = int8_activations
         self.skip = list(cfg.get("modules_to_not_convert") or [])
-        self.dense = UnquantizedLinearMethod(prepack)
+        self.dense = UnquantizedLinearMethod(prepack, batch_invariant)
 
     def linear_method(self, prefix: str) -> LinearMethodBase:
         if any(s in prefix for s in self.skip):

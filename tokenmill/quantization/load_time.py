@@ -41,8 +41,9 @@ INT4_GROUP = 32
 
 class LoadTimeQuantMethod(BlockLinearMethod):
     def __init__(self, kind: int, group: int, int8_activations: bool = False,
-                 activations: dict[str, torch.Tensor] | None = None) -> None:
-        super().__init__(kind, group, int8_activations)
+                 activations: dict[str, torch.Tensor] | None = None,
+                 batch_invariant: bool = True) -> None:
+        super().__init__(kind, group, int8_activations, batch_invariant)
         # module path → calibration inputs (rows, K), for the 4-bit scale search
         self.activations = activations or {}
 
@@ -75,8 +76,10 @@ class LoadTimeQuantMethod(BlockLinearMethod):
 class Int8Config(QuantizationConfig):
     name = "int8"
 
-    def __init__(self, int8_activations: bool = False) -> None:
-        self.methods = {acts: LoadTimeQuantMethod(CPULinearKernel.Q8_0, 32, acts)
+    def __init__(self, int8_activations: bool = False, batch_invariant: bool = True) -> None:
+        self.batch_invariant = batch_invariant
+        self.methods = {acts: LoadTimeQuantMethod(CPULinearKernel.Q8_0, 32, acts,
+                                                  batch_invariant=batch_invariant)
                         for acts in (False, True)}  # by int8 activations
         self.int8_activations = int8_activations
         self.embedding = self.methods[False]
@@ -92,12 +95,15 @@ class Int4Config(QuantizationConfig):
     name = "int4"
 
     def __init__(self, group: int | None = None, int8_activations: bool = False,
-                 activations: dict[str, torch.Tensor] | None = None) -> None:
+                 activations: dict[str, torch.Tensor] | None = None,
+                 batch_invariant: bool = True) -> None:
+        self.batch_invariant = batch_invariant
         self.methods = {acts: LoadTimeQuantMethod(CPULinearKernel.Q4, group or INT4_GROUP,
-                                                  acts, activations)
+                                                  acts, activations, batch_invariant)
                         for acts in (False, True)}  # by int8 activations
         self.int8_activations = int8_activations
-        self.embedding = LoadTimeQuantMethod(CPULinearKernel.Q8_0, 32)
+        self.embedding = LoadTimeQuantMethod(CPULinearKernel.Q8_0, 32,
+                                             batch_invariant=batch_invariant)
 
     def linear_method(self, prefix: str) -> LinearMethodBase:
         return self.methods[int8_activations_for(prefix, self.int8_activations)]

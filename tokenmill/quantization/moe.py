@@ -25,8 +25,10 @@ from tokenmill.quantization.load_time import INT4_GROUP, LoadTimeQuantMethod
 class MoEQuantMethod:
     """How a FusedMoE layer's experts are stored and multiplied (one per layer)."""
 
-    def __init__(self, kind: int, group: int, int8_activations: bool) -> None:
+    def __init__(self, kind: int, group: int, int8_activations: bool,
+                 batch_invariant: bool = True) -> None:
         self.kind, self.group, self.int8_activations = kind, group, int8_activations
+        self.batch_invariant = batch_invariant
 
     def _group(self, input_size: int) -> int:
         if input_size % 32:
@@ -59,7 +61,7 @@ class MoEQuantMethod:
         suffixes = ("q", "d", "m") if self.kind == CPULinearKernel.Q4 else ("q", "d")
         return CPULinearKernel(self.kind, getattr(layer, f"{name}_group"),
                                tuple(getattr(layer, f"{name}_{s}")[e] for s in suffixes),
-                               self.int8_activations)
+                               self.int8_activations, batch_invariant=self.batch_invariant)
 
 
 def moe_quant_method(quant: QuantizationConfig | None, prefix: str) -> MoEQuantMethod | None:
@@ -72,4 +74,5 @@ def moe_quant_method(quant: QuantizationConfig | None, prefix: str) -> MoEQuantM
         raise ValueError(f"quantization={quant.name!r} is not supported for MoE expert "
                          "weights (int8 and int4 are); load the model with one of those or "
                          "unquantized")
-    return MoEQuantMethod(method.kind, method.group or INT4_GROUP, method.int8_activations)
+    return MoEQuantMethod(method.kind, method.group or INT4_GROUP, method.int8_activations,
+                          method.batch_invariant)

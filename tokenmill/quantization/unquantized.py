@@ -1,13 +1,15 @@
 """Dense weights in the model's dtype (float32 on CPU, bf16 / fp16 on CUDA): one method among
 the others.
 
-On CPU float32 a step of at most cpu_ops.SMALL_M rows (a decode of a few sequences) reads the
-dense weight through the C++ `linear` op, which streams it at close to memory bandwidth;
-larger steps go through a oneDNN-prepacked copy (layers/cpu_gemm.py: 180-210 GFLOP/s against
-70-140 for `F.linear`). Keeping both costs the weights' memory twice, so the copy is made only
-when `prepack` is on: EngineConfig's "auto" turns it on for models whose float32 weights are
-at most PREPACK_AUTO_MAX_BYTES (the decode path keeps its speed either way; only large
-batches pay, about 1.5x, without it). Without the C++ ops, the dense copy is freed once packed.
+On CPU float32 with the C++ kernels, batch-invariant (the default, EngineConfig.batch_invariant)
+every step multiplies through the C++ `linear` op, whose dot kernels sum each row in one order
+at every M (csrc/linear_dot.h) and read the dense weight as stored: no second copy. Otherwise
+a step of at most cpu_ops.SMALL_M rows (a decode of a few sequences) reads the dense weight
+through the same op, which streams it at close to memory bandwidth, and larger steps go
+through a oneDNN-prepacked copy (layers/cpu_gemm.py: 180-210 GFLOP/s against 70-140 for
+`F.linear`). Keeping both costs the weights' memory twice, so the copy is made only when
+`prepack` is on: EngineConfig's "auto" turns it on for models whose float32 weights are at
+most PREPACK_AUTO_MAX_BYTES. Without the C++ ops, the dense copy is freed once packed.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ PREPACK_AUTO_MAX_BYTES = 5 << 30
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
-    def __init__(self, prepack: bool = True) -> None:
-        self.prepack = prepack
+    def __init__(self, prepack: bool = True, batch_invariant: bool = True) -> None:
+        self.batch_invariant = batch_invariant
+        self.prepack = prepack and not batch_invariant  # the invariant kernels read W itself
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
@@ -53,11 +56,13 @@ class UnquantizedLinearMethod(LinearMethodBase):
         w = getattr(layer, "weight", None)
         if w is None or w.dtype != torch.float32 or not w.is_cpu:
             return None
-        return CPULinearKernel(CPULinearKernel.DENSE, 0, (w,))
+        return CPULinearKernel(CPULinearKernel.DENSE, 0, (w,),
+                               batch_invariant=self.batch_invariant)
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        if 0 < x.shape[0] <= cpu_ops.SMALL_M and cpu_ops.fused(x):
+        small = x.shape[0] <= cpu_ops.SMALL_M
+        if (self.batch_invariant or small) and x.shape[0] > 0 and cpu_ops.fused(x):
             kernel = self.cpu_kernel(layer)
             if kernel is not None:
                 return cpu_ops.linear(x, kernel, bias)
@@ -72,8 +77,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
 class UnquantizedConfig(QuantizationConfig):
     name = "none"
 
-    def __init__(self, prepack: bool = True) -> None:
-        self.method = UnquantizedLinearMethod(prepack)
+    def __init__(self, prepack: bool = True, batch_invariant: bool = True) -> None:
+        self.batch_invariant = batch_invariant
+        self.method = UnquantizedLinearMethod(prepack, batch_invariant)
 
     def linear_method(self, prefix: str) -> LinearMethodBase:
         return self.method

@@ -27,11 +27,11 @@ METHOD_FIELDS = {"ngram": ("prompt_lookup_max", "prompt_lookup_min"),
                             "suffix_decoding_max_cached_requests",
                             "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"),
                  "draft_model": ("model", "quantization")}
-# A verify step of 1 + k tokens costs about a decode step while it stays within 4 tokens:
-# the CPU kernels read each weight once for up to 4 rows (csrc/linear_cpu.h) and the fused
-# decode call takes up to 4 tokens (models/cpu_decode.py); beyond, the weights are read again
-# per 4 rows. The scheduler drafts only within that (policy.py SPEC_MAX_STEP_TOKENS).
-MAX_SPECULATIVE_TOKENS = 3
+# vLLM takes any positive count; a verify step of 1 + k tokens then runs through the modules
+# past the fused decode call's 4 (models/cpu_decode.py), and the draft-length policy weighs
+# each k by the measured cost of such steps (policy.py, cost_model.py). Beyond 32 a step
+# could not pay for itself at any acceptance on these machines.
+MAX_SPECULATIVE_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method {self.method!r}{planned}; supported: "
                              f"{', '.join(METHODS)}")
         k = self.num_speculative_tokens
-        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in 1.."
                              f"{MAX_SPECULATIVE_TOKENS}, got {k!r}")
         if self.method != "draft_model" and (self.model is not None

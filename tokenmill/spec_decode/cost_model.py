@@ -5,11 +5,13 @@ against its cost in plain decode steps: each draft token makes the verify step l
 (`verify_per_draft`), and a draft model runs one forward per draft token (`draft_forward`).
 Both depend on the machine (AVX2 or AVX-512 kernels, memory bandwidth, cores), the model and
 its weight format: on SmolLM2 with 2 cores a 4-token step costs 1.6-1.8x a 1-token one, and
-its GGUF blocks draft at ~0.44 of a float32 step. So the engine times them once when it starts
-with speculation on: single-sequence forward passes of 1 and of 1 + k tokens (and of the draft
-model), the median of a few each after a warm-up, at the first positions of a sequence in the
-null block (block 0, which no request reads). Longer contexts make a verify step's attention
-a little dearer than measured here.
+its GGUF blocks draft at ~0.44 of a float32 step; past 4 tokens a step leaves the fused decode
+call and each row costs more. So the engine times them once when it starts with speculation
+on: single-sequence forward passes of 1 .. 1 + K tokens (K = num_speculative_tokens; and of
+the draft model), the median of a few each after a warm-up, at the first positions of a
+sequence in the null block (block 0, which no request reads): `verify_curve[k]` is a step
+verifying k drafts in plain steps. Longer contexts make a verify step's attention a little
+dearer than measured here.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ _WARMUP, _REPEATS = 2, 5
 class SpecCosts:
     verify_per_draft: float  # a verify step's extra cost per draft token, in decode steps
     draft_forward: float = 0.0  # one draft-model forward of one token, in decode steps
+    # a step verifying k drafts, in decode steps, k = 0 .. K (measured; [0] is 1.0); past
+    # its end (or empty) 1 + verify_per_draft * k
+    verify_curve: tuple[float, ...] = ()
 
 
 def time_forward(model: nn.Module, backend: AttentionBackend, block_size: int,
@@ -55,12 +60,14 @@ def time_forward(model: nn.Module, backend: AttentionBackend, block_size: int,
 
 
 def measure_spec_costs(model: nn.Module, backend: AttentionBackend, block_size: int,
-                       device: torch.device, max_step_tokens: int,
+                       device: torch.device, max_drafts: int,
                        draft_model: nn.Module | None = None) -> SpecCosts:
-    """Time a plain step, a verify step of `max_step_tokens` and a draft forward."""
+    """Time a plain step, verify steps of 1 + k tokens for k = 1 .. max_drafts and a draft
+    forward; verify_per_draft is the mean extra cost per draft of the largest step."""
     plain = time_forward(model, backend, block_size, device, 1)
-    verify = time_forward(model, backend, block_size, device, max_step_tokens)
-    per_draft = max(0.0, verify / plain - 1) / (max_step_tokens - 1)
+    curve = [1.0] + [max(1.0, time_forward(model, backend, block_size, device, 1 + k) / plain)
+                     for k in range(1, max_drafts + 1)]
     draft = (0.0 if draft_model is None else
              time_forward(draft_model, backend, block_size, device, 1) / plain)
-    return SpecCosts(verify_per_draft=per_draft, draft_forward=draft)
+    return SpecCosts(verify_per_draft=(curve[-1] - 1) / max_drafts, draft_forward=draft,
+                     verify_curve=tuple(curve))

@@ -87,9 +87,10 @@ class _DraftState:
 class DraftModelProposer:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, backend: AttentionBackend,
-                 prepack: bool | str = "auto", seed: int = 0) -> None:
+                 prepack: bool | str = "auto", seed: int = 0,
+                 batch_invariant: bool = True) -> None:
         self.config, self.block_size, self.device = config, block_size, device
-        self.model = load_model(config, device, prepack=prepack)
+        self.model = load_model(config, device, prepack=prepack, batch_invariant=batch_invariant)
         if device.type == "cpu":
             move_parameters_to_huge_pages(self.model)
         self.kv_cache = allocate_kv_cache(config.num_layers, num_blocks, block_size,

@@ -1,11 +1,11 @@
 """How many draft tokens pay for a request this step.
 
 A verify step with k drafts at per-token acceptance a emits 1 + a + ... + a^k tokens on
-average and costs about 1 + (c + d) k plain decode steps: c for each draft the step verifies
-(on CPU the linear kernels' work grows with the rows of a step even where the weights are read
-once: on SmolLM2 with 2 cores a 4-token step costs 1.6-1.7x a 1-token one, c = 0.21), d for
-making it (0 for a lookup, a forward for a draft model); both are measured when the engine
-starts (cost_model.py). The
+average and costs about V(k) + d k plain decode steps: V(k) the verify step itself (on CPU the
+linear kernels' work grows with the rows of a step even where the weights are read once: on
+SmolLM2 with 2 cores a 4-token step costs 1.6-1.7x a 1-token one, about 1 + 0.21 k; longer
+steps leave the fused decode call), d for making a draft (0 for a lookup, a forward for a
+draft model); both are measured when the engine starts (cost_model.py). The
 policy takes the k in 0..K with the most tokens per unit of cost, from each request's running
 acceptance: an exponential moving average over the draft positions it has verified (a
 rejected position counts once, the positions after it are not observed), starting at 0.5.
@@ -16,9 +16,9 @@ long as it looks for, so that a passage that starts repeating is noticed.
 
 from __future__ import annotations
 
-# Drafts go only to steps of at most this many tokens: up to 4 rows the CPU kernels read each
-# weight once for all of them (csrc/linear_cpu.h) and the fused decode call takes the step
-# (models/cpu_decode.py); beyond, every 4 more rows read the weights again.
+# Drafts of several requests share steps of at most this many tokens (or 1 + K for a larger
+# num_speculative_tokens K): up to 4 rows the CPU kernels read each weight once for all of
+# them and the fused decode call takes the step (models/cpu_decode.py).
 SPEC_MAX_STEP_TOKENS = 4
 # Costs before (or without) measuring them (cost_model.py), from SmolLM2 on 2 cores:
 VERIFY_COST_PER_DRAFT = 0.21
@@ -32,16 +32,24 @@ DRAFT_MODEL_INITIAL_ACCEPTANCE = 0.9
 _ALPHA = 0.2  # weight of one verified position in the running acceptance
 
 
+def spec_step_tokens(num_speculative_tokens: int) -> int:
+    """The most tokens a step with drafts holds (all requests' together)."""
+    return max(SPEC_MAX_STEP_TOKENS, 1 + num_speculative_tokens)
+
+
 def draft_length(acceptance: float, available: int, long_match: bool,
-                 verify_cost: float = VERIFY_COST_PER_DRAFT, draft_cost: float = 0.0) -> int:
+                 verify_cost: float = VERIFY_COST_PER_DRAFT, draft_cost: float = 0.0,
+                 verify_curve: tuple[float, ...] = ()) -> int:
     """Drafts to verify out of `available`, at running per-token `acceptance`. Costs in plain
-    decode steps (measured at start-up: cost_model.py): `verify_cost` per draft a verify step
-    takes, `draft_cost` to make one draft (0 for a lookup, a forward for a draft model)."""
+    decode steps (measured at start-up: cost_model.py): a step verifying k drafts
+    `verify_curve[k]` (where measured; else 1 + verify_cost * k), `draft_cost` to make one
+    draft (0 for a lookup, a forward for a draft model)."""
     best, best_rate = 0, 1.0  # no drafts: one token per plain step
     expected = 1.0
     for k in range(1, available + 1):
         expected += acceptance ** k
-        rate = expected / (1 + (verify_cost + draft_cost) * k)
+        verify = verify_curve[k] if k < len(verify_curve) else 1 + verify_cost * k
+        rate = expected / (verify + draft_cost * k)
         if rate > best_rate:
             best, best_rate = k, rate
     return max(best, 1 if long_match and available else 0)

@@ -47,7 +47,6 @@ from tokenmill.layers.token_bitmask import apply_token_bitmask_
 from tokenmill.model_loader import load_model
 from tokenmill.spec_decode.cost_model import SpecCosts, measure_spec_costs
 from tokenmill.spec_decode.draft_model import DraftModelProposer
-from tokenmill.spec_decode.policy import SPEC_MAX_STEP_TOKENS
 from tokenmill.utils import cdiv
 from tokenmill.utils.huge_pages import move_parameters_to_huge_pages
 from tokenmill.utils.profiling import scope
@@ -73,7 +72,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         mc = config.model
         t0 = time.perf_counter()
-        self.model = load_model(mc, self.device, tp, prepack=config.prepack_weights)
+        self.model = load_model(mc, self.device, tp, prepack=config.prepack_weights,
+                                batch_invariant=config.batch_invariant)
         # this rank's share of the KV heads (all of them at tp 1), for its stage's layers
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads
         self.num_layers = len(self.model.attention_layers())
@@ -102,9 +102,11 @@ class ModelRunner:
         self.kv_scales = allocate_kv_scales(self.num_layers, self.num_kv_heads, self.device,
                                             kv_dtype)
         self.key_rotation = key_rotation(mc.head_dim, kv_dtype, self.device)  # quantized
+        features = attention_features(self.model.attention_layers())
+        if config.batch_invariant:
+            features |= {"batch_invariant"}
         self.backend = get_attention_backend(config.attention_backend, self.block_size,
-                                             self.device, mc.dtype,
-                                             attention_features(self.model.attention_layers()))
+                                             self.device, mc.dtype, features)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.bind(self.kv_cache[i], self.backend,
                       None if self.kv_scales is None else self.kv_scales[i], self.key_rotation)
@@ -115,16 +117,19 @@ class ModelRunner:
             t0 = time.perf_counter()
             self.drafter = DraftModelProposer(draft, self.num_kv_blocks, self.block_size,
                                               self.device, self.backend,
-                                              prepack=config.prepack_weights, seed=config.seed)
+                                              prepack=config.prepack_weights, seed=config.seed,
+                                              batch_invariant=config.batch_invariant)
             logger.info("speculative draft model loaded (%s, weights %s) in %.1f s", draft.path,
                         draft.quantization or "dense", time.perf_counter() - t0)
         self.spec_costs: SpecCosts | None = None
         if config.speculative is not None:
             self.spec_costs = measure_spec_costs(
-                self.model, self.backend, self.block_size, self.device, SPEC_MAX_STEP_TOKENS,
+                self.model, self.backend, self.block_size, self.device,
+                config.speculative.num_speculative_tokens,
                 None if self.drafter is None else self.drafter.model)
-            logger.info("speculative decoding costs (in decode steps): %.2f per draft verified,"
-                        " %.2f per draft-model forward", self.spec_costs.verify_per_draft,
+            logger.info("speculative decoding costs (in decode steps): verifying 1.. drafts "
+                        "%s, %.2f per draft-model forward",
+                        " ".join(f"{c:.2f}" for c in self.spec_costs.verify_curve[1:]),
                         self.spec_costs.draft_forward)
         self.decode_graphs: DecodeGraphs | None = None
         # NOTE: not under TP / PP: a captured step would hold the ranks' collectives (untested)
