@@ -1,7 +1,9 @@
 """The Ray executor (executor/ray_executor.py) against a local Ray instance the test starts,
 bound to 127.0.0.1: TP=2 and PP=2 greedy output identical to Hugging Face (the ranks are Ray
 actors in a placement group; gloo and the shared-memory all-reduce between them); a killed
-actor fails the engine at once; a dead actor is seen while the engine idles."""
+actor fails the engine at once; a dead actor is seen while the engine idles; more ranks than
+the cluster has CPUs fail in seconds, naming what is missing (tests/executor/test_ray_owned.py:
+an instance the engine starts itself)."""
 
 from __future__ import annotations
 
@@ -67,3 +69,17 @@ def test_a_dead_actor_is_seen_while_idle(local_ray, tiny_model):
             engine.check_health()
             time.sleep(0.1)
     engine.shutdown()
+
+
+def test_more_ranks_than_the_cluster_has_cpus_fail_at_once(local_ray, tiny_model):
+    """TP=2 x PP=2 = 4 ranks on the test's 2-CPU instance: refused in seconds (it waited ten
+    minutes for its placement group, then raised GetTimeoutError), its placement group gone."""
+    path, _ = tiny_model("llama")
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"4 ranks .* need 4 CPUs, one per rank; the Ray "
+                                         r"cluster has 2 CPUs in all \(2 free\)"):
+        LLM(path, tensor_parallel_size=2, pipeline_parallel_size=2,
+            distributed_executor_backend="ray", num_kv_blocks=64)
+    assert time.monotonic() - t0 < 30
+    assert ray.available_resources().get("CPU") == 2  # nothing held
+    assert ray.is_initialized()  # the caller's instance stays

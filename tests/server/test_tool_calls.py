@@ -99,6 +99,34 @@ def test_required_gives_calls_of_the_given_tools(client):
     assert len(r.choices[0].message.tool_calls) == 1
 
 
+MANY = [{"role": "user",
+         "content": "What is the weather in Paris and in Rome, and the time in Tokyo?"}]
+
+
+def test_a_cut_answer_returns_its_complete_calls(client):
+    """SmolLM2 repeats calls until max_tokens here: the answer is the complete calls (a
+    prefix of a longer answer's), finish_reason "length", no JSON as content; streamed alike."""
+    longer = check_calls(create(client, messages=MANY, tool_choice="required",
+                                max_tokens=120).choices[0].message)
+    r = create(client, messages=MANY, tool_choice="required", max_tokens=60)
+    c = r.choices[0]
+    assert c.finish_reason == "length" and c.message.content is None
+    calls = check_calls(c.message)
+    assert len(calls) >= 2 and calls == longer[:len(calls)]
+    content, streamed, finish = streamed_calls(client, messages=MANY, tool_choice="required",
+                                               max_tokens=60)
+    assert content == "" and finish == "length"
+    assert [(x["name"], json.loads(x["arguments"])) for x in streamed] == calls
+
+
+def test_parallel_tool_calls_false_ends_the_answer_after_one_call(client):
+    r = create(client, messages=MANY, tool_choice="required", parallel_tool_calls=False,
+               max_tokens=300)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and len(check_calls(c.message)) == 1
+    assert r.usage.completion_tokens < 60  # the grammar ended the array after one call
+
+
 def test_auto_parses_hermes_calls_out_of_the_text(client):
     """The model's text is forced (a regex) into a Hermes tool call, so that parsing is
     checked whatever SmolLM2 would choose."""

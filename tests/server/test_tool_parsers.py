@@ -61,12 +61,22 @@ def test_plans():
     plan = plan_tools(tools(TOOL), "required", False, auto, compile_ok)
     assert plan.constraint.json["maxItems"] == 1
     assert plan.calls('[{"name": "add", "arguments": {"a": 5}}]')[1][0].name == "add"
+    # an array cut by max_tokens: its complete calls, never the JSON as content
+    content, calls = plan.calls('[{"name": "add", "arguments": {"a": 5}}, {"name": "add", '
+                                '"arguments": {"a"')
+    assert content is None and [json.loads(c.arguments) for c in calls] == [{"a": 5}]
+    assert plan.calls('[{"name": "ad') == (None, [])
+    # parallel_tool_calls false, "auto": the first call only
+    two = ('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+           '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>')
+    assert len(plan_tools(tools(TOOL), "auto", None, auto, compile_ok).calls(two)[1]) == 2
+    assert len(plan_tools(tools(TOOL), "auto", False, auto, compile_ok).calls(two)[1]) == 1
     named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "add"}})
     plan = plan_tools(tools(TOOL), named, None, auto, compile_ok)
     assert plan.constraint.json == TOOL["function"]["parameters"]
     content, calls = plan.calls('{"a": 7}')
     assert content is None and json.loads(calls[0].arguments) == {"a": 7}
-    assert plan.calls('{"a": ') == ('{"a": ', [])  # cut off: not a call
+    assert plan.calls('{"a": ') == (None, [])  # cut off: no call, and no JSON as text
     with pytest.raises(ValueError, match="enable-auto-tool-choice"):
         plan_tools(tools(TOOL), "auto", None, ToolOptions(), compile_ok)
     with pytest.raises(ValueError, match="needs --tool-call-parser"):

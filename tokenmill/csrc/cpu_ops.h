@@ -121,7 +121,6 @@ inline torch::Tensor gated_act(torch::Tensor x, int64_t act) {
   return out;
 }
 
-inline torch::Tensor silu_and_mul(torch::Tensor x) { return gated_act(x, 0); }
 
 // ---- sigmoid -------------------------------------------------------------------------------
 // 1 / (1 + exp(-x)) elementwise with the scalar exp for every element: torch's vectorized

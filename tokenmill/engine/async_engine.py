@@ -7,7 +7,7 @@ The event loop never waits for a model step and a step never waits for HTTP:
     prepare_request (thread pool)
     commands.put(add) ───────────────► drain commands (add / abort)
                                        step()  → outputs
-    per-request asyncio.Queue ◄─────── loop.call_soon_threadsafe(queue.put_nowait, out)
+    per-request asyncio.Queue ◄─────── loop.call_soon_threadsafe(put all of a step's outputs)
 
 A request whose consumer goes away (client disconnect, cancellation) is aborted, which frees
 its KV blocks on the engine thread's next iteration. A request past its deadline, or still
@@ -41,6 +41,11 @@ logger = logging.getLogger(__name__)
 
 
 __all__ = ["AsyncLLM", "EngineDeadError", "RequestStream"]
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in puts:
+        q.put_nowait(item)
 
 
 class RequestStream:
@@ -199,7 +204,7 @@ class AsyncLLM:
             for out in outputs:
                 if out.error is not None:
                     self._timings.forget(out.request_id)
-                self._deliver(out.request_id, out)
+            self._deliver_all([(out.request_id, out) for out in outputs])
             self._publish([o for o in outputs if o.error is None])
         self._fail_all(EngineDeadError("the server is shutting down"))
 
@@ -245,10 +250,19 @@ class AsyncLLM:
         return True
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, q = stream
-            loop.call_soon_threadsafe(q.put_nowait, item)
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand items to their streams: one wake-up of each event loop for all of them (a
+        step's hundreds of outputs were as many wake-ups, which a loaded loop runs late)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                loop, q = stream
+                by_loop.setdefault(loop, []).append((q, item))
+        for loop, puts in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, puts)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         if self.on_step is None:

@@ -6,12 +6,21 @@ one machine or several.
     ray start --address=HEAD_IP:6379       # on each other machine
     tokenmill serve MODEL --tensor-parallel-size N --distributed-executor-backend ray
 
-The engine connects to the cluster it finds (`ray.init()`: $RAY_ADDRESS, or one started on
-this machine; a new local instance otherwise; an engine built after the caller's own
-`ray.init(...)` uses that). One bundle per rank ({"CPU": 1}, or {"GPU": 1} on CUDA), packed on
-as few machines as will hold them. Every rank runs the same code as a multiprocess worker
-(worker/worker_proc.py: build_runner, execute_step); ranks on one machine share the
-shared-memory all-reduce, ranks across machines all-reduce through gloo / NCCL.
+The engine connects to the cluster it finds ($RAY_ADDRESS, or one started on this machine; an
+engine built after the caller's own `ray.init(...)` uses that), or, when there is none, starts
+a local instance of its own, which it shuts down with itself. One bundle per rank ({"CPU": 1},
+or {"GPU": 1} on CUDA), packed on as few machines as will hold them. Every rank runs the same
+code as a multiprocess worker (worker/worker_proc.py: build_runner, execute_step); ranks on one
+machine share the shared-memory all-reduce, ranks across machines all-reduce through gloo /
+NCCL.
+
+Resources, checked before asking for them (`_check_resources`):
+- a local instance the engine starts itself declares as many CPUs as the ranks need when the
+  machine has fewer: the ranks then share its cores, as the mp executor's processes do (the
+  engine is the instance's only user, so nothing else is promised those CPUs);
+- a cluster the engine joins is someone's declared capacity: with fewer CPUs (or GPUs) in all
+  than ranks the engine fails at once naming what is missing, and when the cluster has them
+  but others hold them it waits up to _WAIT_FOR_RESOURCES_S, then fails the same way.
 
 A step is one `ray.put` of the pickled SchedulerOutput and one call per actor; a dead actor
 fails the step at once (its call raises) and every actor is killed; `check_health` pings them
@@ -32,7 +41,8 @@ from tokenmill.core.interface import SchedulerOutput
 from tokenmill.executor.base import WorkerPoolExecutor
 
 logger = logging.getLogger(__name__)
-_START_TIMEOUT_S = 600.0
+_START_TIMEOUT_S = 600.0  # the actors' start (model loading) once placed
+_WAIT_FOR_RESOURCES_S = 60.0  # for a cluster's CPUs / GPUs that others hold
 _PING_TIMEOUT_S = 10.0
 
 
@@ -90,14 +100,17 @@ class RayExecutor(WorkerPoolExecutor):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if not ray.is_initialized():
-            ray.init()
         self.world_size = config.parallel.world_size
         self.tp_size = tp = config.parallel.tensor_parallel_size
-        t0 = time.perf_counter()
         resource = "GPU" if config.device.startswith("cuda") else "CPU"
+        self._owns_ray = _connect(self.world_size, resource)
+        t0 = time.perf_counter()
         self._pg = placement_group([{resource: 1}] * self.world_size, strategy="PACK")
-        ray.get(self._pg.ready(), timeout=_START_TIMEOUT_S)
+        try:
+            _check_resources(self._pg, self.world_size, resource)
+        except BaseException:
+            self.shutdown()
+            raise
         actor_cls = ray.remote(num_cpus=1 if resource == "CPU" else 0,
                                num_gpus=1 if resource == "GPU" else 0)(RayWorker)
         self.actors = [actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -175,3 +188,57 @@ class RayExecutor(WorkerPoolExecutor):
         for a in getattr(self, "actors", []):
             ray.kill(a)
         remove_placement_group(self._pg)
+        self._shutdown_ray()
+
+    def _shutdown_ray(self) -> None:
+        """The Ray instance the engine started goes with it (its processes with it)."""
+        import ray
+
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+            self._owns_ray = False
+
+
+def _connect(ranks: int, resource: str) -> bool:
+    """Join the caller's Ray, or a cluster found running, or else start a local instance that
+    declares at least `ranks` CPUs; True when the engine started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+        return False
+    try:
+        ray.init(address="auto")
+        return False
+    except ConnectionError:  # no cluster running: a local instance of our own
+        pass
+    cpus = os.cpu_count() or 1
+    if resource == "CPU" and cpus < ranks:
+        logger.info("starting a local Ray instance declaring %d CPUs for %d ranks on %d cores: "
+                    "the ranks share the cores, as the mp executor's processes do", ranks,
+                    ranks, cpus)
+    ray.init(num_cpus=max(cpus, ranks) if resource == "CPU" else None)
+    return True
+
+
+def _check_resources(pg: Any, ranks: int, resource: str) -> None:
+    """Fail at once when the cluster cannot hold the ranks' bundles at all, and within
+    _WAIT_FOR_RESOURCES_S when others hold what it has; else return once placed."""
+    import ray
+
+    total = ray.cluster_resources().get(resource, 0)
+    free = ray.available_resources().get(resource, 0)
+    what = (f"{ranks} ranks (tensor x pipeline parallel) need {ranks} {resource}s, one per "
+            f"rank")
+    if total < ranks:
+        raise ValueError(f"{what}; the Ray cluster has {total:g} {resource}s in all "
+                         f"({free:g} free). Add nodes, ask for fewer ranks, or use "
+                         "--distributed-executor-backend mp on one machine")
+    try:
+        ray.get(pg.ready(), timeout=_WAIT_FOR_RESOURCES_S)
+    except ray.exceptions.GetTimeoutError:
+        free = ray.available_resources().get(resource, 0)
+        raise ValueError(f"{what}; the Ray cluster has {total:g} but only {free:g} free, "
+                         f"held by others, after {_WAIT_FOR_RESOURCES_S:.0f} s") from None

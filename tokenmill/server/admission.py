@@ -41,6 +41,13 @@ class AdmissionControl:
         self.in_flight = 0  # sequences admitted and not yet released
         self.requests = 0  # requests admitted and not yet released
 
+    def full(self) -> str | None:
+        """Why no request can be admitted now (none fits, whatever its size), or None."""
+        if self.in_flight < self.capacity:
+            return None
+        return (f"the server is at capacity ({self.in_flight} of {self.capacity} sequences in "
+                f"flight); retry after {RETRY_AFTER_S} s")
+
     def admit(self, size: int) -> Ticket:
         """A ticket for `size` sequences; ValueError if it can never fit, Overloaded if it
         does not fit now."""

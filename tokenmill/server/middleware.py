@@ -6,6 +6,9 @@
 - Body size: a body over `max_body_bytes` is refused with 413 before it is read whole (by its
   Content-Length, or as soon as the streamed bytes pass the limit).
 - Draining: while the server shuts down, every route but /health and /metrics answers 503.
+- Overload: while admission control is full, a request to a generation route gets its 429
+  here, before its body is read or parsed: at a thousand connections at once, the refusals'
+  parsing was what kept the event loop (and /health) waiting.
 - One access-log line per request: method, path, status, duration, and the request id.
 
 A pure ASGI middleware, not Starlette's BaseHTTPMiddleware, which hides client disconnects
@@ -33,6 +36,8 @@ Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 _ALWAYS_OPEN = ("/health", "/metrics")
+# the routes admission control bounds (server/admission.py)
+_ADMITTED = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 
 
 def _client_request_id(headers: Headers) -> str | None:
@@ -58,9 +63,12 @@ async def send_error(send: Send, status: int, message: str, request_id: str,
 
 
 class EdgeMiddleware:
-    def __init__(self, app: Callable, max_body_bytes: int, is_draining: Callable[[], bool]
-                 ) -> None:
+    def __init__(self, app: Callable, max_body_bytes: int, is_draining: Callable[[], bool],
+                 overloaded: Callable[[], str | None] = lambda: None,
+                 retry_after_s: int = 1) -> None:
+        """overloaded(): why admission control refuses every request now, or None."""
         self.app, self.max_body_bytes, self.is_draining = app, max_body_bytes, is_draining
+        self.overloaded, self.retry_after_s = overloaded, retry_after_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -74,6 +82,11 @@ class EdgeMiddleware:
                 status[0] = 503
                 return await send_error(send, 503, "the server is shutting down", rid,
                                         {"connection": "close"})
+            if scope["method"] == "POST" and scope["path"] in _ADMITTED and \
+                    (why := self.overloaded()) is not None:
+                status[0] = 429
+                return await send_error(send, 429, why, rid,
+                                        {"retry-after": str(self.retry_after_s)})
             length = _content_length(headers)
             if length is not None and length > self.max_body_bytes:
                 status[0] = 413

@@ -13,6 +13,10 @@ outputs and the tool-call parsers.
   function's arguments. Constrained calls always validate against the tools' schemas.
 - A tool whose parameters are not a JSON schema the grammar backend can compile is a 400
   before anything is scheduled.
+- Constrained answers ("required", named) are calls, never text: an answer cut by max_tokens
+  returns its complete calls (finish_reason "length") and drops the unfinished one.
+  `parallel_tool_calls: false` allows one call: the "required" grammar ends the array after
+  it (generation stops there); "auto" answers keep their first call (as vLLM filters them).
 """
 
 from __future__ import annotations
@@ -55,26 +59,23 @@ class ToolPlan:
     constraint: StructuredOutputsParams | None  # required / named
     parser: ToolParser | None  # auto
     function: str | None = None  # named
+    parallel: bool = True  # parallel_tool_calls: False allows one call
 
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The answer's (content, tool calls)."""
         if self.mode == "auto":
-            return self.parser.parse(text)
+            content, calls = self.parser.parse(text)
+            return content, calls if self.parallel else calls[:1]
         if self.mode == "named":
             try:
                 args = json.loads(text)
             except json.JSONDecodeError:
-                return text, []  # cut off by max_tokens: not a call
+                return None, []  # cut off by max_tokens: no complete call
             call = make_call({"name": self.function, "arguments": args})
-            return (None, [call]) if call else (text, [])
+            return None, [call] if call else []
         if self.mode == "required":
-            try:
-                items = json.loads(text)
-            except json.JSONDecodeError:
-                return text, []
-            calls = [c for c in map(make_call, items if isinstance(items, list) else [])
-                     if c is not None]
-            return (None, calls) if calls else (text, [])
+            calls = [c for c in map(make_call, complete_array_items(text)) if c is not None]
+            return None, calls
         return text, []
 
 
@@ -113,7 +114,8 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None,
             raise ValueError('tool_choice is not available as "auto" (the default with tools) '
                              "unless the server runs with --enable-auto-tool-choice and "
                              "--tool-call-parser")
-        return ToolPlan("auto", rendered, None, get_tool_parser(options.tool_call_parser))
+        return ToolPlan("auto", rendered, None, get_tool_parser(options.tool_call_parser),
+                        parallel=parallel is not False)
     if choice == "required":
         one_of = [{"type": "object", "properties": {"name": {"const": n},
                                                     "arguments": schemas[n]},
@@ -128,6 +130,36 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None,
         raise ValueError(f"tool_choice must name one of the tools ({', '.join(names)}), "
                          f"got {name!r}")
     return ToolPlan("named", rendered, StructuredOutputsParams(json=schemas[name]), None, name)
+
+
+def complete_array_items(text: str) -> list[Any]:
+    """The complete values of a JSON array in `text`, which may be cut off anywhere (a
+    constrained answer at max_tokens): '[{"a": 1}, {"b": [2' → [{"a": 1}]."""
+    decoder = json.JSONDecoder()
+    i = _skip_space(text, 0)
+    if not text.startswith("[", i):
+        return []
+    items: list[Any] = []
+    i += 1
+    while True:
+        i = _skip_space(text, i)
+        if i >= len(text) or text[i] == "]":
+            return items
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return items  # the unfinished last item
+        items.append(value)
+        i = _skip_space(text, i)
+        if not text.startswith(",", i):
+            return items
+        i += 1
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\n\r":
+        i += 1
+    return i
 
 
 def template_uses_tools(tokenizer: Any) -> bool:
