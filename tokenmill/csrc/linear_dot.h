@@ -33,13 +33,14 @@ constexpr int64_t kPanel = 48;               // rows of W per panel (a multiple 
 // Rows of W per tile. Steps of a few rows of x stream each weight from memory once: one W row
 // at a time (a single sequential stream, which the prefetchers follow best; measured on
 // SmolLM2's 30 layers at M = 2..4) with one accumulator chain per row of x, except for one
-// row of x, where eight W rows keep eight FMA chains in flight. Quantized rows expanded in
-// registers also hold each row's block scale and offset. Larger steps: tiles of kMR x
-// kGemmNR (16 ymm / 32 zmm registers: the accumulators and one step's vectors).
+// row of x, where several W rows keep several FMA chains in flight: eight dense rows, two
+// quantized ones (whose expansion in registers already overlaps the loads; four measured
+// 0.78x of two on SmolLM2's Q4_1 layers). Larger steps: tiles of kMR x kGemmNR (16 ymm / 32
+// zmm registers: the accumulators and one step's vectors).
 constexpr int kGemmNR = kV >= 16 ? 6 : 3;
 constexpr int small_nr(int mr, bool quantized) {
-  if (quantized) return mr == 1 ? 4 : kGemmNR;
-  return mr == 1 ? 8 : 1;
+  if (mr > 1) return 1;
+  return quantized ? 2 : 8;
 }
 
 // ---- weight vectors as float32 ------------------------------------------------------------
@@ -119,6 +120,10 @@ static void expand_rows_into(const WeightRows& w, int64_t n0, int64_t rows, floa
     }
 }
 
+// Loops over a tile's rows and chunks are unrolled, so that each accumulator is one register
+// (left as loops, GCC kept a copy of all of them in memory, stored at every step: 4x slower).
+#define TM_UNROLL _Pragma("GCC unroll 16")
+
 // ---- tiles ----------------------------------------------------------------------------------
 // acc[i][j] over the whole of K for rows x[i] (stride ldx) and W rows w[j] (float32 rows).
 // (The operands of a step are held in registers on whichever side is smaller, the other
@@ -129,16 +134,22 @@ static inline void dense_tile(const float* x, int64_t ldx, const float* const* w
   for (int64_t k = 0; k + kV <= K; k += kV) {
     if constexpr (MR <= NR) {
       Vec xv[MR];
+      TM_UNROLL
       for (int i = 0; i < MR; ++i) xv[i] = Vec::loadu(x + i * ldx + k);
+      TM_UNROLL
       for (int j = 0; j < NR; ++j) {
         const Vec wv = Vec::loadu(w[j] + k);
+        TM_UNROLL
         for (int i = 0; i < MR; ++i) acc[i][j] = at::vec::fmadd(xv[i], wv, acc[i][j]);
       }
     } else {
       Vec wv[NR];
+      TM_UNROLL
       for (int j = 0; j < NR; ++j) wv[j] = Vec::loadu(w[j] + k);
+      TM_UNROLL
       for (int i = 0; i < MR; ++i) {
         const Vec xv = Vec::loadu(x + i * ldx + k);
+        TM_UNROLL
         for (int j = 0; j < NR; ++j) acc[i][j] = at::vec::fmadd(xv, wv[j], acc[i][j]);
       }
     }
@@ -149,14 +160,58 @@ static inline void dense_tile(const float* x, int64_t ldx, const float* const* w
 template <int KIND, int MR, int NR>
 static inline void quant_tile(const float* x, int64_t ldx, const WeightRows& w, int64_t n0,
                               Vec (&acc)[MR][NR]) {
+#if defined(CPU_CAPABILITY_AVX2) && defined(__AVX2__) && !defined(CPU_CAPABILITY_AVX512)
+  if constexpr (KIND == 2) {
+    // 4-bit blocks: each row's 16 bytes loaded once, both nibble halves masked once, and
+    // the four chunks taken from registers (the same values as q4_chunk)
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    const int64_t ng = w.K / w.G;
+    for (int64_t b = 0; b < w.K / kBlock; ++b) {
+      __m128i half[NR][2];
+      Vec d[NR], m[NR];
+      TM_UNROLL
+      for (int j = 0; j < NR; ++j) {
+        const int64_t n = n0 + j, g = n * ng + b * kBlock / w.G;
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+            static_cast<const uint8_t*>(w.q) + n * (w.K / 2) + b * (kBlock / 2)));
+        half[j][0] = _mm_and_si128(bytes, nib);
+        half[j][1] = _mm_and_si128(_mm_srli_epi16(bytes, 4), nib);
+        d[j] = Vec(half_to_float(w.d[g]));
+        m[j] = Vec(half_to_float(w.m[g]));
+      }
+      TM_UNROLL
+      for (int c = 0; c < kChunks; ++c) {
+        Vec wv[NR];
+        TM_UNROLL
+        for (int j = 0; j < NR; ++j) {
+          const __m128i h = c & 1 ? _mm_unpackhi_epi64(half[j][c >> 1], half[j][c >> 1])
+                                  : half[j][c >> 1];
+          wv[j] = at::vec::fmadd(Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h))), d[j], m[j]);
+        }
+        TM_UNROLL
+        for (int i = 0; i < MR; ++i) {
+          const Vec xv = Vec::loadu(x + i * ldx + b * kBlock + c * kV);
+          TM_UNROLL
+          for (int j = 0; j < NR; ++j) acc[i][j] = at::vec::fmadd(xv, wv[j], acc[i][j]);
+        }
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t b = 0; b < w.K / kBlock; ++b) {
     BlockState s[NR];
+    TM_UNROLL
     for (int j = 0; j < NR; ++j) s[j] = block_of(w, n0 + j, b);
+    TM_UNROLL
     for (int c = 0; c < kChunks; ++c) {
       Vec wv[NR];
+      TM_UNROLL
       for (int j = 0; j < NR; ++j) wv[j] = expand<KIND>(s[j], c);
+      TM_UNROLL
       for (int i = 0; i < MR; ++i) {
         const Vec xv = Vec::loadu(x + i * ldx + b * kBlock + c * kV);
+        TM_UNROLL
         for (int j = 0; j < NR; ++j) acc[i][j] = at::vec::fmadd(xv, wv[j], acc[i][j]);
       }
     }
@@ -170,7 +225,9 @@ static inline void store_tile(const Vec (&acc)[MR][NR], const float* x, int64_t 
                               const float* const* w_tail, int64_t K, const float* bias,
                               int64_t n0, float* y, int64_t ldy) {
   const int64_t k0 = w_tail ? K / kV * kV : K;
+  TM_UNROLL
   for (int i = 0; i < MR; ++i)
+    TM_UNROLL
     for (int j = 0; j < NR; ++j) {
       float s = hsum(acc[i][j]);
       for (int64_t k = k0; k < K; ++k) s = std::fma(x[i * ldx + k], w_tail[j][k], s);
@@ -184,10 +241,13 @@ template <int MR, int NR>
 static inline void tile(const float* x, const WeightRows& w, const float* dense,
                         int64_t panel0, int64_t n0, const float* bias, float* y, int64_t N) {
   Vec acc[MR][NR];
+  TM_UNROLL
   for (int i = 0; i < MR; ++i)
+    TM_UNROLL
     for (int j = 0; j < NR; ++j) acc[i][j] = Vec(0.f);
   const float* rows[NR];
   if (dense) {
+    TM_UNROLL
     for (int j = 0; j < NR; ++j) rows[j] = dense + (n0 - panel0 + j) * w.K;
     dense_tile<MR, NR>(x, w.K, rows, w.K, acc);
   } else if (w.kind == 1) {

@@ -13,7 +13,8 @@ modeling_gemma2.py / modeling_gemma3.py compute them:
   head's q and k before RoPE.
 
 Every attention backend computes the windows and soft caps (attention/base.py's FEATURES); the
-fused CPU decode call does not run these layers (its allow-list).
+fused CPU decode call does not run these layers (their norms state a unit offset, their
+decoder layer redefines its forward: ops the call does not compute, layers/op_spec.py).
 """
 
 from __future__ import annotations

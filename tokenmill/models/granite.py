@@ -7,8 +7,9 @@ config, applied where transformers' modeling_granite.py applies them:
   (the next add + RMSNorm adds it: the same sum as HF's residual + h * m);
 - logits / logits_scaling.
 
-The fused CPU decode call does not run these layers: its allow-list names Llama's own module
-types, and it applies no multipliers.
+The fused CPU decode call does not run these layers: Granite's attention and MLP redefine
+their forward (the multipliers), so they state no op (layers/op_spec.py), and the call
+applies no multipliers.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Reads like transformers' modeling_mixtral.py: a router (`gate`, hidden → E log
 top-k experts per token, their weights renormalized to sum 1, and the experts run grouped
 (layers/fused_moe.py). Checkpoints name the block `block_sparse_moe` with one w1 / w3 / w2 per
 expert; `map_weight_name` puts them into the block's stacked expert weights. The fused CPU
-decode call does not run it (its allow-list names Llama's MLP; tests/models/test_moe.py
+decode call does not run it (the MoE block states no op it computes; tests/models/test_moe.py
 asserts it is not taken).
 """
 

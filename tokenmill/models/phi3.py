@@ -7,7 +7,8 @@ The fused tensors are split back into the q / k / v and gate / up tensors they w
 (`split_checkpoint_tensor`), so the loader fills our merged layers through the same shard
 loaders as a Llama checkpoint, tensor-parallel split included. With full rotary and no window
 the layers are exactly Llama's and the fused CPU decode call takes them (tests assert it);
-partial rotary or a window turns it off (its allow-list).
+partial rotary turns it off: the RoPE table states its "partial" variant, which the call does
+not compute (layers/op_spec.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ hidden → E logits) picks the top-k experts per token (softmax, top-k, renormal
 shared expert (a gated MLP every token goes through) scaled by sigmoid(shared_expert_gate(x)).
 Layers listed in `mlp_only_layers`, or off the `decoder_sparse_step` stride, keep a dense MLP
 of `intermediate_size`. Checkpoint experts are `mlp.experts.{e}.gate_proj|up_proj|down_proj`.
-The fused CPU decode call does not run these models (its allow-list names Llama's MLP).
+The fused CPU decode call does not run these models (the MoE block states no op it computes).
 """
 
 from __future__ import annotations
