@@ -180,6 +180,29 @@ def test_admission_control_429(server):
     assert server.server.lifecycle.admission.in_flight == 0
 
 
+def test_a_full_server_refuses_at_the_edge_before_reading_the_body(server):
+    """While admission control is full, a generation request gets its 429 from the edge
+    middleware, before its body is read or parsed (at a thousand connections at once the
+    refusals' parsing held the event loop): a body that is not even JSON gets the 429, and
+    the same body is a 400 once there is room."""
+    admission = server.server.lifecycle.admission
+    bad = {"content": b"{not json", "headers": {"content-type": "application/json"}}
+    ticket = admission.admit(admission.capacity)  # every sequence slot taken
+    try:
+        with client(server) as c:
+            for route in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings"):
+                r = c.post(route, **bad)
+                assert r.status_code == 429 and r.headers["retry-after"] == "1", route
+                assert r.json()["error"]["type"] == "RateLimitError"
+                assert "at capacity" in r.json()["error"]["message"]
+            assert c.get("/health").status_code == 200
+            assert c.post("/tokenize", json={"prompt": "a"}).status_code == 200
+    finally:
+        ticket.release()
+    with client(server) as c:
+        assert c.post("/v1/completions", **bad).status_code == 400
+
+
 def test_body_limit_413_and_long_text_fast_400(server):
     with client(server) as c:
         big = json.dumps({"prompt": "word " * 60000}).encode()

@@ -43,8 +43,9 @@ class AdmissionControl:
 
     def full(self) -> str | None:
         """Why no request can be admitted now (none fits, whatever its size), or None."""
-        if self.in_flight < self.capacity:
-            return None
+        return None if self.in_flight < self.capacity else self._at_capacity()
+
+    def _at_capacity(self) -> str:
         return (f"the server is at capacity ({self.in_flight} of {self.capacity} sequences in "
                 f"flight); retry after {RETRY_AFTER_S} s")
 
@@ -56,8 +57,7 @@ class AdmissionControl:
                              f"{self.capacity} sequences (max_num_seqs + max_waiting_requests); "
                              f"this one asks for {size} (n x prompts)")
         if self.in_flight + size > self.capacity:
-            raise Overloaded(f"the server is at capacity ({self.in_flight} of {self.capacity} "
-                             f"sequences in flight); retry after {RETRY_AFTER_S} s")
+            raise Overloaded(self._at_capacity())
         self.in_flight += size
         self.requests += 1
         return Ticket(self, size)

@@ -111,7 +111,8 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str,
                              for code, text in _ERROR_STATUSES.items()})
     app.state.async_llm, app.state.lifecycle, app.state.admission = async_llm, lifecycle, admission
     app.add_middleware(EdgeMiddleware, max_body_bytes=limits.max_request_body_bytes,
-                       is_draining=lambda: lifecycle.draining)
+                       is_draining=lambda: lifecycle.draining, overloaded=admission.full,
+                       retry_after_s=RETRY_AFTER_S)
 
     async def check_api_key(request: Request) -> None:
         # NOTE: a dependency, not BaseHTTPMiddleware, which hides client disconnects from
