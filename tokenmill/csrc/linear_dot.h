@@ -59,25 +59,41 @@ static inline Vec q8_chunk(const int8_t* q, int c) {
 #endif
 }
 
-// 16 bytes of nibbles hold weights 0..15 (low nibbles) and 16..31 (high ones).
-static inline Vec q4_chunk(const uint8_t* q, int c) {
+// 16 bytes of nibbles hold weights 0..15 (low nibbles) and 16..31 (high ones). The SIMD
+// builds mask both halves once per block (Nibbles, loaded by block_of) and take each chunk
+// from registers; the portable build reads the bytes.
+#if (defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)) || \
+    (defined(CPU_CAPABILITY_AVX2) && defined(__AVX2__))
+#define TM_Q4_NIBBLES 1
+struct Nibbles {
+  __m128i lo, hi;  // weights 0..15, 16..31 of the block, one per byte
+};
+
+static inline Nibbles load_nibbles(const uint8_t* q) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return {_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask)};
+}
+
+static inline Vec q4_chunk(const Nibbles& h, int c) {
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)
-  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  if (c) b = _mm_srli_epi16(b, 4);
-  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F)))));
-#elif defined(CPU_CAPABILITY_AVX2) && defined(__AVX2__)
-  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * (c & 1)));
-  if (c >= 2) b = _mm_srli_epi16(b, 4);
-  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F)))));
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c ? h.hi : h.lo)));
 #else
+  __m128i v = c >= 2 ? h.hi : h.lo;
+  if (c & 1) v = _mm_unpackhi_epi64(v, v);  // weights 8..15 of the half
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)));
+#endif
+}
+#else
+static inline Vec q4_chunk(const uint8_t* q, int c) {
   float buf[kV];
   for (int64_t i = 0; i < kV; ++i) {
     const int64_t k = c * kV + i;  // weight k of the block
     buf[i] = static_cast<float>(k < 16 ? q[k] & 0x0F : q[k - 16] >> 4);
   }
   return Vec::loadu(buf);
-#endif
 }
+#endif
 
 // One row of W as the kernels read it: a dense row, or a row of quantized blocks.
 struct WeightRows {
@@ -90,23 +106,37 @@ struct WeightRows {
 
 struct BlockState {  // one block of one row, ready to expand
   const void* q;
-  Vec d, m;
+  Vec d, m;  // scale; offset (4-bit blocks only)
+#ifdef TM_Q4_NIBBLES
+  Nibbles nib;  // 4-bit blocks: the block's bytes, masked once
+#endif
 };
 
+template <int KIND>
 static inline BlockState block_of(const WeightRows& w, int64_t n, int64_t b) {
-  if (w.kind == 1) {
-    return {static_cast<const int8_t*>(w.q) + n * w.K + b * kBlock,
-            Vec(half_to_float(w.d[n * (w.K / kBlock) + b])), Vec(0.f)};
+  BlockState s;
+  if constexpr (KIND == 1) {
+    s.q = static_cast<const int8_t*>(w.q) + n * w.K + b * kBlock;
+    s.d = Vec(half_to_float(w.d[n * (w.K / kBlock) + b]));
+    return s;
   }
   const int64_t g = n * (w.K / w.G) + b * kBlock / w.G;
-  return {static_cast<const uint8_t*>(w.q) + n * (w.K / 2) + b * (kBlock / 2),
-          Vec(half_to_float(w.d[g])), Vec(half_to_float(w.m[g]))};
+  const uint8_t* q = static_cast<const uint8_t*>(w.q) + n * (w.K / 2) + b * (kBlock / 2);
+  s.q = q, s.d = Vec(half_to_float(w.d[g])), s.m = Vec(half_to_float(w.m[g]));
+#ifdef TM_Q4_NIBBLES
+  s.nib = load_nibbles(q);
+#endif
+  return s;
 }
 
 template <int KIND>
 static inline Vec expand(const BlockState& s, int c) {
   if constexpr (KIND == 1) return q8_chunk(static_cast<const int8_t*>(s.q), c) * s.d;
+#ifdef TM_Q4_NIBBLES
+  else return at::vec::fmadd(q4_chunk(s.nib, c), s.d, s.m);
+#else
   else return at::vec::fmadd(q4_chunk(static_cast<const uint8_t*>(s.q), c), s.d, s.m);
+#endif
 }
 
 // Rows [n0, n0 + rows) of a quantized W expanded into out (rows, K): w_n(j) exactly.
@@ -114,7 +144,7 @@ template <int KIND>
 static void expand_rows_into(const WeightRows& w, int64_t n0, int64_t rows, float* out) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < w.K / kBlock; ++b) {
-      const BlockState s = block_of(w, n0 + r, b);
+      const BlockState s = block_of<KIND>(w, n0 + r, b);
       for (int c = 0; c < kChunks; ++c)
         expand<KIND>(s, c).store(out + r * w.K + b * kBlock + c * kV);
     }
@@ -160,49 +190,10 @@ static inline void dense_tile(const float* x, int64_t ldx, const float* const* w
 template <int KIND, int MR, int NR>
 static inline void quant_tile(const float* x, int64_t ldx, const WeightRows& w, int64_t n0,
                               Vec (&acc)[MR][NR]) {
-#if defined(CPU_CAPABILITY_AVX2) && defined(__AVX2__) && !defined(CPU_CAPABILITY_AVX512)
-  if constexpr (KIND == 2) {
-    // 4-bit blocks: each row's 16 bytes loaded once, both nibble halves masked once, and
-    // the four chunks taken from registers (the same values as q4_chunk)
-    const __m128i nib = _mm_set1_epi8(0x0F);
-    const int64_t ng = w.K / w.G;
-    for (int64_t b = 0; b < w.K / kBlock; ++b) {
-      __m128i half[NR][2];
-      Vec d[NR], m[NR];
-      TM_UNROLL
-      for (int j = 0; j < NR; ++j) {
-        const int64_t n = n0 + j, g = n * ng + b * kBlock / w.G;
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
-            static_cast<const uint8_t*>(w.q) + n * (w.K / 2) + b * (kBlock / 2)));
-        half[j][0] = _mm_and_si128(bytes, nib);
-        half[j][1] = _mm_and_si128(_mm_srli_epi16(bytes, 4), nib);
-        d[j] = Vec(half_to_float(w.d[g]));
-        m[j] = Vec(half_to_float(w.m[g]));
-      }
-      TM_UNROLL
-      for (int c = 0; c < kChunks; ++c) {
-        Vec wv[NR];
-        TM_UNROLL
-        for (int j = 0; j < NR; ++j) {
-          const __m128i h = c & 1 ? _mm_unpackhi_epi64(half[j][c >> 1], half[j][c >> 1])
-                                  : half[j][c >> 1];
-          wv[j] = at::vec::fmadd(Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h))), d[j], m[j]);
-        }
-        TM_UNROLL
-        for (int i = 0; i < MR; ++i) {
-          const Vec xv = Vec::loadu(x + i * ldx + b * kBlock + c * kV);
-          TM_UNROLL
-          for (int j = 0; j < NR; ++j) acc[i][j] = at::vec::fmadd(xv, wv[j], acc[i][j]);
-        }
-      }
-    }
-    return;
-  }
-#endif
   for (int64_t b = 0; b < w.K / kBlock; ++b) {
     BlockState s[NR];
     TM_UNROLL
-    for (int j = 0; j < NR; ++j) s[j] = block_of(w, n0 + j, b);
+    for (int j = 0; j < NR; ++j) s[j] = block_of<KIND>(w, n0 + j, b);
     TM_UNROLL
     for (int c = 0; c < kChunks; ++c) {
       Vec wv[NR];
