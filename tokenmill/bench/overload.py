@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -59,8 +60,6 @@ async def overload(base_url: str, num_requests: int, max_tokens: int,
                    prompt_words: int = 0) -> OverloadResult:
     """Every request at once, each on a connection of its own; /health probed meanwhile.
     prompt_words: that many more words in each prompt (long prefills keep the engine busy)."""
-    import multiprocessing
-
     result = OverloadResult()
     ctx = multiprocessing.get_context("spawn")
     ready, stop, times = ctx.Event(), ctx.Event(), ctx.Queue()
@@ -89,11 +88,13 @@ async def overload(base_url: str, num_requests: int, max_tokens: int,
                 result.statuses["refusal not in OpenAI's error shape"] += 1
 
     limits = httpx.Limits(max_connections=num_requests + 8, max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as c:
-        start = time.perf_counter()
-        await asyncio.gather(*(one(c, i) for i in range(num_requests)))
-        result.duration_s = time.perf_counter() - start
-    stop.set()
+    try:
+        async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as c:
+            start = time.perf_counter()
+            await asyncio.gather(*(one(c, i) for i in range(num_requests)))
+            result.duration_s = time.perf_counter() - start
+    finally:  # the prober stops with the run, however it ends
+        stop.set()
     result.health_s = times.get(timeout=60)
     prober.join(timeout=30)
     return result
