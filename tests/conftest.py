@@ -26,6 +26,10 @@ TINY_MODELS = {
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 64})),
     # MLPs gated by GELU, exact and tanh-approximated (configs real checkpoints carry)
+    # rows of 256 and 512 weights: whole K-quant super-blocks (tests/quantization/
+    # test_gguf_kquants.py)
+    "llama-256": ("LlamaConfig", dict(hidden_size=256, intermediate_size=512,
+                                      tie_word_embeddings=True)),
     "llama-gelu": ("LlamaConfig", dict(hidden_act="gelu", tie_word_embeddings=True)),
     "qwen2-gelu-tanh": ("Qwen2Config", dict(hidden_act="gelu_pytorch_tanh",
                                             tie_word_embeddings=False)),

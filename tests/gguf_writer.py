@@ -72,22 +72,57 @@ def _metadata(arch: str, c) -> dict[str, tuple[object, str]]:
     return m
 
 
-def _block_tensor(writer, name: str, data: np.ndarray, block_type: str | None) -> None:
+# Where the fp16 scales of each block type sit, and a scale that gives weights of about the
+# HF models' magnitude (random_blocks)
+_F16_FIELDS = {"Q5_0": {0: 2e-3}, "Q5_1": {0: 1e-3, 2: -16e-3}, "Q4_K": {0: 4e-5, 2: 4e-5},
+               "Q5_K": {0: 2e-5, 2: 2e-5}, "Q6_K": {208: 1e-5}}
+
+
+def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """(rows, bytes per row) uint8 of random `type_name` blocks: random quantized values and
+    sub-block scales, fp16 scales drawn around _F16_FIELDS (the gguf package cannot quantize
+    into K-quants; their arithmetic is the same for any values)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    weights, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // weights, nbytes), dtype=np.uint8)
+    for offset, scale in _F16_FIELDS[type_name].items():
+        value = (rng.uniform(0.5, 1.5, (rows, cols // weights)) * scale).astype(np.float16)
+        raw[:, :, offset:offset + 2] = value.view(np.uint8).reshape(rows, -1, 2)
+    return raw.reshape(rows, -1)
+
+
+def _block_tensor(writer, name: str, data: np.ndarray,
+                  block_type: str | dict[str, str] | None) -> None:
     """A matrix in the GGML block type (token_embd in Q8_0, as llama.cpp's quantizer keeps
-    it finer), anything else as float32."""
+    it finer), anything else as float32. A dict names a type per tensor ("attn_v",
+    "token_embd"): the gguf package quantizes Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 from the
+    weights; K-quants are random blocks (random_blocks)."""
     import gguf
     from gguf import quants
 
+    if isinstance(block_type, dict):
+        parts = name.split(".")
+        block_type = block_type.get(parts[2] if parts[0] == "blk" else parts[0])
+    elif block_type is not None and name.startswith("token_embd"):
+        block_type = "Q8_0"
     if block_type is None or data.ndim != 2 or data.shape[1] % 32:
         writer.add_tensor(name, data)
         return
-    kind = gguf.GGMLQuantizationType["Q8_0" if name.startswith("token_embd") else block_type]
-    writer.add_tensor(name, quants.quantize(data, kind), raw_dtype=kind)
+    kind = gguf.GGMLQuantizationType[block_type]
+    if block_type in _F16_FIELDS and block_type.endswith("_K"):
+        raw = random_blocks(block_type, *data.shape, seed=len(name) + data.shape[0])
+    else:
+        raw = quants.quantize(data, kind)
+    writer.add_tensor(name, raw, raw_dtype=kind)
 
 
 def write_gguf(kind: str, folder: str, hf, smollm2_path: str, out: Path,
-               block_type: str | None = None) -> None:
-    """block_type: "Q4_0", "Q4_1" or "Q8_0" for the matrices; None: float32."""
+               block_type: str | dict[str, str] | None = None) -> None:
+    """block_type: "Q4_0", "Q4_1" or "Q8_0" for the matrices, or a type per tensor name
+    (_block_tensor); None: float32."""
     import gguf
 
     arch, hf_arch = KINDS[kind]

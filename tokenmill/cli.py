@@ -30,7 +30,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
-                   help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
+                   help="a Hugging Face folder, a .gguf file or a Hub id (ORG/NAME, "
+                   "ORG/NAME:Q4_K_M, ORG/NAME/FILE.gguf; default: SmolLM2-135M-Instruct)")
+    g.add_argument("--revision", default=None,
+                   help="a Hub model's branch, tag or commit (default: main)")
+    g.add_argument("--download-dir", default=None,
+                   help="the Hugging Face cache to read and download Hub models into "
+                   "(default: HF_HUB_CACHE / HF_HOME's)")
+    g.add_argument("--tokenizer", default=None,
+                   help="a tokenizer folder or Hub id to use instead of the model's own (e.g. "
+                   "the original repository of a GGUF file)")
     g.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--load-format", choices=["auto", "dummy"], default=None,
@@ -110,7 +119,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    names = ["dtype", "max_model_len", "load_format", "quantization", "int8_activations",
+    names = ["revision", "download_dir", "tokenizer", "dtype", "max_model_len", "load_format",
+             "quantization", "int8_activations",
              "kv_cache_memory", "kv_cache_dtype",
              "num_kv_blocks", "block_size", "max_num_seqs",
              "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
@@ -201,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
-                       help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
+                       help="a Hugging Face folder, a .gguf file or a Hub id (ORG/NAME, "
+                   "ORG/NAME:Q4_K_M, ORG/NAME/FILE.gguf; default: SmolLM2-135M-Instruct)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,

@@ -58,16 +58,29 @@ class ModelConfig:
     # numbers, faster) instead of float ones (rounded to int16 per 32 values on AVX-512 VNNI
     # CPUs, exact elsewhere; csrc/linear_cpu.h).
     int8_activations: bool = False
+    # The model as the user named it (a Hub id, or None for a local path): the served name.
+    hub_id: str | None = None
+    # Where the tokenizer comes from when not from the model itself (vLLM's --tokenizer,
+    # resolved to a local folder); None: the model's folder or GGUF metadata.
+    tokenizer: str | None = None
 
     @staticmethod
     def from_path(path: str | None, dtype: str = "auto", max_model_len: int | None = None,
                   load_format: str = "auto", quantization: str | None = None,
-                  int8_activations: bool = False) -> ModelConfig:
+                  int8_activations: bool = False, revision: str | None = None,
+                  download_dir: str | None = None, tokenizer: str | None = None
+                  ) -> ModelConfig:
+        """`path`: a Hugging Face folder, a .gguf file or a Hub id (model_loader/hub.py, at
+        `revision`, cached in `download_dir`); None: the default model."""
         from tokenmill.model_loader.default_model import default_model_path
         from tokenmill.model_loader.gguf_cache import converted_folder, load_full_config
         from tokenmill.model_loader.gguf_loader import find_gguf_file, gguf_hf_config
 
         path = default_model_path() if path is None else os.path.expanduser(str(path))
+        hub_id, path = _local_model(path, revision, download_dir)
+        tokenizer_dir = (None if tokenizer is None else
+                         _local_model(os.path.expanduser(tokenizer), revision, download_dir,
+                                      tokenizer_only=True)[1])
         gguf_file = find_gguf_file(path)
         converted = None
         if gguf_file is not None:
@@ -99,7 +112,16 @@ class ModelConfig:
                              f"quantization None, int8 or int4, not {quantization!r}")
         return dataclasses.replace(config, load_format=load_format, quantization=quantization,
                                    hf_quant_config=hf_quant,
-                                   int8_activations=bool(int8_activations))
+                                   int8_activations=bool(int8_activations), hub_id=hub_id,
+                                   tokenizer=tokenizer_dir)
+
+    @property
+    def served_name(self) -> str:
+        """The name the API serves the model under: its Hub id, else the file or folder's."""
+        if self.hub_id is not None:
+            return self.hub_id
+        name = os.path.basename(os.path.normpath(self.gguf_file or self.path))
+        return name.removesuffix(".gguf")
 
     @staticmethod
     def _build(path: str, hf_config: Any, gguf_file: str | None, dtype: str,
@@ -180,6 +202,20 @@ class ModelConfig:
         if eos is None:
             return []
         return list(eos) if isinstance(eos, list | tuple) else [int(eos)]
+
+
+def _local_model(name: str, revision: str | None, download_dir: str | None,
+                 tokenizer_only: bool = False) -> tuple[str | None, str]:
+    """(the Hub id, the local path) of a model or tokenizer name: a local path is itself (and
+    takes no revision), anything else is resolved as a Hub id (model_loader/hub.py)."""
+    from tokenmill.model_loader.hub import parse_hub_id, resolve_hub_model
+
+    if os.path.exists(name) or parse_hub_id(name) is None:
+        if revision is not None and os.path.exists(name):
+            raise ValueError(f"revision applies to Hugging Face Hub ids; {name!r} is a local "
+                             "path")
+        return None, name
+    return name, resolve_hub_model(name, revision, download_dir, tokenizer_only)
 
 
 def _runner(asked: str, model: ModelConfig) -> str:
@@ -387,6 +423,7 @@ class EngineConfig:
                                               "parallel": {}, "engine": {}}
         owners = {"dtype": "model", "max_model_len": "model", "load_format": "model",
                   "quantization": "model", "int8_activations": "model",
+                  "revision": "model", "download_dir": "model", "tokenizer": "model",
                   "block_size": "cache", "kv_cache_memory": "cache", "num_kv_blocks": "cache",
                   "enable_prefix_caching": "cache", "swap_space": "cache",
                   "kv_cache_dtype": "cache",

@@ -1,7 +1,7 @@
 """The shipped SmolLM2 GGUF (Q4_1 layers, Q8_0 tied embedding) served from its own blocks:
 the layers hold the file's blocks bit for bit (no float copy), greedy output equals the
 float32 expansion of the same file (identical weights: only summation order differs), and
-it is the default where the CPU's kernels have the VNNI GEMM."""
+it is the default on every CPU with the C++ kernels."""
 
 from __future__ import annotations
 
@@ -58,21 +58,22 @@ def test_unsupported_tensor_types_are_named(monkeypatch, smollm2_path):
 
     real = gguf_loader.gguf_tensor_types
     monkeypatch.setattr(gguf_loader, "gguf_tensor_types", lambda path: {
-        **real(path), "model.layers.0.mlp.down_proj.weight": "Q4_K"})
-    with pytest.raises(ValueError, match="Q4_K cannot be served natively.*Q8_0, Q4_1, Q4_0"):
+        **real(path), "model.layers.0.mlp.down_proj.weight": "Q2_K"})
+    with pytest.raises(ValueError, match="Q2_K cannot be served natively.*Q8_0, Q4_1, Q4_0, "
+                                         "Q5_0, Q5_1, Q4_K, Q5_K, Q6_K"):
         LLM(smollm2_path, quantization="gguf", max_model_len=64)
 
 
-@pytest.mark.parametrize("isa,device,expected", [("avx512", "cpu", "gguf"), ("avx2", "cpu", None),
-                                                 ("generic", "cpu", None),
-                                                 ("avx512", "cuda", None)])
-def test_default_serves_the_blocks_where_that_pays(monkeypatch, smollm2_path, isa, device,
-                                                   expected):
+@pytest.mark.parametrize("kernels,device,expected", [(True, "cpu", "gguf"),
+                                                     (False, "cpu", None),
+                                                     (True, "cuda", None)])
+def test_default_serves_the_blocks_on_the_cpu_kernels(monkeypatch, smollm2_path, kernels,
+                                                      device, expected):
     from tokenmill.config import ModelConfig
     from tokenmill.quantization import default_quantization
     from tokenmill.utils import cpp_extension
 
-    monkeypatch.setattr(cpp_extension, "runtime_isa", lambda: isa)
+    monkeypatch.setattr(cpp_extension, "kernels_enabled", lambda: kernels)
     assert default_quantization(ModelConfig.from_path(smollm2_path), device) == expected
 
 
@@ -81,7 +82,7 @@ def test_default_is_only_a_default(monkeypatch, smollm2_path, tiny_model):
     from tokenmill.model_loader import gguf_loader
     from tokenmill.utils import cpp_extension
 
-    monkeypatch.setattr(cpp_extension, "runtime_isa", lambda: "avx512")
+    monkeypatch.setattr(cpp_extension, "kernels_enabled", lambda: True)
     assert EngineConfig.create(smollm2_path, device="cpu").model.quantization == "gguf"
     # "none" asks for the float32 expansion; an explicit method is kept
     assert EngineConfig.create(smollm2_path, quantization="none").model.quantization is None
@@ -90,5 +91,5 @@ def test_default_is_only_a_default(monkeypatch, smollm2_path, tiny_model):
     assert EngineConfig.create(tiny_model("llama")[0]).model.quantization is None
     real = gguf_loader.gguf_tensor_types
     monkeypatch.setattr(gguf_loader, "gguf_tensor_types", lambda path: {
-        **real(path), "model.layers.0.mlp.down_proj.weight": "Q4_K"})
+        **real(path), "model.layers.0.mlp.down_proj.weight": "IQ4_XS"})
     assert EngineConfig.create(smollm2_path, device="cpu").model.quantization is None

@@ -13,6 +13,13 @@
 //           Within each 32 weights (16 bytes), byte j holds weight j in its low nibble and
 //           weight j + 16 in its high nibble: llama.cpp's Q4_0 / Q4_1 block order, so GGUF
 //           blocks are used bit for bit. G is a multiple of 32 (GGUF 32, AWQ / GPTQ 128).
+//   kind 3-7 GGUF Q5_0, Q5_1, Q4_K, Q5_K, Q6_K as the file stores them:
+//                              tensors = {raw block rows (N, K / QK * block bytes) uint8}
+//                              (linear_gguf.h); the dot kernels at every M
+//   kind 15  parts             a merged layer (qkv, gate_up) whose parts differ in kind:
+//                              tensors = {meta (P, 3) int64: kind, group, tensor count of
+//                              each part; then each part's tensors}; y = their outputs side
+//                              by side
 //
 // How a call multiplies (`choose_path`):
 // - batch-invariant (the engine's default on CPU): every row of y is summed in one order
@@ -53,6 +60,7 @@ enum class LinearPath { kDot, kRows, kInt8Gemm, kInt16Gemm, kQ4Int8GemmAvx2, kFl
 // M (their rounding is per row: the same at any M); int8 activations take the row kernels.
 // Otherwise the fastest kernel for M (benchmarks/batch_invariance.py compares the two).
 static LinearPath choose_path(int64_t kind, bool int8_path, int64_t M, bool invariant) {
+  if (gguf_blocks::is_gguf_kind(kind)) return LinearPath::kDot;  // their only kernels
   if (invariant) {
     if (kind == 0 || (!int8_path && !kVnniRows)) return LinearPath::kDot;
     return LinearPath::kRows;
@@ -137,11 +145,43 @@ static std::vector<float> group_sums(const float* xp, int64_t M, int64_t K, int6
 // input_scale (K,): x is multiplied by it first (activation-aware 4-bit weights store W / s
 // per input channel and take x * s; quantization/awq_search.py).
 // invariant: every row of y is summed in an order that does not depend on M (choose_path).
+constexpr int64_t kPartsKind = 15;
+
 inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
                             const std::vector<torch::Tensor>& t,
                             c10::optional<torch::Tensor> bias, bool int8_acts = false,
                             c10::optional<torch::Tensor> input_scale = c10::nullopt,
-                            bool invariant = false) {
+                            bool invariant = false);
+
+// A merged layer of parts of different kinds: each part's product, side by side (+ bias).
+inline torch::Tensor linear_parts(const torch::Tensor& x, const std::vector<torch::Tensor>& t,
+                                  const c10::optional<torch::Tensor>& bias, bool int8_acts,
+                                  const c10::optional<torch::Tensor>& input_scale,
+                                  bool invariant) {
+  TORCH_CHECK(!t.empty() && t[0].scalar_type() == torch::kInt64 && t[0].dim() == 2 &&
+              t[0].size(1) == 3, "parts: a (P, 3) int64 description first");
+  auto meta = t[0].accessor<int64_t, 2>();
+  std::vector<torch::Tensor> outs;
+  size_t next = 1;
+  for (int64_t p = 0; p < t[0].size(0); ++p) {
+    const size_t count = static_cast<size_t>(meta[p][2]);
+    TORCH_CHECK(meta[p][0] != kPartsKind && next + count <= t.size(), "parts: bad description");
+    std::vector<torch::Tensor> part(t.begin() + next, t.begin() + next + count);
+    next += count;
+    outs.push_back(linear(x, meta[p][0], meta[p][1], part, c10::nullopt, int8_acts,
+                          input_scale, invariant));
+  }
+  TORCH_CHECK(next == t.size(), "parts: tensors left over");
+  auto y = at::cat(outs, 1);
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
+inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
+                            const std::vector<torch::Tensor>& t,
+                            c10::optional<torch::Tensor> bias, bool int8_acts,
+                            c10::optional<torch::Tensor> input_scale, bool invariant) {
+  if (kind == kPartsKind) return linear_parts(x, t, bias, int8_acts, input_scale, invariant);
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2 && !t.empty(), "linear takes x (M, K) and a weight");
   const int64_t M = x.size(0), K = x.size(1), N = t[0].size(0);
@@ -164,13 +204,17 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  TORCH_CHECK(!(int8_acts && gguf_blocks::is_gguf_kind(kind)),
+              "int8 activations are not implemented for GGUF weight kind ", kind);
   const bool int8_path = int8_acts && kind != 0;
   const LinearPath path = choose_path(kind, int8_path, M, invariant);
   if (path == LinearPath::kDot) {
     const dot_form::WeightRows w{kind, G, K, kind == 0 ? t[0].data_ptr<float>() : nullptr,
                             kind == 0 ? nullptr : t[0].data_ptr(),
-                            kind == 0 ? nullptr : t[1].data_ptr<at::Half>(),
-                            kind == 2 ? t[2].data_ptr<at::Half>() : nullptr};
+                            kind == 0 || t.size() < 2 ? nullptr : t[1].data_ptr<at::Half>(),
+                            kind == 2 ? t[2].data_ptr<at::Half>() : nullptr,
+                            gguf_blocks::is_gguf_kind(kind) ? gguf_blocks::row_bytes(kind, K)
+                                                            : 0};
     dot_form::linear(w, xp, M, N, b, yp);
     return y;
   }
@@ -218,7 +262,9 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
 inline torch::Tensor gather_rows(torch::Tensor ids, int64_t kind, int64_t G,
                                  const std::vector<torch::Tensor>& t) {
   TORCH_CHECK(kind != 0 && !t.empty(), "gather_rows is for quantized weights");
-  const int64_t K = t[0].size(1) * (kind == 2 ? 2 : 1);  // 4-bit: two weights a byte
+  const int64_t K = gguf_blocks::is_gguf_kind(kind)  // raw blocks; 4-bit: two weights a byte
+      ? t[0].size(1) / gguf_blocks::block_bytes(kind) * gguf_blocks::block_weights(kind)
+      : t[0].size(1) * (kind == 2 ? 2 : 1);
   check_weight(kind, G, t, K);
   auto idx = ids.to(torch::kInt64).contiguous().view({-1});
   const int64_t count = idx.numel(), N = t[0].size(0);

@@ -21,10 +21,17 @@
 // weights are expanded to float32 as they are read: in registers for a few rows of x, into a
 // panel buffer (the same values) that larger steps reuse across their rows.
 #pragma once
+#include "linear_gguf.h"
 #include "quant_blocks.h"
 #include <memory>
+#include <type_traits>
 
 namespace dot_form {
+
+// The per-block helpers are forced inline: with a kernel per weight kind in one function,
+// GCC's inlining budget otherwise left some out of line, their block state passed through
+// memory (4-bit steps of 4 rows ran 2x slower).
+#define TM_INLINE inline __attribute__((always_inline))
 
 constexpr int kMR = 4;                       // rows of x per tile in larger steps
 constexpr int64_t kMBlock = 64;              // rows of x per block (64 x K floats: in L2)
@@ -45,7 +52,7 @@ constexpr int small_nr(int mr, bool quantized) {
 
 // ---- weight vectors as float32 ------------------------------------------------------------
 // The c-th kV-vector of a 32-weight block (c < kChunks), in weight order.
-static inline Vec q8_chunk(const int8_t* q, int c) {
+static TM_INLINE Vec q8_chunk(const int8_t* q, int c) {
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)
   return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * c)))));
@@ -69,13 +76,13 @@ struct Nibbles {
   __m128i lo, hi;  // weights 0..15, 16..31 of the block, one per byte
 };
 
-static inline Nibbles load_nibbles(const uint8_t* q) {
+static TM_INLINE Nibbles load_nibbles(const uint8_t* q) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
   const __m128i mask = _mm_set1_epi8(0x0F);
   return {_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask)};
 }
 
-static inline Vec q4_chunk(const Nibbles& h, int c) {
+static TM_INLINE Vec q4_chunk(const Nibbles& h, int c) {
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)
   return Vec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c ? h.hi : h.lo)));
 #else
@@ -99,10 +106,27 @@ static inline Vec q4_chunk(const uint8_t* q, int c) {
 struct WeightRows {
   int64_t kind, G, K;
   const float* dense;     // (N, K)
-  const void* q;          // Q8_0 (N, K) int8, 4-bit (N, K/2) nibbles
+  const void* q;          // Q8_0 (N, K) int8, 4-bit (N, K/2) nibbles, GGUF raw block rows
   const at::Half* d;      // (N, K/32) or (N, K/G)
   const at::Half* m;      // 4-bit offsets (N, K/G)
+  int64_t row_bytes = 0;  // GGUF kinds: bytes per row of raw blocks (linear_gguf.h)
 };
+
+// f(std::integral_constant<int, KIND>) for a quantized kind: the kernels are instantiated
+// once per kind.
+template <class F>
+static inline void with_quant_kind(int64_t kind, F&& f) {
+  switch (kind) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case gguf_blocks::kQ5_0: return f(std::integral_constant<int, gguf_blocks::kQ5_0>{});
+    case gguf_blocks::kQ5_1: return f(std::integral_constant<int, gguf_blocks::kQ5_1>{});
+    case gguf_blocks::kQ4_K: return f(std::integral_constant<int, gguf_blocks::kQ4_K>{});
+    case gguf_blocks::kQ5_K: return f(std::integral_constant<int, gguf_blocks::kQ5_K>{});
+    case gguf_blocks::kQ6_K: return f(std::integral_constant<int, gguf_blocks::kQ6_K>{});
+    default: TORCH_CHECK(false, "no dot kernel for weight kind ", kind);
+  }
+}
 
 struct BlockState {  // one block of one row, ready to expand
   const void* q;
@@ -113,7 +137,7 @@ struct BlockState {  // one block of one row, ready to expand
 };
 
 template <int KIND>
-static inline BlockState block_of(const WeightRows& w, int64_t n, int64_t b) {
+static TM_INLINE BlockState block_of(const WeightRows& w, int64_t n, int64_t b) {
   BlockState s;
   if constexpr (KIND == 1) {
     s.q = static_cast<const int8_t*>(w.q) + n * w.K + b * kBlock;
@@ -130,7 +154,7 @@ static inline BlockState block_of(const WeightRows& w, int64_t n, int64_t b) {
 }
 
 template <int KIND>
-static inline Vec expand(const BlockState& s, int c) {
+static TM_INLINE Vec expand(const BlockState& s, int c) {
   if constexpr (KIND == 1) return q8_chunk(static_cast<const int8_t*>(s.q), c) * s.d;
 #ifdef TM_Q4_NIBBLES
   else return at::vec::fmadd(q4_chunk(s.nib, c), s.d, s.m);
@@ -139,15 +163,35 @@ static inline Vec expand(const BlockState& s, int c) {
 #endif
 }
 
+// Block b of row n of any quantized kind, and its c-th vector of weights.
+template <int KIND>
+static TM_INLINE auto load_block(const WeightRows& w, int64_t n, int64_t b) {
+  if constexpr (gguf_blocks::is_gguf_kind(KIND))
+    return gguf_blocks::gguf_block<KIND>(static_cast<const uint8_t*>(w.q) + n * w.row_bytes, b);
+  else
+    return block_of<KIND>(w, n, b);
+}
+
+template <int KIND, class B>
+static TM_INLINE Vec weights_of(const B& s, int c) {
+  if constexpr (gguf_blocks::is_gguf_kind(KIND)) return gguf_blocks::expand<KIND>(s, c);
+  else return expand<KIND>(s, c);
+}
+
 // Rows [n0, n0 + rows) of a quantized W expanded into out (rows, K): w_n(j) exactly.
 template <int KIND>
 static void expand_rows_into(const WeightRows& w, int64_t n0, int64_t rows, float* out) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < w.K / kBlock; ++b) {
-      const BlockState s = block_of<KIND>(w, n0 + r, b);
+      const auto s = load_block<KIND>(w, n0 + r, b);
       for (int c = 0; c < kChunks; ++c)
-        expand<KIND>(s, c).store(out + r * w.K + b * kBlock + c * kV);
+        weights_of<KIND>(s, c).store(out + r * w.K + b * kBlock + c * kV);
     }
+}
+
+// The same for any quantized kind (panels, embedding lookups).
+static inline void expand_rows_any(const WeightRows& w, int64_t n0, int64_t rows, float* out) {
+  with_quant_kind(w.kind, [&](auto k) { expand_rows_into<decltype(k)::value>(w, n0, rows, out); });
 }
 
 // Loops over a tile's rows and chunks are unrolled, so that each accumulator is one register
@@ -191,14 +235,14 @@ template <int KIND, int MR, int NR>
 static inline void quant_tile(const float* x, int64_t ldx, const WeightRows& w, int64_t n0,
                               Vec (&acc)[MR][NR]) {
   for (int64_t b = 0; b < w.K / kBlock; ++b) {
-    BlockState s[NR];
+    decltype(load_block<KIND>(w, 0, 0)) s[NR];
     TM_UNROLL
-    for (int j = 0; j < NR; ++j) s[j] = block_of<KIND>(w, n0 + j, b);
+    for (int j = 0; j < NR; ++j) s[j] = load_block<KIND>(w, n0 + j, b);
     TM_UNROLL
     for (int c = 0; c < kChunks; ++c) {
       Vec wv[NR];
       TM_UNROLL
-      for (int j = 0; j < NR; ++j) wv[j] = expand<KIND>(s[j], c);
+      for (int j = 0; j < NR; ++j) wv[j] = weights_of<KIND>(s[j], c);
       TM_UNROLL
       for (int i = 0; i < MR; ++i) {
         const Vec xv = Vec::loadu(x + i * ldx + b * kBlock + c * kV);
@@ -241,10 +285,16 @@ static inline void tile(const float* x, const WeightRows& w, const float* dense,
     TM_UNROLL
     for (int j = 0; j < NR; ++j) rows[j] = dense + (n0 - panel0 + j) * w.K;
     dense_tile<MR, NR>(x, w.K, rows, w.K, acc);
-  } else if (w.kind == 1) {
-    quant_tile<1, MR, NR>(x, w.K, w, n0, acc);
-  } else {
-    quant_tile<2, MR, NR>(x, w.K, w, n0, acc);
+  } else {  // a switch, not with_quant_kind: a lambda holding acc kept it in memory
+    switch (w.kind) {
+      case 1: quant_tile<1, MR, NR>(x, w.K, w, n0, acc); break;
+      case 2: quant_tile<2, MR, NR>(x, w.K, w, n0, acc); break;
+      case gguf_blocks::kQ5_0: quant_tile<gguf_blocks::kQ5_0, MR, NR>(x, w.K, w, n0, acc); break;
+      case gguf_blocks::kQ5_1: quant_tile<gguf_blocks::kQ5_1, MR, NR>(x, w.K, w, n0, acc); break;
+      case gguf_blocks::kQ4_K: quant_tile<gguf_blocks::kQ4_K, MR, NR>(x, w.K, w, n0, acc); break;
+      case gguf_blocks::kQ5_K: quant_tile<gguf_blocks::kQ5_K, MR, NR>(x, w.K, w, n0, acc); break;
+      default: quant_tile<gguf_blocks::kQ6_K, MR, NR>(x, w.K, w, n0, acc); break;
+    }
   }
   store_tile<MR, NR>(acc, x, w.K, dense && w.kind == 0 ? rows : nullptr, w.K, bias, n0, y, N);
 }
@@ -303,8 +353,7 @@ inline void linear(const WeightRows& w, const float* x, int64_t M, int64_t N,
         const float* rows = w.dense;
         int64_t first = 0;
         if (w.kind != 0) {
-          if (w.kind == 1) expand_rows_into<1>(w, p0, p1 - p0, panel.get());
-          else expand_rows_into<2>(w, p0, p1 - p0, panel.get());
+          expand_rows_any(w, p0, p1 - p0, panel.get());
           rows = panel.get(), first = p0;
         }
         for (int64_t m = m0; m < m1; m += kMR) {

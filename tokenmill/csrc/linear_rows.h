@@ -5,6 +5,7 @@
 // another), so they are batch-invariant where linear_cpu.h runs them at every M. Also the
 // weight checks and the expansion of quantized rows to float32 that linear_cpu.h shares.
 #pragma once
+#include "linear_dot.h"
 #include "linear_int8_acts.h"
 #include "linear_rows_vnni.h"
 #include "quant_blocks.h"
@@ -112,6 +113,13 @@ static void q4_rows(const float* x, const float* xsum, const uint8_t* Q, const a
 // ---- expanding rows of a quantized weight into float32 (the large-M path, embeddings) ------
 static void expand_rows(int64_t kind, int64_t G, const std::vector<torch::Tensor>& t,
                         const int64_t* rows, int64_t count, int64_t K, float* out) {
+  if (gguf_blocks::is_gguf_kind(kind)) {  // raw GGUF blocks: the dot kernels' expansion
+    const dot_form::WeightRows w{kind, G, K, nullptr, t[0].data_ptr(), nullptr, nullptr,
+                                 gguf_blocks::row_bytes(kind, K)};
+    for (int64_t i = 0; i < count; ++i)
+      dot_form::expand_rows_any(w, rows ? rows[i] : i, 1, out + i * K);
+    return;
+  }
   // pointers taken once: data_ptr<T>()'s checks cost more than expanding a short row
   const void* q_base = t[0].data_ptr();
   const at::Half* d_base = t[1].data_ptr<at::Half>();
@@ -155,7 +163,13 @@ static void check_weight(int64_t kind, int64_t G, const std::vector<torch::Tenso
   }
   TORCH_CHECK(K % kBlock == 0, "quantized weights need K divisible by 32");
   const int64_t N = t[0].size(0);
-  if (kind == 1) {
+  if (gguf_blocks::is_gguf_kind(kind)) {
+    TORCH_CHECK(K % gguf_blocks::block_weights(kind) == 0, "GGUF weight kind ", kind,
+                " needs K divisible by ", gguf_blocks::block_weights(kind));
+    TORCH_CHECK(t.size() == 1 && t[0].scalar_type() == torch::kUInt8 &&
+                t[0].sizes() == torch::IntArrayRef({N, gguf_blocks::row_bytes(kind, K)}),
+                "GGUF weight: its raw block rows, uint8 (N, K / QK * block bytes)");
+  } else if (kind == 1) {
     TORCH_CHECK(t.size() == 2 && t[0].scalar_type() == torch::kInt8 &&
                 t[1].scalar_type() == torch::kHalf, "Q8_0 weight: int8 q, float16 d");
     TORCH_CHECK(t[0].sizes() == torch::IntArrayRef({N, K}) &&

@@ -21,6 +21,8 @@ _GENERIC_FAST_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast
 
 def load_tokenizer(config: ModelConfig) -> Any:
     try:
+        if config.tokenizer is not None:  # vLLM's --tokenizer: a folder (or a Hub id's)
+            return _load_folder(config.tokenizer)
         if config.converted_dir is not None:
             return _load_folder(config.converted_dir)
         if config.gguf_file is not None:

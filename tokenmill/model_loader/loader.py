@@ -97,6 +97,7 @@ def load_model(config: ModelConfig, device: torch.device, tp: ParallelState = Pa
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {cls.__name__}")
         loader = getattr(param, "weight_loader", None)
+        tensor = quant.checkpoint_tensor(name, tensor)
         if tensor.is_floating_point():  # quantized tensors (ints, raw blocks) stay as stored
             tensor = tensor.to(param.dtype if param.is_floating_point() else config.dtype)
         with torch.no_grad():

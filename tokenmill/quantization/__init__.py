@@ -5,16 +5,17 @@
     "int4"         4-bit groups quantized at load from a float checkpoint, with an
                    activation-aware scale search (load_time.py, awq_search.py)
     "awq", "gptq"  4-bit checkpoints in those published layouts (int4_checkpoints.py)
-    "gguf"         a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks as stored (gguf.py)
+    "gguf"         a GGUF file's blocks as stored: Q4_0 / Q4_1 / Q8_0, Q5_0 / Q5_1 and the
+                   K-quants Q4_K / Q5_K / Q6_K (gguf.py GGUF_TYPES)
 
 With none asked for (`quantization=None`), a GGUF file of block types the kernels read is
-served as "gguf" where that is at least as fast as its float32 expansion, the same weights
-(`default_quantization`); "none" asks for the expansion explicitly.
+served as "gguf" (`default_quantization`); "none" asks for the float32 expansion explicitly.
 
 `quantization_config(model_config, device, prepack)` builds the model's config; anything the
 model, its checkpoint or the device cannot run is a ValueError at start-up naming what is
 supported. Every quantized format ends in the two block layouts of blocks.py, which the C++
-kernels (csrc/linear_cpu.h) read in every path.
+kernels (csrc/linear_cpu.h) read in every path, or in GGUF blocks read in place by the dot
+kernels (csrc/linear_gguf.h).
 """
 
 from __future__ import annotations
@@ -72,20 +73,23 @@ def _calibration(model: ModelConfig) -> dict[str, torch.Tensor] | None:
 
 
 def default_quantization(model: ModelConfig, device: str) -> str | None:
-    """The format to serve `model` in when none was asked for: "gguf" for a GGUF file whose
-    tensors are all of the types its blocks are served in (quantization/gguf.py), on a CPU
-    whose kernels have the VNNI GEMM (the avx512 build), in float32; else the checkpoint's
-    own (model.quantization: None, or an AWQ / GPTQ checkpoint's method).
+    """The format to serve `model` in when none was asked for: "gguf" for a GGUF file of
+    block types the kernels read (quantization/gguf.py GGUF_TYPES), in float32 on a CPU with
+    the C++ kernels, for a model without experts (their GGUF blocks have no loader yet); else
+    the checkpoint's own (model.quantization: None, or an AWQ / GPTQ checkpoint's method).
 
-    Why only there: on such a CPU the file's own blocks decode 2.4x faster than its float32
-    expansion, run batches 1.25x faster and agree with it to 100.00% top-1 (benchmarks/
-    RESULTS.md, eighth session); without VNNI, batched steps of 4-bit blocks run at ~0.85x
-    float32 (float32 tiles), so the expansion stays the default there."""
-    from tokenmill.utils.cpp_extension import kernels_enabled, runtime_isa
+    The blocks are what llama.cpp users expect: the file's own numbers at its own size (the
+    float32 expansion is 4-7x larger), and with batch invariance (the CPU default) the dot
+    kernels multiply exactly the dequantized weights, so greedy output equals the float32
+    expansion's (tests/quantization/test_gguf_native.py). A file holding a type outside the
+    table is expanded, with a log line naming the type."""
+    from tokenmill.utils.cpp_extension import kernels_enabled
 
+    hf = model.hf_config
+    experts = getattr(hf, "num_local_experts", 0) or getattr(hf, "num_experts", 0)
     if (model.quantization is not None or model.gguf_file is None or model.load_format != "auto"
             or not device.startswith("cpu") or model.dtype != torch.float32
-            or not kernels_enabled() or runtime_isa() != "avx512"):
+            or not kernels_enabled() or experts):
         return model.quantization
     from tokenmill.model_loader.gguf_loader import gguf_tensor_types
     from tokenmill.quantization.gguf import BLOCK_TYPES, SUPPORTED_TYPES
@@ -94,9 +98,9 @@ def default_quantization(model: ModelConfig, device: str) -> str | None:
     if not types & set(BLOCK_TYPES):
         return None  # a float GGUF file: nothing to keep in blocks
     if not types <= set(SUPPORTED_TYPES):
-        logger.info("%s holds GGUF types %s, which are not served in their blocks: expanding "
-                    "it to float32", model.gguf_file, ", ".join(sorted(types - set(
-                        SUPPORTED_TYPES))))
+        logger.warning("%s holds GGUF types %s, which are not served in their blocks (%s are): "
+                       "expanding it to float32", model.gguf_file,
+                       ", ".join(sorted(types - set(SUPPORTED_TYPES))), ", ".join(BLOCK_TYPES))
         return None
     logger.info("serving %s in its own %s blocks (quantization='gguf'; pass "
                 "quantization='none' for its float32 expansion)", model.gguf_file,

@@ -41,6 +41,11 @@ class CPULinearKernel:
     DENSE = 0  # (W (N, K) float32,)
     Q8_0 = 1  # (q (N, K) int8, d (N, K/32) float16): w = d q
     Q4 = 2  # (q (N, K/2) uint8, d (N, K/G) float16, m (N, K/G) float16): w = d q + m
+    # GGUF block types read in place: (raw block rows (N, K / QK * block bytes) uint8,)
+    Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 3, 4, 5, 6, 7
+    # a merged layer of parts of different kinds: (meta (P, 3) int64 [kind, group, tensor
+    # count], then each part's tensors); outputs side by side
+    PARTS = 15
 
     kind: int
     group: int
@@ -152,6 +157,10 @@ class QuantizationConfig(ABC):
     def embedding_method(self, prefix: str) -> LinearMethodBase:
         """The method of an embedding table or LM head (default: the linear layers')."""
         return self.linear_method(prefix)
+
+    def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor as this format's parameters take it (default: as stored)."""
+        return tensor
 
     def check_device(self, device: torch.device) -> None:
         """Raise ValueError when this format cannot run on `device` (default: CPU only)."""

@@ -1,22 +1,29 @@
 """GGUF weights served in their own block form (`quantization="gguf"`), as llama.cpp does.
 
-The loader (model_loader/gguf_loader.py `iterate_gguf` with raw_types) hands each quantized
-tensor over as its raw uint8 block rows (N, bytes per row), read from the gguf package's
-memory map; llama.cpp's q/k row permutation moves whole rows, so un-permuting raw rows needs
-no requantizing.
-`process_weights_after_loading` splits the rows' blocks into the kernels' struct-of-arrays
-form, bit for bit:
+Each GGML type the kernels read is one registered `GGUFType` (GGUF_TYPES): its block size,
+bytes per block, the kernel kind that reads it and, for the oldest three, how its blocks split
+into the kernels' struct-of-arrays form; adding a type is one entry here and one block reader
+in csrc/linear_gguf.h. The loader (model_loader/gguf_loader.py `iterate_gguf` with raw_types)
+hands each quantized tensor over as its raw uint8 block rows (N, bytes per row), read from the
+gguf package's memory map; llama.cpp's q/k row permutation moves whole rows, so un-permuting
+raw rows needs no requantizing.
 
-    Q8_0  block = d (float16) + 32 x int8            → Q8_0 (q, d)
-    Q4_1  block = d, m (float16) + 16 bytes nibbles   → Q4 (q, d, m), G = 32
-    Q4_0  block = d (float16) + 16 bytes nibbles      → Q4 with m = -8 d (exact)
-F32 / F16 / BF16 tensors are served dense. Other types (K-quants, IQ) are refused at start-up
-with the list of supported ones. A merged layer (qkv, gate_up) needs one type for all its
-parts (llama.cpp's Q4_0 / Q4_1 / Q8_0 files have that).
+    Q8_0  d + 32 x int8               → Q8_0 (q, d)                     split, bit for bit
+    Q4_1  d, m + 16 B nibbles         → Q4 (q, d, m), G = 32            split, bit for bit
+    Q4_0  d + 16 B nibbles            → Q4 with m = -8 d (exact)        split, bit for bit
+    Q5_0, Q5_1, Q4_K, Q5_K, Q6_K      raw block rows, read in place by the dot kernels
+                                      (csrc/linear_gguf.h), every weight as gguf dequantizes it
+F32 / F16 / BF16 tensors are served dense (float32). Other types (Q2_K, Q3_K, IQ*) are refused
+at start-up with the list of supported ones. A merged layer (qkv, gate_up) whose parts have
+different types (Q4_K_M files store some attn_v in Q6_K beside Q4_K q and k) keeps one
+kernel per part (CPULinearKernel.PARTS): the checkpoint's parts arrive padded to the widest
+part's row (`checkpoint_tensor`) and are cut back after loading.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
@@ -30,51 +37,132 @@ from tokenmill.quantization.base import (
     new_param,
     replace_param,
 )
-from tokenmill.quantization.block_method import BlockLinearMethod
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 
-# GGML type name → (bytes per block of 32 weights, the kernels' kind)
-BLOCK_TYPES = {"Q8_0": (34, CPULinearKernel.Q8_0), "Q4_1": (20, CPULinearKernel.Q4),
-               "Q4_0": (18, CPULinearKernel.Q4)}
+Split = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+
+
+def _split_q8_0(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    N = b.shape[0]
+    d = b[:, :, 0:2].contiguous().view(torch.float16).view(N, -1)
+    return b[:, :, 2:].contiguous().view(torch.int8).view(N, -1), d
+
+
+def _split_q4_1(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    N = b.shape[0]
+    d = b[:, :, 0:2].contiguous().view(torch.float16).view(N, -1)
+    m = b[:, :, 2:4].contiguous().view(torch.float16).view(N, -1)
+    return b[:, :, 4:].reshape(N, -1).contiguous(), d, m
+
+
+def _split_q4_0(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    N = b.shape[0]
+    d = b[:, :, 0:2].contiguous().view(torch.float16).view(N, -1)
+    return b[:, :, 2:].reshape(N, -1).contiguous(), d, (d.float() * -8).half()
+
+
+@dataclass(frozen=True)
+class GGUFType:
+    """A GGML block type the kernels read: `weights` per block of `nbytes`, read by kernel
+    `kind`; `split` turns raw block rows (N, blocks, nbytes) into the kernel's tensors, None
+    where the kernel reads the raw rows themselves."""
+
+    name: str
+    weights: int
+    nbytes: int
+    kind: int
+    split: Split | None = None
+
+    def row_bytes(self, k: int) -> int:
+        return k // self.weights * self.nbytes
+
+
+GGUF_TYPES = {t.name: t for t in (
+    GGUFType("Q8_0", 32, 34, CPULinearKernel.Q8_0, _split_q8_0),
+    GGUFType("Q4_1", 32, 20, CPULinearKernel.Q4, _split_q4_1),
+    GGUFType("Q4_0", 32, 18, CPULinearKernel.Q4, _split_q4_0),
+    GGUFType("Q5_0", 32, 22, CPULinearKernel.Q5_0),
+    GGUFType("Q5_1", 32, 24, CPULinearKernel.Q5_1),
+    GGUFType("Q4_K", 256, 144, CPULinearKernel.Q4_K),
+    GGUFType("Q5_K", 256, 176, CPULinearKernel.Q5_K),
+    GGUFType("Q6_K", 256, 210, CPULinearKernel.Q6_K),
+)}
+BLOCK_TYPES = tuple(GGUF_TYPES)
 DENSE_TYPES = ("F32", "F16", "BF16")
 SUPPORTED_TYPES = (*BLOCK_TYPES, *DENSE_TYPES)
 
 
-def split_blocks(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, ...]:
-    """Raw block rows (N, K / 32 * block bytes) uint8 → the kernels' tensors (see module doc)."""
-    size, _ = BLOCK_TYPES[type_name]
-    N = raw.shape[0]
-    b = raw.view(N, -1, size)  # (N, blocks, bytes)
-    d = b[:, :, 0:2].contiguous().view(torch.float16).view(N, -1)
-    if type_name == "Q8_0":
-        return b[:, :, 2:].contiguous().view(torch.int8).view(N, -1), d
-    if type_name == "Q4_1":
-        m = b[:, :, 2:4].contiguous().view(torch.float16).view(N, -1)
-        return b[:, :, 4:].reshape(N, -1).contiguous(), d, m
-    return b[:, :, 2:].reshape(N, -1).contiguous(), d, (d.float() * -8).half()
+def kernel_tensors(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, ...]:
+    """Raw block rows (N, K / QK * block bytes) uint8 → the kernel's tensors (module doc)."""
+    t = GGUF_TYPES[type_name]
+    if t.split is None:
+        return (raw.contiguous(),)
+    return t.split(raw.view(raw.shape[0], -1, t.nbytes))
 
 
-class GGUFBlockMethod(BlockLinearMethod):
-    """A layer whose GGUF tensors are all of one block type."""
+split_blocks = kernel_tensors  # the name tests and the Q8_0 / Q4 code knew
 
-    def __init__(self, type_name: str, int8_activations: bool = False,
-                 batch_invariant: bool = True) -> None:
-        self.type_name = type_name
-        super().__init__(BLOCK_TYPES[type_name][1], 32, int8_activations, batch_invariant)
+
+class GGUFBlockMethod(LinearMethodBase):
+    """A layer whose GGUF tensors are block types: one type, or one per merged part."""
+
+    def __init__(self, type_names: list[str], batch_invariant: bool = True,
+                 int8_activations: bool = False) -> None:
+        self.type_names = type_names
+        self.batch_invariant = batch_invariant
+        self.int8_activations = int8_activations
+        raw = sorted({n for n in type_names if GGUF_TYPES[n].split is None})
+        if int8_activations and raw:
+            raise ValueError(f"int8_activations is not implemented for GGUF {', '.join(raw)} "
+                             "weights (Q8_0, Q4_0 and Q4_1 have it); leave it off")
+
+    @property
+    def type_name(self) -> str:  # a single-type layer's type
+        return self.type_names[0]
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
-        if input_size % 32:
-            raise ValueError(f"GGUF {self.type_name} rows of {input_size} weights are not "
-                             "whole blocks of 32")
-        size = BLOCK_TYPES[self.type_name][0]
-        layer.qweight = new_param((sum(output_sizes), input_size // 32 * size), torch.uint8,
-                                  output_dim=0, input_dim=1, input_ratio=Fraction(size, 32))
+        types = [GGUF_TYPES[n] for n in self.type_names]
+        for t in types:
+            if input_size % t.weights:
+                raise ValueError(f"GGUF {t.name} rows of {input_size} weights are not whole "
+                                 f"blocks of {t.weights}")
+        widest = max(types, key=lambda t: t.row_bytes(input_size))
+        layer.gguf_input_size = input_size
+        layer.gguf_parts = list(zip(self.type_names, output_sizes, strict=False)) \
+            if len(types) > 1 else [(self.type_names[0], sum(output_sizes))]
+        layer.qweight = new_param((sum(output_sizes), widest.row_bytes(input_size)),
+                                  torch.uint8, output_dim=0, input_dim=1,
+                                  input_ratio=Fraction(widest.nbytes, widest.weights))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        raw = layer.qweight.data
+        raw, K = layer.qweight.data, layer.gguf_input_size
         replace_param(layer, "qweight", None)
-        self.set_blocks(layer, *split_blocks(raw, self.type_name))
+        row = 0
+        for p, (name, rows) in enumerate(layer.gguf_parts):
+            part = raw[row:row + rows, :GGUF_TYPES[name].row_bytes(K)]
+            for i, t in enumerate(kernel_tensors(part, name)):
+                replace_param(layer, f"blocks_{p}_{i}", t.contiguous())
+            row += rows
+
+    def _part_kernel(self, layer: nn.Module, p: int, name: str) -> CPULinearKernel:
+        t = GGUF_TYPES[name]
+        count = 1 if t.split is None else (2 if t.kind == CPULinearKernel.Q8_0 else 3)
+        return CPULinearKernel(t.kind, 32, tuple(getattr(layer, f"blocks_{p}_{i}")
+                                                 for i in range(count)),
+                               self.int8_activations, None, self.batch_invariant)
+
+    def cpu_kernel(self, layer: nn.Module) -> CPULinearKernel | None:
+        first = getattr(layer, "blocks_0_0", None)
+        if first is None or not first.is_cpu:
+            return None
+        parts = [self._part_kernel(layer, p, n) for p, (n, _) in enumerate(layer.gguf_parts)]
+        if len(parts) == 1:
+            return parts[0]
+        meta = torch.tensor([[k.kind, k.group, len(k.tensors)] for k in parts])
+        return CPULinearKernel(CPULinearKernel.PARTS, 0,
+                               (meta, *(t for k in parts for t in k.tensors)),
+                               self.int8_activations, None, self.batch_invariant)
 
 
 class GGUFConfig(QuantizationConfig):
@@ -97,32 +185,61 @@ class GGUFConfig(QuantizationConfig):
                              f"(quantization='gguf' supports {', '.join(SUPPORTED_TYPES)}); "
                              "pass quantization='none' to serve the file dequantized to float32")
 
-    def _types_of(self, prefix: str) -> set[str]:
-        """The GGUF types of the checkpoint tensors that make up the module at `prefix`."""
+    def _parts_of(self, prefix: str) -> list[str]:
+        """The checkpoint tensors (weight names) that make up the module at `prefix`, in the
+        merged layer's shard order."""
         parent, _, leaf = prefix.rpartition(".")
-        parts = [f"{parent}.{ckpt}" for ckpt, (merged, _) in self.packed_modules.items()
-                 if merged == leaf] or [prefix]
-        found = {self.tensor_types.get(f"{p}.weight") for p in parts}
+        parts = [(shard, f"{parent}.{ckpt}.weight")
+                 for ckpt, (merged, shard) in self.packed_modules.items() if merged == leaf]
+        if not parts:
+            return [f"{prefix}.weight"]
+        order = {"q": 0, "k": 1, "v": 2}
+        return [n for _, n in sorted(parts, key=lambda p: order.get(p[0], p[0]))]  # type: ignore[arg-type]
+
+    def _types_of(self, prefix: str) -> list[str]:
+        names = self._parts_of(prefix)
+        found = [self.tensor_types.get(n) for n in names]
         if None in found:
             raise ValueError(f"the GGUF file has no weight for {prefix}")
         return found  # type: ignore[return-value]
 
     def linear_method(self, prefix: str) -> LinearMethodBase:
         types = self._types_of(prefix)
-        if len(types) > 1:
-            raise ValueError(f"{prefix} merges tensors of GGUF types {sorted(types)}; "
-                             "quantization='gguf' needs one type per merged layer")
-        (t,) = types
-        if t in DENSE_TYPES:
+        dense = [t in DENSE_TYPES for t in types]
+        if all(dense):
             return self.dense
-        return GGUFBlockMethod(t, int8_activations_for(prefix, self.int8_activations),
-                               self.batch_invariant)
+        if any(dense):
+            raise ValueError(f"{prefix} merges dense and block GGUF tensors ({types}); "
+                             "pass quantization='none' to serve the file in float32")
+        return GGUFBlockMethod(types, self.batch_invariant,
+                               int8_activations_for(prefix, self.int8_activations))
 
     def embedding_method(self, prefix: str) -> LinearMethodBase:
         """As linear_method, but float activations always: rounding them cost most agreement
         in the logits (benchmarks/RESULTS.md)."""
         method = self.linear_method(prefix)
         if isinstance(method, GGUFBlockMethod) and method.int8_activations:
-            return GGUFBlockMethod(method.type_name, batch_invariant=self.batch_invariant)
+            return GGUFBlockMethod(method.type_names, self.batch_invariant)
         return method
 
+    def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Raw rows of one part of a merged layer whose parts differ in type, zero-padded to
+        the widest part's row (GGUFBlockMethod cuts each part back after loading)."""
+        if not name.endswith(".qweight") or tensor.dtype != torch.uint8:
+            return tensor
+        weight = name[:-len("qweight")] + "weight"
+        parent, _, rest = weight.rpartition(".")
+        module = parent.rpartition(".")[2]
+        entry = self.packed_modules.get(module)
+        if entry is None:
+            return tensor
+        merged = f"{parent.rpartition('.')[0]}.{entry[0]}"
+        types = self._types_of(merged)
+        if len(set(types)) == 1:
+            return tensor
+        own = GGUF_TYPES[self.tensor_types[weight]]
+        K = tensor.shape[1] // own.nbytes * own.weights
+        widest = max(GGUF_TYPES[t].row_bytes(K) for t in types)
+        if widest == tensor.shape[1]:
+            return tensor
+        return torch.nn.functional.pad(tensor, (0, widest - tensor.shape[1]))

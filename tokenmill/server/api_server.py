@@ -272,11 +272,7 @@ def _document_400_not_422(app: FastAPI) -> None:
 
 
 def default_served_name(engine: LLMEngine) -> str:
-    import os
-
-    path = engine.config.model.gguf_file or engine.config.model.path
-    name = os.path.basename(os.path.normpath(path))
-    return name[:-5] if name.endswith(".gguf") else name
+    return engine.config.model.served_name
 
 
 def run_server(engine: LLMEngine | list[LLMEngine], host: str, port: int,
