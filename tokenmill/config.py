@@ -314,7 +314,8 @@ def _resolve_dtype(dtype: str | torch.dtype, hf_config: Any) -> torch.dtype:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    kv_cache_memory: int = 2 * 2**30  # bytes for K and V of all layers
+    # bytes for K and V of all layers; None: sized at start-up (worker/kv_budget.py)
+    kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests, tuning)
     enable_prefix_caching: bool = True
     swap_space: int = 2**30  # bytes of CPU memory for swapped-out KV (preemption_mode="swap")

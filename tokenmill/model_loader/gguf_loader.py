@@ -16,6 +16,8 @@ one tensor per expert under the model's checkpoint names.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import re
 from collections.abc import Collection, Iterator
@@ -177,6 +179,20 @@ def iterate_gguf(path: str, hf_config: Any,
                 yield name.format(e=e), torch.from_numpy(np.ascontiguousarray(data[e]))
         else:
             yield name, torch.from_numpy(np.ascontiguousarray(data))
+        _drop_pages(r, t)  # copied into the model by now
+
+
+def _drop_pages(reader: Any, tensor: Any) -> None:
+    """Release the file pages of a tensor already copied into the model: read through the
+    reader's memory map they count in this process's RSS, and without this a load would peak
+    at twice the file (the map's pages plus the model's copy)."""
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+    # a map that refuses advice only leaves the peak higher
+    with contextlib.suppress(OSError, ValueError):
+        mm.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
 
 
 def gguf_tensor_types(path: str) -> dict[str, str]:

@@ -51,6 +51,7 @@ from tokenmill.utils import cdiv
 from tokenmill.utils.huge_pages import move_parameters_to_huge_pages
 from tokenmill.utils.profiling import scope
 from tokenmill.worker.cuda_graphs import DecodeGraphs
+from tokenmill.worker.kv_budget import auto_kv_budget
 from tokenmill.worker.pooler import pool_step
 from tokenmill.worker.request_states import RequestStates
 
@@ -162,9 +163,12 @@ class ModelRunner:
             return cache.num_kv_blocks
         # a draft model's K/V take a block of their own beside each target block
         per_block = self._block_bytes() + self._draft_block_bytes
-        n = cache.kv_cache_memory // per_block
+        budget = cache.kv_cache_memory
+        if budget is None:
+            budget = auto_kv_budget(self.config, per_block, self.device)
+        n = budget // per_block
         if n < 2:
-            raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes holds {n} blocks; "
+            raise ValueError(f"kv_cache_memory={budget} bytes holds {n} blocks; "
                              f"one block of {self.block_size} tokens needs {per_block} bytes "
                              "and at least 2 are required")
         return n

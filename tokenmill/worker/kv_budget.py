@@ -1,0 +1,52 @@
+"""The KV cache's size when the user sets none (`kv_cache_memory=None`), as vLLM sizes its CPU
+KV space: what is free after the weights are loaded, not a fixed figure.
+
+On CPU: half the memory the kernel reports available (MemAvailable) once the weights are in,
+split over the ranks of this engine, and never more than its longest possible batch needs
+(max_num_seqs sequences of max_model_len tokens). The CPU cache is fresh anonymous memory
+(attention/kv_cache.py), so blocks never used cost no resident memory. Elsewhere (CUDA),
+DEFAULT_KV_BYTES. The choice is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tokenmill.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_BYTES = 2 << 30
+FREE_FRACTION = 0.5
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none: not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def auto_kv_budget(config: EngineConfig, block_bytes: int, device: torch.device) -> int:
+    """Bytes for this rank's KV cache (module doc)."""
+    free = available_memory() if device.type == "cpu" else None
+    if free is None:
+        return DEFAULT_KV_BYTES
+    ranks = config.parallel.world_size
+    needed = (config.scheduler.max_num_seqs * -(-config.model.max_model_len //
+                                                config.cache.block_size) + 1) * block_bytes
+    share = int(free * FREE_FRACTION) // ranks
+    budget = min(needed, share)
+    logger.info("KV cache budget %.2f GiB: %.0f%% of the %.2f GiB available after the "
+                "weights%s, at most what %d sequences of %d tokens need (%.2f GiB); set "
+                "kv_cache_memory to choose", budget / 2**30, FREE_FRACTION * 100, free / 2**30,
+                f", over {ranks} ranks" if ranks > 1 else "", config.scheduler.max_num_seqs,
+                config.model.max_model_len, needed / 2**30)
+    return budget
