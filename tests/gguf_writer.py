@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.torch import load_file
 
+from tokenmill.bench.real_gguf import random_blocks
 from tokenmill.model_loader.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES, _reader
 from tokenmill.models import registry
 
@@ -72,28 +73,6 @@ def _metadata(arch: str, c) -> dict[str, tuple[object, str]]:
     return m
 
 
-# Where the fp16 scales of each block type sit, and a scale that gives weights of about the
-# HF models' magnitude (random_blocks)
-_F16_FIELDS = {"Q5_0": {0: 2e-3}, "Q5_1": {0: 1e-3, 2: -16e-3}, "Q4_K": {0: 4e-5, 2: 4e-5},
-               "Q5_K": {0: 2e-5, 2: 2e-5}, "Q6_K": {208: 1e-5}}
-
-
-def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """(rows, bytes per row) uint8 of random `type_name` blocks: random quantized values and
-    sub-block scales, fp16 scales drawn around _F16_FIELDS (the gguf package cannot quantize
-    into K-quants; their arithmetic is the same for any values)."""
-    import gguf
-
-    qtype = gguf.GGMLQuantizationType[type_name]
-    weights, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (rows, cols // weights, nbytes), dtype=np.uint8)
-    for offset, scale in _F16_FIELDS[type_name].items():
-        value = (rng.uniform(0.5, 1.5, (rows, cols // weights)) * scale).astype(np.float16)
-        raw[:, :, offset:offset + 2] = value.view(np.uint8).reshape(rows, -1, 2)
-    return raw.reshape(rows, -1)
-
-
 def _block_tensor(writer, name: str, data: np.ndarray,
                   block_type: str | dict[str, str] | None) -> None:
     """A matrix in the GGML block type (token_embd in Q8_0, as llama.cpp's quantizer keeps
@@ -112,7 +91,7 @@ def _block_tensor(writer, name: str, data: np.ndarray,
         writer.add_tensor(name, data)
         return
     kind = gguf.GGMLQuantizationType[block_type]
-    if block_type in _F16_FIELDS and block_type.endswith("_K"):
+    if block_type.endswith("_K"):
         raw = random_blocks(block_type, *data.shape, seed=len(name) + data.shape[0])
     else:
         raw = quants.quantize(data, kind)

@@ -58,6 +58,9 @@ class ModelConfig:
     # numbers, faster) instead of float ones (rounded to int16 per 32 values on AVX-512 VNNI
     # CPUs, exact elsewhere; csrc/linear_cpu.h).
     int8_activations: bool = False
+    # Dense weights kept in this dtype on CPU (a bfloat16 / float16 checkpoint's own, with
+    # `dtype` float32 for everything else; quantization/unquantized.py); None: `dtype`.
+    weight_dtype: torch.dtype | None = None
     # The model as the user named it (a Hub id, or None for a local path): the served name.
     hub_id: str | None = None
     # Where the tokenizer comes from when not from the model itself (vLLM's --tokenizer,
@@ -455,6 +458,11 @@ class EngineConfig:
 
             model_cfg = dataclasses.replace(
                 model_cfg, quantization=default_quantization(model_cfg, device))
+        if "dtype" not in groups["model"] or groups["model"]["dtype"] == "auto":
+            from tokenmill.quantization import default_weight_dtype
+
+            model_cfg = dataclasses.replace(
+                model_cfg, weight_dtype=default_weight_dtype(model_cfg, device))
         sched = SchedulerConfig(**groups["scheduler"])
         if not sched.enable_chunked_prefill:
             # Without chunking a whole prompt must fit in one step (vLLM's rule too).

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from tests.conftest import assert_kv_all_free
-from tests.gguf_writer import random_blocks, write_gguf
+from tests.gguf_writer import write_gguf
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench.real_gguf import random_blocks
 from tokenmill.layers import cpu_ops
 from tokenmill.models import cpu_decode
 from tokenmill.quantization.base import CPULinearKernel

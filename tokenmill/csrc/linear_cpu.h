@@ -16,6 +16,8 @@
 //   kind 3-7 GGUF Q5_0, Q5_1, Q4_K, Q5_K, Q6_K as the file stores them:
 //                              tensors = {raw block rows (N, K / QK * block bytes) uint8}
 //                              (linear_gguf.h); the dot kernels at every M
+//   kind 8-9 dense bfloat16 / float16: tensors = {W (N, K)}, widened to float32 in
+//                              registers by the dot kernels at every M (linear_half.h)
 //   kind 15  parts             a merged layer (qkv, gate_up) whose parts differ in kind:
 //                              tensors = {meta (P, 3) int64: kind, group, tensor count of
 //                              each part; then each part's tensors}; y = their outputs side
@@ -60,7 +62,8 @@ enum class LinearPath { kDot, kRows, kInt8Gemm, kInt16Gemm, kQ4Int8GemmAvx2, kFl
 // M (their rounding is per row: the same at any M); int8 activations take the row kernels.
 // Otherwise the fastest kernel for M (benchmarks/batch_invariance.py compares the two).
 static LinearPath choose_path(int64_t kind, bool int8_path, int64_t M, bool invariant) {
-  if (gguf_blocks::is_gguf_kind(kind)) return LinearPath::kDot;  // their only kernels
+  if (gguf_blocks::is_gguf_kind(kind) || half_rows::is_half_kind(kind))
+    return LinearPath::kDot;  // their only kernels
   if (invariant) {
     if (kind == 0 || (!int8_path && !kVnniRows)) return LinearPath::kDot;
     return LinearPath::kRows;
@@ -204,8 +207,8 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  TORCH_CHECK(!(int8_acts && gguf_blocks::is_gguf_kind(kind)),
-              "int8 activations are not implemented for GGUF weight kind ", kind);
+  TORCH_CHECK(!(int8_acts && (gguf_blocks::is_gguf_kind(kind) || half_rows::is_half_kind(kind))),
+              "int8 activations are not implemented for weight kind ", kind);
   const bool int8_path = int8_acts && kind != 0;
   const LinearPath path = choose_path(kind, int8_path, M, invariant);
   if (path == LinearPath::kDot) {

@@ -22,6 +22,7 @@
 // panel buffer (the same values) that larger steps reuse across their rows.
 #pragma once
 #include "linear_gguf.h"
+#include "linear_half.h"
 #include "quant_blocks.h"
 #include <memory>
 #include <type_traits>
@@ -112,10 +113,10 @@ struct WeightRows {
   int64_t row_bytes = 0;  // GGUF kinds: bytes per row of raw blocks (linear_gguf.h)
 };
 
-// f(std::integral_constant<int, KIND>) for a quantized kind: the kernels are instantiated
-// once per kind.
+// f(std::integral_constant<int, KIND>) for a kind read block by block (quantized, GGUF,
+// half-precision dense): the kernels are instantiated once per kind.
 template <class F>
-static inline void with_quant_kind(int64_t kind, F&& f) {
+static inline void with_block_kind(int64_t kind, F&& f) {
   switch (kind) {
     case 1: return f(std::integral_constant<int, 1>{});
     case 2: return f(std::integral_constant<int, 2>{});
@@ -124,6 +125,8 @@ static inline void with_quant_kind(int64_t kind, F&& f) {
     case gguf_blocks::kQ4_K: return f(std::integral_constant<int, gguf_blocks::kQ4_K>{});
     case gguf_blocks::kQ5_K: return f(std::integral_constant<int, gguf_blocks::kQ5_K>{});
     case gguf_blocks::kQ6_K: return f(std::integral_constant<int, gguf_blocks::kQ6_K>{});
+    case half_rows::kBF16: return f(std::integral_constant<int, half_rows::kBF16>{});
+    case half_rows::kF16: return f(std::integral_constant<int, half_rows::kF16>{});
     default: TORCH_CHECK(false, "no dot kernel for weight kind ", kind);
   }
 }
@@ -168,6 +171,8 @@ template <int KIND>
 static TM_INLINE auto load_block(const WeightRows& w, int64_t n, int64_t b) {
   if constexpr (gguf_blocks::is_gguf_kind(KIND))
     return gguf_blocks::gguf_block<KIND>(static_cast<const uint8_t*>(w.q) + n * w.row_bytes, b);
+  else if constexpr (half_rows::is_half_kind(KIND))
+    return half_rows::half_block(w.q, w.K, n, b);
   else
     return block_of<KIND>(w, n, b);
 }
@@ -175,6 +180,7 @@ static TM_INLINE auto load_block(const WeightRows& w, int64_t n, int64_t b) {
 template <int KIND, class B>
 static TM_INLINE Vec weights_of(const B& s, int c) {
   if constexpr (gguf_blocks::is_gguf_kind(KIND)) return gguf_blocks::expand<KIND>(s, c);
+  else if constexpr (half_rows::is_half_kind(KIND)) return half_rows::expand<KIND>(s, c);
   else return expand<KIND>(s, c);
 }
 
@@ -191,7 +197,7 @@ static void expand_rows_into(const WeightRows& w, int64_t n0, int64_t rows, floa
 
 // The same for any quantized kind (panels, embedding lookups).
 static inline void expand_rows_any(const WeightRows& w, int64_t n0, int64_t rows, float* out) {
-  with_quant_kind(w.kind, [&](auto k) { expand_rows_into<decltype(k)::value>(w, n0, rows, out); });
+  with_block_kind(w.kind, [&](auto k) { expand_rows_into<decltype(k)::value>(w, n0, rows, out); });
 }
 
 // Loops over a tile's rows and chunks are unrolled, so that each accumulator is one register
@@ -293,7 +299,9 @@ static inline void tile(const float* x, const WeightRows& w, const float* dense,
       case gguf_blocks::kQ5_1: quant_tile<gguf_blocks::kQ5_1, MR, NR>(x, w.K, w, n0, acc); break;
       case gguf_blocks::kQ4_K: quant_tile<gguf_blocks::kQ4_K, MR, NR>(x, w.K, w, n0, acc); break;
       case gguf_blocks::kQ5_K: quant_tile<gguf_blocks::kQ5_K, MR, NR>(x, w.K, w, n0, acc); break;
-      default: quant_tile<gguf_blocks::kQ6_K, MR, NR>(x, w.K, w, n0, acc); break;
+      case gguf_blocks::kQ6_K: quant_tile<gguf_blocks::kQ6_K, MR, NR>(x, w.K, w, n0, acc); break;
+      case half_rows::kBF16: quant_tile<half_rows::kBF16, MR, NR>(x, w.K, w, n0, acc); break;
+      default: quant_tile<half_rows::kF16, MR, NR>(x, w.K, w, n0, acc); break;
     }
   }
   store_tile<MR, NR>(acc, x, w.K, dense && w.kind == 0 ? rows : nullptr, w.K, bias, n0, y, N);

@@ -113,9 +113,11 @@ static void q4_rows(const float* x, const float* xsum, const uint8_t* Q, const a
 // ---- expanding rows of a quantized weight into float32 (the large-M path, embeddings) ------
 static void expand_rows(int64_t kind, int64_t G, const std::vector<torch::Tensor>& t,
                         const int64_t* rows, int64_t count, int64_t K, float* out) {
-  if (gguf_blocks::is_gguf_kind(kind)) {  // raw GGUF blocks: the dot kernels' expansion
+  if (gguf_blocks::is_gguf_kind(kind) || half_rows::is_half_kind(kind)) {  // the dot kernels'
+    // expansion: raw GGUF blocks, half-precision rows
     const dot_form::WeightRows w{kind, G, K, nullptr, t[0].data_ptr(), nullptr, nullptr,
-                                 gguf_blocks::row_bytes(kind, K)};
+                                 gguf_blocks::is_gguf_kind(kind)
+                                     ? gguf_blocks::row_bytes(kind, K) : 0};
     for (int64_t i = 0; i < count; ++i)
       dot_form::expand_rows_any(w, rows ? rows[i] : i, 1, out + i * K);
     return;
@@ -163,7 +165,12 @@ static void check_weight(int64_t kind, int64_t G, const std::vector<torch::Tenso
   }
   TORCH_CHECK(K % kBlock == 0, "quantized weights need K divisible by 32");
   const int64_t N = t[0].size(0);
-  if (gguf_blocks::is_gguf_kind(kind)) {
+  if (half_rows::is_half_kind(kind)) {
+    TORCH_CHECK(t.size() == 1 && t[0].scalar_type() == (kind == half_rows::kBF16
+                                                           ? torch::kBFloat16 : torch::kHalf) &&
+                t[0].sizes() == torch::IntArrayRef({N, K}),
+                "half-precision weight: W (N, K) in bfloat16 (kind 8) or float16 (kind 9)");
+  } else if (gguf_blocks::is_gguf_kind(kind)) {
     TORCH_CHECK(K % gguf_blocks::block_weights(kind) == 0, "GGUF weight kind ", kind,
                 " needs K divisible by ", gguf_blocks::block_weights(kind));
     TORCH_CHECK(t.size() == 1 && t[0].scalar_type() == torch::kUInt8 &&

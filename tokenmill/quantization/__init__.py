@@ -74,7 +74,8 @@ def _calibration(model: ModelConfig) -> dict[str, torch.Tensor] | None:
 
 def default_quantization(model: ModelConfig, device: str) -> str | None:
     """The format to serve `model` in when none was asked for: "gguf" for a GGUF file of
-    block types the kernels read (quantization/gguf.py GGUF_TYPES), in float32 on a CPU with
+    block types the kernels read (quantization/gguf.py GGUF_TYPES) or of F16 / BF16 tensors
+    (kept in their half precision), in float32 on a CPU with
     the C++ kernels, for a model without experts (their GGUF blocks have no loader yet); else
     the checkpoint's own (model.quantization: None, or an AWQ / GPTQ checkpoint's method).
 
@@ -95,8 +96,8 @@ def default_quantization(model: ModelConfig, device: str) -> str | None:
     from tokenmill.quantization.gguf import BLOCK_TYPES, SUPPORTED_TYPES
 
     types = set(gguf_tensor_types(model.gguf_file).values())
-    if not types & set(BLOCK_TYPES):
-        return None  # a float GGUF file: nothing to keep in blocks
+    if types <= {"F32"}:
+        return None  # a float32 file: nothing to keep in its own form
     if not types <= set(SUPPORTED_TYPES):
         logger.warning("%s holds GGUF types %s, which are not served in their blocks (%s are): "
                        "expanding it to float32", model.gguf_file,
@@ -106,6 +107,26 @@ def default_quantization(model: ModelConfig, device: str) -> str | None:
                 "quantization='none' for its float32 expansion)", model.gguf_file,
                 "/".join(sorted(types & set(BLOCK_TYPES))))
     return "gguf"
+
+
+def default_weight_dtype(model: ModelConfig, device: str) -> torch.dtype | None:
+    """The dtype dense weights are kept in when the user set no dtype: a bfloat16 / float16
+    checkpoint's own on a CPU with the C++ kernels (computed in float32: activations, norms
+    and sums; the weights widened in registers, exactly), instead of a float32 copy twice its
+    size; None (the model's dtype) elsewhere."""
+    from tokenmill.utils.cpp_extension import kernels_enabled
+
+    hf = model.hf_config
+    stored = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    if (stored not in (torch.bfloat16, torch.float16) or not device.startswith("cpu")
+            or model.dtype != torch.float32 or model.quantization is not None
+            or model.gguf_file is not None or not kernels_enabled()):
+        return None
+    logger.info("keeping the %s checkpoint's weights in %s (computing in float32)",
+                model.path, stored)
+    return stored
 
 
 def quantization_config(model: ModelConfig, device: torch.device, prepack: bool,
@@ -118,7 +139,7 @@ def quantization_config(model: ModelConfig, device: torch.device, prepack: bool,
         if int8_acts:
             raise ValueError("int8_activations applies to quantized weights; pass a "
                              "quantization method too")
-        return UnquantizedConfig(prepack, inv)
+        return UnquantizedConfig(prepack, inv, model.weight_dtype)
     if model.dtype != torch.float32:  # before int4's calibration, which takes seconds
         raise ValueError(f"quantization={name!r} computes in float32 on CPU; dtype is "
                          f"{model.dtype}")

@@ -13,7 +13,8 @@ raw rows needs no requantizing.
     Q4_0  d + 16 B nibbles            → Q4 with m = -8 d (exact)        split, bit for bit
     Q5_0, Q5_1, Q4_K, Q5_K, Q6_K      raw block rows, read in place by the dot kernels
                                       (csrc/linear_gguf.h), every weight as gguf dequantizes it
-F32 / F16 / BF16 tensors are served dense (float32). Other types (Q2_K, Q3_K, IQ*) are refused
+F32 tensors are served dense, F16 / BF16 ones dense in their own precision (widened to float32
+in registers by the kernels, csrc/linear_half.h). Other types (Q2_K, Q3_K, IQ*) are refused
 at start-up with the list of supported ones. A merged layer (qkv, gate_up) whose parts have
 different types (Q4_K_M files store some attn_v in Q6_K beside Q4_K q and k) keeps one
 kernel per part (CPULinearKernel.PARTS): the checkpoint's parts arrive padded to the widest
@@ -177,7 +178,11 @@ class GGUFConfig(QuantizationConfig):
         self.batch_invariant = batch_invariant
         # HF parameter name ("model.layers.0.self_attn.q_proj.weight") → GGML type name
         self.tensor_types = tensor_types
-        self.dense = UnquantizedLinearMethod(prepack, batch_invariant)
+        # F16 / BF16 tensors stay in their half precision (the kernels widen them); F32 dense
+        self.dense = {"F32": UnquantizedLinearMethod(prepack, batch_invariant),
+                      "F16": UnquantizedLinearMethod(prepack, batch_invariant, torch.float16),
+                      "BF16": UnquantizedLinearMethod(prepack, batch_invariant,
+                                                      torch.bfloat16)}
         self.packed_modules = packed_modules
         bad = sorted({t for t in tensor_types.values() if t not in SUPPORTED_TYPES})
         if bad:
@@ -207,7 +212,7 @@ class GGUFConfig(QuantizationConfig):
         types = self._types_of(prefix)
         dense = [t in DENSE_TYPES for t in types]
         if all(dense):
-            return self.dense
+            return self.dense[types[0] if len(set(types)) == 1 else "F32"]
         if any(dense):
             raise ValueError(f"{prefix} merges dense and block GGUF tensors ({types}); "
                              "pass quantization='none' to serve the file in float32")

@@ -10,6 +10,12 @@ through a oneDNN-prepacked copy (layers/cpu_gemm.py: 180-210 GFLOP/s against 70-
 `F.linear`). Keeping both costs the weights' memory twice, so the copy is made only when
 `prepack` is on: EngineConfig's "auto" turns it on for models whose float32 weights are at
 most PREPACK_AUTO_MAX_BYTES. Without the C++ ops, the dense copy is freed once packed.
+
+`weight_dtype` bfloat16 / float16 (a half-precision checkpoint on CPU: ModelConfig.weight_dtype)
+keeps each weight as the checkpoint stores it, no float32 copy: the dot kernels widen it to
+float32 in registers (csrc/linear_half.h, exact) at every step size, so results equal the
+float32 weights' bit for bit at half the memory. Activations, norms and sums stay float32. A
+layer whose input size is not a multiple of 32 keeps float32 weights.
 """
 
 from __future__ import annotations
@@ -32,19 +38,30 @@ from tokenmill.quantization.base import (
 PREPACK_AUTO_MAX_BYTES = 5 << 30
 
 
+_HALF_KINDS = {torch.bfloat16: CPULinearKernel.BF16, torch.float16: CPULinearKernel.F16}
+
+
 class UnquantizedLinearMethod(LinearMethodBase):
-    def __init__(self, prepack: bool = True, batch_invariant: bool = True) -> None:
+    def __init__(self, prepack: bool = True, batch_invariant: bool = True,
+                 weight_dtype: torch.dtype | None = None) -> None:
+        if weight_dtype is not None and weight_dtype not in _HALF_KINDS:
+            raise ValueError(f"weight_dtype must be bfloat16 or float16, got {weight_dtype}")
         self.batch_invariant = batch_invariant
         self.prepack = prepack and not batch_invariant  # the invariant kernels read W itself
+        self.weight_dtype = weight_dtype
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
+        if self.weight_dtype is not None and input_size % 32 == 0:
+            dtype = self.weight_dtype  # read in blocks of 32 by the kernels
         layer.weight = new_param((sum(output_sizes), input_size), dtype, output_dim=0,
                                  input_dim=1)
         layer.packed_weight = None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w = layer.weight
+        if w.dtype in _HALF_KINDS and w.is_cpu:
+            return  # the kernels read it as stored
         # runs_gemm False: an embedding table only looked up (layers/vocab_embedding.py).
         if self.prepack and getattr(layer, "runs_gemm", True) and \
                 onednn_available(w.device, w.dtype):
@@ -54,7 +71,12 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def cpu_kernel(self, layer: nn.Module) -> CPULinearKernel | None:
         w = getattr(layer, "weight", None)
-        if w is None or w.dtype != torch.float32 or not w.is_cpu:
+        if w is None or not w.is_cpu:
+            return None
+        if w.dtype in _HALF_KINDS and self.weight_dtype is not None:
+            return CPULinearKernel(_HALF_KINDS[w.dtype], 0, (w,),
+                                   batch_invariant=self.batch_invariant)
+        if w.dtype != torch.float32:
             return None
         return CPULinearKernel(CPULinearKernel.DENSE, 0, (w,),
                                batch_invariant=self.batch_invariant)
@@ -62,7 +84,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
         small = x.shape[0] <= cpu_ops.SMALL_M
-        if (self.batch_invariant or small) and x.shape[0] > 0 and cpu_ops.fused(x):
+        half = self.weight_dtype is not None and layer.weight.dtype == self.weight_dtype
+        if (self.batch_invariant or small or half) and x.shape[0] > 0 and cpu_ops.fused(x):
             kernel = self.cpu_kernel(layer)
             if kernel is not None:
                 return cpu_ops.linear(x, kernel, bias)
@@ -71,15 +94,17 @@ class UnquantizedLinearMethod(LinearMethodBase):
         return F.linear(x, layer.weight, bias)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, layer.weight)
+        rows = F.embedding(ids, layer.weight)
+        return rows.float() if self.weight_dtype is not None else rows  # widening is exact
 
 
 class UnquantizedConfig(QuantizationConfig):
     name = "none"
 
-    def __init__(self, prepack: bool = True, batch_invariant: bool = True) -> None:
+    def __init__(self, prepack: bool = True, batch_invariant: bool = True,
+                 weight_dtype: torch.dtype | None = None) -> None:
         self.batch_invariant = batch_invariant
-        self.method = UnquantizedLinearMethod(prepack, batch_invariant)
+        self.method = UnquantizedLinearMethod(prepack, batch_invariant, weight_dtype)
 
     def linear_method(self, prefix: str) -> LinearMethodBase:
         return self.method
