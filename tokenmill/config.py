@@ -110,9 +110,11 @@ class ModelConfig:
         config = ModelConfig._build(path, hf_config, gguf_file, dtype, max_model_len, converted)
         hf_quant = _checkpoint_quantization(hf_config)
         quantization = _resolve_quantization(quantization, hf_quant, gguf_file, path)
-        if load_format == "dummy" and quantization not in (None, "int8", "int4"):
+        if load_format == "dummy" and quantization is not None and \
+                _format_source(quantization) != "float":
             raise ValueError(f"load_format='dummy' draws float weights: it works with "
-                             f"quantization None, int8 or int4, not {quantization!r}")
+                             f"quantization None or one made from them (int8, int4), not "
+                             f"{quantization!r}")
         return dataclasses.replace(config, load_format=load_format, quantization=quantization,
                                    hf_quant_config=hf_quant,
                                    int8_activations=bool(int8_activations), hub_id=hub_id,
@@ -239,30 +241,39 @@ def _checkpoint_quantization(hf_config: Any) -> dict[str, Any] | None:
     return dict(q) if isinstance(q, dict) else q.to_dict()
 
 
+def _format_source(name: str) -> str:
+    from tokenmill.quantization import WEIGHT_FORMATS
+
+    return WEIGHT_FORMATS[name].source
+
+
 def _resolve_quantization(asked: str | None, checkpoint: dict[str, Any] | None,
                           gguf_file: str | None, path: str) -> str | None:
-    """The weight format to serve, from the option and what the checkpoint holds."""
-    from tokenmill.quantization import QUANTIZATION_METHODS
+    """The weight format to serve, from the option and what the checkpoint holds (each
+    format's `source` in the registry, quantization/__init__.py WEIGHT_FORMATS)."""
+    from tokenmill.quantization import QUANTIZATION_METHODS, WEIGHT_FORMATS
 
     if asked in (None, "none", "None"):
         asked = None
-    elif asked not in QUANTIZATION_METHODS:
+    elif asked not in WEIGHT_FORMATS:
         raise ValueError(f"unknown quantization {asked!r}; supported: "
                          f"{', '.join(QUANTIZATION_METHODS)} or None")
+    stored = [f.name for f in WEIGHT_FORMATS.values() if f.source == "checkpoint"]
     if checkpoint is not None:  # a pre-quantized HF checkpoint: serve it in its own format
         method = str(checkpoint.get("quant_method", "")).lower()
-        if method not in ("awq", "gptq"):
+        if method not in stored:
             raise ValueError(f"{path} is quantized with {method!r}, which tokenmill cannot "
-                             "serve; supported checkpoint formats: awq, gptq")
+                             f"serve; supported checkpoint formats: {', '.join(stored)}")
         if asked not in (None, method):
             raise ValueError(f"quantization={asked!r}, but {path} is a {method} checkpoint; "
                              f"pass quantization={method!r} or leave it unset")
         return method
-    if asked in ("awq", "gptq"):
+    source = None if asked is None else WEIGHT_FORMATS[asked].source
+    if source == "checkpoint":
         raise ValueError(f"quantization={asked!r} needs a checkpoint in that format (its "
                          f"config.json names it in quantization_config); {path} has none")
-    if asked == "gguf" and gguf_file is None:
-        raise ValueError(f"quantization='gguf' serves the blocks of a GGUF file; {path} is "
+    if source == "gguf" and gguf_file is None:
+        raise ValueError(f"quantization={asked!r} serves the blocks of a GGUF file; {path} is "
                          "not one")
     return asked
 

@@ -24,7 +24,7 @@ from tokenmill.model_loader.gguf_cache import converted_weights
 from tokenmill.model_loader.gguf_loader import iterate_gguf
 from tokenmill.model_loader.safetensors_loader import iterate_safetensors
 from tokenmill.models import resolve_model_class
-from tokenmill.quantization import quantization_config
+from tokenmill.quantization import WEIGHT_FORMATS, quantization_config
 from tokenmill.quantization.gguf import BLOCK_TYPES
 from tokenmill.quantization.unquantized import PREPACK_AUTO_MAX_BYTES
 
@@ -40,7 +40,8 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def iterate_weights(config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    if config.quantization == "gguf":  # the file's own blocks, not a float32 conversion
+    if config.quantization is not None and WEIGHT_FORMATS[config.quantization].source == "gguf":
+        # the file's own blocks, not a float32 conversion
         assert config.gguf_file is not None
         return iterate_gguf(config.gguf_file, config.hf_config, raw_types=BLOCK_TYPES)
     if config.gguf_file is not None:

@@ -11,6 +11,8 @@
 With none asked for (`quantization=None`), a GGUF file of block types the kernels read is
 served as "gguf" (`default_quantization`); "none" asks for the float32 expansion explicitly.
 
+Each format is one registered `WeightFormat` (WEIGHT_FORMATS: name, what it is made from, its
+config's builder); config.py checks an option against the registry, not against names.
 `quantization_config(model_config, device, prepack)` builds the model's config; anything the
 model, its checkpoint or the device cannot run is a ValueError at start-up naming what is
 supported. Every quantized format ends in the two block layouts of blocks.py, which the C++
@@ -21,6 +23,8 @@ kernels (csrc/linear_gguf.h).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,12 +40,12 @@ from tokenmill.quantization.unquantized import UnquantizedConfig, UnquantizedLin
 if TYPE_CHECKING:
     from tokenmill.config import ModelConfig
 
-QUANTIZATION_METHODS = ("int8", "int4", "awq", "gptq", "gguf")
 logger = logging.getLogger(__name__)
 
-__all__ = ["QUANTIZATION_METHODS", "CPULinearKernel", "LinearMethodBase", "QuantizationConfig",
-           "UnquantizedConfig", "UnquantizedLinearMethod", "default_quantization",
-           "quantization_config", "set_weight_attrs"]
+__all__ = ["QUANTIZATION_METHODS", "WEIGHT_FORMATS", "CPULinearKernel", "LinearMethodBase",
+           "QuantizationConfig", "UnquantizedConfig", "UnquantizedLinearMethod", "WeightFormat",
+           "default_quantization", "default_weight_dtype", "quantization_config",
+           "set_weight_attrs"]
 
 
 # False: int4 rounds to nearest without its activation-aware search (benchmarks compare)
@@ -129,6 +133,64 @@ def default_weight_dtype(model: ModelConfig, device: str) -> torch.dtype | None:
     return stored
 
 
+def _int8(model: ModelConfig, prepack: bool, int8_acts: bool,
+          inv: bool) -> QuantizationConfig:
+    from tokenmill.quantization.load_time import Int8Config
+
+    return Int8Config(int8_acts, inv)
+
+
+def _int4(model: ModelConfig, prepack: bool, int8_acts: bool,
+          inv: bool) -> QuantizationConfig:
+    from tokenmill.quantization.load_time import Int4Config
+
+    return Int4Config(int8_activations=int8_acts, activations=_calibration(model),
+                      batch_invariant=inv)
+
+
+def _int4_checkpoint(model: ModelConfig, prepack: bool, int8_acts: bool,
+                     inv: bool) -> QuantizationConfig:
+    from tokenmill.quantization.int4_checkpoints import Int4CheckpointConfig
+
+    assert model.quantization is not None
+    return Int4CheckpointConfig(model.quantization, model.hf_quant_config or {}, prepack,
+                                int8_acts, inv)
+
+
+def _gguf(model: ModelConfig, prepack: bool, int8_acts: bool,
+          inv: bool) -> QuantizationConfig:
+    from tokenmill.model_loader.gguf_loader import gguf_tensor_types
+    from tokenmill.models import resolve_model_class
+    from tokenmill.quantization.gguf import GGUFConfig
+
+    assert model.gguf_file is not None
+    mapping = getattr(resolve_model_class(model.architecture), "packed_modules_mapping", {})
+    return GGUFConfig(gguf_tensor_types(model.gguf_file), prepack, mapping, int8_acts, inv)
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """A registered weight format: its name (vLLM's), what it is made from, its config.
+
+    source: "float" (quantized at load from any float checkpoint; load_format="dummy" draws
+    the floats), "checkpoint" (a checkpoint stored in this format, named by its config.json's
+    quantization_config), "gguf" (a GGUF file's tensors as stored)."""
+
+    name: str
+    source: str
+    build: Callable[[ModelConfig, bool, bool, bool], QuantizationConfig]
+
+
+WEIGHT_FORMATS = {f.name: f for f in (
+    WeightFormat("int8", "float", _int8),
+    WeightFormat("int4", "float", _int4),
+    WeightFormat("awq", "checkpoint", _int4_checkpoint),
+    WeightFormat("gptq", "checkpoint", _int4_checkpoint),
+    WeightFormat("gguf", "gguf", _gguf),
+)}
+QUANTIZATION_METHODS = tuple(WEIGHT_FORMATS)
+
+
 def quantization_config(model: ModelConfig, device: torch.device, prepack: bool,
                         batch_invariant: bool = True) -> QuantizationConfig:
     """The weight format of `model` on `device` (model.quantization already validated by
@@ -140,32 +202,12 @@ def quantization_config(model: ModelConfig, device: torch.device, prepack: bool,
             raise ValueError("int8_activations applies to quantized weights; pass a "
                              "quantization method too")
         return UnquantizedConfig(prepack, inv, model.weight_dtype)
+    if name not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown quantization {name!r}; supported: "
+                         f"{', '.join(QUANTIZATION_METHODS)} or None")
     if model.dtype != torch.float32:  # before int4's calibration, which takes seconds
         raise ValueError(f"quantization={name!r} computes in float32 on CPU; dtype is "
                          f"{model.dtype}")
-    config: QuantizationConfig
-    if name == "int8":
-        from tokenmill.quantization.load_time import Int8Config
-        config = Int8Config(int8_acts, inv)
-    elif name == "int4":
-        from tokenmill.quantization.load_time import Int4Config
-        config = Int4Config(int8_activations=int8_acts, activations=_calibration(model),
-                            batch_invariant=inv)
-    elif name in ("awq", "gptq"):
-        from tokenmill.quantization.int4_checkpoints import Int4CheckpointConfig
-        config = Int4CheckpointConfig(name, model.hf_quant_config or {}, prepack, int8_acts,
-                                      inv)
-    elif name == "gguf":
-        from tokenmill.model_loader.gguf_loader import gguf_tensor_types
-        from tokenmill.models import resolve_model_class
-        from tokenmill.quantization.gguf import GGUFConfig
-
-        assert model.gguf_file is not None
-        mapping = getattr(resolve_model_class(model.architecture), "packed_modules_mapping", {})
-        config = GGUFConfig(gguf_tensor_types(model.gguf_file), prepack, mapping, int8_acts,
-                            inv)
-    else:
-        raise ValueError(f"unknown quantization {name!r}; supported: "
-                         f"{', '.join(QUANTIZATION_METHODS)} or None")
+    config = WEIGHT_FORMATS[name].build(model, prepack, int8_acts, inv)
     config.check_device(device)
     return config
