@@ -4,8 +4,9 @@ Reading a GGUF file costs seconds that have nothing to do with serving: the gguf
 every metadata array in Python (the 49k-token vocabulary and merges, twice: once for the config,
 once inside transformers for the tokenizer), transformers converts that vocabulary into a fast
 tokenizer, and every tensor is dequantized in numpy. The first load therefore writes what it
-built into a folder that reads like a Hugging Face model: config.json and the tokenizer files
-(with the chat template) at once, float32 weights in model.safetensors the first time a start
+built into a folder that reads like a Hugging Face model: config.json, the tokenizer files
+(with the chat template) and where each tensor lies (gguf_index.py) at once, float32 weights
+in model.safetensors the first time a start
 needs them (`converted_weights`: the file served dequantized, int4's calibration); a file
 served in its own blocks (quantization="gguf") never writes them. Later loads read that.
 
@@ -31,7 +32,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-_FORMAT_VERSION = 2  # 2: weights written on demand
+_FORMAT_VERSION = 3  # 2: weights written on demand; 3: the tensor index (gguf_index.py)
 _FULL_CONFIG = "tokenmill_full_config.json"
 _MAX_CACHED_BYTES = 4 << 30
 
@@ -66,6 +67,14 @@ def converted_folder(gguf_path: str) -> str | None:
     except OSError as e:  # read-only or full disk: serving still works from the GGUF file
         logger.warning("cannot cache the converted GGUF model in %s (%s)", folder, e)
         return None
+
+
+def cached_folder(gguf_path: str) -> str | None:
+    """The converted folder of `gguf_path` if an earlier start completed it (never creates)."""
+    if os.environ.get("TOKENMILL_GGUF_CACHE", "1") == "0":
+        return None
+    folder = _folder_for(gguf_path)
+    return str(folder) if (folder / _FULL_CONFIG).is_file() else None
 
 
 def load_full_config(folder: str) -> Any:
@@ -109,7 +118,8 @@ def converted_weights(folder: str, gguf_path: str) -> str | None:
 
 def _convert(gguf_path: str, folder: Path) -> str | None:
     from tokenmill.engine.tokenizer import gguf_tokenizer
-    from tokenmill.model_loader.gguf_loader import gguf_hf_config
+    from tokenmill.model_loader.gguf_index import build_index, write_index
+    from tokenmill.model_loader.gguf_loader import _reader, gguf_hf_config
 
     hf_config = gguf_hf_config(gguf_path)
     logger.info("first start with %s: converting it once into %s (later starts skip this)",
@@ -122,6 +132,7 @@ def _convert(gguf_path: str, folder: Path) -> str | None:
         # full dump below (every attribute, defaults included) as a plain PretrainedConfig,
         # which skips importing the architecture's config class (about 1.4 s of imports).
         gguf_tokenizer(gguf_path).save_pretrained(tmp)
+        write_index(build_index(_reader(gguf_path)), str(tmp))  # later starts skip the reader
         with open(tmp / _FULL_CONFIG, "w") as f:  # written last: it marks the folder complete
             json.dump(hf_config.to_dict(), f, indent=1)
         try:

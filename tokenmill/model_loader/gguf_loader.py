@@ -27,6 +27,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from tokenmill.model_loader.gguf_index import (
+    GGUFIndex,
+    GGUFTensor,
+    build_index,
+    file_map,
+    read_index,
+    tensor_data,
+)
+
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -124,10 +133,13 @@ def gguf_hf_config(path: str) -> Any:
 
 def _architecture(r: Any, path: str) -> Any:
     """The registry entry reading this file (by its architecture and whether it has experts)."""
+    arch = _field(r, "general.architecture")
+    return _architecture_of(arch, (_field(r, f"{arch}.expert_count") or 0) > 0, path)
+
+
+def _architecture_of(arch: str, experts: bool, path: str) -> Any:
     from tokenmill.models import registry
 
-    arch = _field(r, "general.architecture")
-    experts = (_field(r, f"{arch}.expert_count") or 0) > 0
     spec = registry.gguf_architecture(arch, experts)
     if spec is None:
         kind = f"{arch!r} with experts" if experts else repr(arch)
@@ -136,13 +148,29 @@ def _architecture(r: Any, path: str) -> Any:
     return spec
 
 
+@lru_cache(maxsize=4)
+def gguf_index(path: str) -> GGUFIndex:
+    """Where the file's tensors are (model_loader/gguf_index.py): read from its converted
+    folder when an earlier start wrote it there, else built with the gguf package's reader."""
+    from tokenmill.model_loader.gguf_cache import cached_folder
+
+    folder = cached_folder(path)
+    index = read_index(folder) if folder is not None else None
+    return index if index is not None else build_index(_reader(path))
+
+
+def _spec(path: str) -> Any:
+    index = gguf_index(path)
+    return _architecture_of(index.architecture, index.experts > 0, path)
+
+
 def gguf_num_elements(path: str) -> int:
     """How many weights the file holds (every tensor, as stored)."""
-    return sum(int(t.n_elements) for t in _reader(path).tensors)
+    return sum(t.n_elements for t in gguf_index(path).tensors)
 
 
 def gguf_num_tensors(path: str) -> int:
-    return len(_reader(path).tensors)
+    return len(gguf_index(path).tensors)
 
 
 def iterate_gguf(path: str, hf_config: Any,
@@ -153,18 +181,18 @@ def iterate_gguf(path: str, hf_config: Any,
     them). The q/k un-permutation moves whole rows, so raw blocks stay untouched."""
     import gguf
 
-    r = _reader(path)
-    spec = _architecture(r, path)
+    spec = _spec(path)
     names = _LAYER_NAMES | dict(spec.gguf_tensors)
-    for t in r.tensors:
+    for t in gguf_index(path).tensors:
         if t.name in _CONFIG_TENSORS:
             continue
         name = _hf_name(t.name, names)
-        if t.tensor_type.name in raw_types:
-            data = np.array(t.data, dtype=np.uint8, copy=True)  # (rows, bytes), writable
+        stored = tensor_data(path, t)
+        if t.type_name in raw_types:
+            data = np.array(stored, dtype=np.uint8, copy=True)  # (rows, bytes), writable
             name = name[:-len("weight")] + "qweight"
         else:
-            data = gguf.quants.dequantize(t.data, t.tensor_type)
+            data = gguf.quants.dequantize(stored, gguf.GGMLQuantizationType[t.type_name])
             data = np.require(data, np.float32, ["C", "W"])  # torch wants writable memory
             if spec.gguf_norm_offset and name.endswith("norm.weight"):
                 data = data - spec.gguf_norm_offset
@@ -179,14 +207,14 @@ def iterate_gguf(path: str, hf_config: Any,
                 yield name.format(e=e), torch.from_numpy(np.ascontiguousarray(data[e]))
         else:
             yield name, torch.from_numpy(np.ascontiguousarray(data))
-        _drop_pages(r, t)  # copied into the model by now
+        _drop_pages(path, t)  # copied into the model by now
 
 
-def _drop_pages(reader: Any, tensor: Any) -> None:
+def _drop_pages(path: str, tensor: GGUFTensor) -> None:
     """Release the file pages of a tensor already copied into the model: read through the
-    reader's memory map they count in this process's RSS, and without this a load would peak
-    at twice the file (the map's pages plus the model's copy)."""
-    mm = getattr(reader.data, "_mmap", None)
+    memory map they count in this process's RSS, and without this a load would peak at twice
+    the file (the map's pages plus the model's copy)."""
+    mm = getattr(file_map(path), "_mmap", None)
     if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
         return
     start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
@@ -197,9 +225,8 @@ def _drop_pages(reader: Any, tensor: Any) -> None:
 
 def gguf_tensor_types(path: str) -> dict[str, str]:
     """HF parameter name → GGML type name ("Q4_1", "F32", ...) of every tensor of the file."""
-    r = _reader(path)
-    names = _LAYER_NAMES | dict(_architecture(r, path).gguf_tensors)
-    return {_hf_name(t.name, names): t.tensor_type.name for t in r.tensors
+    names = _LAYER_NAMES | dict(_spec(path).gguf_tensors)
+    return {_hf_name(t.name, names): t.type_name for t in gguf_index(path).tensors
             if t.name not in _CONFIG_TENSORS}
 
 
