@@ -86,3 +86,44 @@ def test_serving_the_blocks_writes_no_float32_weights(smollm2_path, tmp_path, mo
     dense = LLM(smollm2_path, quantization="none", max_model_len=256)  # needs them: writes
     assert os.path.isfile(os.path.join(folder, "model.safetensors"))
     assert dense.engine.config.model.converted_dir == folder
+
+
+def test_later_starts_read_the_tensor_index_not_the_metadata(smollm2_path, tmp_path,
+                                                             monkeypatch):
+    """The first start writes where each tensor lies; later ones never open the gguf reader
+    (its metadata parse is most of a large-vocabulary file's start), and read the same
+    tensors, types and bytes."""
+    import numpy as np
+
+    from tokenmill.model_loader import gguf_loader
+    from tokenmill.model_loader.gguf_index import INDEX_FILE
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    gguf_loader.gguf_index.cache_clear()
+    first = ModelConfig.from_path(smollm2_path)
+    assert os.path.isfile(os.path.join(first.converted_dir, INDEX_FILE))
+    import gguf
+
+    reader = gguf.GGUFReader(smollm2_path)  # the reference: the package's own reader
+    stored = {t.name: (t.tensor_type.name, np.asarray(t.data)) for t in reader.tensors}
+    types = gguf_loader.gguf_tensor_types(smollm2_path)
+    raw = dict(iterate_gguf(smollm2_path, first.hf_config, raw_types=("Q4_1",)))
+    gguf_loader.gguf_index.cache_clear()
+
+    def no_reader(path):
+        raise AssertionError("the gguf reader was opened")
+
+    monkeypatch.setattr(gguf_loader, "_reader", no_reader)
+    assert gguf_loader.gguf_tensor_types(smollm2_path) == types
+    assert gguf_loader.gguf_num_tensors(smollm2_path) == len(types)
+    again = dict(iterate_gguf(smollm2_path, first.hf_config, raw_types=("Q4_1",)))
+    assert again.keys() == raw.keys()
+    assert all(np.array_equal(again[k].numpy(), raw[k].numpy()) for k in raw)
+    from tokenmill.model_loader.gguf_index import tensor_data
+
+    index = gguf_loader.gguf_index(smollm2_path)
+    assert {t.name: t.type_name for t in index.tensors} == {n: v[0] for n, v in stored.items()}
+    for t in index.tensors:
+        data = tensor_data(smollm2_path, t)
+        assert data.dtype == stored[t.name][1].dtype and np.array_equal(data, stored[t.name][1])
+    gguf_loader.gguf_index.cache_clear()
