@@ -27,6 +27,7 @@ from tokenmill.models import resolve_model_class
 from tokenmill.quantization import WEIGHT_FORMATS, quantization_config
 from tokenmill.quantization.gguf import BLOCK_TYPES
 from tokenmill.quantization.unquantized import PREPACK_AUTO_MAX_BYTES
+from tokenmill.utils.huge_pages import trim_heap
 
 
 @contextlib.contextmanager
@@ -131,6 +132,7 @@ def _process_weights(model: nn.Module) -> nn.Module:
         method = getattr(module, "quant_method", None)
         if method is not None and any(True for _ in module.parameters(recurse=False)):
             method.process_weights_after_loading(module)
+    trim_heap()  # what processing freed (raw blocks split, float weights quantized)
     return model
 
 

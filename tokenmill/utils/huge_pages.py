@@ -78,10 +78,38 @@ def move_parameters_to_huge_pages(module: nn.Module, min_bytes: int = 1 << 20) -
         offsets.append(total)
         total += -(-p.numel() * p.element_size() // align) * align
     arena = zeros((total,), torch.uint8)
+    freed = 0
     with torch.no_grad():
         for p, off in zip(params, offsets, strict=True):
             nbytes = p.numel() * p.element_size()
             dst = arena[off:off + nbytes].view(p.dtype).view(p.shape)
             dst.copy_(p.data)
             p.data = dst
+            freed += nbytes
+            if freed >= _TRIM_EVERY:  # hand the freed copies back as we go: the peak stays
+                trim_heap()          # near one copy of the weights, not two
+                freed = 0
+    trim_heap()
     return total
+
+
+# Parameters below glibc's mmap threshold (32 MiB at most) live on the heap, whose freed
+# pages stay in the process until trimmed.
+_TRIM_EVERY = 256 << 20
+
+
+def trim_heap() -> None:
+    """glibc's malloc_trim(0): return the heap's free pages to the OS (a no-op elsewhere)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = lambda _pad: 0  # noqa: E731 (not glibc)
+    _malloc_trim(0)
+
+
+_malloc_trim = None
