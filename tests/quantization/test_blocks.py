@@ -12,7 +12,7 @@ import torch
 from tokenmill.layers import cpu_ops
 from tokenmill.quantization import CPULinearKernel
 from tokenmill.quantization.blocks import dequantize, pack_q4, quantize_q4, quantize_q8_0, unpack_q4
-from tokenmill.quantization.gguf import split_blocks
+from tokenmill.quantization.gguf import kernel_tensors
 from tokenmill.utils.cpp_extension import runtime_isa
 
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
@@ -114,7 +114,7 @@ def test_gguf_blocks_split_bit_for_bit(type_name):
     w = np.random.default_rng(0).standard_normal((24, 128)).astype(np.float32)
     raw = gguf.quants.quantize(w, qtype)  # (24, bytes per row) uint8, llama.cpp's blocks
     expected = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, qtype)))
-    tensors = split_blocks(torch.from_numpy(raw), type_name)
+    tensors = kernel_tensors(torch.from_numpy(raw), type_name)
     kind, group = (CPULinearKernel.Q8_0, 32) if type_name == "Q8_0" else (CPULinearKernel.Q4, 32)
     kernel = CPULinearKernel(kind, group, tensors)
     assert torch.equal(dequantize(kernel), expected)

@@ -62,8 +62,7 @@ enum class LinearPath { kDot, kRows, kInt8Gemm, kInt16Gemm, kQ4Int8GemmAvx2, kFl
 // M (their rounding is per row: the same at any M); int8 activations take the row kernels.
 // Otherwise the fastest kernel for M (benchmarks/batch_invariance.py compares the two).
 static LinearPath choose_path(int64_t kind, bool int8_path, int64_t M, bool invariant) {
-  if (gguf_blocks::is_gguf_kind(kind) || half_rows::is_half_kind(kind))
-    return LinearPath::kDot;  // their only kernels
+  if (dot_form::dot_only_kind(kind)) return LinearPath::kDot;  // their only kernels
   if (invariant) {
     if (kind == 0 || (!int8_path && !kVnniRows)) return LinearPath::kDot;
     return LinearPath::kRows;
@@ -207,18 +206,12 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  TORCH_CHECK(!(int8_acts && (gguf_blocks::is_gguf_kind(kind) || half_rows::is_half_kind(kind))),
+  TORCH_CHECK(!(int8_acts && dot_form::dot_only_kind(kind)),
               "int8 activations are not implemented for weight kind ", kind);
   const bool int8_path = int8_acts && kind != 0;
   const LinearPath path = choose_path(kind, int8_path, M, invariant);
   if (path == LinearPath::kDot) {
-    const dot_form::WeightRows w{kind, G, K, kind == 0 ? t[0].data_ptr<float>() : nullptr,
-                            kind == 0 ? nullptr : t[0].data_ptr(),
-                            kind == 0 || t.size() < 2 ? nullptr : t[1].data_ptr<at::Half>(),
-                            kind == 2 ? t[2].data_ptr<at::Half>() : nullptr,
-                            gguf_blocks::is_gguf_kind(kind) ? gguf_blocks::row_bytes(kind, K)
-                                                            : 0};
-    dot_form::linear(w, xp, M, N, b, yp);
+    dot_form::linear(dot_form::weight_rows(kind, G, K, t), xp, M, N, b, yp);
     return y;
   }
   if (path == LinearPath::kFloatTiles) {

@@ -113,6 +113,21 @@ struct WeightRows {
   int64_t row_bytes = 0;  // GGUF kinds: bytes per row of raw blocks (linear_gguf.h)
 };
 
+// Kinds only the dot kernels read (GGUF blocks in place, half-precision rows), at every M.
+constexpr bool dot_only_kind(int64_t kind) {
+  return gguf_blocks::is_gguf_kind(kind) || half_rows::is_half_kind(kind);
+}
+
+// The kernels' view of a weight given as (kind, tensors) (linear_cpu.h describes them).
+inline WeightRows weight_rows(int64_t kind, int64_t G, int64_t K,
+                              const std::vector<torch::Tensor>& t) {
+  return {kind, G, K, kind == 0 ? t[0].data_ptr<float>() : nullptr,
+          kind == 0 ? nullptr : t[0].data_ptr(),
+          kind == 0 || t.size() < 2 ? nullptr : t[1].data_ptr<at::Half>(),
+          kind == 2 ? t[2].data_ptr<at::Half>() : nullptr,
+          gguf_blocks::is_gguf_kind(kind) ? gguf_blocks::row_bytes(kind, K) : 0};
+}
+
 // f(std::integral_constant<int, KIND>) for a kind read block by block (quantized, GGUF,
 // half-precision dense): the kernels are instantiated once per kind.
 template <class F>

@@ -113,11 +113,8 @@ static void q4_rows(const float* x, const float* xsum, const uint8_t* Q, const a
 // ---- expanding rows of a quantized weight into float32 (the large-M path, embeddings) ------
 static void expand_rows(int64_t kind, int64_t G, const std::vector<torch::Tensor>& t,
                         const int64_t* rows, int64_t count, int64_t K, float* out) {
-  if (gguf_blocks::is_gguf_kind(kind) || half_rows::is_half_kind(kind)) {  // the dot kernels'
-    // expansion: raw GGUF blocks, half-precision rows
-    const dot_form::WeightRows w{kind, G, K, nullptr, t[0].data_ptr(), nullptr, nullptr,
-                                 gguf_blocks::is_gguf_kind(kind)
-                                     ? gguf_blocks::row_bytes(kind, K) : 0};
+  if (dot_form::dot_only_kind(kind)) {  // the dot kernels' expansion of their kinds
+    const dot_form::WeightRows w = dot_form::weight_rows(kind, G, K, t);
     for (int64_t i = 0; i < count; ++i)
       dot_form::expand_rows_any(w, rows ? rows[i] : i, 1, out + i * K);
     return;

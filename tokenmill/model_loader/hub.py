@@ -113,7 +113,7 @@ def _resolve(spec: HubModel, revision: str | None, cache: str | None, tokenizer_
         local = _files_in(snapshot)
         wanted = _wanted(spec, local, tokenizer_only, where)
         if all((snapshot / f).is_file() for f in wanted):
-            return _result(snapshot, spec, wanted, tokenizer_only)
+            return _result(snapshot, wanted, tokenizer_only)
     if offline():
         from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -122,7 +122,7 @@ def _resolve(spec: HubModel, revision: str | None, cache: str | None, tokenizer_
     wanted = _wanted(spec, files, tokenizer_only, where)
     folder = snapshot_download(spec.repo, revision=revision, cache_dir=cache,
                                allow_patterns=wanted)
-    return _result(Path(folder), spec, wanted, tokenizer_only)
+    return _result(Path(folder), wanted, tokenizer_only)
 
 
 def _cached_snapshot(repo: str, revision: str | None, cache: str | None) -> Path | None:
@@ -140,7 +140,7 @@ def _files_in(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
 
-def _result(folder: Path, spec: HubModel, wanted: list[str], tokenizer_only: bool) -> str:
+def _result(folder: Path, wanted: list[str], tokenizer_only: bool) -> str:
     ggufs = [f for f in wanted if f.endswith(".gguf")]
     return str(folder / ggufs[0]) if ggufs and not tokenizer_only else str(folder)
 

@@ -84,11 +84,6 @@ def effective_weight(kernel: CPULinearKernel) -> torch.Tensor:
     return w if kernel.input_scale is None else w * kernel.input_scale.float()
 
 
-_GGUF_KINDS = {CPULinearKernel.Q5_0: "Q5_0", CPULinearKernel.Q5_1: "Q5_1",
-               CPULinearKernel.Q4_K: "Q4_K", CPULinearKernel.Q5_K: "Q5_K",
-               CPULinearKernel.Q6_K: "Q6_K"}
-
-
 def dequantize(kernel: CPULinearKernel) -> torch.Tensor:
     """The float32 (N, K) weight a kernel's tensors hold (GGUF raw blocks: as the gguf
     package dequantizes them)."""
@@ -99,10 +94,13 @@ def dequantize(kernel: CPULinearKernel) -> torch.Tensor:
             parts.append(dequantize(CPULinearKernel(kind, group, tuple(rest[:count]))))
             rest = rest[count:]
         return torch.cat(parts, 0)
-    if kernel.kind in _GGUF_KINDS:
+    from tokenmill.quantization.gguf import GGUF_TYPES  # the registry names each raw kind
+
+    in_place = {g.kind: g.name for g in GGUF_TYPES.values() if g.split is None}
+    if kernel.kind in in_place:
         import gguf
 
-        qtype = getattr(gguf.GGMLQuantizationType, _GGUF_KINDS[kernel.kind])
+        qtype = gguf.GGMLQuantizationType[in_place[kernel.kind]]
         return torch.from_numpy(gguf.quants.dequantize(t[0].numpy(), qtype).copy())
     if kernel.kind == CPULinearKernel.DENSE:
         return t[0].float()

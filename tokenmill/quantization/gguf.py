@@ -101,8 +101,6 @@ def kernel_tensors(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, ...
     return t.split(raw.view(raw.shape[0], -1, t.nbytes))
 
 
-split_blocks = kernel_tensors  # the name tests and the Q8_0 / Q4 code knew
-
 
 class GGUFBlockMethod(LinearMethodBase):
     """A layer whose GGUF tensors are block types: one type, or one per merged part."""
@@ -116,10 +114,6 @@ class GGUFBlockMethod(LinearMethodBase):
         if int8_activations and raw:
             raise ValueError(f"int8_activations is not implemented for GGUF {', '.join(raw)} "
                              "weights (Q8_0, Q4_0 and Q4_1 have it); leave it off")
-
-    @property
-    def type_name(self) -> str:  # a single-type layer's type
-        return self.type_names[0]
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
@@ -147,10 +141,10 @@ class GGUFBlockMethod(LinearMethodBase):
             row += rows
 
     def _part_kernel(self, layer: nn.Module, p: int, name: str) -> CPULinearKernel:
-        t = GGUF_TYPES[name]
-        count = 1 if t.split is None else (2 if t.kind == CPULinearKernel.Q8_0 else 3)
-        return CPULinearKernel(t.kind, 32, tuple(getattr(layer, f"blocks_{p}_{i}")
-                                                 for i in range(count)),
+        tensors = []  # blocks_{p}_0, _1, ... as process_weights_after_loading registered them
+        while (t := getattr(layer, f"blocks_{p}_{len(tensors)}", None)) is not None:
+            tensors.append(t)
+        return CPULinearKernel(GGUF_TYPES[name].kind, 32, tuple(tensors),
                                self.int8_activations, None, self.batch_invariant)
 
     def cpu_kernel(self, layer: nn.Module) -> CPULinearKernel | None:
@@ -233,7 +227,7 @@ class GGUFConfig(QuantizationConfig):
         if not name.endswith(".qweight") or tensor.dtype != torch.uint8:
             return tensor
         weight = name[:-len("qweight")] + "weight"
-        parent, _, rest = weight.rpartition(".")
+        parent = weight.rpartition(".")[0]
         module = parent.rpartition(".")[2]
         entry = self.packed_modules.get(module)
         if entry is None:
