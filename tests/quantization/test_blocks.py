@@ -30,9 +30,10 @@ def random_kernel(kind: int, n: int, k: int, group: int, seed: int) -> CPULinear
     return CPULinearKernel(kind, group, (q, d, m))
 
 
-def round_blocks(x: torch.Tensor, levels: int) -> torch.Tensor:
-    """x rounded per 32-block to integers of +-levels steps, as the kernels do (x * (1 / d))."""
-    blocks = x.view(x.shape[0], -1, 32)
+def round_blocks(x: torch.Tensor, levels: int, block: int = 32) -> torch.Tensor:
+    """x rounded per `block` values to integers of +-levels steps, as the kernels do
+    (x * (1 / d))."""
+    blocks = x.view(x.shape[0], -1, block)
     d = blocks.abs().amax(-1, keepdim=True) / levels
     return (torch.round(blocks * (1 / d)) * d).view_as(x)
 

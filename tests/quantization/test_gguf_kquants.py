@@ -1,8 +1,11 @@
-"""GGUF Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K served from the file's own blocks, read in place by the
-dot kernels (csrc/linear_gguf.h): every weight bit for bit as the gguf package dequantizes it,
-every product bitwise the dense kernel's on those weights (at every step size, in merged
-layers of mixed types), and a tiny K-quant model whose greedy tokens and logprobs equal its
-float32 expansion's, through the fused decode call."""
+"""GGUF Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K served from the file's own blocks, read in place
+(csrc/linear_gguf.h): every weight bit for bit as the gguf package dequantizes it. Products:
+on the SIMD builds the activations are rounded to int16 per 256 values (per 32 where K is not
+a multiple of 256) and meet the blocks in integers (csrc/linear_gguf_rows.h); the portable
+build multiplies exact float32 (the dot kernels). Either way a row's result is bitwise the
+same at every step size and in merged layers of mixed types, and a tiny K-quant model's
+greedy tokens equal its float32 expansion's, logprobs within the rounding's reach, through the
+fused decode call."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 
 from tests.conftest import assert_kv_all_free
 from tests.gguf_writer import write_gguf
+from tests.quantization.test_blocks import round_blocks
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.real_gguf import random_blocks
 from tokenmill.layers import cpu_ops
@@ -41,18 +45,38 @@ def test_weights_are_the_gguf_packages_dequantization(type_name):
     assert torch.equal(dequantize(kernel), torch.from_numpy(expected))
 
 
+def expected_product(x: torch.Tensor, kernel: CPULinearKernel,
+                     bias: torch.Tensor) -> torch.Tensor:
+    """What the build computes: dequantize(W) times x rounded as gguf_activation_block says
+    (float64, so that only the kernel's own float32 sums differ)."""
+    block = cpu_ops.gguf_activation_block(x.shape[1])
+    xr = x if block is None else round_blocks(x, 32767, block)
+    return (xr.double() @ dequantize(kernel).double().T + bias.double()).float()
+
+
 @pytest.mark.parametrize("type_name", RAW_TYPES)
 @pytest.mark.parametrize("invariant", [True, False])
-def test_products_equal_the_dense_kernel_on_the_same_weights(type_name, invariant):
-    """The blocks have one kernel (the dot kernels), so even with batch invariance off a row's
-    result is the dense invariant kernel's, at every M and with a bias."""
-    kernel = kernel_of(type_name, 72, 768, seed=1)
+@pytest.mark.parametrize("k", [768, 672])
+def test_products_are_the_dequantized_weights_times_the_rounded_activations(
+        type_name, invariant, k):
+    """One kernel per build, so even with batch invariance off a row's result does not depend
+    on M: each row of a product is bitwise that row's product alone, at every M."""
+    if k % GGUF_TYPES[type_name].weights:
+        pytest.skip("K-quant rows are whole 256-weight super-blocks")
+    kernel = kernel_of(type_name, 72, k, seed=1)
     kernel = CPULinearKernel(kernel.kind, 32, kernel.tensors, batch_invariant=invariant)
-    dense = CPULinearKernel(CPULinearKernel.DENSE, 0, (dequantize(kernel),))
     bias = torch.randn(72)
     for m in (1, 2, 3, 4, 5, 13, 70):
-        x = torch.randn(m, 768)
-        assert torch.equal(cpu_ops.linear(x, kernel, bias), cpu_ops.linear(x, dense, bias))
+        x = torch.randn(m, k) * torch.logspace(-1, 1, k)  # blocks of very different ranges
+        y = cpu_ops.linear(x, kernel, bias)
+        torch.testing.assert_close(y, expected_product(x, kernel, bias), atol=1e-4, rtol=1e-5)
+        for i in {0, m // 2, m - 1}:
+            assert torch.equal(cpu_ops.linear(x[i:i + 1], kernel, bias)[0], y[i])
+    if cpu_ops.gguf_activation_block(k) is not None:  # the rounding is int16's, not exact
+        w = dequantize(kernel).double()
+        exact = x.double() @ w.T
+        relative = float((y.double() - bias - exact).norm() / exact.norm())
+        assert 1e-7 < relative < 1e-4, relative
 
 
 def test_a_merged_layer_of_mixed_types_is_its_parts_side_by_side():
@@ -60,13 +84,12 @@ def test_a_merged_layer_of_mixed_types_is_its_parts_side_by_side():
              kernel_of("Q6_K", 32, 256, 4)]
     meta = torch.tensor([[k.kind, k.group, 1] for k in parts])
     merged = CPULinearKernel(CPULinearKernel.PARTS, 0, (meta, *(k.tensors[0] for k in parts)))
-    weight = torch.cat([dequantize(k) for k in parts])
-    assert torch.equal(dequantize(merged), weight)
-    dense = CPULinearKernel(CPULinearKernel.DENSE, 0, (weight,))
+    assert torch.equal(dequantize(merged), torch.cat([dequantize(k) for k in parts]))
     bias = torch.randn(128)
     for m in (1, 4, 9):
         x = torch.randn(m, 256)
-        assert torch.equal(cpu_ops.linear(x, merged, bias), cpu_ops.linear(x, dense, bias))
+        side_by_side = torch.cat([cpu_ops.linear(x, k) for k in parts], 1) + bias
+        assert torch.equal(cpu_ops.linear(x, merged, bias), side_by_side)
 
 
 # A Q4_K_M-like file: q and k in Q4_K, v in Q6_K (a mixed qkv), o in Q5_K, gate in Q5_0 and
@@ -83,7 +106,7 @@ def kquant_file(tmp_path_factory, tiny_model, smollm2_path):
     return str(path)
 
 
-def test_a_kquant_model_serves_its_blocks_by_default_as_its_float32_expansion(
+def test_a_kquant_model_serves_its_blocks_by_default_like_its_float32_expansion(
         kquant_file, monkeypatch):
     prompts = [[1, 504, 3458, 282, 4649, 314], list(range(2000, 2040))]
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
@@ -107,9 +130,17 @@ def test_a_kquant_model_serves_its_blocks_by_default_as_its_float32_expansion(
     assert_kv_all_free(native.engine)
     dense = LLM(kquant_file, quantization="none", max_model_len=256, num_kv_blocks=64)
     expected = dense.generate(prompts, params, use_tqdm=False)
+    exact = cpu_ops.gguf_activation_block(256) is None  # the portable build: bitwise
     for got, want in zip(outs, expected, strict=True):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
-        assert got.outputs[0].logprobs == want.outputs[0].logprobs  # bitwise
+        for lp_got, lp_want in zip(got.outputs[0].logprobs, want.outputs[0].logprobs,
+                                   strict=True):
+            assert lp_got.keys() == lp_want.keys()
+            for token, lp in lp_got.items():
+                if exact:
+                    assert lp == lp_want[token]
+                else:  # int16-rounded activations: logprobs within 1e-3
+                    assert abs(lp.logprob - lp_want[token].logprob) < 1e-3
 
 
 def test_int8_activations_are_refused_for_kquants(kquant_file):

@@ -19,6 +19,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual) * weight, x + residual)",
         release());
   m.def("gated_act", &gated_act, "act(gate) * up, act by its code in GATED_ACTS", release());
+  // Whether GGUF block weights (Q5_0 .. Q6_K) meet float activations rounded to int16
+  // (csrc/linear_gguf_rows.h: the SIMD builds) rather than exact float32 (the portable one).
+  m.attr("GGUF_INT16_ACTIVATIONS") = kGgufRows;
   m.attr("GATED_ACTS") = py::make_tuple(kGatedActs[0], kGatedActs[1], kGatedActs[2]);
   m.def("sigmoid", &sigmoid, "1 / (1 + exp(-x)), the same for an element wherever it lies",
         release());

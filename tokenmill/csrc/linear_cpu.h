@@ -15,7 +15,9 @@
 //           blocks are used bit for bit. G is a multiple of 32 (GGUF 32, AWQ / GPTQ 128).
 //   kind 3-7 GGUF Q5_0, Q5_1, Q4_K, Q5_K, Q6_K as the file stores them:
 //                              tensors = {raw block rows (N, K / QK * block bytes) uint8}
-//                              (linear_gguf.h); the dot kernels at every M
+//                              (linear_gguf.h); at every M, the integer row kernels of
+//                              linear_gguf_rows.h (x rounded to int16) on SIMD builds, the
+//                              dot kernels (exact float32) on the portable one
 //   kind 8-9 dense bfloat16 / float16: tensors = {W (N, K)}, widened to float32 in
 //                              registers by the dot kernels at every M (linear_half.h)
 //   kind 15  parts             a merged layer (qkv, gate_up) whose parts differ in kind:
@@ -24,6 +26,8 @@
 //                              by side
 //
 // How a call multiplies (`choose_path`):
+// - GGUF block kinds (3-7), whatever the mode: one kernel at every M (above), so a row's
+//   result never depends on M.
 // - batch-invariant (the engine's default on CPU): every row of y is summed in one order
 //   whatever M is. Dense weights and quantized weights with float activations take the dot
 //   kernels of linear_dot.h (tiles of rows; small steps stream each weight once, larger ones
@@ -41,6 +45,7 @@
 //   AVX2: 4-bit weights).
 #pragma once
 #include "linear_dot.h"
+#include "linear_gguf_rows.h"
 #include "linear_int8_gemm.h"
 #include "linear_rows.h"
 
@@ -55,14 +60,18 @@ constexpr int64_t kVnniGemmMinRows = 12;
 // How one call multiplies: the batch-invariant dot kernels (linear_dot.h), the row kernels
 // four rows of x at a time, or a batched GEMM (each has its own summation order: only the
 // first two keep a row's result independent of M).
-enum class LinearPath { kDot, kRows, kInt8Gemm, kInt16Gemm, kQ4Int8GemmAvx2, kFloatTiles };
+enum class LinearPath {
+  kDot, kRows, kGgufRows, kInt8Gemm, kInt16Gemm, kQ4Int8GemmAvx2, kFloatTiles
+};
 
 // Invariant calls: dense and float-activation weights take the dot kernels, except on VNNI
 // builds, whose quantized weights meet int16-rounded activations in the row kernels at every
 // M (their rounding is per row: the same at any M); int8 activations take the row kernels.
 // Otherwise the fastest kernel for M (benchmarks/batch_invariance.py compares the two).
 static LinearPath choose_path(int64_t kind, bool int8_path, int64_t M, bool invariant) {
-  if (dot_form::dot_only_kind(kind)) return LinearPath::kDot;  // their only kernels
+  // GGUF blocks and half-precision rows have one kernel each, used at every M
+  if (gguf_blocks::is_gguf_kind(kind) && kGgufRows) return LinearPath::kGgufRows;
+  if (dot_form::dot_only_kind(kind)) return LinearPath::kDot;
   if (invariant) {
     if (kind == 0 || (!int8_path && !kVnniRows)) return LinearPath::kDot;
     return LinearPath::kRows;
@@ -214,6 +223,12 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
     dot_form::linear(dot_form::weight_rows(kind, G, K, t), xp, M, N, b, yp);
     return y;
   }
+#if defined(TOKENMILL_GGUF_ROWS)
+  if (path == LinearPath::kGgufRows) {  // x rounded to int16, at every M
+    gguf_rows::linear(kind, static_cast<const uint8_t*>(t[0].data_ptr()), xp, M, K, N, b, yp);
+    return y;
+  }
+#endif
   if (path == LinearPath::kFloatTiles) {
     float_tiles(x, kind, G, t, y);
     if (b) y.add_(bias_c);

@@ -113,7 +113,9 @@ struct WeightRows {
   int64_t row_bytes = 0;  // GGUF kinds: bytes per row of raw blocks (linear_gguf.h)
 };
 
-// Kinds only the dot kernels read (GGUF blocks in place, half-precision rows), at every M.
+// Kinds without row kernels of linear_rows.h (GGUF blocks in place, half-precision rows):
+// the dot kernels read them at every M (GGUF blocks: on the portable build; SIMD builds
+// take linear_gguf_rows.h), and expand them for embedding lookups.
 constexpr bool dot_only_kind(int64_t kind) {
   return gguf_blocks::is_gguf_kind(kind) || half_rows::is_half_kind(kind);
 }

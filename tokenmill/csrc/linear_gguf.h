@@ -2,9 +2,10 @@
 // the K-quant super-blocks Q4_K / Q5_K / Q6_K (llama.cpp's ggml-common.h layouts). A weight is
 // its raw block rows, uint8 (N, K / QK * block bytes): nothing is repacked or expanded at load.
 //
-// The dot kernels (linear_dot.h) read every weight 32 at a time; `gguf_block` turns the 32
-// weights b*32 .. b*32+31 of a row into their quantized values, one per byte in weight order,
-// and the float32 scale(s) and offset that give the dequantized weight:
+// `block_values` unpacks the 32 stored values of a (sub-)block, one per byte in weight order:
+// the integer row kernels (linear_gguf_rows.h, SIMD builds) multiply them as they are; for
+// the dot kernels (linear_dot.h: the portable build, expansions, embedding lookups)
+// `gguf_block` adds the float32 scale(s) and offset that give the dequantized weight:
 //
 //   kind 3  Q5_0  22 B / 32:  d, qh (32 high bits), 16 B nibbles        w = d * (q - 16)
 //   kind 4  Q5_1  24 B / 32:  d, m, qh, nibbles                         w = d * q + m
@@ -123,25 +124,78 @@ static TM_GGUF_INLINE void scale_min(const uint8_t* s12, int s, int& sc, int& mn
 static inline int nibble(const uint8_t* p, int j, int shift) { return (p[j] >> shift) & 0x0F; }
 #endif
 
+// Each kind's zero point: its values are stored as q in 0 .. 2^bits - 1, the weight is
+// d (q - zero) (+ an offset for Q5_1, Q4_K, Q5_K).
+constexpr int zero_point(int64_t kind) { return kind == kQ5_0 ? 16 : kind == kQ6_K ? 32 : 0; }
+
+// The 32 stored values q of sub-block s of the block at p (Q5_0 / Q5_1: the 32-weight block
+// itself, s = 0; K-quants: the super-block, s in 0..7), one byte each in weight order, zero
+// point not yet subtracted (0..31, Q4_K 0..15, Q6_K 0..63). The one unpacking of each layout,
+// which the float kernels (gguf_block) and the integer ones (linear_gguf_rows.h) share.
+template <int64_t KIND>
+static TM_GGUF_INLINE Bytes32 block_values(const uint8_t* p, int s) {
+  Bytes32 q;
+  if constexpr (KIND == kQ5_0 || KIND == kQ5_1) {
+    const int off = KIND == kQ5_1 ? 4 : 2;  // d (, m), then qh, then the nibbles
+#ifdef TM_GGUF_SIMD
+    q = _mm256_or_si256(split_nibbles(p + off + 4), fifth_bits(p + off));
+#else
+    uint32_t qh;
+    std::memcpy(&qh, p + off, 4);
+    for (int j = 0; j < 32; ++j) {
+      q.b[j] = static_cast<int8_t>(nibble(p + off + 4, j % 16, j < 16 ? 0 : 4) |
+                                   (((qh >> j) & 1) << 4));
+    }
+#endif
+  } else if constexpr (KIND == kQ4_K || KIND == kQ5_K) {
+    const uint8_t* qs = p + (KIND == kQ4_K ? 16 : 48) + 32 * (s / 2);
+#ifdef TM_GGUF_SIMD
+    q = bits_at(qs, 4 * (s & 1), 0x0F);
+    if constexpr (KIND == kQ5_K)
+      q = _mm256_or_si256(q, _mm256_slli_epi16(bits_at(p + 16, s, 0x01), 4));
+#else
+    for (int j = 0; j < 32; ++j)
+      q.b[j] = static_cast<int8_t>(
+          nibble(qs, j, 4 * (s & 1)) | (KIND == kQ5_K ? ((p[16 + j] >> s) & 1) << 4 : 0));
+#endif
+  } else {  // Q6_K: 128 weights per half h; sub-block u of a half
+    const int h = s / 4, u = s % 4;
+    const uint8_t* ql = p + 64 * h + 32 * (u % 2);
+    const uint8_t* qh = p + 128 + 32 * h;
+#ifdef TM_GGUF_SIMD
+    const __m256i low = bits_at(ql, 4 * (u / 2), 0x0F);
+    const __m256i high = _mm256_slli_epi16(bits_at(qh, 2 * u, 0x03), 4);
+    q = _mm256_or_si256(low, high);
+#else
+    for (int j = 0; j < 32; ++j)
+      q.b[j] = static_cast<int8_t>(nibble(ql, j, 4 * (u / 2)) | (((qh[j] >> (2 * u)) & 3) << 4));
+#endif
+  }
+  return q;
+}
+
+// q - zero point, int8 (the float kernels' values).
+template <int64_t KIND>
+static TM_GGUF_INLINE Bytes32 signed_values(const uint8_t* p, int s) {
+  Bytes32 q = block_values<KIND>(p, s);
+  if constexpr (zero_point(KIND) != 0) {
+#ifdef TM_GGUF_SIMD
+    q = _mm256_sub_epi8(q, _mm256_set1_epi8(zero_point(KIND)));
+#else
+    for (int j = 0; j < 32; ++j) q.b[j] = static_cast<int8_t>(q.b[j] - zero_point(KIND));
+#endif
+  }
+  return q;
+}
+
 template <int64_t KIND>
 static TM_GGUF_INLINE Block gguf_block(const uint8_t* row, int64_t b) {
   Block blk{};
   if constexpr (KIND == kQ5_0 || KIND == kQ5_1) {
     const uint8_t* p = row + b * block_bytes(KIND);
-    const int off = KIND == kQ5_1 ? 4 : 2;  // d (, m), then qh, then the nibbles
     blk.d = half_at(p);
     blk.m = KIND == kQ5_1 ? half_at(p + 2) : 0.f;
-#ifdef TM_GGUF_SIMD
-    blk.q = _mm256_or_si256(split_nibbles(p + off + 4), fifth_bits(p + off));
-    if constexpr (KIND == kQ5_0) blk.q = _mm256_sub_epi8(blk.q, _mm256_set1_epi8(16));
-#else
-    uint32_t qh;
-    std::memcpy(&qh, p + off, 4);
-    for (int j = 0; j < 32; ++j) {
-      const int q = nibble(p + off + 4, j % 16, j < 16 ? 0 : 4) | (((qh >> j) & 1) << 4);
-      blk.q.b[j] = static_cast<int8_t>(KIND == kQ5_0 ? q - 16 : q);
-    }
-#endif
+    blk.q = signed_values<KIND>(p, 0);
     return blk;
   }
   const uint8_t* p = row + (b / 8) * block_bytes(KIND);
@@ -151,36 +205,14 @@ static TM_GGUF_INLINE Block gguf_block(const uint8_t* row, int64_t b) {
     scale_min(p + 4, s, sc, mn);
     blk.d = half_at(p) * static_cast<float>(sc);
     blk.m = -(half_at(p + 2) * static_cast<float>(mn));
-    const uint8_t* qs = p + (KIND == kQ4_K ? 16 : 48) + 32 * (s / 2);
-#ifdef TM_GGUF_SIMD
-    blk.q = bits_at(qs, 4 * (s & 1), 0x0F);
-    if constexpr (KIND == kQ5_K)
-      blk.q = _mm256_or_si256(blk.q, _mm256_slli_epi16(bits_at(p + 16, s, 0x01), 4));
-#else
-    for (int j = 0; j < 32; ++j)
-      blk.q.b[j] = static_cast<int8_t>(
-          nibble(qs, j, 4 * (s & 1)) | (KIND == kQ5_K ? ((p[16 + j] >> s) & 1) << 4 : 0));
-#endif
-    return blk;
-  } else {  // Q6_K: 128 weights per half h; sub-block u of a half
-    const int h = s / 4, u = s % 4;
+  } else {  // Q6_K
     const float d = half_at(p + 208);
     const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
     blk.d = d * static_cast<float>(scales[2 * s]);
     blk.d2 = d * static_cast<float>(scales[2 * s + 1]);
-    const uint8_t* ql = p + 64 * h + 32 * (u % 2);
-    const uint8_t* qh = p + 128 + 32 * h;
-#ifdef TM_GGUF_SIMD
-    const __m256i low = bits_at(ql, 4 * (u / 2), 0x0F);
-    const __m256i high = _mm256_slli_epi16(bits_at(qh, 2 * u, 0x03), 4);
-    blk.q = _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
-#else
-    for (int j = 0; j < 32; ++j)
-      blk.q.b[j] = static_cast<int8_t>((nibble(ql, j, 4 * (u / 2)) | (((qh[j] >> (2 * u)) & 3)
-                                                                       << 4)) - 32);
-#endif
-    return blk;
   }
+  blk.q = signed_values<KIND>(p, s);
+  return blk;
 }
 
 // The c-th kV-vector of the block's dequantized weights.

@@ -47,6 +47,15 @@ def linear(x: torch.Tensor, kernel: Any, bias: torch.Tensor | None = None) -> to
         return _ops().linear(x, kind, group, tensors, bias, int8_acts, input_scale, invariant)
 
 
+def gguf_activation_block(k: int) -> int | None:
+    """How the GGUF block kinds (Q5_0 .. Q6_K) take float activations with K inputs: rounded
+    to int16 per this many values (256 where K allows, else 32; csrc/linear_gguf_rows.h, the
+    SIMD builds), or None where they multiply them exactly (the portable build)."""
+    if not _ops().GGUF_INT16_ACTIVATIONS:
+        return None
+    return 256 if k % 256 == 0 else 32
+
+
 def gather_rows(ids: torch.Tensor, kernel: Any) -> torch.Tensor:
     """Rows `ids` (T,) of a quantized weight as float32 (T, K)."""
     return _ops().gather_rows(ids, kernel.kind, kernel.group, list(kernel.tensors))

@@ -11,8 +11,10 @@ raw rows needs no requantizing.
     Q8_0  d + 32 x int8               → Q8_0 (q, d)                     split, bit for bit
     Q4_1  d, m + 16 B nibbles         → Q4 (q, d, m), G = 32            split, bit for bit
     Q4_0  d + 16 B nibbles            → Q4 with m = -8 d (exact)        split, bit for bit
-    Q5_0, Q5_1, Q4_K, Q5_K, Q6_K      raw block rows, read in place by the dot kernels
-                                      (csrc/linear_gguf.h), every weight as gguf dequantizes it
+    Q5_0, Q5_1, Q4_K, Q5_K, Q6_K      raw block rows read in place (csrc/linear_gguf.h),
+                                      every weight as gguf dequantizes it; products with x
+                                      rounded to int16 per 256 values (SIMD builds,
+                                      csrc/linear_gguf_rows.h), exact on the portable build
 F32 tensors are served dense, F16 / BF16 ones dense in their own precision (widened to float32
 in registers by the kernels, csrc/linear_half.h). Other types (Q2_K, Q3_K, IQ*) are refused
 at start-up with the list of supported ones. A merged layer (qkv, gate_up) whose parts have
