@@ -37,7 +37,7 @@ def test_a_thousand_connections_at_once_all_get_answers_and_health_stays_fast(sm
     proc, base = launch(smollm2_path, ("--max-num-seqs", "16", "--max-waiting-requests", "16",
                                        "--kv-cache-memory", "512MiB"))
     try:
-        r = asyncio.run(overload(base, 1000, max_tokens=4, prompt_words=300))
+        r = asyncio.run(overload(base, 1000, max_tokens=4, prompt_words=150))
     finally:
         proc.terminate()
         proc.wait(timeout=60)
