@@ -338,6 +338,19 @@ static void rows_times_any(int64_t mr, const uint8_t* W, int64_t row_bytes, cons
   }
 }
 
+// rows_times_any of one kind, chosen once per product.
+using RowsTimes = void (*)(int64_t, const uint8_t*, int64_t, const RowsX&, const float*, float*,
+                           int64_t, int64_t, int64_t, bool);
+static RowsTimes rows_times_of(int64_t kind) {
+  switch (kind) {
+    case kQ5_0: return &rows_times_any<kQ5_0>;
+    case kQ5_1: return &rows_times_any<kQ5_1>;
+    case kQ4_K: return &rows_times_any<kQ4_K>;
+    case kQ5_K: return &rows_times_any<kQ5_K>;
+    default: return &rows_times_any<kQ6_K>;
+  }
+}
+
 // Rows of W per tile: a tile stays in L2 while every group of four rows of x passes it.
 constexpr int64_t kTileRows = 32;
 
@@ -350,6 +363,7 @@ inline void linear(int64_t kind, const uint8_t* W, const float* xp, int64_t M, i
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const bool stream = M <= 4;
+  const RowsTimes rows_times_kind = rows_times_of(kind);
   at::parallel_for(0, tiles, std::max<int64_t>(1, tiles / threads), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTileRows, n1 = std::min(N, n0 + kTileRows);
@@ -357,23 +371,7 @@ inline void linear(int64_t kind, const uint8_t* W, const float* xp, int64_t M, i
         const RowsX x = rows_at(xr, m);
         const int64_t mr = std::min<int64_t>(4, M - m);
         float* ym = y + m * N;
-        switch (kind) {
-          case kQ5_0:
-            rows_times_any<kQ5_0>(mr, W, row_bytes, x, bias, ym, N, n0, n1, stream);
-            break;
-          case kQ5_1:
-            rows_times_any<kQ5_1>(mr, W, row_bytes, x, bias, ym, N, n0, n1, stream);
-            break;
-          case kQ4_K:
-            rows_times_any<kQ4_K>(mr, W, row_bytes, x, bias, ym, N, n0, n1, stream);
-            break;
-          case kQ5_K:
-            rows_times_any<kQ5_K>(mr, W, row_bytes, x, bias, ym, N, n0, n1, stream);
-            break;
-          default:
-            rows_times_any<kQ6_K>(mr, W, row_bytes, x, bias, ym, N, n0, n1, stream);
-            break;
-        }
+        rows_times_kind(mr, W, row_bytes, x, bias, ym, N, n0, n1, stream);
       }
     }
   });
