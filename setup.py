@@ -1,6 +1,7 @@
-"""Compiles the C++ CPU kernels at install time: each kernel in every build (avx512, avx2,
-generic), so a first start loads them instead of compiling for a minute. The run-time choice between
-the builds (by the CPU's flags) and the flags themselves live in
+"""Compiles the C++ CPU kernels at install time: each kernel in the builds (avx512, avx2,
+generic) this CPU can run, or in all three with TOKENMILL_KERNEL_ISAS=all (a wheel for other
+machines), so a first start loads them instead of compiling for a minute. The run-time choice
+between the builds (by the CPU's flags), the flags themselves and the install's choice live in
 tokenmill/utils/cpp_extension.py, read here as a file so that no other tokenmill import (nor
 its dependencies) is needed to build. The extensions are optional: without a compiler the
 install still succeeds and the kernels compile on first use, or PyTorch ops stand in."""
@@ -15,7 +16,6 @@ _spec = importlib.util.spec_from_file_location("cpp_extension",
                                                "tokenmill/utils/cpp_extension.py")
 cpp = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cpp)
-
 
 
 def variant_source(name: str, isa: str) -> str:
@@ -45,7 +45,7 @@ if os.environ.get("TOKENMILL_CPU_KERNELS", "1") != "0":
                      include_dirs=[os.path.abspath("tokenmill/csrc")],
                      extra_compile_args=cpp.cflags(isa), extra_link_args=["-fopenmp"],
                      optional=True)
-        for name in cpp.EXTENSIONS for isa in cpp.ISAS]
+        for name in cpp.EXTENSIONS for isa in cpp.install_isas()]
 
 class BuildKernels(BuildExtension.with_options(use_ninja=False)):
     """Kernels compile side by side, one per core (each is one translation unit). Without

@@ -217,7 +217,7 @@ def test_every_kernel_build_this_cpu_runs_reads_it(fmt, shape):
     alike: the same decodes through each build's op, against the dense reference."""
     import importlib
 
-    from tests.utils.test_cpp_extension import _runnable_isas
+    from tokenmill.utils.cpp_extension import runnable_isas
 
     bs, hq, hkv, d = shape
     seqs = [(n, 1) for n in (37, 5, 80, 1)]
@@ -225,7 +225,7 @@ def test_every_kernel_build_this_cpu_runs_reads_it(fmt, shape):
     # the new tokens' rows were not written by a forward: store them as the backends would
     for i, (c, _) in enumerate(seqs):
         store_kv(cache, full_k[i][c:], full_v[i][c:], batch.slot_mapping[i:i + 1], scales)
-    for isa in _runnable_isas():
+    for isa in runnable_isas():
         op = importlib.import_module(f"tokenmill._C.paged_attention_cpu_{isa}").paged_attention
         rows = torch.arange(len(seqs))
         out, _ = op(q, cache[0], cache[1], batch.block_tables, rows, torch.zeros_like(rows),

@@ -1,6 +1,6 @@
-"""The C++ kernels compiled at install time: every build exists, this CPU loads the one its
-flags allow, and the builds this CPU can run compute the same thing (the portable one has no
-AVX, the AVX2 one no AVX-512)."""
+"""The C++ kernels compiled at install time: the builds this CPU can run exist (all three with
+TOKENMILL_KERNEL_ISAS=all), this CPU loads the one its flags allow, and the builds it can run
+compute the same thing (the portable one has no AVX, the AVX2 one no AVX-512)."""
 
 from __future__ import annotations
 
@@ -27,19 +27,32 @@ def test_runtime_isa_follows_the_cpu_flags(monkeypatch):
         assert ("-mavx512f" in cpp_extension.cflags()) == (isa == "avx512")
 
 
-def _runnable_isas() -> list[str]:
-    """The builds this CPU can execute (an AVX2-only CPU cannot run the AVX-512 one)."""
-    order = list(cpp_extension.ISAS)
-    return order[order.index(cpp_extension.runtime_isa()):]
+def test_install_builds_what_this_cpu_runs_unless_asked_for_all(monkeypatch):
+    monkeypatch.setattr(cpp_extension, "runtime_isa", lambda: "avx2")
+    monkeypatch.delenv(cpp_extension.INSTALL_ISAS_ENV, raising=False)
+    assert cpp_extension.install_isas() == ["avx2", "generic"]
+    monkeypatch.setattr(cpp_extension, "runtime_isa", lambda: "avx512")
+    assert cpp_extension.install_isas() == ["avx512", "avx2", "generic"]
+    monkeypatch.setattr(cpp_extension, "runtime_isa", lambda: "generic")
+    assert cpp_extension.install_isas() == ["generic"]
+    monkeypatch.setenv(cpp_extension.INSTALL_ISAS_ENV, "all")
+    assert cpp_extension.install_isas() == ["avx512", "avx2", "generic"]
+    monkeypatch.setenv(cpp_extension.INSTALL_ISAS_ENV, "avx2")
+    with pytest.raises(ValueError, match="'native' or 'all'"):
+        cpp_extension.install_isas()
+
+
+def _installed(name: str, isa: str) -> bool:
+    return importlib.util.find_spec(f"tokenmill._C.{name}_{isa}") is not None
 
 
 @pytest.mark.parametrize("name", cpp_extension.EXTENSIONS)
 def test_every_build_installed_and_they_agree(name):
-    for isa in cpp_extension.ISAS:  # every build is installed; only the runnable ones load:
-        # a module's initialisation may itself use its ISA (vmovdqu8 in pybind11's setup)
-        assert importlib.util.find_spec(f"tokenmill._C.{name}_{isa}") is not None, isa
+    for isa in cpp_extension.runnable_isas():  # installed (only those this CPU can run
+        # are loaded: a module's initialisation may itself use its ISA, vmovdqu8 in pybind11's)
+        assert _installed(name, isa), isa
     builds = {isa: importlib.import_module(f"tokenmill._C.{name}_{isa}")
-              for isa in _runnable_isas()}
+              for isa in cpp_extension.runnable_isas()}
     loaded = cpp_extension.load_cpu_extension(name)
     assert loaded is builds[cpp_extension.runtime_isa()]
     if name == "cpu_ops":
@@ -76,6 +89,9 @@ def test_every_build_installed_and_they_agree(name):
 def test_generic_build_uses_no_avx_registers(name):
     for isa, ymm, zmm in (("generic", False, False), ("avx2", True, False),
                           ("avx512", True, True)):
+        if not _installed(name, isa):  # an AVX-512 build exists only where it was asked for
+            assert isa not in cpp_extension.runnable_isas()
+            continue
         path = importlib.util.find_spec(f"tokenmill._C.{name}_{isa}").origin
         asm = subprocess.run(["objdump", "-d", path], capture_output=True, text=True).stdout
         assert ("ymm" in asm, "zmm" in asm) == (ymm, zmm), (name, isa)

@@ -2,11 +2,12 @@
 
 Each kernel exists in three builds, chosen at run time by this CPU's flags (never the build
 machine's): "avx512" (AVX-512 F/BW/VL/DQ + VNNI, ATen's 16-lane Vectorized), "avx2" (AVX2 + FMA
-+ F16C, 8 lanes) and "generic" (portable code). `pip install` compiles all three (setup.py
-imports this file for the flags) into tokenmill/_C/ as `<name>_<isa>`; when those are missing
-or do not load (no compiler at install time, another torch), the kernel is compiled on first
-use instead and cached by torch under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR),
-about 25 s a kernel.
++ F16C, 8 lanes) and "generic" (portable code). `pip install` compiles the builds the installing
+CPU can run, or all three with TOKENMILL_KERNEL_ISAS=all (setup.py imports this file for the
+flags and the choice), into tokenmill/_C/ as `<name>_<isa>`; when this CPU's build is missing
+or does not load (no compiler at install time, another torch, an environment moved to another
+CPU), the kernel is compiled on first use instead and cached by torch under
+~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR), about 25 s a kernel.
 
 `load_cpu_extension(name)` returns the module, or None when the kernels are disabled
 (TOKENMILL_CPU_KERNELS=0) or cannot be built (no compiler): every caller then keeps a
@@ -33,13 +34,19 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 # The torch version the install-time builds were compiled against (written by setup.py).
 BUILD_INFO = str(Path(__file__).resolve().parent.parent / "_C" / "torch_version.txt")
-EXTENSIONS = ("cpu_ops", "paged_attention_cpu", "decode_layers_cpu")
+# Slowest to compile first: setup.py builds them in this order, one per core.
+EXTENSIONS = ("decode_layers_cpu", "cpu_ops", "paged_attention_cpu")
 _lock = threading.Lock()
 _name_locks: dict[str, threading.Lock] = {}
 _modules: dict[str, object | None] = {}
 
 
 ISAS = ("avx512", "avx2", "generic")
+# Which builds `pip install` compiles: "native" (the default) those this CPU can run, as
+# llama.cpp's GGML_NATIVE builds for its build machine (on an AVX2-only CPU the AVX-512 build
+# could never load); "all" every
+# build, for a wheel or a virtual environment that moves between CPUs.
+INSTALL_ISAS_ENV = "TOKENMILL_KERNEL_ISAS"
 
 
 def cpuinfo_field(name: str) -> str | None:
@@ -70,9 +77,25 @@ def runtime_isa() -> str:
     return "avx2" if capability in ("AVX2", "AVX512") else "generic"
 
 
+def runnable_isas() -> list[str]:
+    """The builds this CPU can execute, fastest first (an AVX-512 CPU runs all three)."""
+    return list(ISAS[ISAS.index(runtime_isa()):])
+
+
+def install_isas() -> list[str]:
+    """The builds `pip install` compiles (INSTALL_ISAS_ENV: "native" or "all")."""
+    choice = os.environ.get(INSTALL_ISAS_ENV, "native")
+    if choice not in ("native", "all"):
+        raise ValueError(f"{INSTALL_ISAS_ENV} must be 'native' or 'all', got {choice!r}")
+    return list(ISAS) if choice == "all" else runnable_isas()
+
+
 def cflags(isa: str | None = None) -> list[str]:
     """Compiler flags of the `isa` build (default: the one this machine runs)."""
-    flags = ["-O3", "-fopenmp"]  # -fopenmp: at::parallel_for runs on torch's OpenMP pool
+    # -fopenmp: at::parallel_for runs on torch's OpenMP pool. -g0: setuptools passes Python's
+    # CFLAGS, which carry -g; debug info made each install-time build ~1.5x slower to compile
+    # (decode_layers_cpu's portable build: 170 s against 110 on Zen 3).
+    flags = ["-O3", "-g0", "-fopenmp"]
     isa = isa or runtime_isa()
     if isa in ("avx2", "avx512"):  # F16C: the float16 scales of quantized weights
         flags += ["-mavx2", "-mfma", "-mf16c"]
