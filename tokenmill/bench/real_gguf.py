@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tokenmill.bench.machine import describe_machine
+from tokenmill.bench.machine import describe_machine, process_memory_mib
 
 SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab, tied
     "1b": (2048, 16, 32, 8, 8192, 128256, True),
@@ -240,7 +239,7 @@ def _child(args: argparse.Namespace) -> int:
         return 0
     fn = measure_tokenmill if args.engine == "tokenmill" else measure_llama_cpp
     result = fn(args.child, args.prompt_len, args.decode_len, args.batch)
-    result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    result["peak_rss_gib"] = process_memory_mib("VmHWM") / 1024
     print("RESULT " + json.dumps(result))
     return 0
 

@@ -34,6 +34,8 @@ from typing import Any
 
 import httpx
 
+from tokenmill.bench.machine import process_memory_mib
+
 BAD_BODIES: list[tuple[str, bytes | dict[str, Any]]] = [
     ("/v1/completions", b'{"prompt": "x", "temperature": NaN}'),
     ("/v1/completions", {"prompt": "x", "seed": 18446744073709551616}),
@@ -77,14 +79,6 @@ class SoakReport:
     @property
     def ok(self) -> bool:
         return not self.problems
-
-
-def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def _good_body(rng: random.Random, i: int) -> tuple[str, dict[str, Any]]:
@@ -179,7 +173,7 @@ async def run_soak(base_url: str, num_requests: int, concurrency: int, seed: int
     bar = tqdm(total=num_requests, desc="soak", unit="req", disable=not progress)
     every, done = max(1, num_requests // 10), 0
     report = SoakReport()
-    report.rss_mb["start"] = rss_mb()
+    report.rss_mb["start"] = process_memory_mib()
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency * 2)
     async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as client:
@@ -195,17 +189,17 @@ async def run_soak(base_url: str, num_requests: int, concurrency: int, seed: int
                 done += 1
                 bar.update()
                 if done % every == 0:  # does growth level off (caches) or go on (a leak)?
-                    report.rss_by_done.append((done, rss_mb()))
+                    report.rss_by_done.append((done, process_memory_mib()))
 
         start = time.perf_counter()
         plans = [(i, rng.random(), random.Random(rng.getrandbits(64)))
                  for i in range(num_requests)]
         await asyncio.gather(*(one(*p) for p in plans[:warmup]))
-        report.rss_mb["after warm-up"] = rss_mb()
+        report.rss_mb["after warm-up"] = process_memory_mib()
         await asyncio.gather(*(one(*p) for p in plans[warmup:]))
         report.duration_s = time.perf_counter() - start
     bar.close()
-    report.rss_mb["end"] = rss_mb()
+    report.rss_mb["end"] = process_memory_mib()
     return report
 
 
