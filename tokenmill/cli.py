@@ -26,7 +26,7 @@ from typing import Any
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     from tokenmill.attention.base import BACKEND_NAMES
-    from tokenmill.attention.kv_cache import KV_CACHE_DTYPES, PLANNED_KV_CACHE_DTYPES
+    from tokenmill.attention.kv_formats import PLANNED_KV_FORMATS, kv_format_names
 
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
@@ -54,10 +54,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="quantized weights: every step multiplies int8-quantized activations "
                         "(llama.cpp's numbers; faster, slightly less exact)")
     g.add_argument("--kv-cache-memory", default=None,
-                   help="KV cache size: bytes or e.g. 512MiB, 4GiB (default 2GiB)")
+                   help="KV cache size: bytes or e.g. 512MiB, 4GiB (default: half the memory "
+                        "free after the weights on CPU, 2GiB on GPU; logged)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="exact number of KV blocks (overrides --kv-cache-memory)")
-    g.add_argument("--kv-cache-dtype", choices=[*KV_CACHE_DTYPES, *PLANNED_KV_CACHE_DTYPES],
+    g.add_argument("--kv-cache-dtype", choices=[*kv_format_names(), *PLANNED_KV_FORMATS],
                    default=None,
                    help="KV cache storage (vLLM's flag): auto = the model's dtype; int8 = one "
                         "scale per token and KV head, ~3.8x the tokens; fp8 (= fp8_e4m3) = "

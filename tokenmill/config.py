@@ -334,28 +334,13 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     swap_space: int = 2**30  # bytes of CPU memory for swapped-out KV (preemption_mode="swap")
     # "auto": the model's dtype; "int8": one scale per token and KV head; "fp8" (=
-    # "fp8_e4m3"): e4m3 with per-head scales (attention/kv_cache.py)
+    # "fp8_e4m3"): e4m3 with per-head scales (attention/kv_formats.py)
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        from tokenmill.attention.kv_cache import (
-            KV_CACHE_DTYPES,
-            PLANNED_KV_CACHE_DTYPES,
-            canonical_kv_cache_dtype,
-            fp8_dtype,
-        )
+        from tokenmill.attention.kv_formats import kv_format
 
-        known = " or ".join(repr(d) for d in KV_CACHE_DTYPES)
-        if self.kv_cache_dtype in PLANNED_KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not built yet; use "
-                             f"{known}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be {known}, got {self.kv_cache_dtype!r}")
-        if canonical_kv_cache_dtype(self.kv_cache_dtype) == "fp8":
-            try:
-                fp8_dtype()
-            except RuntimeError as e:  # an old torch: a clear error at start-up
-                raise ValueError(str(e)) from None
+        kv_format(self.kv_cache_dtype).check_available()  # ValueError: unknown or unbuilt
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], "
                              f"got {self.block_size}")

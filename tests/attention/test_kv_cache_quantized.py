@@ -31,17 +31,28 @@ from tokenmill.attention.kv_cache import (
     as_float,
     bytes_per_block,
     copy_blocks,
-    dequantize_rows,
     on_grid,
-    quantize_fp8,
-    quantize_rows,
     store_kv,
 )
+from tokenmill.attention.kv_formats import KV_FORMATS
 from tokenmill.config import CacheConfig
 from tokenmill.layers import cpu_ops
 
 FP8 = torch.float8_e4m3fn
 FORMATS = ["int8", "fp8"]
+INT8, FP8_FORMAT = KV_FORMATS["int8"], KV_FORMATS["fp8"]
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    return INT8.quantize(x, None)
+
+
+def dequantize_rows(rows: torch.Tensor) -> torch.Tensor:
+    return INT8.dequantize(rows, None)
+
+
+def quantize_fp8(x: torch.Tensor, head_scales: torch.Tensor) -> torch.Tensor:
+    return FP8_FORMAT.quantize(x, head_scales)
 
 
 def test_int8_round_trip_error_is_at_most_half_a_step():

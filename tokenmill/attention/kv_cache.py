@@ -3,21 +3,16 @@
 Layout: one tensor (num_layers, 2, num_blocks, block_size, num_kv_heads, R); layer i's cache
 is `cache[i]`, K at [0] and V at [1]. Slot s is block s // block_size, offset s % block_size,
 so a flat view (num_blocks * block_size, Hkv, R) is indexed by slot directly. A row (one
-token, one KV head) is, by `kv_cache_dtype` (vLLM's option):
-- "auto": head_dim values in the model's dtype (R = head_dim);
-- "int8": head_dim int8 values, then their float32 scale as 4 bytes (R = head_dim + 4, int8
-  storage): symmetric, one scale per token and KV head, x = q * scale, scale = max|x| / 127.
-  The scale sits beside its values, so a block is self-contained: copy-on-write, swap and
-  prefix-cache reuse move raw blocks and never need to know the format, and a block is only
-  ever read in the format the tensor has.
-- "fp8" (= "fp8_e4m3"): head_dim float8_e4m3fn values (R = head_dim), x = fp8 * head_scale,
-  stored as e4m3(clamp(x / head_scale, +-448)). The scales, K's and V's per KV head of each
-  layer (`kv_scales`, (num_layers, 2, Hkv) float32), are fixed for the cache's life, so a
-  block still means the same values wherever it is copied. They are 1.0 (vLLM's default when
-  a checkpoint carries none): e4m3's relative step (1/16) does not depend on the scale, which
-  only has to keep values inside its range (|x| <= 448; over ~1,500 tokens of prose SmolLM2's
-  largest |K| is 22.5 and |V| 14.5, and 1% of K, 3% of V fall below e4m3's normal range
-  (2^-6), where the step is 2^-9 absolute).
+token, one KV head) is in the format `kv_cache_dtype` (vLLM's option) names, one registered
+object each (attention/kv_formats.py): "auto" (the model's dtype), "int8" (values and their
+per-row scale), "fp8" (= "fp8_e4m3": e4m3 values, x = fp8 * head_scale). Whatever a row needs
+besides its bytes is fixed for the cache's life, so a block is self-contained: copy-on-write,
+swap and prefix-cache reuse move raw blocks and never need to know the format.
+fp8's scales, K's and V's per KV head of each layer (`kv_scales`, (num_layers, 2, Hkv)
+float32), are 1.0 (vLLM's default when a checkpoint carries none): e4m3's relative step
+(1/16) does not depend on the scale, which only has to keep values inside its range (|x| <=
+448; over ~1,500 tokens of prose SmolLM2's largest |K| is 22.5 and |V| 14.5, and 1% of K, 3%
+of V fall below e4m3's normal range (2^-6), where the step is 2^-9 absolute).
 Keys in a quantized cache are stored rotated (`key_rotation`): k R for a fixed orthonormal
 R (head_dim x head_dim, a normalised Hadamard matrix), and the attention layer rotates queries
 by the same R, so q . k = (q R) . (k R) and attention is unchanged before rounding (QuaRot's
@@ -35,46 +30,15 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.attention.kv_formats import KVFormat, format_of_storage, kv_format
 from tokenmill.layers import cpu_ops
 from tokenmill.utils import huge_pages
-
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")  # built; fp8 is e4m3
-PLANNED_KV_CACHE_DTYPES = ("fp8_e5m2",)  # vLLM's names not built yet: refused as such
-_SCALE_BYTES = 4  # an int8 row's float32 scale
-FP8_MAX = 448.0  # e4m3fn's largest finite value
-
-
-def fp8_dtype() -> torch.dtype:
-    """torch.float8_e4m3fn; RuntimeError when this torch lacks it."""
-    dtype = getattr(torch, "float8_e4m3fn", None)
-    if dtype is None:
-        raise RuntimeError(f"kv_cache_dtype 'fp8' needs torch.float8_e4m3fn, which torch "
-                           f"{torch.__version__} does not have; use 'int8' or 'auto'")
-    return dtype
-
-
-def canonical_kv_cache_dtype(kv_cache_dtype: str) -> str:
-    """One name per format: "fp8_e4m3" is "fp8"."""
-    return "fp8" if kv_cache_dtype == "fp8_e4m3" else kv_cache_dtype
-
-
-def row_format(head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
-               ) -> tuple[int, torch.dtype]:
-    """(R, storage dtype) of one cache row (see the module doc)."""
-    kv_cache_dtype = canonical_kv_cache_dtype(kv_cache_dtype)
-    if kv_cache_dtype == "int8":
-        return head_dim + _SCALE_BYTES, torch.int8
-    if kv_cache_dtype == "fp8":
-        return head_dim, fp8_dtype()
-    if kv_cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} has no cache layout")
-    return head_dim, dtype
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                     dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
     """The real bytes of one block, all layers, K and V (values and scales)."""
-    row, storage = row_format(head_dim, dtype, kv_cache_dtype)
+    row, storage = kv_format(kv_cache_dtype).row(head_dim, dtype)
     elem = torch.empty((), dtype=storage).element_size()
     return 2 * num_layers * block_size * num_kv_heads * row * elem
 
@@ -82,7 +46,7 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                       head_dim: int, dtype: torch.dtype, device: torch.device,
                       kv_cache_dtype: str = "auto") -> torch.Tensor:
-    row, dtype = row_format(head_dim, dtype, kv_cache_dtype)
+    row, dtype = kv_format(kv_cache_dtype).row(head_dim, dtype)
     shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, row)
     if device.type == "cpu":
         # Fresh anonymous memory: the OS hands out zero pages as they are first touched,
@@ -97,7 +61,7 @@ def key_rotation(head_dim: int, kv_cache_dtype: str, device: torch.device
     """(D, D) float32 orthonormal R that a quantized cache's keys (and the queries) are rotated
     by (see the module doc); None for a float cache. A Sylvester Hadamard matrix / sqrt(D)
     when D is a power of two, else a fixed seeded random orthogonal matrix."""
-    if canonical_kv_cache_dtype(kv_cache_dtype) == "auto":
+    if not kv_format(kv_cache_dtype).quantized:
         return None
     if head_dim & (head_dim - 1) == 0:
         r = torch.ones(1, 1)
@@ -113,55 +77,26 @@ def key_rotation(head_dim: int, kv_cache_dtype: str, device: torch.device
 
 def allocate_kv_scales(num_layers: int, num_kv_heads: int, device: torch.device,
                        kv_cache_dtype: str) -> torch.Tensor | None:
-    """(num_layers, 2, Hkv) float32 fp8 scales (K's, V's), all 1.0; None for other formats."""
-    if canonical_kv_cache_dtype(kv_cache_dtype) != "fp8":
-        return None
-    return torch.ones(num_layers, 2, num_kv_heads, dtype=torch.float32, device=device)
-
-
-def is_fp8(dtype: torch.dtype) -> bool:
-    """Whether `dtype` is an fp8 cache's storage (False on a torch without float8_e4m3fn)."""
-    return dtype == getattr(torch, "float8_e4m3fn", None)
-
-
-def quantize_fp8(x: torch.Tensor, head_scales: torch.Tensor) -> torch.Tensor:
-    """(…, Hkv, D) float → float8_e4m3fn rows, head_scales (Hkv,) (see the module doc)."""
-    return (x.float() / head_scales.view(-1, 1)).clamp_(-FP8_MAX, FP8_MAX).to(fp8_dtype())
-
-
-def quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """(…, D) float → (…, D + 4) int8 cache rows: values, then their float32 scale's bytes."""
-    scale = x.float().abs().amax(dim=-1, keepdim=True) / 127.0  # (…, 1)
-    q = (x.float() / scale.clamp(min=torch.finfo(torch.float32).tiny)).round_().clamp_(
-        -127, 127).to(torch.int8)
-    return torch.cat([q, scale.contiguous().view(torch.int8)], dim=-1)
-
-
-def dequantize_rows(rows: torch.Tensor) -> torch.Tensor:
-    """(…, D + 4) int8 cache rows → (…, D) float32."""
-    scale = rows[..., -_SCALE_BYTES:].contiguous().view(torch.float32)  # (…, 1)
-    return rows[..., :-_SCALE_BYTES].float() * scale
+    """(num_layers, 2, Hkv) float32 scales of a format that has them (fp8's, all 1.0)."""
+    return kv_format(kv_cache_dtype).head_scales(num_layers, num_kv_heads, device)
 
 
 def on_grid(x: torch.Tensor, cache_dtype: torch.dtype = torch.int8,
             head_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """(…, Hkv, D) float rounded as a cache of `cache_dtype` stores it (what attention reads
-    back): int8 rows, or fp8 with head_scales (Hkv,); other dtypes hold x as it is."""
-    if cache_dtype == torch.int8:
-        return dequantize_rows(quantize_rows(x)).to(x.dtype)
-    if is_fp8(cache_dtype):
-        return (quantize_fp8(x, head_scales).float() * head_scales.view(-1, 1)).to(x.dtype)
-    return x
+    """(…, Hkv, D) float rounded as a cache of storage `cache_dtype` stores it (what attention
+    reads back): int8 rows, or fp8 with head_scales (Hkv,); other dtypes hold x as it is."""
+    fmt = format_of_storage(cache_dtype)
+    if not fmt.quantized:
+        return x
+    scales = None if head_scales is None else head_scales.view(-1, 1)
+    return fmt.dequantize(fmt.quantize(x, head_scales), scales).to(x.dtype)
 
 
 def as_float(rows: torch.Tensor, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """K and V cache rows (2, …, Hkv, R) as values (2, …, Hkv, D): dequantized when the cache
-    is int8 or fp8 (kv_scales (2, Hkv): the layer's fp8 scales), else as they are."""
-    if rows.dtype == torch.int8:
-        return dequantize_rows(rows)
-    if is_fp8(rows.dtype):
-        return rows.float() * kv_scales.view(2, *[1] * (rows.dim() - 3), -1, 1)
-    return rows
+    is quantized (kv_scales (2, Hkv): the layer's fp8 scales), else as they are."""
+    scales = None if kv_scales is None else kv_scales.view(2, *[1] * (rows.dim() - 3), -1, 1)
+    return format_of_storage(rows.dtype).dequantize(rows, scales)
 
 
 def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -174,13 +109,10 @@ def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             and k.stride(2) == v.stride(2) == 1):
         cpu_ops.store_kv_(kv_cache[0], kv_cache[1], k, v, slot_mapping, kv_scales)
         return
-    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])  # (2, num_slots, Hkv, R)
-    if kv_cache.dtype == torch.int8:
-        k, v = quantize_rows(k), quantize_rows(v)
-    elif is_fp8(kv_cache.dtype):
-        k, v = quantize_fp8(k, kv_scales[0]), quantize_fp8(v, kv_scales[1])
-        # the bytes: index_copy_ has no float8 kernel on every torch and device (2.11's CPU)
-        flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    fmt: KVFormat = format_of_storage(kv_cache.dtype)
+    k_scales, v_scales = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
+    k, v = fmt.bytes_view(fmt.quantize(k, k_scales)), fmt.bytes_view(fmt.quantize(v, v_scales))
+    flat = fmt.bytes_view(kv_cache.view(2, -1, *kv_cache.shape[-2:]))  # (2, num_slots, Hkv, R)
     flat[0].index_copy_(0, slot_mapping, k)
     flat[1].index_copy_(0, slot_mapping, v)
 

@@ -32,9 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.kv_cache import is_fp8
+from tokenmill.attention.kv_formats import KV_FORMATS, format_of_storage
 
-FLOAT, INT8, FP8 = 0, 1, 2  # KV_FORMAT: the cache's row format
+# KV_FORMAT: the cache's row format (attention/kv_formats.py's kernel ids)
+FLOAT, INT8, FP8 = (KV_FORMATS[n].kernel_id for n in ("auto", "int8", "fp8"))
 # 2^120: e4m3's bias (7) to float32's (127); constexpr, as every global a kernel reads
 _FP8_REBIAS = tl.constexpr(1.329227995784916e36)
 
@@ -254,10 +255,10 @@ def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: torch.T
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """A layer's cache halves and fp8 scales as both kernels take them, with KV_FORMAT: an fp8
     cache as its bytes (the kernels decode them), an empty scales tensor where none is read."""
-    kv_format = INT8 if k_cache.dtype == torch.int8 else FP8 if is_fp8(k_cache.dtype) else FLOAT
-    if kv_format == FP8:
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    fmt = format_of_storage(k_cache.dtype)
+    k_cache, v_cache = fmt.bytes_view(k_cache), fmt.bytes_view(v_cache)
+    if fmt.kernel_id == FP8:
         assert kv_scales is not None, "an fp8 cache needs its scales"
     if kv_scales is None:
         kv_scales = torch.empty(0, dtype=torch.float32, device=k_cache.device)  # never read
-    return k_cache, v_cache, kv_scales, kv_format
+    return k_cache, v_cache, kv_scales, fmt.kernel_id
