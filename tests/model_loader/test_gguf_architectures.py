@@ -45,3 +45,26 @@ def test_gguf_experts_of_an_unknown_architecture_are_named(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'qwen2' with experts"):
         LLM(str(path))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2_moe", "gemma2"])
+def test_gguf_tokenizer_is_the_one_auto_tokenizer_builds(tiny_model, smollm2_path, tmp_path,
+                                                         kind):
+    """The tokenizer class chosen from tokenmill's own parse of the file (no second metadata
+    parse) is AutoTokenizer's, and tokenizes alike: the generic fast tokenizer for Llama, the
+    model-specific classes for Qwen2-MoE and Gemma 2."""
+    from transformers import AutoTokenizer
+
+    from tokenmill.engine.tokenizer import gguf_tokenizer
+    from tokenmill.model_loader.gguf_loader import gguf_hf_config
+
+    folder, hf = tiny_model(kind)
+    path = tmp_path / f"{kind}.gguf"
+    write_gguf(kind, folder, hf, smollm2_path, path)
+    ours = gguf_tokenizer(str(path), gguf_hf_config(str(path)).model_type)
+    auto = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert type(ours) is type(auto)
+    text = "Hello  world!\n<|im_start|>user ünïcödé 🤖 2+2=4<|im_end|>"
+    assert ours(text).input_ids == auto(text).input_ids
+    assert ours.all_special_tokens == auto.all_special_tokens
+    assert ours.chat_template == auto.chat_template

@@ -26,25 +26,55 @@ def load_tokenizer(config: ModelConfig) -> Any:
         if config.converted_dir is not None:
             return _load_folder(config.converted_dir)
         if config.gguf_file is not None:
-            return gguf_tokenizer(config.gguf_file)
+            return gguf_tokenizer(config.gguf_file, config.hf_config.model_type)
         return _load_folder(config.path)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError, ...
         raise ValueError(f"cannot load a tokenizer for {config.path}: {e}") from e
 
 
-def gguf_tokenizer(gguf_path: str) -> Any:
-    """The tokenizer in a GGUF file's metadata. AutoTokenizer first parses the file's model
-    config, which transformers refuses for architectures it has no GGUF config mapping for
-    (OLMoE): those build the generic fast tokenizer from the same metadata directly."""
+def gguf_tokenizer(gguf_path: str, model_type: str | None = None) -> Any:
+    """The tokenizer in a GGUF file's metadata, of the class AutoTokenizer would pick.
+
+    With the model's `model_type` (tokenmill has already parsed the file), the class comes
+    from transformers' table by that type, as AutoTokenizer picks it for a GGUF file with no
+    tokenizer_config.json beside it, and the class reads the vocabulary itself. AutoTokenizer
+    would first parse the file's whole metadata again to find the model type (with the gguf
+    package's per-element reader for most architectures: ~6 s for SmolLM2's 49k-token
+    vocabulary, more for Llama 3's 128k). Without a type, or beside a tokenizer_config.json
+    (which could name another class), AutoTokenizer decides; it refuses to parse the config
+    of architectures it has no GGUF mapping for (OLMoE): those get the generic fast tokenizer
+    from the same metadata."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     folder, name = os.path.split(gguf_path)
+    direct = _gguf_tokenizer_class(model_type, folder)
+    if direct is not None:
+        return direct.from_pretrained(folder, gguf_file=name)
     try:
         return AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except ValueError as e:
         if "is not supported yet" not in str(e):
             raise
         return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
+
+
+def _gguf_tokenizer_class(model_type: str | None, folder: str) -> Any | None:
+    """The class AutoTokenizer gives a GGUF file of `model_type` alone in `folder` (its table
+    entry, else the generic fast tokenizer); None where AutoTokenizer must decide."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.auto.tokenization_auto import (
+        TOKENIZER_MAPPING_NAMES,
+        tokenizer_class_from_name,
+    )
+
+    if model_type is None or os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+        return None
+    name = TOKENIZER_MAPPING_NAMES.get(model_type)
+    if name is None:
+        return PreTrainedTokenizerFast  # transformers 5: TokenizersBackend under this name
+    if name.startswith("MistralCommon"):  # AutoTokenizer checks the files for this one
+        return None
+    return tokenizer_class_from_name(name)
 
 
 def _load_folder(folder: str) -> Any:

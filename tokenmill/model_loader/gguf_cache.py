@@ -131,7 +131,7 @@ def _convert(gguf_path: str, folder: Path) -> str | None:
         hf_config.save_pretrained(tmp)  # config.json for other tools; tokenmill reads the
         # full dump below (every attribute, defaults included) as a plain PretrainedConfig,
         # which skips importing the architecture's config class (about 1.4 s of imports).
-        gguf_tokenizer(gguf_path).save_pretrained(tmp)
+        gguf_tokenizer(gguf_path, hf_config.model_type).save_pretrained(tmp)
         write_index(build_index(_reader(gguf_path)), str(tmp))  # later starts skip the reader
         with open(tmp / _FULL_CONFIG, "w") as f:  # written last: it marks the folder complete
             json.dump(hf_config.to_dict(), f, indent=1)
