@@ -60,7 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="exact number of KV blocks (overrides --kv-cache-memory)")
     g.add_argument("--kv-cache-dtype", choices=[*kv_format_names(), *PLANNED_KV_FORMATS],
                    default=None,
-                   help="KV cache storage (vLLM's flag): auto = the model's dtype; int8 = one "
+                   help="KV cache storage (vLLM's flag): auto = the model's dtype; bfloat16 = "
+                        "half a float32 model's bytes; int8 = one "
                         "scale per token and KV head, ~3.8x the tokens; fp8 (= fp8_e4m3) = "
                         "e4m3 with a per-head scale, 4x; fp8_e5m2 is not built yet")
     g.add_argument("--block-size", type=int, default=None)

@@ -1,14 +1,15 @@
-"""Quantized KV caches (attention/kv_cache.py): int8 rows with their float32 scale beside them
-(one per token and KV head) and fp8 e4m3 with fixed per-head scales.
+"""KV caches that round what they store (attention/kv_formats.py): bfloat16 rows under a
+float32 model, int8 rows with their float32 scale beside them (one per token and KV head) and
+fp8 e4m3 with fixed per-head scales.
 
 - formats: round-trip error bounds; stores at slots; block copies carry the scales; the real
   bytes per block set the capacity; bad formats are refused at configuration;
 - stores: the C++ op (one pass, csrc/kv_formats.h) and the Triton kernel write the same
   bytes as the torch ops;
 - reads: every backend (PyTorch, the oracle; the C++ kernel, its AVX-512 / AVX2 build as this
-  CPU runs; Triton, in its interpreter) on an int8 and an fp8 cache gives dense attention over
-  the dequantized values, within float32 tolerance (1e-5; the values are the same, only the
-  order of summation differs).
+  CPU runs; Triton, in its interpreter) on a bfloat16, an int8 and an fp8 cache gives dense
+  attention over the values the cache holds, within float32 tolerance (1e-5; the values are
+  the same, only the order of summation differs).
 """
 
 from __future__ import annotations
@@ -34,13 +35,23 @@ from tokenmill.attention.kv_cache import (
     on_grid,
     store_kv,
 )
-from tokenmill.attention.kv_formats import KV_FORMATS
+from tokenmill.attention.kv_formats import KV_FORMATS, kv_format
 from tokenmill.config import CacheConfig
 from tokenmill.layers import cpu_ops
 
 FP8 = torch.float8_e4m3fn
-FORMATS = ["int8", "fp8"]
+FORMATS = ["bfloat16", "int8", "fp8"]  # every format that rounds what it stores
 INT8, FP8_FORMAT = KV_FORMATS["int8"], KV_FORMATS["fp8"]
+
+
+def fp8_scales(fmt: str, hkv: int) -> torch.Tensor | None:
+    """Fixed per-head scales (2, Hkv) of an fp8 cache, spread so that they matter."""
+    return torch.linspace(0.5, 2.0, 2 * hkv).view(2, hkv) if fmt == "fp8" else None
+
+
+def stored(fmt: str, x: torch.Tensor, head_scales: torch.Tensor | None) -> torch.Tensor:
+    """x (…, Hkv, D) as `fmt`'s rows, by the registry's torch quantization."""
+    return kv_format(fmt).quantize(x, head_scales)
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
@@ -81,12 +92,12 @@ def test_fp8_round_trip_error_and_saturation():
 def test_store_and_block_copy_keep_values_and_scales_together(fmt):
     cache = allocate_kv_cache(2, 6, 4, 3, 16, torch.float32, torch.device("cpu"), fmt)
     assert cache.shape == ((2, 2, 6, 4, 3, 20) if fmt == "int8" else (2, 2, 6, 4, 3, 16))
-    assert cache.dtype == (torch.int8 if fmt == "int8" else FP8)
+    assert cache.dtype == {"int8": torch.int8, "fp8": FP8, "bfloat16": torch.bfloat16}[fmt]
     scales = torch.tensor([[1.0, 2.0, 0.5], [4.0, 1.0, 1.0]]) if fmt == "fp8" else None
     k, v = torch.randn(3, 3, 16), torch.randn(3, 3, 16) * 100
     store_kv(cache[1], k, v, torch.tensor([5, 6, 13]), scales)  # block 1: 1, 2; block 3: 1
-    values = as_float(cache[1], scales).view(2, -1, 3, 16)
-    grid = (lambda x, i: on_grid(x)) if fmt == "int8" else (lambda x, i: on_grid(x, FP8, scales[i]))
+    values = as_float(cache[1], scales, torch.float32).view(2, -1, 3, 16)
+    grid = (lambda x, i: on_grid(x, cache.dtype, None if scales is None else scales[i]))
     torch.testing.assert_close(values[1, [5, 6, 13]], grid(v, 1), rtol=0, atol=0)
     torch.testing.assert_close(values[0, [5, 6, 13]], grid(k, 0), rtol=0, atol=0)
     assert not values[:, [4, 7, 12]].any()  # other slots untouched (zero)
@@ -128,12 +139,11 @@ def test_store_kernels_write_the_torch_bytes(store, fmt, d):
     slots = torch.tensor([3, 9, 4, 30, 17, 0, 22])
     store(cache_c, k, v, slots, scales)
     flat = cache_t.view(2, -1, *cache_t.shape[-2:])
-    if fmt == "int8":
-        flat[0, slots], flat[1, slots] = quantize_rows(k), quantize_rows(v)
-    elif fmt == "fp8":
-        flat[0, slots], flat[1, slots] = quantize_fp8(k, scales[0]), quantize_fp8(v, scales[1])
-    else:
+    if fmt == "auto":
         flat[0, slots], flat[1, slots] = k, v
+    else:
+        flat[0, slots] = stored(fmt, k, None if scales is None else scales[0])
+        flat[1, slots] = stored(fmt, v, None if scales is None else scales[1])
     assert torch.equal(cache_c.view(torch.uint8), cache_t.view(torch.uint8))
 
 
@@ -141,7 +151,9 @@ def test_capacity_counts_the_real_bytes():
     f32 = bytes_per_block(30, 16, 3, 64, torch.float32)
     i8 = bytes_per_block(30, 16, 3, 64, torch.float32, "int8")
     f8 = bytes_per_block(30, 16, 3, 64, torch.float32, "fp8")
+    b16 = bytes_per_block(30, 16, 3, 64, torch.float32, "bfloat16")
     assert (f32, i8, f8) == (30 * 2 * 16 * 3 * 64 * 4, 30 * 2 * 16 * 3 * 68, 30 * 2 * 16 * 3 * 64)
+    assert f32 == 2 * b16
     assert 3.7 < f32 / i8 < 3.8 and f32 / f8 == 4
 
 
@@ -151,16 +163,15 @@ def quantized_step(fmt, shape, seqs, shared_prefix=0, seed=0):
     bs, hq, hkv, d = shape
     cache, batch, q, k_new, v_new, full_k, full_v = build_step(
         bs, hq, hkv, d, seqs, shared_prefix=shared_prefix, seed=seed)
-    if fmt == "int8":
-        scales = None
-        cache_q = quantize_rows(cache)  # (2, nb, bs, hkv, d + 4)
-        full_k, full_v = [on_grid(k) for k in full_k], [on_grid(v) for v in full_v]
-    else:
-        scales = torch.linspace(0.5, 2.0, 2 * hkv).view(2, hkv)
-        cache_q = torch.stack([quantize_fp8(cache[i], scales[i]).view(torch.uint8)
-                               for i in (0, 1)]).view(FP8)
-        full_k = [on_grid(k, FP8, scales[0]) for k in full_k]
-        full_v = [on_grid(v, FP8, scales[1]) for v in full_v]
+    scales = fp8_scales(fmt, hkv)
+    k_scales, v_scales = (None, None) if scales is None else scales
+    # (2, nb, bs, hkv, R): fp8 stacked as bytes (torch.stack has no float8 kernel on CPU)
+    rows = [stored(fmt, cache[0], k_scales), stored(fmt, cache[1], v_scales)]
+    storage = rows[0].dtype
+    cache_q = torch.stack([r.view(torch.uint8) if storage == FP8 else r for r in rows])
+    cache_q = cache_q.view(storage)
+    full_k = [on_grid(k, storage, k_scales) for k in full_k]
+    full_v = [on_grid(v, storage, v_scales) for v in full_v]
     return cache_q, scales, batch, q, k_new, v_new, full_k, full_v
 
 

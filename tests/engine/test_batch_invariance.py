@@ -28,7 +28,8 @@ VOCAB = 49152
 FORMATS = {"float32": {}, "int8": {"quantization": "int8"},
            "int4": {"quantization": "int4"}, "gguf": {"quantization": "gguf"},
            "int4+int8acts": {"quantization": "int4", "int8_activations": True},
-           "float32+kv-int8": {"kv_cache_dtype": "int8"}}
+           "float32+kv-int8": {"kv_cache_dtype": "int8"},
+           "float32+kv-bfloat16": {"kv_cache_dtype": "bfloat16"}}
 
 
 def _probe(seed: int = 0) -> list[int]:

@@ -1,5 +1,6 @@
-"""The engine on an int8 or fp8 KV cache: the same memory holds 64 / 20 = 3.2x the tokens of
-the tiny model in int8 (head_dim 16; SmolLM2's 64: 3.8x), 4x in fp8; outputs do not depend on
+"""The engine on a bfloat16, int8 or fp8 KV cache under a float32 model: the same memory holds
+2x the tokens in bfloat16, 64 / 20 = 3.2x the tokens of the tiny model in int8 (head_dim 16;
+SmolLM2's 64: 3.8x), 4x in fp8; outputs do not depend on
 how the cache got its blocks (prefix-cache reuse, chunked prefill, preemption by recompute or
 by swap: quantization is per token, or by a fixed per-head scale, so a recomputed or copied
 block is the same bytes), nor on the attention backend that reads it (the C++ kernel with the
@@ -15,8 +16,10 @@ from tests.conftest import assert_kv_all_free, generate_greedy
 from tests.engine.test_prefix_caching import run_in_two_waves, workload
 from tokenmill import LLM, SamplingParams
 
+STORAGE = {"bfloat16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
-@pytest.fixture(scope="module", params=["int8", "fp8"])
+
+@pytest.fixture(scope="module", params=list(STORAGE))
 def reference(request, tiny_model):
     """Greedy outputs of the workload on a quantized cache through the PyTorch backend."""
     path, _ = tiny_model("llama")
@@ -45,23 +48,23 @@ def test_outputs_do_not_depend_on_how_blocks_were_filled(reference, options):
     if options.get("enable_prefix_caching"):
         assert llm.engine.kv.prefix_hits > 0
     runner = llm.engine.runner
-    assert runner.kv_cache.dtype == (torch.int8 if kv_cache_dtype == "int8"
-                                     else torch.float8_e4m3fn)
-    assert (runner.kv_scales is None) == (kv_cache_dtype == "int8")
+    assert runner.kv_cache.dtype == STORAGE[kv_cache_dtype]
+    assert (runner.kv_scales is None) == (kv_cache_dtype != "fp8")
     assert_kv_all_free(llm.engine)
 
 
 def test_same_memory_holds_about_four_times_the_tokens(tiny_model):
     path, _ = tiny_model("llama")
     blocks = {d: LLM(path, kv_cache_memory="8MiB", kv_cache_dtype=d).engine.runner.num_kv_blocks
-              for d in ("auto", "int8", "fp8")}
-    # head_dim 16: 64 bytes a row in float32, 16 + a 4-byte scale in int8 (SmolLM2's 64: 3.8x),
-    # 16 in fp8
+              for d in ("auto", "bfloat16", "int8", "fp8")}
+    # head_dim 16: 64 bytes a row in float32, 32 in bfloat16, 16 + a 4-byte scale in int8
+    # (SmolLM2's 64: 3.8x), 16 in fp8
+    assert 1.99 < blocks["bfloat16"] / blocks["auto"] <= 2.0
     assert 3.19 < blocks["int8"] / blocks["auto"] <= 3.2
     assert 3.99 < blocks["fp8"] / blocks["auto"] <= 4.0
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("kv_cache_dtype", list(STORAGE))
 def test_smollm2_answer_survives_a_quantized_cache(smollm2_path, kv_cache_dtype):
     llm = LLM(smollm2_path, kv_cache_dtype=kv_cache_dtype, kv_cache_memory="64MiB")
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],

@@ -227,7 +227,7 @@ class CPUPagedAttention(TorchPagedAttention):
             prefix = kv_cache[:, first:first + c.shared_block_ids.numel()]
         else:
             prefix = self._gather(kv_cache, c.shared_block_ids)
-        prefix = as_float(prefix, kv_scales)  # a quantized prefix: dequantized once
+        prefix = as_float(prefix, kv_scales, q.dtype)  # a quantized prefix: dequantized once
         prefix = prefix.flatten(1, 2).permute(0, 2, 1, 3)  # (2, Hkv, Lp, D), strided
         # Each KV head's queries (all tokens, G heads each) as one sequence against the prefix.
         q_flat = q.view(N, Hkv, G, D).transpose(0, 1).reshape(1, Hkv, N * G, D)

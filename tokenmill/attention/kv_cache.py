@@ -84,19 +84,21 @@ def allocate_kv_scales(num_layers: int, num_kv_heads: int, device: torch.device,
 def on_grid(x: torch.Tensor, cache_dtype: torch.dtype = torch.int8,
             head_scales: torch.Tensor | None = None) -> torch.Tensor:
     """(…, Hkv, D) float rounded as a cache of storage `cache_dtype` stores it (what attention
-    reads back): int8 rows, or fp8 with head_scales (Hkv,); other dtypes hold x as it is."""
+    reads back): bfloat16, int8 rows, or fp8 with head_scales (Hkv,); x's own dtype holds
+    x as it is."""
     fmt = format_of_storage(cache_dtype)
-    if not fmt.quantized:
-        return x
     scales = None if head_scales is None else head_scales.view(-1, 1)
     return fmt.dequantize(fmt.quantize(x, head_scales), scales).to(x.dtype)
 
 
-def as_float(rows: torch.Tensor, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+def as_float(rows: torch.Tensor, kv_scales: torch.Tensor | None = None,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
     """K and V cache rows (2, …, Hkv, R) as values (2, …, Hkv, D): dequantized when the cache
-    is quantized (kv_scales (2, Hkv): the layer's fp8 scales), else as they are."""
+    is quantized (kv_scales (2, Hkv): the layer's fp8 scales), else as they are; in `dtype`
+    (the queries') where given."""
     scales = None if kv_scales is None else kv_scales.view(2, *[1] * (rows.dim() - 3), -1, 1)
-    return format_of_storage(rows.dtype).dequantize(rows, scales)
+    values = format_of_storage(rows.dtype).dequantize(rows, scales)
+    return values if dtype is None else values.to(dtype)
 
 
 def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -111,8 +113,10 @@ def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return
     fmt: KVFormat = format_of_storage(kv_cache.dtype)
     k_scales, v_scales = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
-    k, v = fmt.bytes_view(fmt.quantize(k, k_scales)), fmt.bytes_view(fmt.quantize(v, v_scales))
     flat = fmt.bytes_view(kv_cache.view(2, -1, *kv_cache.shape[-2:]))  # (2, num_slots, Hkv, R)
+    # a float cache of another dtype than k's (bfloat16 under float32) takes k rounded to it
+    k = fmt.bytes_view(fmt.quantize(k, k_scales)).to(flat.dtype)
+    v = fmt.bytes_view(fmt.quantize(v, v_scales)).to(flat.dtype)
     flat[0].index_copy_(0, slot_mapping, k)
     flat[1].index_copy_(0, slot_mapping, v)
 

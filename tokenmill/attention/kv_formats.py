@@ -7,6 +7,9 @@ check (config.py), the CLI's choices, the cache's layout and sizing (kv_cache.py
 paths that write and read rows, and the Triton kernels' KV_FORMAT code.
 
     "auto"             the model's dtype, R = head_dim (ModelDtypeKV)
+    "bfloat16"         bfloat16 values, R = head_dim: a float32 model's cache (a bf16
+                       checkpoint computed in float32) at half the bytes; written rounded to
+                       nearest even, read widened exactly (BFloat16KV)
     "int8"             int8 values then their float32 scale's 4 bytes, R = head_dim + 4:
                        one symmetric scale per token and KV head, x = q * max|x| / 127 (Int8KV)
     "fp8" / "fp8_e4m3" float8_e4m3fn values, R = head_dim, x = e4m3 * head_scale: one scale
@@ -15,7 +18,8 @@ paths that write and read rows, and the Triton kernels' KV_FORMAT code.
 Invariants:
 - A cache tensor's storage dtype names its format (`format_of_storage`): the C++ kernels
   (csrc/kv_formats.h) and the torch paths dispatch on it, so one tensor is only ever read in
-  the format it was written in.
+  the format it was written in. A float storage reads as the values it holds, in its own
+  dtype; a reader computing in another dtype widens them (kv_cache.as_float's `dtype`).
 - A block is self-contained: whatever a row needs besides its own bytes is fixed for the
   cache's life (fp8's head scales, the key rotation), so copy-on-write, swap and prefix-cache
   reuse move raw blocks without knowing the format.
@@ -90,6 +94,21 @@ class ModelDtypeKV(KVFormat):
         return rows
 
 
+class BFloat16KV(KVFormat):
+    name = "bfloat16"
+    quantized = False  # 8 bits of mantissa on every value: no outlier channel sets a step
+    kernel_id = 3
+
+    def row(self, head_dim: int, model_dtype: torch.dtype) -> tuple[int, torch.dtype]:
+        return head_dim, torch.bfloat16
+
+    def quantize(self, x: torch.Tensor, head_scales: torch.Tensor | None) -> torch.Tensor:
+        return x.to(torch.bfloat16)  # round to nearest even, as the kernels write
+
+    def dequantize(self, rows: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        return rows
+
+
 class Int8KV(KVFormat):
     name = "int8"
     kernel_id = 1
@@ -141,7 +160,8 @@ class Fp8E4M3KV(KVFormat):
         return t.view(torch.uint8)
 
 
-KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (ModelDtypeKV(), Int8KV(), Fp8E4M3KV())}
+KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (ModelDtypeKV(), BFloat16KV(), Int8KV(),
+                                                         Fp8E4M3KV())}
 _BY_NAME = {alias: f for f in KV_FORMATS.values() for alias in (f.name, *f.aliases)}
 
 
@@ -161,8 +181,19 @@ def kv_format(name: str) -> KVFormat:
     raise ValueError(f"kv_cache_dtype must be {known}, got {name!r}")
 
 
+def op_variant(storage: torch.dtype) -> str:
+    """The attention op's variant (layers/op_spec.py) naming a cache of this storage, as the
+    fused CPU decode call lists what it reads: "kv_" + the format's name, or for a cache in
+    the model's dtype that dtype's ("kv_float32")."""
+    fmt = format_of_storage(storage)
+    return f"kv_{str(storage).removeprefix('torch.') if fmt.name == 'auto' else fmt.name}"
+
+
 def format_of_storage(dtype: torch.dtype) -> KVFormat:
-    """The format a cache tensor of storage `dtype` holds (a float dtype: "auto")."""
+    """The format a cache tensor of storage `dtype` holds: bfloat16 storage is "bfloat16"
+    (under a bfloat16 model, "auto" is the same bytes and reads alike), another float "auto"."""
+    if dtype == torch.bfloat16:
+        return KV_FORMATS["bfloat16"]
     if dtype == torch.int8:
         return KV_FORMATS["int8"]
     if dtype == getattr(torch, "float8_e4m3fn", None):

@@ -238,7 +238,7 @@ class TorchPagedAttention(AttentionBackend):
             return self._decode_cascade(q, kv_cache, group, scale, kv_scales)
         Bg = q.shape[0]
         # (2, Bg * nb, bs, Hkv, D)
-        kv = as_float(self._gather(kv_cache, group.block_ids), kv_scales)
+        kv = as_float(self._gather(kv_cache, group.block_ids), kv_scales, q.dtype)
         kv = kv.view(2, Bg, -1, *kv.shape[-2:])  # (2, Bg, L, Hkv, D)
         key, value = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # (Bg, Hkv, L, D)
         o = _attend(q.unsqueeze(2), key, value, group.windowed_mask(window), scale,
@@ -260,7 +260,7 @@ class TorchPagedAttention(AttentionBackend):
         Bg, Hq, D = q.shape
         Hkv = kv_cache.shape[-2]
         G = Hq // Hkv
-        prefix = as_float(kv_cache[:, group.shared_block_ids], kv_scales)
+        prefix = as_float(kv_cache[:, group.shared_block_ids], kv_scales, q.dtype)
         prefix = prefix.flatten(1, 2)  # (2, Lp, Hkv, D)
         q_flat = q.view(Bg, Hkv, G, D).permute(1, 0, 2, 3).reshape(Hkv, Bg * G, D)
         s_p = torch.matmul(q_flat, prefix[0].permute(1, 2, 0)) * scale  # (Hkv, Bg*G, Lp)
@@ -276,7 +276,8 @@ class TorchPagedAttention(AttentionBackend):
         Bg, Hq, D = q.shape
         Hkv = kv_cache.shape[-2]
         qg = q.view(Bg, Hkv, Hq // Hkv, D)
-        kv = as_float(self._gather(kv_cache, group.block_ids), kv_scales).view(2, Bg, -1, Hkv, D)
+        kv = as_float(self._gather(kv_cache, group.block_ids), kv_scales, q.dtype)
+        kv = kv.view(2, Bg, -1, Hkv, D)
         s_s = torch.matmul(qg, kv[0].permute(0, 2, 3, 1)) * scale  # (Bg, Hkv, G, Ls)
         s_s = s_s.masked_fill(~group.mask, float("-inf"))
         out_s, lse_s = _softmax_attend(s_s, kv[1].transpose(1, 2))  # (Bg, Hkv, G, D)
@@ -290,9 +291,9 @@ class TorchPagedAttention(AttentionBackend):
         qs = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)  # (1, Hq, q_len, D)
         if p.block_ids is None:
             k_own, v_own = k[p.q_start:p.q_end], v[p.q_start:p.q_end]  # (q_len, Hkv, D)
-            if kv_cache.dtype != k_own.dtype:  # quantized: the values the cache holds, as
-                k_own = on_grid(k_own, kv_cache.dtype, None if kv_scales is None  # every
-                                else kv_scales[0])  # other path reads them
+            if kv_cache.dtype != k_own.dtype:  # the values the cache holds (quantized or
+                k_own = on_grid(k_own, kv_cache.dtype, None if kv_scales is None  # bf16),
+                                else kv_scales[0])  # as every other path reads them
                 v_own = on_grid(v_own, kv_cache.dtype, None if kv_scales is None
                                 else kv_scales[1])
             key = k_own.transpose(0, 1).unsqueeze(0)  # (1, Hkv, q_len, D)
@@ -303,7 +304,7 @@ class TorchPagedAttention(AttentionBackend):
             else:
                 o = _attend(qs, key, value, p.causal_mask(window, q.device), scale, soft_cap)
         else:
-            kv = as_float(self._gather(kv_cache, p.block_ids), kv_scales)
+            kv = as_float(self._gather(kv_cache, p.block_ids), kv_scales, q.dtype)
             kv = kv.flatten(1, 2)[:, :p.context_len]
             key = kv[0].transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
             value = kv[1].transpose(0, 1).unsqueeze(0)

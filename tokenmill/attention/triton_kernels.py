@@ -35,7 +35,7 @@ import triton.language as tl
 from tokenmill.attention.kv_formats import KV_FORMATS, format_of_storage
 
 # KV_FORMAT: the cache's row format (attention/kv_formats.py's kernel ids)
-FLOAT, INT8, FP8 = (KV_FORMATS[n].kernel_id for n in ("auto", "int8", "fp8"))
+FLOAT, INT8, FP8, BF16 = (KV_FORMATS[n].kernel_id for n in ("auto", "int8", "fp8", "bfloat16"))
 # 2^120: e4m3's bias (7) to float32's (127); constexpr, as every global a kernel reads
 _FP8_REBIAS = tl.constexpr(1.329227995784916e36)
 
@@ -189,7 +189,7 @@ def _store_kv_rows(src_ptr, stride_t, stride_h, cache_ptr, slot, head_scale, t, 
     torch ops do (bit for bit: the same divisions, round-half-even, e4m3 encoding)."""
     x = tl.load(src_ptr + t * stride_t + h * stride_h + d, mask=d_ok, other=0.0)
     row_ptr = cache_ptr + (slot * HKV + h) * ROW
-    if KV_FORMAT == 0:
+    if KV_FORMAT == 0:  # the cache holds k's own dtype
         tl.store(row_ptr + d, x.to(cache_ptr.dtype.element_ty), mask=d_ok)
     elif KV_FORMAT == 1:  # int8 values, then their float32 scale
         x = x.to(tl.float32)
@@ -199,6 +199,12 @@ def _store_kv_rows(src_ptr, stride_t, stride_h, cache_ptr, slot, head_scale, t, 
         q = tl.minimum(tl.maximum(q, -127.0), 127.0)
         tl.store(row_ptr + d, q.to(tl.int8), mask=d_ok)
         tl.store((row_ptr + D).to(tl.pointer_type(tl.float32)), scale)
+    elif KV_FORMAT == 3:  # bfloat16, rounded half-to-even in integers as torch rounds (the
+        # interpreter's float cast truncates); NaN stays NaN
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+        r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        r = tl.where(x != x, 0x7FC0, r)
+        tl.store(row_ptr + d, r.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=d_ok)
     else:  # fp8 e4m3fn bytes (the cache read as uint8), saturating at 448
         v = tl.math.div_rn(x.to(tl.float32), head_scale)
         a = tl.minimum(tl.abs(v), 448.0)

@@ -6,7 +6,12 @@ peer, as llama-cpp-python is).
 Formats: `auto` (the checkpoint as tokenmill serves it by default: a bf16 / fp16 folder keeps
 its half-precision weights), `float32` (dtype=float32: the weights widened at load), or a
 file path (a GGUF file of the same model, served by default in its own blocks), optionally
-`PATH@int8` for another weight format. Each runs in a child process of its own.
+`PATH@int8` (or `auto@int8`: the folder) for another weight format, and `@kv=bfloat16` (any
+`kv_cache_dtype`) for another KV cache format, e.g. `auto@kv=bfloat16`. Each runs in a child
+process of its own. vLLM runs under `--vllm-python` (default: this interpreter), so it can live
+in a venv of its own (this checkout is put on its PYTHONPATH for the shared workloads).
+vLLM's single-stream figure is its decode rate after the first token, as tokenmill's is: the
+time of a 1-token run of the same prompt is taken off the full run's.
 
     python benchmarks/checkpoint_formats.py FOLDER --formats auto,float32,model.Q4_1.gguf
 """
@@ -15,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
 
+import tokenmill
 from tokenmill.bench.machine import describe_machine
 from tokenmill.bench.workloads import load_workload
 
@@ -26,12 +33,17 @@ WORKLOADS = ("uniform", "mixed", "shared-prefix", "single-stream")
 
 
 def _engine_args(folder: str, fmt: str) -> tuple[str, dict]:
-    path, _, quant = fmt.partition("@")
+    """FORMAT[@QUANTIZATION][@kv=KV_CACHE_DTYPE] → (model, LLM options)."""
+    path, *extras = fmt.split("@")
+    options: dict = {}
+    for extra in extras:
+        key, _, value = extra.rpartition("=")
+        options[{"": "quantization", "kv": "kv_cache_dtype"}[key]] = value
     if path == "auto":
-        return folder, {}
+        return folder, options
     if path == "float32":
-        return folder, {"dtype": "float32"}
-    return path, ({"quantization": quant} if quant else {})
+        return folder, {"dtype": "float32", **options}
+    return path, options
 
 
 def _child(folder: str, fmt: str, workloads: list[str]) -> dict:
@@ -39,9 +51,11 @@ def _child(folder: str, fmt: str, workloads: list[str]) -> dict:
     from tokenmill.bench.latency import run_tokenmill_once
 
     model, options = _engine_args(folder, fmt)
+    start = time.perf_counter()
     llm = LLM(model, max_model_len=2048, **options)
     mc = llm.engine.config.model
-    result = {"weights": str(mc.weight_dtype or mc.quantization or mc.dtype)}
+    result = {"weights": str(mc.weight_dtype or mc.quantization or mc.dtype),
+              "start_s": time.perf_counter() - start}
     for name in workloads:
         reqs = load_workload(folder, name)
         llm.reset_prefix_cache()
@@ -64,22 +78,50 @@ def _vllm(folder: str, workloads: list[str]) -> dict | None:
         from vllm import LLM, SamplingParams
     except ImportError:
         return None
-    llm = LLM(folder, dtype="bfloat16", max_model_len=2048)
-    result = {"weights": "vllm bf16"}
-    for name in workloads:
-        reqs = load_workload(folder, name)
+    start = time.perf_counter()
+    # a fixed KV space: vLLM's CPU default reserves 92% of the machine's memory and refuses to
+    # start when less is free (this benchmark's parent holds some)
+    llm = LLM(folder, dtype="bfloat16", max_model_len=2048, kv_cache_memory_bytes=4 << 30)
+    result = {"weights": "vllm bf16", "start_s": time.perf_counter() - start}
+
+    def run(reqs: list, max_tokens: int | None = None) -> tuple[list, float]:
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
-        params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
-                  for r in reqs]
+        params = [SamplingParams(temperature=0, max_tokens=max_tokens or r.output_len,
+                                 ignore_eos=True) for r in reqs]
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        if name == "single-stream":
-            result[name] = reqs[0].output_len / elapsed
-        else:
-            result[name] = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids)
-                               for o in outs) / elapsed
+        return outs, time.perf_counter() - start
+
+    for name in workloads:
+        reqs = load_workload(folder, name)
+        llm.reset_prefix_cache()
+        if name == "single-stream":  # decode tokens/s after the first token, as tokenmill's
+            _, first = run(reqs[:1], max_tokens=1)
+            llm.reset_prefix_cache()
+            _, full = run(reqs[:1])
+            result[name] = (reqs[0].output_len - 1) / (full - first)
+            continue
+        outs, elapsed = run(reqs)
+        result[name] = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids)
+                           for o in outs) / elapsed
     return result
+
+
+def _vllm_env(python: str, env: dict[str, str]) -> dict[str, str]:
+    """vLLM's CPU set-up as its docs ask: as many OpenMP threads as tokenmill uses (vLLM
+    otherwise drops to one thread "for serving" on a 2-core machine) and its venv's Intel
+    OpenMP preloaded where installed (tcmalloc too, where the system has it)."""
+    import glob
+
+    import torch
+
+    env = {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", str(torch.get_num_threads()))}
+    prefix = os.path.dirname(os.path.dirname(python))
+    preload = [*glob.glob(os.path.join(prefix, "lib", "libiomp5.so")),
+               *glob.glob("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so*")[:1]]
+    if preload:
+        env["LD_PRELOAD"] = ":".join([*preload, *env.get("LD_PRELOAD", "").split(":")]).strip(":")
+    return env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("folder", help="a Hugging Face folder (bf16 or fp16 checkpoint)")
     p.add_argument("--formats", default="auto,float32")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--vllm-python", default=sys.executable,
+                   help="the Python of a venv with vLLM's CPU build (default: this one)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     workloads = args.workloads.split(",")
@@ -98,11 +142,17 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(result))
         return 0
     print(describe_machine())
-    print(f"{'format':36s} {'weights':>16s} " + " ".join(f"{w:>14s}" for w in workloads))
+    print(f"{'format':36s} {'weights':>16s} {'start s':>8s} "
+          + " ".join(f"{w:>14s}" for w in workloads))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(tokenmill.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
     for fmt in [*args.formats.split(","), "vllm"]:
-        out = subprocess.run([sys.executable, "-m", "tokenmill.bench.checkpoint_formats",
+        python = args.vllm_python if fmt == "vllm" else sys.executable
+        out = subprocess.run([python, "-m", "tokenmill.bench.checkpoint_formats",
                               args.folder, "--child", fmt, "--workloads", args.workloads],
-                             capture_output=True, text=True)
+                             capture_output=True, text=True,
+                             env=_vllm_env(python, env) if fmt == "vllm" else env)
         line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
         if out.returncode or not line:
             print(f"{fmt}: failed\n{out.stderr[-1500:]}")
@@ -111,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         if r is None:
             print("vllm: not installed (an optional peer); skipped")
             continue
-        print(f"{fmt[-36:]:36s} {r['weights']:>16s} "
+        print(f"{fmt[-36:]:36s} {r['weights']:>16s} {r['start_s']:8.1f} "
               + " ".join(f"{r[w]:14.1f}" for w in workloads))
     return 0
 

@@ -33,7 +33,7 @@ namespace {
 const std::vector<std::string> kOps = {
     "pre_norm_block", "rms_norm", "rope",
     "attention", "attention.window", "attention.key_rotation", "attention.kv_float32",
-    "attention.kv_int8", "attention.kv_fp8",
+    "attention.kv_bfloat16", "attention.kv_int8", "attention.kv_fp8",
     "linear", "linear.bias", "linear.tp_all_reduce",
     "gated_mlp", "gated_act", "gated_act.silu", "gated_act.gelu", "gated_act.gelu_tanh"};
 constexpr size_t kNormsPerLayer = 2;    // in_norm, post_norm

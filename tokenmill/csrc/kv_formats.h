@@ -2,6 +2,8 @@
 // and write one row, the D values of one token and KV head.
 //
 // - float32: D floats.
+// - bfloat16: D bfloat16 values (a float32 model's cache at half the bytes): read by widening
+//   (the 16 bits above 16 zero bits), written rounded to nearest even (torch's .to(bfloat16)).
 // - int8: D int8 values, then their float32 scale (4 bytes): x = q * scale, symmetric,
 //   scale = max|x| / 127, q = round-half-even(x / scale) (torch's quantize_rows exactly).
 // - fp8 (float8_e4m3fn): D bytes; x = fp8 value * head_scale, the layer's fixed scale of that
@@ -14,6 +16,7 @@
 // dequantization gives, bit for bit: the kernels are tested against it.
 #pragma once
 #include <torch/extension.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <algorithm>
 #include <cfloat>
@@ -24,7 +27,7 @@
 #include <immintrin.h>
 #endif
 
-enum class KVFormat { kFloat32, kInt8, kFp8 };
+enum class KVFormat { kFloat32, kBf16, kInt8, kFp8 };
 
 constexpr int64_t kInt8ScaleBytes = 4;
 constexpr float kFp8Max = 448.f;
@@ -35,9 +38,10 @@ constexpr float kFp8Rebias = 1.329227995784916e36f;  // 2^120
 inline KVFormat kv_format(const torch::Tensor& cache) {
   switch (cache.scalar_type()) {
     case torch::kFloat32: return KVFormat::kFloat32;
+    case torch::kBFloat16: return KVFormat::kBf16;
     case torch::kInt8: return KVFormat::kInt8;
     case torch::kFloat8_e4m3fn: return KVFormat::kFp8;
-    default: TORCH_CHECK(false, "KV cache must be float32, int8 or float8_e4m3fn, got ",
+    default: TORCH_CHECK(false, "KV cache must be float32, bfloat16, int8 or float8_e4m3fn, got ",
                          cache.scalar_type());
   }
   return KVFormat::kFloat32;
@@ -45,7 +49,12 @@ inline KVFormat kv_format(const torch::Tensor& cache) {
 
 // Bytes of a row of D values, and D from a cache's last dimension R.
 inline int64_t kv_row_bytes(KVFormat f, int64_t D) {
-  return f == KVFormat::kFloat32 ? 4 * D : f == KVFormat::kInt8 ? D + kInt8ScaleBytes : D;
+  switch (f) {
+    case KVFormat::kFloat32: return 4 * D;
+    case KVFormat::kBf16: return 2 * D;
+    case KVFormat::kInt8: return D + kInt8ScaleBytes;
+    default: return D;
+  }
 }
 inline int64_t kv_head_dim(KVFormat f, int64_t R) {
   return f == KVFormat::kInt8 ? R - kInt8ScaleBytes : R;
@@ -69,11 +78,36 @@ static inline float fp8_bits_to_float(uint8_t b) {
   return x * kFp8Rebias;
 }
 
+// out[0, D) = the D bfloat16 values at row, widened (exact).
+inline void bf16_load_row(const uint8_t* row, int64_t D, float* out) {
+  const auto* h = reinterpret_cast<const uint16_t*>(row);
+  int64_t d = 0;
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)
+  for (; d + 16 <= D; d += 16) {
+    const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + d));
+    _mm512_storeu_ps(out + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(u), 16)));
+  }
+#elif defined(CPU_CAPABILITY_AVX2) && defined(__AVX2__)
+  for (; d + 8 <= D; d += 8) {
+    const __m128i u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + d));
+    _mm256_storeu_ps(out + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(u), 16)));
+  }
+#endif
+  for (; d < D; ++d) {
+    const uint32_t bits = uint32_t(h[d]) << 16;
+    std::memcpy(out + d, &bits, 4);
+  }
+}
+
 // out[0, D) = the values of one row. head_scale: fp8's (ignored otherwise).
 inline void kv_load_row(KVFormat f, const uint8_t* row, int64_t D, float head_scale,
                         float* out) {
   if (f == KVFormat::kFloat32) {
     std::memcpy(out, row, 4 * D);
+    return;
+  }
+  if (f == KVFormat::kBf16) {
+    bf16_load_row(row, D, out);
     return;
   }
   float scale = head_scale;
@@ -124,6 +158,11 @@ inline void kv_store_row(KVFormat f, const float* x, int64_t D, float head_scale
                          uint8_t* row) {
   if (f == KVFormat::kFloat32) {
     std::memcpy(row, x, 4 * D);
+    return;
+  }
+  if (f == KVFormat::kBf16) {  // c10's rounding: nearest even, NaN kept (torch's)
+    auto* h = reinterpret_cast<uint16_t*>(row);
+    for (int64_t d = 0; d < D; ++d) h[d] = c10::BFloat16(x[d]).x;
     return;
   }
   if (f == KVFormat::kFp8) {

@@ -13,13 +13,13 @@ What it runs is what the modules state they compute (layers/op_spec.py), never w
 types suggest: the plan is built from each layer's `OpSpec` tree and the model's RoPE table,
 and the call runs only when the C++ side implements every op and variant they require (its
 `OPS`: a pre-norm block of RMSNorms, RoPE over whole heads, paged attention with or without
-one window, a key rotation and a float32 / int8 / fp8 cache, linear layers with biases and the
-shared-memory all-reduce, a gated MLP with SiLU, GELU or GELU-tanh), for float32 activations
-on CPU, with all layers alike in what the call takes once (heads, eps, scale, window, backend)
-and a step whose every query goes to the CPU paged-attention kernel (the attention backend
-says so through `fused_decode_queries`). Anything else (another op, a variant, a subclass
-that redefines a forward) runs the modules, whose layers call the same kernels through the
-same method objects.
+one window, a key rotation and a float32 / bfloat16 / int8 / fp8 cache, linear layers with
+biases and the shared-memory all-reduce, a gated MLP with SiLU, GELU or GELU-tanh), for
+float32 activations on CPU, with all layers alike in what the call takes once (heads, eps,
+scale, window, backend) and a step whose every query goes to the CPU paged-attention kernel
+(the attention backend says so through `fused_decode_queries`). Anything else (another op,
+a variant, a subclass that redefines a forward) runs the modules, whose layers call the same
+kernels through the same method objects.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention import AttentionMetadata
+from tokenmill.attention.kv_formats import op_variant
 from tokenmill.distributed import ParallelState
 from tokenmill.distributed.pipeline import PPMissingLayer
 from tokenmill.layers.activation import gated_activation
@@ -27,10 +28,6 @@ from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary, rope_key
 from tokenmill.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.models.cpu_decode import SmallBatchDecode
 from tokenmill.quantization import QuantizationConfig
-
-# a KV cache's storage as an attention variant
-_KV_VARIANTS = {torch.float32: "kv_float32", torch.int8: "kv_int8",
-                torch.float8_e4m3fn: "kv_fp8"}
 
 
 class LlamaAttention(nn.Module):
@@ -75,7 +72,7 @@ class LlamaAttention(nn.Module):
         on = {"window": a.sliding_window is not None, "soft_cap": a.soft_cap is not None,
               "key_rotation": a.key_rotation is not None}
         variants = {name for name, used in on.items() if used}
-        variants.add(_KV_VARIANTS.get(a.kv_cache.dtype, f"kv_{a.kv_cache.dtype}"))
+        variants.add(op_variant(a.kv_cache.dtype))
         return OpSpec("attention", frozenset(variants), parts=parts,
                       params={"attn": a, "scale": a.scale, "window": a.sliding_window,
                               "heads": (self.num_heads, self.num_kv_heads, self.head_dim)})
