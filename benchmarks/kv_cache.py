@@ -63,7 +63,7 @@ def agreement(dtypes: list[str], max_tokens: int) -> None:
         pairs = list(zip(answers["auto"], answers[kv], strict=True))
         firsts = [next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
                        min(len(a), len(b))) for a, b in pairs if a != b]
-        print(f"  {kv:<6} {sum(a == b for a, b in pairs)} of {len(PROMPTS)} identical"
+        print(f"  {kv:<9} {sum(a == b for a, b in pairs)} of {len(PROMPTS)} identical"
               + (f"; the others first differ at tokens {sorted(firsts)}" if firsts else ""))
 
 

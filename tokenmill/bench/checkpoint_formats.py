@@ -108,14 +108,17 @@ def _vllm(folder: str, workloads: list[str]) -> dict | None:
 
 
 def _vllm_env(python: str, env: dict[str, str]) -> dict[str, str]:
-    """vLLM's CPU set-up as its docs ask: as many OpenMP threads as tokenmill uses (vLLM
-    otherwise drops to one thread "for serving" on a 2-core machine) and its venv's Intel
+    """vLLM's CPU set-up as its docs ask, on as many cores as tokenmill uses: its worker's
+    OpenMP threads bound to CPUs 0..n-1 (its automatic binding keeps one core of a 2-core
+    machine for the scheduler process and computes on the other alone), and its venv's Intel
     OpenMP preloaded where installed (tcmalloc too, where the system has it)."""
     import glob
 
     import torch
 
-    env = {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", str(torch.get_num_threads()))}
+    threads = torch.get_num_threads()
+    env = {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", str(threads)),
+           "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")}
     prefix = os.path.dirname(os.path.dirname(python))
     preload = [*glob.glob(os.path.join(prefix, "lib", "libiomp5.so")),
                *glob.glob("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so*")[:1]]
