@@ -41,7 +41,7 @@ from tokenmill.layers import cpu_ops
 
 FP8 = torch.float8_e4m3fn
 FORMATS = ["bfloat16", "int8", "fp8"]  # every format that rounds what it stores
-INT8, FP8_FORMAT = KV_FORMATS["int8"], KV_FORMATS["fp8"]
+INT8 = KV_FORMATS["int8"]
 
 
 def fp8_scales(fmt: str, hkv: int) -> torch.Tensor | None:
@@ -60,10 +60,6 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
 
 def dequantize_rows(rows: torch.Tensor) -> torch.Tensor:
     return INT8.dequantize(rows, None)
-
-
-def quantize_fp8(x: torch.Tensor, head_scales: torch.Tensor) -> torch.Tensor:
-    return FP8_FORMAT.quantize(x, head_scales)
 
 
 def test_int8_round_trip_error_is_at_most_half_a_step():

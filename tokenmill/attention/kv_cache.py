@@ -4,8 +4,9 @@ Layout: one tensor (num_layers, 2, num_blocks, block_size, num_kv_heads, R); lay
 is `cache[i]`, K at [0] and V at [1]. Slot s is block s // block_size, offset s % block_size,
 so a flat view (num_blocks * block_size, Hkv, R) is indexed by slot directly. A row (one
 token, one KV head) is in the format `kv_cache_dtype` (vLLM's option) names, one registered
-object each (attention/kv_formats.py): "auto" (the model's dtype), "int8" (values and their
-per-row scale), "fp8" (= "fp8_e4m3": e4m3 values, x = fp8 * head_scale). Whatever a row needs
+object each (attention/kv_formats.py): "auto" (the model's dtype), "bfloat16" (a float32
+model's values rounded to bfloat16), "int8" (values and their per-row scale), "fp8" (=
+"fp8_e4m3": e4m3 values, x = fp8 * head_scale). Whatever a row needs
 besides its bytes is fixed for the cache's life, so a block is self-contained: copy-on-write,
 swap and prefix-cache reuse move raw blocks and never need to know the format.
 fp8's scales, K's and V's per KV head of each layer (`kv_scales`, (num_layers, 2, Hkv)
