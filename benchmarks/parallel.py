@@ -112,8 +112,9 @@ def _front(model: str, router: str, options: dict):
     uni executor, as the server runs it) or DataParallelLLM over replicas."""
     from tokenmill.engine.async_engine import AsyncLLM
     from tokenmill.engine.data_parallel import DataParallelLLM, make_replicas
+    from tokenmill.engine_args import EngineArgs
 
-    engines = make_replicas(model, **options)
+    engines = make_replicas(EngineArgs.from_options(model, **options))
     front = (AsyncLLM(engines[0]) if len(engines) == 1
              else DataParallelLLM(engines, router))
     front.start()
@@ -202,7 +203,7 @@ def router_part(model: str | None, num_conversations: int, options: dict) -> Non
 
 def main() -> None:
     from tokenmill.bench.machine import describe_machine
-    from tokenmill.cli import add_engine_args, engine_options
+    from tokenmill.engine_args import EngineArgs
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="allreduce,uniform,router")
@@ -210,16 +211,17 @@ def main() -> None:
     p.add_argument("--runs", default=",".join(RUNS),
                    help=f"uniform runs to compare, of: {', '.join(RUNS)}")
     p.add_argument("--num-conversations", type=int, default=16)
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     args = p.parse_args()
     print(describe_machine())
     parts = args.parts.split(",")
     if "allreduce" in parts:
         allreduce_part()
     if "uniform" in parts:
-        uniform_part(args.model, args.num_requests, args.runs.split(","), engine_options(args))
+        uniform_part(args.model, args.num_requests, args.runs.split(","),
+                     EngineArgs.cli_options(args))
     if "router" in parts:
-        router_part(args.model, args.num_conversations, engine_options(args))
+        router_part(args.model, args.num_conversations, EngineArgs.cli_options(args))
 
 
 if __name__ == "__main__":

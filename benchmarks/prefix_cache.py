@@ -18,7 +18,7 @@ import random
 import time
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import ModelConfig
+from tokenmill.config_factory import model_config
 from tokenmill.engine.tokenizer import load_tokenizer
 
 
@@ -60,7 +60,7 @@ def multi_turn(llm: LLM, draw) -> list[float]:
 
 
 def measure(model: str | None, workload: str, cache: bool, seed: int) -> dict[str, float]:
-    mc = ModelConfig.from_path(model)
+    mc = model_config(model)
     special = set(load_tokenizer(mc).all_special_ids)
     rng = random.Random(seed)
     allowed = [t for t in range(mc.vocab_size) if t not in special]

@@ -12,7 +12,7 @@ import numpy as np
 from safetensors.torch import load_file
 
 from tokenmill.bench.real_gguf import random_blocks
-from tokenmill.model_loader.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES, _reader
+from tokenmill.model_loader.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES, gguf_reader
 from tokenmill.models import registry
 
 # kind → (llama.cpp architecture, HF architecture the file must load as)
@@ -110,7 +110,7 @@ def write_gguf(kind: str, folder: str, hf, smollm2_path: str, out: Path,
     writer = gguf.GGUFWriter(str(out), arch)
     for key, (value, kind_) in _metadata(arch, c).items():
         {"u32": writer.add_uint32, "f32": writer.add_float32}[kind_](f"{arch}.{key}", value)
-    for name, field in _reader(smollm2_path).fields.items():  # SmolLM2's tokenizer
+    for name, field in gguf_reader(smollm2_path).fields.items():  # SmolLM2's tokenizer
         if name.startswith("tokenizer."):
             sub = field.types[1] if len(field.types) > 1 else None
             writer.add_key_value(name, field.contents(), field.types[0], sub)

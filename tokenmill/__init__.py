@@ -7,6 +7,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.beam_search import BeamSearchOutput, BeamSearchSequence
 from tokenmill.engine.llm import LLM
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine_args import EngineArgs
 from tokenmill.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -20,6 +21,7 @@ from tokenmill.structured_output.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
-           "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "EngineConfig",
+           "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "EngineArgs",
+           "EngineConfig",
            "LLMEngine", "Logprob", "PoolerConfig", "PoolingParams", "RequestOutput",
            "SamplingParams", "StructuredOutputsParams", "__version__"]

@@ -65,9 +65,9 @@ def test_names_aliases_and_refusals():
 
 
 def test_the_cli_offers_the_registry():
-    from tokenmill.cli import add_engine_args
+    from tokenmill.engine_args import EngineArgs
 
     p = argparse.ArgumentParser()
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     action = next(a for a in p._actions if a.dest == "kv_cache_dtype")
     assert action.choices == [*kv_format_names(), *PLANNED_KV_FORMATS]

@@ -19,7 +19,7 @@ import pytest
 from tests.gguf_writer import write_gguf
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers import cpu_ops
-from tokenmill.spec_decode.cost_model import SpecCosts
+from tokenmill.spec_decode.policy import SpecCosts
 
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
 

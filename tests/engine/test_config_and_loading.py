@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import EngineConfig
+from tokenmill.engine_args import engine_config
+from tokenmill.model_loader.loader import load_model
 from tokenmill.utils import parse_size
 
 
@@ -37,13 +38,13 @@ def test_kv_cache_memory_sizes_the_pool(tiny_model):
 def test_unknown_option_and_bad_values(tiny_model):
     path, _ = tiny_model("llama")
     with pytest.raises(ValueError, match="unknown engine option 'max_batch'"):
-        EngineConfig.create(path, max_batch=3)
+        engine_config(path, max_batch=3)
     with pytest.raises(ValueError, match="max_model_len must be in"):
-        EngineConfig.create(path, max_model_len=100000)
+        engine_config(path, max_model_len=100000)
     with pytest.raises(ValueError, match="block_size"):
-        EngineConfig.create(path, block_size=3)
+        engine_config(path, block_size=3)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        EngineConfig.create(path, enable_chunked_prefill=False, max_num_batched_tokens=64)
+        engine_config(path, enable_chunked_prefill=False, max_num_batched_tokens=64)
 
 
 def test_missing_and_broken_models(tmp_path, tiny_model):
@@ -114,28 +115,36 @@ def test_sliding_window_config_is_served_with_its_window(tmp_path, tiny_model):
     cfg = json.loads((win / "config.json").read_text())
     cfg["sliding_window"] = 128
     (win / "config.json").write_text(json.dumps(cfg))
-    assert EngineConfig.create(str(win)).model.kv_sliding_window == 128
-    # a window as long as the context drops nothing: plain attention
-    assert EngineConfig.create(str(win), max_model_len=128).model.kv_sliding_window is None
-    assert EngineConfig.create(path).model.kv_sliding_window is None
-    assert EngineConfig.create(tiny_model("gemma2")[0]).model.kv_sliding_window is None
+    assert engine_config(str(win)).model.kv_sliding_window == 128
+    # a window as long as the context drops nothing: plain attention, built from a copy of
+    # the checkpoint's config (the Hugging Face object keeps its window)
+    full = engine_config(str(win), max_model_len=128).model
+    assert full.kv_sliding_window is None and full.hf_overrides == {"sliding_window": None}
+    assert full.hf_config.sliding_window == 128
+    model = load_model(full, torch.device("cpu"))
+    assert all(layer.self_attn.attn.sliding_window is None for layer in model.model.layers)
+    assert full.hf_config.sliding_window == 128
+    windowed = load_model(engine_config(str(win), max_model_len=256).model, torch.device("cpu"))
+    assert all(layer.self_attn.attn.sliding_window == 128 for layer in windowed.model.layers)
+    assert engine_config(path).model.kv_sliding_window is None
+    assert engine_config(tiny_model("gemma2")[0]).model.kv_sliding_window is None
 
 
 def test_engine_flags_reach_the_config(tiny_model):
     import argparse
 
-    from tokenmill.cli import add_engine_args, engine_options
+    from tokenmill.engine_args import EngineArgs
 
     path, _ = tiny_model("llama")
     parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    options = engine_options(parser.parse_args(["--enforce-eager", "--attention-backend",
+    EngineArgs.add_cli_args(parser)
+    options = EngineArgs.cli_options(parser.parse_args(["--enforce-eager", "--attention-backend",
                                                 "torch", "--no-prepack-weights"]))
     assert options == {"enforce_eager": True, "attention_backend": "torch",
                        "prepack_weights": False}
-    config = EngineConfig.create(path, **options)
+    config = engine_config(path, **options)
     assert config.enforce_eager and config.attention_backend == "torch"
-    assert not EngineConfig.create(path).enforce_eager
+    assert not engine_config(path).enforce_eager
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without CUDA")

@@ -14,6 +14,7 @@ import torch
 
 from tests.conftest import assert_kv_all_free, generate_greedy
 from tests.engine.test_prefix_caching import run_in_two_waves, workload
+from tests.models.test_cpu_decode import _counting_fused_calls
 from tokenmill import LLM, SamplingParams
 
 STORAGE = {"bfloat16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -36,13 +37,20 @@ def reference(request, tiny_model):
     {"num_kv_blocks": 20, "enable_prefix_caching": False},  # preemption: recompute
     {"num_kv_blocks": 20, "enable_prefix_caching": False, "preemption_mode": "swap"},
 ])
-def test_outputs_do_not_depend_on_how_blocks_were_filled(reference, options):
+def test_outputs_do_not_depend_on_how_blocks_were_filled(reference, options, monkeypatch):
     kv_cache_dtype, path, cases, expected = reference
     llm = LLM(path, **({"kv_cache_dtype": kv_cache_dtype, "num_kv_blocks": 200,
                         "block_size": 8, "attention_backend": "torch"} | options))
+    fused_calls = _counting_fused_calls(monkeypatch)
     got = (run_in_two_waves(llm, cases) if options.get("enable_prefix_caching")
            else generate_greedy(llm, cases))
     assert got == expected
+    if options.get("attention_backend") == "auto":  # the C++ kernel read the cache ...
+        assert type(llm.engine.runner.backend).__name__ == "CPUPagedAttention"
+        assert fused_calls  # ... and small decode batches took the fused call
+    else:
+        assert type(llm.engine.runner.backend).__name__ == "TorchPagedAttention"
+        assert not fused_calls
     if options.get("num_kv_blocks") == 20:
         assert llm.engine.scheduler.num_preemptions > 0
     if options.get("enable_prefix_caching"):

@@ -14,8 +14,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.metrics.stats import StepTimings
 from tokenmill.sampling_params import BeamSearchParams
-from tokenmill.spec_decode.cost_model import SpecCosts
-from tokenmill.spec_decode.policy import DRAFT_MODEL_COST, VERIFY_COST_PER_DRAFT
+from tokenmill.spec_decode.policy import DRAFT_MODEL_COST, VERIFY_COST_PER_DRAFT, SpecCosts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
          "prompt_lookup_min": 1}
@@ -262,19 +261,18 @@ def test_draft_model_waits_for_the_first_token(smollm2_costs, tiny_model):
 def test_cli_flag_reaches_the_config(tiny_model):
     import argparse
 
-    from tokenmill.cli import add_engine_args, engine_options
-    from tokenmill.config import EngineConfig
+    from tokenmill.engine_args import EngineArgs, engine_config
 
     path, _ = tiny_model("llama")
     parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    options = engine_options(parser.parse_args(
+    EngineArgs.add_cli_args(parser)
+    options = EngineArgs.cli_options(parser.parse_args(
         ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']))
-    config = EngineConfig.create(path, **options)
+    config = engine_config(path, **options)
     assert (config.speculative.method, config.speculative.num_speculative_tokens) == ("ngram", 2)
     assert config.draft_model is None
-    assert EngineConfig.create(path).speculative is None
-    config = EngineConfig.create(path, **engine_options(parser.parse_args(
+    assert engine_config(path).speculative is None
+    config = engine_config(path, **EngineArgs.cli_options(parser.parse_args(
         ["--speculative-config", '{"method": "draft_model", "quantization": "int8"}'])))
     assert (config.draft_model.path, config.draft_model.quantization) == (path, "int8")
 

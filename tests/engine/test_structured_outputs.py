@@ -15,8 +15,7 @@ import torch
 
 from tests.conftest import assert_kv_all_free
 from tokenmill import LLM, SamplingParams, StructuredOutputsParams
-from tokenmill.spec_decode.cost_model import SpecCosts
-from tokenmill.spec_decode.policy import DRAFT_MODEL_COST, VERIFY_COST_PER_DRAFT
+from tokenmill.spec_decode.policy import DRAFT_MODEL_COST, VERIFY_COST_PER_DRAFT, SpecCosts
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 12},

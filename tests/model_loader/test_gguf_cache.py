@@ -12,23 +12,23 @@ import shutil
 
 import torch
 
-from tokenmill.config import ModelConfig
+from tokenmill.config_factory import model_config
 from tokenmill.engine.tokenizer import load_tokenizer
-from tokenmill.model_loader.gguf_cache import converted_weights
+from tokenmill.model_loader.gguf_convert import converted_weights
 from tokenmill.model_loader.gguf_loader import gguf_hf_config, iterate_gguf
 from tokenmill.model_loader.loader import iterate_weights
 
 
 def test_converted_copy_equals_the_gguf_file(smollm2_path, tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
-    first = ModelConfig.from_path(smollm2_path)
+    first = model_config(smollm2_path)
     assert first.converted_dir is not None and first.converted_dir.startswith(str(tmp_path))
     assert first.gguf_file == smollm2_path
     weights = os.path.join(first.converted_dir, "model.safetensors")
     assert not os.path.exists(weights)  # written when a start first needs them
     assert converted_weights(first.converted_dir, smollm2_path) == first.converted_dir
     mtime = os.path.getmtime(weights)
-    again = ModelConfig.from_path(smollm2_path)  # reuses the folder, does not rewrite it
+    again = model_config(smollm2_path)  # reuses the folder, does not rewrite it
     assert again.converted_dir == first.converted_dir
     assert converted_weights(again.converted_dir, smollm2_path) == first.converted_dir
     assert os.path.getmtime(weights) == mtime
@@ -42,7 +42,7 @@ def test_converted_copy_equals_the_gguf_file(smollm2_path, tmp_path, monkeypatch
         assert getattr(again.hf_config, key) == getattr(direct, key), key
 
     monkeypatch.setenv("TOKENMILL_GGUF_CACHE", "0")
-    plain = ModelConfig.from_path(smollm2_path)
+    plain = model_config(smollm2_path)
     assert plain.converted_dir is None
     tok_cached, tok_plain = load_tokenizer(again), load_tokenizer(plain)
     text = "Hello, world! Grüße 👋 <|im_end|>"
@@ -62,16 +62,16 @@ def test_cache_is_keyed_on_the_file_and_optional(smollm2_path, tmp_path, monkeyp
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
     copy = tmp_path / "model.gguf"
     shutil.copyfile(smollm2_path, copy)
-    a = ModelConfig.from_path(str(copy)).converted_dir
+    a = model_config(str(copy)).converted_dir
     os.utime(copy, ns=(0, 10**18))  # the file "changed": a new conversion
-    b = ModelConfig.from_path(str(copy)).converted_dir
+    b = model_config(str(copy)).converted_dir
     assert a is not None and b is not None and a != b
 
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(blocker / "sub"))
     with caplog.at_level(logging.WARNING):
-        cfg = ModelConfig.from_path(str(copy))
+        cfg = model_config(str(copy))
     assert cfg.converted_dir is None and "cannot cache" in caplog.text
 
 
@@ -100,7 +100,7 @@ def test_later_starts_read_the_tensor_index_not_the_metadata(smollm2_path, tmp_p
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
     gguf_loader.gguf_index.cache_clear()
-    first = ModelConfig.from_path(smollm2_path)
+    first = model_config(smollm2_path)
     assert os.path.isfile(os.path.join(first.converted_dir, INDEX_FILE))
     import gguf
 
@@ -113,7 +113,7 @@ def test_later_starts_read_the_tensor_index_not_the_metadata(smollm2_path, tmp_p
     def no_reader(path):
         raise AssertionError("the gguf reader was opened")
 
-    monkeypatch.setattr(gguf_loader, "_reader", no_reader)
+    monkeypatch.setattr(gguf_loader, "gguf_reader", no_reader)
     assert gguf_loader.gguf_tensor_types(smollm2_path) == types
     assert gguf_loader.gguf_num_tensors(smollm2_path) == len(types)
     again = dict(iterate_gguf(smollm2_path, first.hf_config, raw_types=("Q4_1",)))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import EngineConfig
+from tokenmill.engine_args import engine_config
 from tokenmill.model_loader.hub import HubModel, _wanted, parse_hub_id
 
 MAIN, DEV = "a" * 40, "b" * 40
@@ -118,22 +118,22 @@ def test_a_model_by_id_and_by_revision_served_under_its_id(offline_hub, tiny_mod
     got = llm.generate(prompt, params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
     for revision in ("dev", DEV):
-        dev = EngineConfig.create("org/tiny-llama", revision=revision).model
+        dev = engine_config("org/tiny-llama", revision=revision).model
         assert dev.path.endswith(f"snapshots/{DEV}") and dev.max_model_len == 64
 
 
 def test_a_gguf_repository_by_type_and_by_file(offline_hub, smollm2_path):
     for name in ("org/smol-GGUF:Q4_1", "org/smol-GGUF:q4_1", "org/smol-GGUF/smol-Q4_1.gguf",
                  "org/smol-GGUF"):  # its only GGUF file
-        model = EngineConfig.create(name).model
+        model = engine_config(name).model
         assert model.gguf_file is not None and model.gguf_file.endswith("smol-Q4_1.gguf")
         assert filecmp.cmp(model.gguf_file, smollm2_path, shallow=False)
         assert model.served_name == name
     with pytest.raises(ValueError, match=r"'org/smol-GGUF:Q4_K_M' has no GGUF file of type "
                                          r"Q4_K_M; its GGUF files: smol-Q4_1.gguf"):
-        EngineConfig.create("org/smol-GGUF:Q4_K_M")
+        engine_config("org/smol-GGUF:Q4_K_M")
     with pytest.raises(ValueError, match="has no file 'other.gguf'"):
-        EngineConfig.create("org/smol-GGUF/other.gguf")
+        engine_config("org/smol-GGUF/other.gguf")
 
 
 def test_a_tokenizer_from_another_id(offline_hub, smollm2_path):
@@ -153,7 +153,7 @@ def test_a_tokenizer_from_another_id(offline_hub, smollm2_path):
 ])
 def test_what_cannot_be_resolved_fails_at_once_naming_it(offline_hub, name, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        EngineConfig.create(name, **kwargs)
+        engine_config(name, **kwargs)
 
 
 def test_serve_an_unknown_id_exits_with_the_message_not_a_traceback(offline_hub):

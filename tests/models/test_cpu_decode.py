@@ -212,7 +212,6 @@ def _tp_rank_main(rank: int, world: int, path: str, init: str, shm_path: str, q)
     """One tensor-parallel rank: a decode step through the fused call and through the
     modules, on the same inputs (the second run rewrites the same K/V into the same slot)."""
     from tokenmill.attention.input_batch import InputBatch
-    from tokenmill.config import EngineConfig
     from tokenmill.core.interface import (
         NewRequestData,
         RequestStep,
@@ -221,13 +220,14 @@ def _tp_rank_main(rank: int, world: int, path: str, init: str, shm_path: str, q)
     )
     from tokenmill.distributed import ParallelState
     from tokenmill.distributed.shm_all_reduce import ShmAllReduce
+    from tokenmill.engine_args import engine_config
     from tokenmill.worker.model_runner import ModelRunner
 
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank,
                                          world_size=world)
     comm = ShmAllReduce(shm_path, rank, world)
-    runner = ModelRunner(EngineConfig.create(path, num_kv_blocks=32),
+    runner = ModelRunner(engine_config(path, num_kv_blocks=32),
                          ParallelState(rank, world, comm))
     prompt, params = list(range(100, 121)), SamplingParams(temperature=0)
     runner.execute(SchedulerOutput(scheduled=[RequestStep("a", 0, len(prompt), True)],
@@ -276,3 +276,16 @@ def test_fused_call_under_tensor_parallelism(kind, tiny_model, tmp_path):
         assert applies, rank
         assert (fused == modules).all(), rank
     assert (results[0][2] == results[1][2]).all()  # every rank holds the same hidden states
+
+
+def test_the_runner_not_the_model_attaches_the_fused_call(tiny_model):
+    """A loaded model declares its layers only; the runner gives its stack the fused call."""
+    from tokenmill.engine_args import engine_config
+    from tokenmill.model_loader.loader import load_model
+
+    path = tiny_model("llama")[0]
+    model = load_model(engine_config(path).model, torch.device("cpu"))
+    assert model.model.small_batch_decode is None
+    runner_model = LLM(path).engine.runner.model
+    assert isinstance(runner_model.model.small_batch_decode, SmallBatchDecode)
+    assert runner_model.model.small_batch_decode._plan is not None

@@ -10,6 +10,7 @@ import torch
 
 from tests.conftest import assert_kv_all_free
 from tokenmill import LLM, SamplingParams
+from tokenmill.engine_args import engine_config
 from tokenmill.layers import cpu_ops
 from tokenmill.model_loader.gguf_loader import iterate_gguf
 from tokenmill.quantization.blocks import dequantize
@@ -69,27 +70,25 @@ def test_unsupported_tensor_types_are_named(monkeypatch, smollm2_path):
                                                      (True, "cuda", None)])
 def test_default_serves_the_blocks_on_the_cpu_kernels(monkeypatch, smollm2_path, kernels,
                                                       device, expected):
-    from tokenmill.config import ModelConfig
-    from tokenmill.quantization import default_quantization
+    from tokenmill.config_factory import default_quantization, model_config
     from tokenmill.utils import cpp_extension
 
     monkeypatch.setattr(cpp_extension, "kernels_enabled", lambda: kernels)
-    assert default_quantization(ModelConfig.from_path(smollm2_path), device) == expected
+    assert default_quantization(model_config(smollm2_path), device) == expected
 
 
 def test_default_is_only_a_default(monkeypatch, smollm2_path, tiny_model):
-    from tokenmill.config import EngineConfig
     from tokenmill.model_loader import gguf_loader
     from tokenmill.utils import cpp_extension
 
     monkeypatch.setattr(cpp_extension, "kernels_enabled", lambda: True)
-    assert EngineConfig.create(smollm2_path, device="cpu").model.quantization == "gguf"
+    assert engine_config(smollm2_path, device="cpu").model.quantization == "gguf"
     # "none" asks for the float32 expansion; an explicit method is kept
-    assert EngineConfig.create(smollm2_path, quantization="none").model.quantization is None
-    assert EngineConfig.create(smollm2_path, quantization="int8").model.quantization == "int8"
+    assert engine_config(smollm2_path, quantization="none").model.quantization is None
+    assert engine_config(smollm2_path, quantization="int8").model.quantization == "int8"
     # an HF folder, and a file with types its blocks are not served in, stay dense
-    assert EngineConfig.create(tiny_model("llama")[0]).model.quantization is None
+    assert engine_config(tiny_model("llama")[0]).model.quantization is None
     real = gguf_loader.gguf_tensor_types
     monkeypatch.setattr(gguf_loader, "gguf_tensor_types", lambda path: {
         **real(path), "model.layers.0.mlp.down_proj.weight": "IQ4_XS"})
-    assert EngineConfig.create(smollm2_path, device="cpu").model.quantization is None
+    assert engine_config(smollm2_path, device="cpu").model.quantization is None

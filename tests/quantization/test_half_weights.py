@@ -12,7 +12,7 @@ import torch
 
 from tests.conftest import assert_kv_all_free, hf_greedy
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import EngineConfig
+from tokenmill.engine_args import engine_config
 from tokenmill.layers import cpu_ops
 from tokenmill.quantization.base import CPULinearKernel
 
@@ -52,7 +52,7 @@ def half_model(request, tiny_model, tmp_path_factory):
 
 def test_a_half_checkpoint_keeps_its_weights_and_decodes_as_float32(half_model):
     path, dtype, reference = half_model
-    config = EngineConfig.create(path, device="cpu")
+    config = engine_config(path, device="cpu")
     assert config.model.dtype == torch.float32 and config.model.weight_dtype == dtype
     llm = LLM(path, num_kv_blocks=64)
     model = llm.engine.runner.model

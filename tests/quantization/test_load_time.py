@@ -121,11 +121,11 @@ def test_unknown_or_impossible_methods_fail_at_start_up(tiny_model):
 def test_cli_flags_reach_the_engine():
     import argparse
 
-    from tokenmill.cli import add_engine_args, engine_options
+    from tokenmill.engine_args import EngineArgs
 
     p = argparse.ArgumentParser()
-    add_engine_args(p)
-    opts = engine_options(p.parse_args(["--quantization", "gguf", "--int8-activations",
+    EngineArgs.add_cli_args(p)
+    opts = EngineArgs.cli_options(p.parse_args(["--quantization", "gguf", "--int8-activations",
                                         "--no-prepack-weights"]))
     assert opts == {"quantization": "gguf", "int8_activations": True,
                     "prepack_weights": False}

@@ -20,6 +20,7 @@ from tests.conftest import no_workers_left
 from tests.server.conftest import start_server, stream_completions
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.data_parallel import DataParallelLLM, make_replicas
+from tokenmill.engine_args import EngineArgs
 
 OPTIONS = dict(max_model_len=512, num_kv_blocks=200, block_size=16)
 
@@ -38,7 +39,7 @@ def test_two_replicas_answer_concurrent_openai_requests(tiny_model):
         prompts, [SamplingParams(temperature=0, max_tokens=n) for n in lengths],
         use_tqdm=False)]
     ref.engine.shutdown()
-    engines = make_replicas(path, data_parallel_size=2, **OPTIONS)
+    engines = make_replicas(EngineArgs.from_options(path, data_parallel_size=2, **OPTIONS))
     assert [len(e.executor.procs) for e in engines] == [1, 1]  # each replica's own process
     for srv in start_server(engines, "tiny-llama"):
         assert isinstance(srv.server.lifecycle.async_llm, DataParallelLLM)
@@ -60,7 +61,7 @@ def _shared_prefix_hits(path: str, router: str) -> tuple[float, list[int]]:
     prefixes = [[rng.randrange(100, 40000) for _ in range(96)] for _ in range(3)]
     prompts = [prefixes[i % 3] + [rng.randrange(100, 40000) for _ in range(8)]
                for i in range(12)]
-    engines = make_replicas(path, data_parallel_size=2, **OPTIONS)
+    engines = make_replicas(EngineArgs.from_options(path, data_parallel_size=2, **OPTIONS))
     for srv in start_server(engines, "tiny-llama", data_parallel_router=router):
         with openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x") as client:
             for p in prompts:
@@ -87,7 +88,7 @@ def test_cache_aware_router_hits_the_prefix_cache_more_than_round_robin(tiny_mod
 
 def test_a_replica_that_dies_takes_the_server_down(tiny_model):
     path, _ = tiny_model("llama")
-    engines = make_replicas(path, data_parallel_size=2, **OPTIONS)
+    engines = make_replicas(EngineArgs.from_options(path, data_parallel_size=2, **OPTIONS))
     victim = engines[1].executor.procs[0]
     for srv in start_server(engines, "tiny-llama"):
         assert httpx.get(f"{srv.base_url}/health", timeout=5).status_code == 200
@@ -107,5 +108,6 @@ def test_offline_llm_and_in_process_replicas_are_refused(tiny_model):
     with pytest.raises(ValueError, match="tokenmill serve --data-parallel-size"):
         LLM(path, data_parallel_size=2)
     with pytest.raises(ValueError, match="each replica's model in worker processes"):
-        make_replicas(path, data_parallel_size=2, distributed_executor_backend="uni")
+        make_replicas(EngineArgs.from_options(path, data_parallel_size=2,
+                                           distributed_executor_backend="uni"))
     assert no_workers_left()

@@ -12,8 +12,7 @@ import pytest
 from tests.server.conftest import RunningServer, start_server, stream_completions
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.spec_decode.cost_model import SpecCosts
-from tokenmill.spec_decode.policy import DRAFT_MODEL_COST, VERIFY_COST_PER_DRAFT
+from tokenmill.spec_decode.policy import DRAFT_MODEL_COST, VERIFY_COST_PER_DRAFT, SpecCosts
 
 SELF_INT8 = {"method": "draft_model", "quantization": "int8", "num_speculative_tokens": 3}
 
@@ -46,8 +45,12 @@ def test_concurrent_streams_match_offline_greedy(spec_server, tiny_model):
                                       for n in lengths], use_tqdm=False)
     assert texts == [o.outputs[0].text for o in outs]
     spec_server.wait_idle()
-    assert metric(spec_server.base_url, "spec_decode_num_draft_tokens_total") > 0
-    assert metric(spec_server.base_url, "spec_decode_num_accepted_tokens_total") > 0
+    drafted = metric(spec_server.base_url, "spec_decode_num_draft_tokens_total")
+    accepted = metric(spec_server.base_url, "spec_decode_num_accepted_tokens_total")
+    # each request's first token comes from its prefill, every other one may be a draft; the
+    # int8 self-draft agrees with its float32 target on most of them
+    assert 0 < accepted <= min(drafted, sum(lengths) - len(prompts))
+    assert accepted / drafted >= 0.5, (accepted, drafted)
 
 
 def test_disconnect_mid_draft_frees_blocks_and_draft_state(spec_server):

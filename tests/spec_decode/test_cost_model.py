@@ -4,8 +4,7 @@ in decode steps, reach the scheduler's policy; a dearer verify step means fewer 
 from __future__ import annotations
 
 from tokenmill import LLM
-from tokenmill.spec_decode.cost_model import SpecCosts
-from tokenmill.spec_decode.policy import draft_length
+from tokenmill.spec_decode.policy import SpecCosts, draft_length
 
 
 def test_engine_measures_costs_and_the_scheduler_uses_them(tiny_model):

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from tokenmill.attention import get_attention_backend
-from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.config_factory import model_config
 from tokenmill.core.interface import ScheduledRequest
+from tokenmill.engine_args import engine_config
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.draft_model import DraftModelProposer
 
@@ -21,7 +22,7 @@ BLOCK = 8
 
 
 def make_proposer(path: str) -> DraftModelProposer:
-    config = ModelConfig.from_path(path, max_model_len=256)
+    config = model_config(path, max_model_len=256)
     backend = get_attention_backend("auto", BLOCK, torch.device("cpu"), config.dtype)
     return DraftModelProposer(config, num_blocks=64, block_size=BLOCK,
                               device=torch.device("cpu"), backend=backend)
@@ -68,26 +69,26 @@ def test_drafts_from_kept_kv_equal_drafts_from_scratch(tiny_model):
 def test_draft_config_must_fit_the_target(tiny_model, tmp_path):
     path, _ = tiny_model("llama")
     other, _ = tiny_model("llama-mqa-llama3rope")
-    config = EngineConfig.create(path, speculative_config={"method": "draft_model",
+    config = engine_config(path, speculative_config={"method": "draft_model",
                                                            "model": other})
     assert config.draft_model.path == other and config.draft_model.max_model_len == 512
-    self_draft = EngineConfig.create(path, speculative_config={"method": "draft_model",
+    self_draft = engine_config(path, speculative_config={"method": "draft_model",
                                                                "quantization": "int8"})
     assert (self_draft.draft_model.path, self_draft.draft_model.quantization) == (path, "int8")
     with pytest.raises(ValueError, match="is the target itself"):
-        EngineConfig.create(path, speculative_config={"method": "draft_model", "model": path})
+        engine_config(path, speculative_config={"method": "draft_model", "model": path})
     small_vocab = tmp_path / "small-vocab"
     shutil.copytree(path, small_vocab)
     cfg = json.loads((small_vocab / "config.json").read_text())
     (small_vocab / "config.json").write_text(json.dumps(cfg | {"vocab_size": 1000}))
     with pytest.raises(ValueError, match="vocabulary of 1000 tokens, the target 49152"):
-        EngineConfig.create(path, speculative_config={"method": "draft_model",
+        engine_config(path, speculative_config={"method": "draft_model",
                                                       "model": str(small_vocab)})
     with pytest.raises(ValueError, match="speculative draft model: model path .* not exist"):
-        EngineConfig.create(path, speculative_config={
+        engine_config(path, speculative_config={
             "method": "draft_model", "model": os.path.join(tmp_path, "missing")})
     with pytest.raises(ValueError, match="speculative draft model: unknown quantization"):
-        EngineConfig.create(path, speculative_config={"method": "draft_model",
+        engine_config(path, speculative_config={"method": "draft_model",
                                                       "quantization": "fp3"})
 
 

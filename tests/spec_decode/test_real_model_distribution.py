@@ -12,7 +12,6 @@ import torch
 
 from tests.layers.test_sampler import assert_follows
 from tokenmill.attention.input_batch import InputBatch
-from tokenmill.config import EngineConfig
 from tokenmill.core.interface import (
     NewRequestData,
     RequestStep,
@@ -20,6 +19,7 @@ from tokenmill.core.interface import (
     SchedulerOutput,
 )
 from tokenmill.engine.tokenizer import load_tokenizer
+from tokenmill.engine_args import engine_config
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -30,7 +30,7 @@ TOP_K, TEMPERATURE = 6, 1.3
 
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
-    return ModelRunner(EngineConfig.create(None, max_model_len=64, num_kv_blocks=3,
+    return ModelRunner(engine_config(None, max_model_len=64, num_kv_blocks=3,
                                            block_size=16))
 
 

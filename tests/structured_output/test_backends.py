@@ -23,10 +23,10 @@ BACKENDS = ["guidance", pytest.param("xgrammar", marks=pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_path):
-    from tokenmill.config import ModelConfig
+    from tokenmill.config_factory import model_config
     from tokenmill.engine.tokenizer import load_tokenizer
 
-    return load_tokenizer(ModelConfig.from_path(smollm2_path))
+    return load_tokenizer(model_config(smollm2_path))
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

@@ -18,10 +18,10 @@ V = 49152
 
 @pytest.fixture(scope="module")
 def manager(smollm2_path):
-    from tokenmill.config import ModelConfig
+    from tokenmill.config_factory import model_config
     from tokenmill.engine.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(ModelConfig.from_path(smollm2_path))
+    tok = load_tokenizer(model_config(smollm2_path))
     return StructuredOutputManager(StructuredOutputsConfig(), tok, V, [2]), tok
 
 

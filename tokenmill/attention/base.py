@@ -1,4 +1,5 @@
-"""AttentionBackend: the interface every attention implementation provides, and a lazy registry.
+"""AttentionBackend: the interface every attention implementation provides (the backends
+are registered in registry.py).
 
 Contract:
 - `build_metadata(batch)` runs once per step, before the forward pass, and may build tensors;
@@ -11,9 +12,10 @@ Contract:
 - Attention variants (`FEATURES`): a layer may ask for a sliding window ("sliding_window": a
   query at position p attends keys at positions > p - window) and soft-capped scores
   ("soft_cap": cap * tanh(score / cap), Gemma 2). A backend lists the variants it computes in
-  `FEATURES` (an allow-list); `get_attention_backend` gives a model only a backend that lists
-  every variant its layers use, and is told them at construction (`features`: a windowed model
-  plans no cascades, whose shared prefix could lie outside a window).
+  `FEATURES` (an allow-list); `get_attention_backend` (registry.py) gives a model only a
+  backend that lists every variant its layers use, and is told them at construction
+  (`features`: a windowed model plans no cascades, whose shared prefix could lie outside a
+  window).
 - Hooks for code outside the backends, instead of reading its metadata: `fused_decode_queries`
   (can this step go through the fused small-batch decode call, and with which queries) and
   `decode_graph_state` (static buffers and padding for decode steps replayed as CUDA graphs).
@@ -22,7 +24,6 @@ Contract:
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -80,44 +81,3 @@ class AttentionBackend(ABC):
         """Static buffers for CUDA-graph decode steps (worker/cuda_graphs.py); None: this
         backend's decode steps run eagerly."""
         return None
-
-
-_REGISTRY = {"torch": ("tokenmill.attention.torch_ref", "TorchPagedAttention"),
-             "cpu": ("tokenmill.attention.cpu_paged", "CPUPagedAttention"),
-             "triton": ("tokenmill.attention.triton_paged", "TritonPagedAttention")}
-BACKEND_NAMES = ("auto", *_REGISTRY)
-
-
-def get_attention_backend(name: str, block_size: int, device: torch.device,
-                          dtype: torch.dtype = torch.float32,
-                          features: frozenset[str] = frozenset()) -> AttentionBackend:
-    """`auto`: the C++ kernel backend for float32 on CPU when it builds, the Triton kernel on
-    CUDA when triton is installed, else PyTorch; in each case only if it computes every
-    attention variant in `features` (else PyTorch, which computes them all). Every backend
-    reads every KV cache format (attention/kv_cache.py)."""
-    if name not in _REGISTRY and name != "auto":
-        raise ValueError(f"unknown attention backend {name!r}; known: "
-                         f"{', '.join(BACKEND_NAMES)}")
-    if name == "auto":
-        name = "torch"
-        if device.type == "cpu" and dtype == torch.float32:
-            from tokenmill.attention.cpu_kernels import paged_attention_op
-
-            name = "cpu" if paged_attention_op() is not None else "torch"
-        elif device.type == "cuda":
-            from tokenmill.attention.triton_paged import triton_available
-
-            name = "triton" if triton_available() else "torch"
-        if not features <= _backend_class(name).FEATURES:
-            name = "torch"
-    cls = _backend_class(name)
-    if missing := features - cls.FEATURES:
-        raise ValueError(f"attention backend {name!r} does not compute "
-                         f"{', '.join(sorted(missing))}, which this model's layers use; "
-                         f"use attention_backend='torch' or 'auto'")
-    return cls(block_size, device, features)
-
-
-def _backend_class(name: str) -> type[AttentionBackend]:
-    module, cls = _REGISTRY[name]
-    return getattr(importlib.import_module(module), cls)

@@ -22,10 +22,10 @@ import torch
 from tokenmill.bench.machine import describe_machine
 from tokenmill.bench.weight_specs import weights_as
 from tokenmill.bench.workloads import load_workload
+from tokenmill.engine_args import EngineArgs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tokenmill.cli import add_engine_args
 
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "none,int8,gguf,gguf+int8acts (tokenmill/bench/weight_specs.py)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--png", default=None, help="plot inter-token latency by position here")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
 
 
 def _summarise(ttft: float, token_times: list[float], start: float) -> dict:
@@ -110,7 +110,6 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from tokenmill import LLM
-    from tokenmill.cli import engine_options
     from tokenmill.model_loader.default_model import default_model_path
 
     model = args.model or default_model_path()
@@ -118,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     prompt, n_out = req.prompt_token_ids, args.output_len
     print(f"single-stream: {len(prompt)} prompt tokens, {n_out} output tokens")
     print(describe_machine())
-    options = engine_options(args)
+    options = EngineArgs.cli_options(args)
     engines = {}
     # --compare-quantization: one engine per weight format, all in this run (their ratios
     # are what compares); else the one --quantization (or dense) engine.

@@ -92,7 +92,7 @@ def _writer(path: Path, shape: str):
     import gguf
 
     from tokenmill.model_loader.default_model import default_model_path
-    from tokenmill.model_loader.gguf_loader import _reader
+    from tokenmill.model_loader.gguf_loader import gguf_reader
 
     h, n, heads, kv, inter, vocab, _ = SHAPES[shape]
     w = gguf.GGUFWriter(str(path), "llama")
@@ -103,7 +103,7 @@ def _writer(path: Path, shape: str):
         w.add_uint32(f"llama.{key}", value)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_float32("llama.rope.freq_base", 500000.0)
-    for name, field in _reader(default_model_path()).fields.items():
+    for name, field in gguf_reader(default_model_path()).fields.items():
         if not name.startswith("tokenizer."):
             continue
         value = field.contents()

@@ -75,10 +75,10 @@ def launch(model_path: str | None, extra_args: tuple[str, ...] = (),
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenmill.config import ModelConfig
+    from tokenmill.config_factory import model_config
     from tokenmill.engine.tokenizer import load_tokenizer
 
-    mc = ModelConfig.from_path(args.model_path)
+    mc = model_config(args.model_path)
     special = set(load_tokenizer(mc).all_special_ids)
     proc, base = launch(args.model_path) if args.launch else (None, args.base_url)
     try:

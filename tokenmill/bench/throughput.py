@@ -21,10 +21,10 @@ from tqdm.auto import tqdm
 from tokenmill.bench.machine import describe_machine
 from tokenmill.bench.weight_specs import weights_as
 from tokenmill.bench.workloads import BenchRequest, load_workload
+from tokenmill.engine_args import EngineArgs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tokenmill.cli import add_engine_args
 
     p.add_argument("--workload", default="mixed", choices=["mixed", "uniform"])
     p.add_argument("--num-requests", type=int, default=None)
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "gguf+int8acts (tokenmill/bench/weight_specs.py)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--png", default=None, help="write a bar chart of total tokens/s here")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
 
 
 def run_tokenmill(model: str | None, reqs: list[BenchRequest], options: dict) -> float:
@@ -87,7 +87,6 @@ def rates(reqs: list[BenchRequest], seconds: float) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenmill.cli import engine_options
     from tokenmill.model_loader.default_model import default_model_path
 
     model = args.model or default_model_path()
@@ -96,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
           f"{sum(len(r.prompt_token_ids) for r in reqs)} prompt + "
           f"{sum(r.output_len for r in reqs)} output tokens")
     print(describe_machine())
-    options = engine_options(args)
+    options = EngineArgs.cli_options(args)
     results = {}
     if args.compare_quantization:
         for spec in args.compare_quantization.split(","):  # weight_specs.py

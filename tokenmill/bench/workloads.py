@@ -60,9 +60,9 @@ def make_conversations(draw: Callable[[int], list[int]], num_conversations: int,
 def load_workload(model: str | None, name: str, seed: int = 0,
                   num_requests: int | None = None) -> list[BenchRequest]:
     """`make_workload` over a model's vocabulary, special tokens excluded."""
-    from tokenmill.config import ModelConfig
+    from tokenmill.config_factory import model_config
     from tokenmill.engine.tokenizer import load_tokenizer
 
-    mc = ModelConfig.from_path(model)
+    mc = model_config(model)
     special = set(load_tokenizer(mc).all_special_ids)
     return make_workload(name, mc.vocab_size, special, seed, num_requests)

@@ -49,8 +49,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
-from tokenmill.config import SchedulerConfig
 from tokenmill.core.interface import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -63,16 +63,19 @@ from tokenmill.core.runner_view import RunnerView
 from tokenmill.core.sample_groups import SampleGroups
 from tokenmill.core.stop import check_stop
 from tokenmill.spec_decode import SpeculativeConfig, make_proposer
-from tokenmill.spec_decode.cost_model import SpecCosts
 from tokenmill.spec_decode.policy import (
     DRAFT_MODEL_COST,
     DRAFT_MODEL_INITIAL_ACCEPTANCE,
     VERIFY_COST_PER_DRAFT,
+    SpecCosts,
     draft_length,
     spec_step_tokens,
     update_acceptance,
 )
 from tokenmill.utils import cdiv
+
+if TYPE_CHECKING:
+    from tokenmill.config import SchedulerConfig
 
 # A draft model whose acceptance says drafting does not pay still drafts once every this many
 # output tokens, so that its running acceptance can recover.

@@ -11,14 +11,13 @@
                                         data parallelism), "ray" (Ray actors, on a Ray
                                         cluster's machines)
 
-Validated at start-up against the model (`check_model`): a size that cannot split the heads,
-or a feature that does not run split yet, is a ValueError naming both.
+Validated at start-up against the model (config_factory.check_parallel): a size that cannot
+split the heads, or a feature that does not run split yet, is a ValueError naming both.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
@@ -63,33 +62,3 @@ class ParallelConfig:
             return self.distributed_executor_backend
         # data parallelism: each replica's model in its own process, off the server's GIL
         return "uni" if self.world_size == 1 and self.data_parallel_size == 1 else "mp"
-
-    def check_model(self, hf_config: Any, device: str, draft_model: bool) -> None:
-        """ValueError unless this model can be split this way on this device."""
-        pp = self.pipeline_parallel_size
-        if pp > hf_config.num_hidden_layers:
-            raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's "
-                             f"{hf_config.num_hidden_layers} layers (a stage holds at least one)")
-        if draft_model and self.world_size > 1:
-            raise ValueError("speculative method 'draft_model' does not run with "
-                             "tensor_parallel_size or pipeline_parallel_size > 1 yet "
-                             "(n-gram and suffix drafts run with tensor parallelism)")
-        if device.startswith("cuda"):
-            import torch
-
-            if torch.cuda.device_count() < self.world_size:
-                raise ValueError(f"{self.world_size} ranks (tensor x pipeline parallel) need "
-                                 f"{self.world_size} GPUs; {torch.cuda.device_count()} visible")
-        self._check_tensor_split(hf_config)
-
-    def _check_tensor_split(self, hf_config: Any) -> None:
-        from tokenmill.layers.linear import check_heads_split
-
-        tp = self.tensor_parallel_size
-        if tp == 1:
-            return
-        heads = hf_config.num_attention_heads
-        check_heads_split(heads, getattr(hf_config, "num_key_value_heads", None) or heads, tp)
-        if hf_config.intermediate_size % tp:
-            raise ValueError(f"tensor_parallel_size={tp} cannot split the MLP's "
-                             f"{hf_config.intermediate_size} intermediate features evenly")

@@ -24,16 +24,17 @@ from typing import Any
 from tokenmill.engine.async_engine import AsyncLLM, RequestStream
 from tokenmill.engine.dp_router import make_router
 from tokenmill.engine.llm_engine import EngineDeadError, LLMEngine
+from tokenmill.engine_args import EngineArgs
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-def make_replicas(model: str | None = None, **options: Any) -> list[LLMEngine]:
-    """The data_parallel_size engines an options set asks for (1 without data parallelism),
-    each with its own worker processes."""
-    engines = [LLMEngine.from_options(model, **options)]
+def make_replicas(args: EngineArgs) -> list[LLMEngine]:
+    """The data_parallel_size engines the options ask for (1 without data parallelism), each
+    with its own worker processes."""
+    engines = [LLMEngine.from_engine_args(args)]
     try:
         for i in range(1, engines[0].config.parallel.data_parallel_size):
             t0 = time.perf_counter()

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from tokenmill.engine.beam_search import BeamSearchOutput, beam_search
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine_args import EngineArgs
 from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import BeamSearchParams, SamplingParams
@@ -26,11 +27,21 @@ PromptType = str | list[int] | dict[str, Any]
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        if (engine_options.get("data_parallel_size") or 1) > 1:
+        """`engine_options`: EngineArgs' fields (engine_args.py, vLLM's names)."""
+        self._start(EngineArgs.from_options(model, **engine_options))
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        llm = cls.__new__(cls)
+        llm._start(args)
+        return llm
+
+    def _start(self, args: EngineArgs) -> None:
+        if args.data_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 runs engine replicas behind one API server "
                              "(tokenmill serve --data-parallel-size D); an offline LLM is one "
                              "engine: run one LLM per process for offline data parallelism")
-        self.engine = LLMEngine.from_options(model, **engine_options)
+        self.engine = LLMEngine.from_engine_args(args)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:

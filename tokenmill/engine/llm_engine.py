@@ -30,7 +30,8 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any
 
-from tokenmill.config import EngineConfig, resolve_device
+from tokenmill.config import EngineConfig
+from tokenmill.config_factory import resolve_device
 from tokenmill.core.interface import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
@@ -38,11 +39,13 @@ from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request_intake import PreparedRequest, RequestIntake
 from tokenmill.engine.tokenizer import load_tokenizer
+from tokenmill.engine_args import EngineArgs
 from tokenmill.executor import Executor, WorkerDiedError, make_executor
 from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SEED_MIN, SamplingParams
 from tokenmill.structured_output.manager import StructuredOutputManager
+from tokenmill.utils.cpp_extension import prebuild_cpu_extensions
 from tokenmill.utils.profiling import scope
 from tokenmill.worker.model_runner import KVBlockOpsError, ModelRunner
 
@@ -108,13 +111,16 @@ class LLMEngine:
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> LLMEngine:
-        from tokenmill.utils.cpp_extension import prebuild_cpu_extensions
+        """An engine from `LLM`'s keywords (engine_args.py EngineArgs: vLLM's names)."""
+        return cls.from_engine_args(EngineArgs.from_options(model, **options))
 
-        if resolve_device(options.get("device")).startswith("cpu"):
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        if resolve_device(args.device).startswith("cpu"):
             # A first start compiles the kernels side by side while the model loads.
             prebuild_cpu_extensions()
         t0 = time.perf_counter()
-        engine = cls(EngineConfig.create(model, **options))
+        engine = cls(args.create_engine_config())
         logger.info("engine ready in %.1f s", time.perf_counter() - t0)
         return engine
 

@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar
 
 from tokenmill.core.interface import ModelRunnerOutput, SchedulerOutput
-from tokenmill.spec_decode.cost_model import SpecCosts
+from tokenmill.spec_decode.policy import SpecCosts
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

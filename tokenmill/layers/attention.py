@@ -7,7 +7,6 @@ cache (`bind`); per step everything else arrives in the explicit AttentionMetada
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import nn
@@ -75,15 +74,3 @@ def attention_features(layers: Iterable[Attention]) -> frozenset[str]:
         if a.soft_cap is not None:
             features.add("soft_cap")
     return frozenset(features)
-
-
-def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
-    """The layer's attention window in tokens, or None for full attention: transformers'
-    `layer_types` ("sliding_attention" / "full_attention") where the config has them, else
-    `sliding_window` for every layer where the config enables it (`use_sliding_window`,
-    which configs without the flag, such as Mistral's, leave on)."""
-    window = getattr(config, "sliding_window", None) or None
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        return window if types[layer_idx] == "sliding_attention" else None
-    return window if getattr(config, "use_sliding_window", True) else None

@@ -1,5 +1,2 @@
-"""Loading weights into models: streaming (name, tensor) iterators per format, and the loader."""
-
-from tokenmill.model_loader.loader import load_model
-
-__all__ = ["load_model"]
+"""Loading weights into models: streaming (name, tensor) iterators per format (safetensors,
+GGUF, its converted cache), and the loader (loader.py load_model)."""

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tokenmill.model_loader.gguf_cache import cached_folder
 from tokenmill.model_loader.gguf_index import (
     GGUFIndex,
     GGUFTensor,
@@ -72,7 +73,7 @@ def find_gguf_file(path: str) -> str | None:
 
 
 @lru_cache(maxsize=4)
-def _reader(path: str) -> Any:
+def gguf_reader(path: str) -> Any:
     import gguf
 
     try:
@@ -91,7 +92,7 @@ def gguf_hf_config(path: str) -> Any:
     import gguf
     from transformers import AutoConfig
 
-    r = _reader(path)
+    r = gguf_reader(path)
     spec = _architecture(r, path)
     arch = spec.gguf_name
     if "rope_freqs.weight" in {t.name for t in r.tensors}:
@@ -152,11 +153,9 @@ def _architecture_of(arch: str, experts: bool, path: str) -> Any:
 def gguf_index(path: str) -> GGUFIndex:
     """Where the file's tensors are (model_loader/gguf_index.py): read from its converted
     folder when an earlier start wrote it there, else built with the gguf package's reader."""
-    from tokenmill.model_loader.gguf_cache import cached_folder
-
     folder = cached_folder(path)
     index = read_index(folder) if folder is not None else None
-    return index if index is not None else build_index(_reader(path))
+    return index if index is not None else build_index(gguf_reader(path))
 
 
 def _spec(path: str) -> Any:

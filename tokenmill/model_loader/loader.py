@@ -20,7 +20,7 @@ from torch import nn
 from tokenmill.config import ModelConfig
 from tokenmill.distributed import ParallelState
 from tokenmill.distributed.pipeline import PPMissingLayer, on_another_stage
-from tokenmill.model_loader.gguf_cache import converted_weights
+from tokenmill.model_loader.gguf_convert import converted_weights
 from tokenmill.model_loader.gguf_loader import iterate_gguf
 from tokenmill.model_loader.safetensors_loader import iterate_safetensors
 from tokenmill.models import resolve_model_class
@@ -69,7 +69,7 @@ def load_model(config: ModelConfig, device: torch.device, tp: ParallelState = Pa
     quant = quantization_config(config, device, prepack_decision(config, prepack),
                                 batch_invariant and device.type == "cpu")
     with _default_dtype(config.dtype), torch.device(device):
-        model = cls(config.hf_config, tp, quant)
+        model = cls(config.arch_config(), tp, quant)
     if config.headless:  # embeddings only: no LM head to fill
         model.lm_head, model.tie_word_embeddings = PPMissingLayer(), False
     if config.load_format == "dummy":

@@ -20,6 +20,9 @@ scale, window, backend) and a step whose every query goes to the CPU paged-atten
 (the attention backend says so through `fused_decode_queries`). Anything else (another op,
 a variant, a subclass that redefines a forward) runs the modules, whose layers call the same
 kernels through the same method objects.
+
+The runner attaches it (`attach_fused_decode`, worker/model_runner.py and the draft model's
+runner): a model declares its layers and never builds or picks a fast path itself.
 """
 
 from __future__ import annotations
@@ -78,6 +81,17 @@ class _Plan:
     comm: ShmAllReduce | None  # tensor parallelism: the all-reduce the call makes itself
     window: int | None  # every layer's sliding window (Mistral), or None
     rope_key: str  # the one RoPE table all layers read
+
+
+def attach_fused_decode(model: nn.Module, device: torch.device) -> None:
+    """Give a model's decoder stack (LlamaModel and the stacks built on it) the fused call on
+    its layers, on CPU; the call itself declines at its first step what it does not compute."""
+    stack = getattr(model, "model", None)
+    if device.type != "cpu" or not hasattr(stack, "small_batch_decode"):
+        return
+    here = stack.layer_range
+    stack.small_batch_decode = SmallBatchDecode(stack.layers[here.start:here.stop],
+                                                stack.rotary_embs)
 
 
 class SmallBatchDecode:

@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 from tokenmill.attention import AttentionMetadata
+from tokenmill.config import layer_sliding_window
 from tokenmill.distributed import ParallelState
-from tokenmill.layers.attention import Attention, layer_sliding_window
+from tokenmill.layers.attention import Attention
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.op_spec import OpSpec
 from tokenmill.layers.rotary import apply_rotary

@@ -17,16 +17,16 @@ from torch import nn
 
 from tokenmill.attention import AttentionMetadata
 from tokenmill.attention.kv_formats import op_variant
+from tokenmill.config import layer_sliding_window
 from tokenmill.distributed import ParallelState
 from tokenmill.distributed.pipeline import PPMissingLayer
 from tokenmill.layers.activation import gated_activation
-from tokenmill.layers.attention import Attention, layer_sliding_window
+from tokenmill.layers.attention import Attention
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.op_spec import OpSpec, specs_of
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary, rope_key
 from tokenmill.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from tokenmill.models.cpu_decode import SmallBatchDecode
 from tokenmill.quantization import QuantizationConfig
 
 
@@ -174,9 +174,9 @@ class LlamaModel(nn.Module):
             key: RotaryEmbedding(head_dim, config.max_position_embeddings, config, key)
             for key in sorted({rope_key(config, i) for i in here})})
         # The same layers for a CPU decode step of a few tokens, in one C++ call, where it
-        # computes everything they state (models/cpu_decode.py)
-        self.small_batch_decode = SmallBatchDecode(self.layers[here.start:here.stop],
-                                                   self.rotary_embs)
+        # computes everything they state: set by the runner (models/cpu_decode.py
+        # attach_fused_decode); None runs the modules
+        self.small_batch_decode: Any = None
 
     def local_layers(self) -> Iterator[nn.Module]:
         """This stage's decoder layers, in order."""
@@ -198,8 +198,9 @@ class LlamaModel(nn.Module):
         residual = None
         # rope key → cos, sin (T, 1, D)
         tables = {key: emb(positions, hidden.dtype) for key, emb in self.rotary_embs.items()}
-        if self.small_batch_decode.applies(hidden, meta):
-            hidden, residual = self.small_batch_decode.run(hidden, tables, meta)
+        fused = self.small_batch_decode
+        if fused is not None and fused.applies(hidden, meta):
+            hidden, residual = fused.run(hidden, tables, meta)
         else:
             for layer in self.local_layers():
                 hidden, residual = layer(tables[layer.rope_key], hidden, residual, meta)

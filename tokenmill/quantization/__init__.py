@@ -9,10 +9,11 @@
                    K-quants Q4_K / Q5_K / Q6_K (gguf.py GGUF_TYPES)
 
 With none asked for (`quantization=None`), a GGUF file of block types the kernels read is
-served as "gguf" (`default_quantization`); "none" asks for the float32 expansion explicitly.
+served as "gguf" (config_factory.default_quantization); "none" asks for the float32 expansion
+explicitly.
 
 Each format is one registered `WeightFormat` (WEIGHT_FORMATS: name, what it is made from, its
-config's builder); config.py checks an option against the registry, not against names.
+config's builder); config_factory.py checks an option against the registry, not against names.
 `quantization_config(model_config, device, prepack)` builds the model's config; anything the
 model, its checkpoint or the device cannot run is a ValueError at start-up naming what is
 supported. Every quantized format ends in the two block layouts of blocks.py, which the C++
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["QUANTIZATION_METHODS", "WEIGHT_FORMATS", "CPULinearKernel", "LinearMethodBase",
            "QuantizationConfig", "UnquantizedConfig", "UnquantizedLinearMethod", "WeightFormat",
-           "default_quantization", "default_weight_dtype", "quantization_config",
+           "quantization_config",
            "set_weight_attrs"]
 
 
@@ -63,7 +64,7 @@ def _calibration(model: ModelConfig) -> dict[str, torch.Tensor] | None:
         return None
     folder: str | None = model.path
     if model.gguf_file is not None:  # its float32 expansion, written once into the cache
-        from tokenmill.model_loader.gguf_cache import converted_weights
+        from tokenmill.model_loader.gguf_convert import converted_weights
 
         folder = (converted_weights(model.converted_dir, model.gguf_file)
                   if model.converted_dir is not None else None)
@@ -74,63 +75,6 @@ def _calibration(model: ModelConfig) -> dict[str, torch.Tensor] | None:
     from tokenmill.quantization.awq_search import collect_activations
 
     return collect_activations(folder)
-
-
-def default_quantization(model: ModelConfig, device: str) -> str | None:
-    """The format to serve `model` in when none was asked for: "gguf" for a GGUF file of
-    block types the kernels read (quantization/gguf.py GGUF_TYPES) or of F16 / BF16 tensors
-    (kept in their half precision), in float32 on a CPU with
-    the C++ kernels, for a model without experts (their GGUF blocks have no loader yet); else
-    the checkpoint's own (model.quantization: None, or an AWQ / GPTQ checkpoint's method).
-
-    The blocks are what llama.cpp users expect: the file's own numbers at its own size (the
-    float32 expansion is 4-7x larger), and with batch invariance (the CPU default) the dot
-    kernels multiply exactly the dequantized weights, so greedy output equals the float32
-    expansion's (tests/quantization/test_gguf_native.py). A file holding a type outside the
-    table is expanded, with a log line naming the type."""
-    from tokenmill.utils.cpp_extension import kernels_enabled
-
-    hf = model.hf_config
-    experts = getattr(hf, "num_local_experts", 0) or getattr(hf, "num_experts", 0)
-    if (model.quantization is not None or model.gguf_file is None or model.load_format != "auto"
-            or not device.startswith("cpu") or model.dtype != torch.float32
-            or not kernels_enabled() or experts):
-        return model.quantization
-    from tokenmill.model_loader.gguf_loader import gguf_tensor_types
-    from tokenmill.quantization.gguf import BLOCK_TYPES, SUPPORTED_TYPES
-
-    types = set(gguf_tensor_types(model.gguf_file).values())
-    if types <= {"F32"}:
-        return None  # a float32 file: nothing to keep in its own form
-    if not types <= set(SUPPORTED_TYPES):
-        logger.warning("%s holds GGUF types %s, which are not served in their blocks (%s are): "
-                       "expanding it to float32", model.gguf_file,
-                       ", ".join(sorted(types - set(SUPPORTED_TYPES))), ", ".join(BLOCK_TYPES))
-        return None
-    logger.info("serving %s in its own %s blocks (quantization='gguf'; pass "
-                "quantization='none' for its float32 expansion)", model.gguf_file,
-                "/".join(sorted(types & set(BLOCK_TYPES))))
-    return "gguf"
-
-
-def default_weight_dtype(model: ModelConfig, device: str) -> torch.dtype | None:
-    """The dtype dense weights are kept in when the user set no dtype: a bfloat16 / float16
-    checkpoint's own on a CPU with the C++ kernels (computed in float32: activations, norms
-    and sums; the weights widened in registers, exactly), instead of a float32 copy twice its
-    size; None (the model's dtype) elsewhere."""
-    from tokenmill.utils.cpp_extension import kernels_enabled
-
-    hf = model.hf_config
-    stored = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
-    if isinstance(stored, str):
-        stored = getattr(torch, stored, None)
-    if (stored not in (torch.bfloat16, torch.float16) or not device.startswith("cpu")
-            or model.dtype != torch.float32 or model.quantization is not None
-            or model.gguf_file is not None or not kernels_enabled()):
-        return None
-    logger.info("keeping the %s checkpoint's weights in %s (computing in float32)",
-                model.path, stored)
-    return stored
 
 
 def _int8(model: ModelConfig, prepack: bool, int8_acts: bool,

@@ -1,4 +1,4 @@
-"""SpecCosts: what drafting costs on this machine, measured at start-up.
+"""What drafting costs on this machine (policy.py SpecCosts), measured at start-up.
 
 The scheduler's draft-length policy (policy.py) weighs the tokens a draft is expected to add
 against its cost in plain decode steps: each draft token makes the verify step longer
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,17 +26,9 @@ from tokenmill.attention.base import AttentionBackend
 from tokenmill.attention.input_batch import InputBatch
 from tokenmill.core.interface import ScheduledRequest
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.policy import SpecCosts
 
 _WARMUP, _REPEATS = 2, 5
-
-
-@dataclass(frozen=True)
-class SpecCosts:
-    verify_per_draft: float  # a verify step's extra cost per draft token, in decode steps
-    draft_forward: float = 0.0  # one draft-model forward of one token, in decode steps
-    # a step verifying k drafts, in decode steps, k = 0 .. K (measured; [0] is 1.0); past
-    # its end (or empty) 1 + verify_per_draft * k
-    verify_curve: tuple[float, ...] = ()
 
 
 def time_forward(model: nn.Module, backend: AttentionBackend, block_size: int,

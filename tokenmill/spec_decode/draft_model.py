@@ -24,7 +24,6 @@ swap) simply starts over: the runner calls `forget`.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
@@ -37,35 +36,10 @@ from tokenmill.core.interface import ScheduledRequest
 from tokenmill.layers import cpu_ops
 from tokenmill.layers.sampler import Sampler
 from tokenmill.layers.sampling_batch import SamplingBatch
-from tokenmill.model_loader import load_model
+from tokenmill.model_loader.loader import load_model
+from tokenmill.models.cpu_decode import attach_fused_decode
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.utils.huge_pages import move_parameters_to_huge_pages
-
-
-def draft_model_config(spec: SpeculativeConfig, target: ModelConfig, device: str) -> ModelConfig:
-    """The draft's ModelConfig, checked against the target (same vocabulary, its context)."""
-    from tokenmill.quantization import default_quantization
-
-    path = target.path if spec.model is None else os.path.expanduser(spec.model)
-    try:
-        draft = ModelConfig.from_path(path, dtype=str(target.dtype).removeprefix("torch."),
-                                      max_model_len=target.max_model_len,
-                                      quantization=spec.quantization)
-    except ValueError as e:
-        raise ValueError(f"speculative draft model: {e}") from None
-    if spec.quantization is None:
-        draft = dataclasses.replace(draft, quantization=default_quantization(draft, device))
-    if draft.vocab_size != target.vocab_size:
-        raise ValueError(f"speculative draft model {path} has a vocabulary of "
-                         f"{draft.vocab_size} tokens, the target {target.vocab_size}: a draft "
-                         "must share the target's tokenizer")
-    if (os.path.realpath(draft.path) == os.path.realpath(target.path)
-            and draft.quantization == target.quantization):
-        raise ValueError(f"speculative draft model: {path} in weight format "
-                         f"{draft.quantization or 'dense'} is the target itself; pass a "
-                         "smaller model or a cheaper 'quantization' (e.g. 'gguf', 'int8')")
-    return draft
 
 
 def _draft_params(params: SamplingParams) -> SamplingParams:
@@ -91,6 +65,7 @@ class DraftModelProposer:
                  batch_invariant: bool = True) -> None:
         self.config, self.block_size, self.device = config, block_size, device
         self.model = load_model(config, device, prepack=prepack, batch_invariant=batch_invariant)
+        attach_fused_decode(self.model, device)
         if device.type == "cpu":
             move_parameters_to_huge_pages(self.model)
         self.kv_cache = allocate_kv_cache(config.num_layers, num_blocks, block_size,

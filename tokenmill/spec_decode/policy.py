@@ -16,6 +16,8 @@ long as it looks for, so that a passage that starts repeating is noticed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 # Drafts of several requests share steps of at most this many tokens (or 1 + K for a larger
 # num_speculative_tokens K): up to 4 rows the CPU kernels read each weight once for all of
 # them and the fused decode call takes the step (models/cpu_decode.py).
@@ -60,3 +62,14 @@ def update_acceptance(acceptance: float, accepted: int, drafted: int) -> float:
     for j in range(min(accepted + 1, drafted)):
         acceptance += _ALPHA * ((1.0 if j < accepted else 0.0) - acceptance)
     return acceptance
+
+
+@dataclass(frozen=True)
+class SpecCosts:
+    """What drafting costs, in plain decode steps (measured at start-up: cost_model.py)."""
+
+    verify_per_draft: float  # a verify step's extra cost per draft token, in decode steps
+    draft_forward: float = 0.0  # one draft-model forward of one token, in decode steps
+    # a step verifying k drafts, in decode steps, k = 0 .. K (measured; [0] is 1.0); past
+    # its end (or empty) 1 + verify_per_draft * k
+    verify_curve: tuple[float, ...] = ()

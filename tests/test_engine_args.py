@@ -1,0 +1,191 @@
+"""EngineArgs is the one declaration of the engine options: every field is a flag of the
+commands that run an engine and a keyword of LLM / LLMEngine.from_options, and each reaches the
+config. A field added without a case below fails `test_every_field_has_a_case`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.model_loader.test_hub import MAIN, _lay_out
+from tokenmill.cli import build_parser
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.engine_args import EngineArgs, engine_config
+
+JSON_SPEC = '{"method": "ngram", "num_speculative_tokens": 2}'
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """Setting `field` by `argv` on the command line (or by `value` as a keyword) makes the
+    config's `where` equal `expected`; `model` replaces the tiny Llama's path."""
+
+    field: str
+    argv: tuple[str, ...]
+    value: Any
+    where: str
+    expected: Any
+    extra: tuple[tuple[str, Any], ...] = ()  # other options the value needs
+
+
+CASES = [
+    Case("revision", ("--revision", "dev"), "dev", "model.max_model_len", 64),
+    Case("download_dir", (), None, "model.download_dir", None),  # see the hub test below
+    Case("tokenizer", (), None, "model.tokenizer", None),  # the tokenizer folder: below
+    Case("dtype", ("--dtype", "bfloat16"), "bfloat16", "model.dtype", torch.bfloat16),
+    Case("max_model_len", ("--max-model-len", "64"), 64, "model.max_model_len", 64),
+    Case("load_format", ("--load-format", "dummy"), "dummy", "model.load_format", "dummy"),
+    Case("quantization", ("-q", "int8"), "int8", "model.quantization", "int8"),
+    Case("int8_activations", ("--int8-activations",), True, "model.int8_activations", True,
+         (("quantization", "int8"),)),
+    Case("block_size", ("--block-size", "32"), 32, "cache.block_size", 32),
+    Case("kv_cache_memory", ("--kv-cache-memory", "64MiB"), "64MiB", "cache.kv_cache_memory",
+         64 << 20),
+    Case("num_kv_blocks", ("--num-kv-blocks", "7"), 7, "cache.num_kv_blocks", 7),
+    Case("enable_prefix_caching", ("--no-enable-prefix-caching",), False,
+         "cache.enable_prefix_caching", False),
+    Case("swap_space", ("--swap-space", "2GiB"), "2GiB", "cache.swap_space", 2 << 30),
+    Case("kv_cache_dtype", ("--kv-cache-dtype", "int8"), "int8", "cache.kv_cache_dtype", "int8"),
+    Case("max_num_batched_tokens", ("--max-num-batched-tokens", "512"), 512,
+         "scheduler.max_num_batched_tokens", 512),
+    Case("max_num_seqs", ("--max-num-seqs", "3"), 3, "scheduler.max_num_seqs", 3),
+    Case("enable_chunked_prefill", ("--no-enable-chunked-prefill",), False,
+         "scheduler.enable_chunked_prefill", False),
+    Case("preemption_mode", ("--preemption-mode", "swap"), "swap", "scheduler.preemption_mode",
+         "swap"),
+    Case("async_scheduling", ("--async-scheduling",), True, "scheduler.async_scheduling", True),
+    Case("tensor_parallel_size", ("-tp", "2"), 2, "parallel.tensor_parallel_size", 2),
+    Case("pipeline_parallel_size", ("-pp", "2"), 2, "parallel.pipeline_parallel_size", 2),
+    Case("data_parallel_size", ("-dp", "2"), 2, "parallel.data_parallel_size", 2),
+    Case("distributed_executor_backend", ("--distributed-executor-backend", "mp"), "mp",
+         "parallel.distributed_executor_backend", "mp"),
+    Case("device", ("--device", "cpu:0"), "cpu:0", "device", "cpu:0"),
+    Case("seed", ("--seed", "7"), 7, "seed", 7),
+    Case("prepack_weights", ("--no-prepack-weights",), False, "prepack_weights", False),
+    Case("batch_invariant", ("--no-batch-invariant",), False, "batch_invariant", False),
+    Case("attention_backend", ("--attention-backend", "torch"), "torch", "attention_backend",
+         "torch"),
+    Case("enforce_eager", ("--enforce-eager",), True, "enforce_eager", True),
+    Case("speculative_config", ("--speculative-config", JSON_SPEC), json.loads(JSON_SPEC),
+         "speculative.num_speculative_tokens", 2),
+    Case("structured_outputs_config", ("--structured-outputs-config", '{"backend": "guidance"}'),
+         {"backend": "guidance"}, "structured_outputs.backend", "guidance"),
+    Case("runner", ("--runner", "generate"), "generate", "runner", "generate"),
+    Case("pooler_config", ("--pooler-config", '{"pooling_type": "MEAN"}'),
+         {"pooling_type": "MEAN"}, "pooler_config.pooling_type", "MEAN"),
+]
+
+
+def _at(config: EngineConfig, where: str) -> Any:
+    value: Any = config
+    for name in where.split("."):
+        value = getattr(value, name, None)
+    return value
+
+
+def _engine_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    return parser
+
+
+def test_every_field_has_a_case():
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    assert {c.field for c in CASES} | {"model"} == fields
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory, tiny_model) -> Path:
+    """A download dir holding org/tiny-llama at main and at dev (dev: 64 positions)."""
+    cache = tmp_path_factory.mktemp("download_dir")
+    folder = Path(tiny_model("llama")[0])
+    files = {f.name: f for f in folder.iterdir() if f.is_file()}
+    short = cache.parent / "config-64.json"
+    short.write_text(json.dumps(json.loads((folder / "config.json").read_text())
+                                | {"max_position_embeddings": 64}))
+    _lay_out(cache, "org/tiny-llama", {MAIN: ("main", files),
+                                       "c" * 40: ("dev", files | {"config.json": short})})
+    return cache
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.argv], ids=lambda c: c.field)
+def test_each_field_is_a_flag_and_a_keyword_that_reaches_the_config(case, tiny_model,
+                                                                   hub_cache, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = tiny_model("llama")[0]
+    extra = dict(case.extra)
+    if case.field == "revision":  # a Hub id's revision: the dev branch's config
+        model, extra = "org/tiny-llama", {"download_dir": str(hub_cache)}
+    extra_argv = [a for name, v in extra.items()
+                  for a in (f"--{name.replace('_', '-')}", str(v))]
+    args = _engine_parser().parse_args(["--model", model, *case.argv, *extra_argv])
+    from_cli = EngineArgs.from_cli_args(args)
+    from_kwargs = EngineArgs.from_options(model, **{case.field: case.value}, **extra)
+    assert getattr(from_kwargs, case.field) == case.value
+    if isinstance(case.value, dict):  # JSON on the command line, a dict as a keyword
+        assert json.loads(getattr(from_cli, case.field)) == case.value
+    else:
+        assert from_cli == from_kwargs
+    assert _at(from_cli.create_engine_config(), case.where) == case.expected
+    assert _at(from_kwargs.create_engine_config(), case.where) == case.expected
+    default = EngineArgs.from_options(model, **extra).create_engine_config()
+    assert _at(default, case.where) != case.expected  # the case shows the field, not a default
+
+
+def test_hub_fields_and_the_tokenizer_reach_the_model_config(tiny_model, hub_cache,
+                                                             monkeypatch, tokenizer_dir):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    argv = ["--model", "org/tiny-llama", "--download-dir", str(hub_cache), "--revision", "dev",
+            "--tokenizer", "org/tiny-llama"]
+    config = EngineArgs.from_cli_args(_engine_parser().parse_args(argv)).create_engine_config()
+    model = config.model
+    assert (model.hub_id, model.revision, model.download_dir) == (
+        "org/tiny-llama", "dev", str(hub_cache))
+    assert model.path.startswith(str(hub_cache)) and model.path.endswith("c" * 40)
+    assert model.tokenizer == model.path  # the tokenizer id, resolved at the same revision
+    local = engine_config(tiny_model("llama")[0], tokenizer=str(tokenizer_dir))
+    assert local.model.tokenizer == str(tokenizer_dir)
+    assert engine_config(tiny_model("llama")[0]).model.tokenizer is None
+
+
+def test_spellings_users_bring():
+    """vLLM's --no-enable-* spellings and tokenmill's shorter ones set the same field."""
+    parser = _engine_parser()
+    for argv, field in [(["--no-chunked-prefill"], "enable_chunked_prefill"),
+                        (["--no-enable-chunked-prefill"], "enable_chunked_prefill"),
+                        (["--no-prefix-caching"], "enable_prefix_caching"),
+                        (["--no-enable-prefix-caching"], "enable_prefix_caching")]:
+        assert EngineArgs.cli_options(parser.parse_args(argv)) == {field: False}
+    assert EngineArgs.cli_options(parser.parse_args([])) == {}
+    with pytest.raises(SystemExit):  # choices come from the registries
+        parser.parse_args(["--quantization", "fp4"])
+
+
+def test_generate_and_serve_take_every_engine_flag():
+    parser = build_parser()
+    flags = {f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(EngineArgs)}
+    for command in ("generate", "serve"):
+        sub = parser._subparsers._group_actions[0].choices[command]
+        assert flags <= set(sub._option_string_actions), command
+
+
+def test_unknown_options_and_defaults():
+    with pytest.raises(ValueError, match="unknown engine option 'max_batch'.*max_num_seqs"):
+        EngineArgs.from_options(None, max_batch=4)
+    # None is "the default", as vLLM's keywords take it
+    assert EngineArgs.from_options(None, max_model_len=None) == EngineArgs()
+    # the defaults are the configs' own
+    assert EngineArgs().block_size == CacheConfig().block_size
+    assert EngineArgs().max_num_seqs == SchedulerConfig().max_num_seqs
+
+
+def test_engine_config_is_what_llm_runs(tiny_model):
+    path = tiny_model("llama")[0]
+    assert engine_config(path, max_num_seqs=3) == \
+        EngineArgs(model=path, max_num_seqs=3).create_engine_config()

@@ -1,0 +1,406 @@
+"""The config factory: engine options (EngineArgs) → EngineConfig. Everything that reads a
+checkpoint or picks a policy for one lives here, above the config dataclasses.
+
+    EngineArgs ──create_engine_config──▶ EngineConfig
+                   │ model_config: a path / Hub id / GGUF file → ModelConfig (reads the
+                   │   checkpoint's config; its quirks normalized into hf_overrides)
+                   │ the defaults that depend on the model and the device: the weight format
+                   │   (default_quantization), the dense weights' dtype, batch invariance
+                   │ the draft model of speculative decoding, checked against the target
+                   ▼
+    config.py: frozen dataclasses and their own validation only (no file is read there)
+
+Invariants: the Hugging Face config object is never changed (a quirk is an override that
+`ModelConfig.arch_config()` applies to a copy); an option that cannot be served is a ValueError
+naming it at start-up, before any weight is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tokenmill.config import (
+    DTYPES,
+    LOAD_FORMATS,
+    SUPPORTED_ROPE_TYPES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from tokenmill.distributed.config import ParallelConfig
+from tokenmill.layers.linear import check_heads_split
+from tokenmill.layers.rotary import rope_parameter_sets
+from tokenmill.model_loader import gguf_loader
+from tokenmill.model_loader.default_model import default_model_path
+from tokenmill.model_loader.gguf_cache import load_full_config
+from tokenmill.model_loader.gguf_convert import converted_folder
+from tokenmill.model_loader.hub import parse_hub_id, resolve_hub_model
+from tokenmill.models import registry
+from tokenmill.pooling_params import PoolerConfig
+from tokenmill.quantization import QUANTIZATION_METHODS, WEIGHT_FORMATS
+from tokenmill.quantization.gguf import BLOCK_TYPES, SUPPORTED_TYPES
+from tokenmill.spec_decode.config import SpeculativeConfig
+from tokenmill.structured_output.config import StructuredOutputsConfig
+from tokenmill.utils import cpp_extension
+from tokenmill.utils.sizes import parse_size
+
+if TYPE_CHECKING:
+    from tokenmill.engine_args import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+
+def create_engine_config(args: EngineArgs) -> EngineConfig:
+    """The engine's config from its options (each EngineArgs field lands in one place here)."""
+    device = resolve_device(args.device)
+    model = model_config(args.model, args.dtype, args.max_model_len, args.load_format,
+                         args.quantization, args.int8_activations, args.revision,
+                         args.download_dir, args.tokenizer)
+    if args.quantization is None:  # none asked for ("none" is an answer)
+        model = dataclasses.replace(model, quantization=default_quantization(model, device))
+    if args.dtype == "auto":
+        model = dataclasses.replace(model, weight_dtype=default_weight_dtype(model, device))
+    scheduler = _scheduler_config(args, model)
+    speculative = SpeculativeConfig.parse(args.speculative_config)
+    draft = None
+    if speculative is not None and speculative.method == "draft_model":
+        draft = draft_model_config(speculative, model, device)
+    parallel = ParallelConfig(**args.group("parallel"))
+    check_parallel(parallel, model.hf_config, device, draft is not None)
+    if scheduler.async_scheduling and (speculative is not None
+                                       or parallel.pipeline_parallel_size > 1):
+        raise ValueError("async_scheduling does not run with speculative decoding or "
+                         "pipeline_parallel_size > 1 yet")
+    if speculative is not None and parallel.pipeline_parallel_size > 1:
+        raise ValueError("speculative decoding does not run with "
+                         "pipeline_parallel_size > 1 yet")
+    cache = args.group("cache")
+    for size in ("kv_cache_memory", "swap_space"):
+        if cache[size] is not None:
+            cache[size] = parse_size(cache[size])
+    return EngineConfig(
+        model=model, cache=CacheConfig(**cache), scheduler=scheduler, parallel=parallel,
+        device=device, seed=int(args.seed), prepack_weights=args.prepack_weights,
+        attention_backend=args.attention_backend,
+        batch_invariant=resolve_batch_invariant(args.batch_invariant, device, model,
+                                                args.attention_backend),
+        enforce_eager=bool(args.enforce_eager), speculative=speculative, draft_model=draft,
+        structured_outputs=StructuredOutputsConfig.parse(args.structured_outputs_config),
+        runner=_runner(args.runner, model),
+        pooler_config=PoolerConfig.parse(args.pooler_config))
+
+
+def _scheduler_config(args: EngineArgs, model: ModelConfig) -> SchedulerConfig:
+    options = args.group("scheduler")
+    budget = options.pop("max_num_batched_tokens")
+    if budget is None:
+        # Without chunking a whole prompt must fit in one step (vLLM's rule too).
+        budget = SchedulerConfig.max_num_batched_tokens
+        if not options["enable_chunked_prefill"]:
+            budget = max(model.max_model_len, budget)
+    elif not options["enable_chunked_prefill"] and budget < model.max_model_len:
+        raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_model_len "
+                         f"({model.max_model_len}) when chunked prefill is off")
+    return SchedulerConfig(max_num_batched_tokens=budget, **options)
+
+
+def resolve_device(device: str | None) -> str:
+    """The device an engine runs on: the one asked for, else CUDA when present, else CPU."""
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# ---- the model ------------------------------------------------------------------------------
+
+def model_config(path: str | None, dtype: str = "auto", max_model_len: int | None = None,
+                 load_format: str = "auto", quantization: str | None = None,
+                 int8_activations: bool = False, revision: str | None = None,
+                 download_dir: str | None = None, tokenizer: str | None = None) -> ModelConfig:
+    """`path`: a Hugging Face folder, a .gguf file or a Hub id (model_loader/hub.py, at
+    `revision`, cached in `download_dir`); None: the default model. The weight format is the
+    one asked for or the checkpoint's own (default_quantization picks among the rest)."""
+    path = default_model_path() if path is None else os.path.expanduser(str(path))
+    hub_id, path = _local_model(path, revision, download_dir)
+    tokenizer_dir = (None if tokenizer is None else
+                     _local_model(os.path.expanduser(tokenizer), revision, download_dir,
+                                  tokenizer_only=True)[1])
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, "
+                         f"got {load_format!r}")
+    hf_config, gguf_file, converted = _read_hf_config(path)
+    hf_quant = _checkpoint_quantization(hf_config)
+    quantization = _resolve_quantization(quantization, hf_quant, gguf_file, path)
+    if load_format == "dummy" and quantization is not None and \
+            WEIGHT_FORMATS[quantization].source != "float":
+        raise ValueError(f"load_format='dummy' draws float weights: it works with "
+                         f"quantization None or one made from them (int8, int4), not "
+                         f"{quantization!r}")
+    archs = getattr(hf_config, "architectures", None) or []
+    spec = registry.find_architecture(archs)
+    if spec is None:
+        raise ValueError(
+            f"unsupported model architecture {archs or hf_config.model_type!r} in {path}; "
+            f"supported: {registry.supported()}")
+    _check_rope(hf_config, path)
+    max_model_len = _max_model_len(hf_config, max_model_len)
+    return ModelConfig(
+        path=path, hf_config=hf_config, architecture=spec.name,
+        dtype=_resolve_dtype(dtype, hf_config), max_model_len=max_model_len,
+        gguf_file=gguf_file, converted_dir=converted, headless=registry.is_headless(archs),
+        load_format=load_format, quantization=quantization, hf_quant_config=hf_quant,
+        int8_activations=bool(int8_activations), hub_id=hub_id, tokenizer=tokenizer_dir,
+        revision=revision, download_dir=download_dir,
+        hf_overrides=_normalized_quirks(hf_config, max_model_len))
+
+
+def _read_hf_config(path: str) -> tuple[Any, str | None, str | None]:
+    """(the transformers config, the GGUF file, its converted folder) of a local model."""
+    gguf_file = gguf_loader.find_gguf_file(path)
+    if gguf_file is not None:
+        converted = converted_folder(gguf_file)
+        if converted is not None:
+            return load_full_config(converted), gguf_file, converted
+        return gguf_loader.gguf_hf_config(gguf_file), gguf_file, None
+    if os.path.isfile(os.path.join(path, "config.json")):
+        from transformers import AutoConfig  # transformers' import: a second, only here
+
+        try:
+            return AutoConfig.from_pretrained(path), None, None
+        except Exception as e:  # transformers raises many types for a broken config
+            raise ValueError(f"cannot read {path}/config.json: {e}") from e
+    if os.path.exists(path):
+        raise ValueError(f"model path {path!r} has neither a config.json nor a .gguf file")
+    raise ValueError(f"model path {path!r} does not exist")
+
+
+def _check_rope(hf_config: Any, path: str) -> None:
+    for rope in rope_parameter_sets(hf_config).values():
+        rope_type = rope.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported RoPE type {rope_type!r} in {path}; "
+                             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+def _max_model_len(hf_config: Any, asked: int | None) -> int:
+    ctx = int(hf_config.max_position_embeddings)
+    if asked is None:
+        return ctx
+    if not 1 <= asked <= ctx:
+        raise ValueError(f"max_model_len must be in [1, {ctx}] for this model, got {asked}")
+    return asked
+
+
+def _normalized_quirks(hf_config: Any, max_model_len: int) -> dict[str, Any]:
+    """Config values the model is built with instead of the checkpoint's (applied to a copy:
+    ModelConfig.arch_config)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if window and window >= max_model_len:
+        # a window as long as the context never drops a token: plain attention (which the
+        # fused CPU decode call runs), the same model
+        return {"sliding_window": None}
+    return {}
+
+
+def _local_model(name: str, revision: str | None, download_dir: str | None,
+                 tokenizer_only: bool = False) -> tuple[str | None, str]:
+    """(the Hub id, the local path) of a model or tokenizer name: a local path is itself (and
+    takes no revision), anything else is resolved as a Hub id (model_loader/hub.py)."""
+    if os.path.exists(name) or parse_hub_id(name) is None:
+        if revision is not None and os.path.exists(name):
+            raise ValueError(f"revision applies to Hugging Face Hub ids; {name!r} is a local "
+                             "path")
+        return None, name
+    return name, resolve_hub_model(name, revision, download_dir, tokenizer_only)
+
+
+def _resolve_dtype(dtype: str | torch.dtype, hf_config: Any) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        # NOTE: float32 is the CPU fast path (bf16/fp16 GEMMs are 6-10x slower without AVX512);
+        # on GPUs the checkpoint's own half precision is what users expect.
+        if not torch.cuda.is_available():
+            return torch.float32
+        d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        return d if isinstance(d, torch.dtype) and d != torch.float32 else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def _runner(asked: str, model: ModelConfig) -> str:
+    """The runner: a base model without an LM head only embeds."""
+    if not model.headless:
+        return asked
+    if asked == "generate":
+        raise ValueError(f"{model.path} is a base model without an LM head "
+                         f"({model.hf_config.architectures[0]}): it computes embeddings only; "
+                         "use runner='pooling'")
+    return "pooling"
+
+
+# ---- weight formats -------------------------------------------------------------------------
+
+def _checkpoint_quantization(hf_config: Any) -> dict[str, Any] | None:
+    q = getattr(hf_config, "quantization_config", None)
+    if q is None:
+        return None
+    return dict(q) if isinstance(q, dict) else q.to_dict()
+
+
+def _resolve_quantization(asked: str | None, checkpoint: dict[str, Any] | None,
+                          gguf_file: str | None, path: str) -> str | None:
+    """The weight format to serve, from the option and what the checkpoint holds (each
+    format's `source` in the registry, quantization/__init__.py WEIGHT_FORMATS)."""
+    if asked in (None, "none", "None"):
+        asked = None
+    elif asked not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown quantization {asked!r}; supported: "
+                         f"{', '.join(QUANTIZATION_METHODS)} or None")
+    stored = [f.name for f in WEIGHT_FORMATS.values() if f.source == "checkpoint"]
+    if checkpoint is not None:  # a pre-quantized HF checkpoint: serve it in its own format
+        method = str(checkpoint.get("quant_method", "")).lower()
+        if method not in stored:
+            raise ValueError(f"{path} is quantized with {method!r}, which tokenmill cannot "
+                             f"serve; supported checkpoint formats: {', '.join(stored)}")
+        if asked not in (None, method):
+            raise ValueError(f"quantization={asked!r}, but {path} is a {method} checkpoint; "
+                             f"pass quantization={method!r} or leave it unset")
+        return method
+    source = None if asked is None else WEIGHT_FORMATS[asked].source
+    if source == "checkpoint":
+        raise ValueError(f"quantization={asked!r} needs a checkpoint in that format (its "
+                         f"config.json names it in quantization_config); {path} has none")
+    if source == "gguf" and gguf_file is None:
+        raise ValueError(f"quantization={asked!r} serves the blocks of a GGUF file; {path} is "
+                         "not one")
+    return asked
+
+
+def default_quantization(model: ModelConfig, device: str) -> str | None:
+    """The format to serve `model` in when none was asked for: "gguf" for a GGUF file of
+    block types the kernels read (quantization/gguf.py SUPPORTED_TYPES) or of F16 / BF16
+    tensors (kept in their half precision), in float32 on a CPU with the C++ kernels, for a
+    model without experts (their GGUF blocks have no loader yet); else the checkpoint's own
+    (model.quantization: None, or an AWQ / GPTQ checkpoint's method).
+
+    The blocks are what llama.cpp users expect: the file's own numbers at its own size (the
+    float32 expansion is 4-7x larger), and with batch invariance (the CPU default) the dot
+    kernels multiply exactly the dequantized weights, so greedy output equals the float32
+    expansion's (tests/quantization/test_gguf_native.py). A file holding a type outside the
+    table is expanded, with a log line naming the type."""
+    hf = model.hf_config
+    experts = getattr(hf, "num_local_experts", 0) or getattr(hf, "num_experts", 0)
+    if (model.quantization is not None or model.gguf_file is None or model.load_format != "auto"
+            or not device.startswith("cpu") or model.dtype != torch.float32
+            or not cpp_extension.kernels_enabled() or experts):
+        return model.quantization
+    types = set(gguf_loader.gguf_tensor_types(model.gguf_file).values())
+    if types <= {"F32"}:
+        return None  # a float32 file: nothing to keep in its own form
+    if not types <= set(SUPPORTED_TYPES):
+        logger.warning("%s holds GGUF types %s, which are not served in their blocks (%s are): "
+                       "expanding it to float32", model.gguf_file,
+                       ", ".join(sorted(types - set(SUPPORTED_TYPES))), ", ".join(BLOCK_TYPES))
+        return None
+    logger.info("serving %s in its own %s blocks (quantization='gguf'; pass "
+                "quantization='none' for its float32 expansion)", model.gguf_file,
+                "/".join(sorted(types & set(BLOCK_TYPES))))
+    return "gguf"
+
+
+def default_weight_dtype(model: ModelConfig, device: str) -> torch.dtype | None:
+    """The dtype dense weights are kept in when the user set no dtype: a bfloat16 / float16
+    checkpoint's own on a CPU with the C++ kernels (computed in float32: activations, norms
+    and sums; the weights widened in registers, exactly), instead of a float32 copy twice its
+    size; None (the model's dtype) elsewhere."""
+    hf = model.hf_config
+    stored = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    if (stored not in (torch.bfloat16, torch.float16) or not device.startswith("cpu")
+            or model.dtype != torch.float32 or model.quantization is not None
+            or model.gguf_file is not None or not cpp_extension.kernels_enabled()):
+        return None
+    logger.info("keeping the %s checkpoint's weights in %s (computing in float32)",
+                model.path, stored)
+    return stored
+
+
+# ---- policies that depend on the model and the device ---------------------------------------
+
+def resolve_batch_invariant(asked: bool | None, device: str, model: ModelConfig,
+                            attention_backend: str) -> bool:
+    """Whether the engine runs batch-invariant (EngineConfig.batch_invariant): as asked, or
+    by default (None) wherever it is built: on CPU, in float32, with the C++ kernels and an
+    attention backend that keeps each query's order (the C++ paged kernel, "cpu" or "auto").
+    Asked for where it is not built: ValueError saying why (vLLM's mode is a GPU opt-in)."""
+    if asked not in (None, True, False):
+        raise ValueError(f"batch_invariant must be True or False, got {asked!r}")
+    why_not = None
+    if not device.startswith("cpu"):
+        why_not = f"on {device}: the batch-invariant kernels are the CPU's"
+    elif not cpp_extension.kernels_enabled():
+        why_not = "without the C++ CPU kernels (TOKENMILL_CPU_KERNELS=0)"
+    elif model.dtype != torch.float32:
+        why_not = f"in {model.dtype}: the CPU kernels compute float32"
+    elif attention_backend not in ("auto", "cpu"):
+        why_not = (f"with attention_backend={attention_backend!r}: only the C++ paged kernel "
+                   "attends every query in a fixed order")
+    if why_not is None:
+        return asked is not False
+    if asked:
+        raise ValueError(f"batch_invariant=True is not available {why_not}")
+    return False
+
+
+def check_parallel(parallel: ParallelConfig, hf_config: Any, device: str,
+                   draft_model: bool) -> None:
+    """ValueError unless this model can be split this way on this device."""
+    pp, tp, world = (parallel.pipeline_parallel_size, parallel.tensor_parallel_size,
+                     parallel.world_size)
+    if pp > hf_config.num_hidden_layers:
+        raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's "
+                         f"{hf_config.num_hidden_layers} layers (a stage holds at least one)")
+    if draft_model and world > 1:
+        raise ValueError("speculative method 'draft_model' does not run with "
+                         "tensor_parallel_size or pipeline_parallel_size > 1 yet "
+                         "(n-gram and suffix drafts run with tensor parallelism)")
+    if device.startswith("cuda") and torch.cuda.device_count() < world:
+        raise ValueError(f"{world} ranks (tensor x pipeline parallel) need {world} GPUs; "
+                         f"{torch.cuda.device_count()} visible")
+    if tp == 1:
+        return
+    heads = hf_config.num_attention_heads
+    check_heads_split(heads, getattr(hf_config, "num_key_value_heads", None) or heads, tp)
+    if hf_config.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} cannot split the MLP's "
+                         f"{hf_config.intermediate_size} intermediate features evenly")
+
+
+def draft_model_config(spec: SpeculativeConfig, target: ModelConfig, device: str) -> ModelConfig:
+    """The draft's ModelConfig (spec_decode/draft_model.py), checked against the target (same
+    vocabulary, its context)."""
+    path = target.path if spec.model is None else os.path.expanduser(spec.model)
+    try:
+        draft = model_config(path, dtype=str(target.dtype).removeprefix("torch."),
+                             max_model_len=target.max_model_len, quantization=spec.quantization)
+    except ValueError as e:
+        raise ValueError(f"speculative draft model: {e}") from None
+    if spec.quantization is None:
+        draft = dataclasses.replace(draft, quantization=default_quantization(draft, device))
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative draft model {path} has a vocabulary of "
+                         f"{draft.vocab_size} tokens, the target {target.vocab_size}: a draft "
+                         "must share the target's tokenizer")
+    if (os.path.realpath(draft.path) == os.path.realpath(target.path)
+            and draft.quantization == target.quantization):
+        raise ValueError(f"speculative draft model: {path} in weight format "
+                         f"{draft.quantization or 'dense'} is the target itself; pass a "
+                         "smaller model or a cheaper 'quantization' (e.g. 'gguf', 'int8')")
+    return draft

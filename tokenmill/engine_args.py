@@ -1,0 +1,230 @@
+"""EngineArgs: every engine option declared once (vLLM's EngineArgs).
+
+Each field carries its type, default, help, config group and CLI spelling. From it come:
+- the keywords of `LLM(model, **options)`, `LLMEngine.from_options` and `make_replicas`
+  (`EngineArgs.from_options`: an unknown keyword is a ValueError listing the known ones);
+- the flags of every command that runs an engine (`add_cli_args`: `--max-num-seqs`; a bool
+  field gets `--x` and `--no-x`; extra spellings such as `-tp` in `flags`);
+- the config (`create_engine_config`, config_factory.py): the fields of the cache, scheduler
+  and parallel groups are those configs' keywords as they stand; the model and engine groups
+  are resolved there against the checkpoint and the device.
+
+Invariant: a field's default is its config's default (read from the config class) or None
+where the default depends on the model or the device (then its help says how it is chosen);
+a None passed as a keyword or left on the command line means that default.
+tests/engine/test_engine_args.py walks every field through the CLI, the keywords and the config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.attention.kv_formats import PLANNED_KV_FORMATS, kv_format_names
+from tokenmill.attention.registry import BACKEND_NAMES
+from tokenmill.config import (
+    DTYPES,
+    LOAD_FORMATS,
+    PREEMPTION_MODES,
+    RUNNERS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from tokenmill.config_factory import create_engine_config
+from tokenmill.distributed.config import EXECUTOR_BACKENDS, ParallelConfig
+from tokenmill.quantization import QUANTIZATION_METHODS
+
+GROUPS = ("model", "cache", "scheduler", "parallel", "engine")
+
+
+def option(default: Any, help: str, group: str, *, flags: tuple[str, ...] = (),
+           choices: tuple[Any, ...] | None = None, negations: tuple[str, ...] = (),
+           metavar: str | None = None) -> Any:
+    """An EngineArgs field. group: the config it belongs to (GROUPS); flags: CLI spellings
+    besides --the-field-name; negations: extra spellings that set a bool field False."""
+    assert group in GROUPS, group
+    return dataclasses.field(default=default, metadata={
+        "help": help, "group": group, "flags": flags, "choices": choices,
+        "negations": negations, "metavar": metavar})
+
+
+@dataclass
+class EngineArgs:
+    # ---- the model -------------------------------------------------------------------------
+    model: str | None = option(
+        None, "a Hugging Face folder, a .gguf file or a Hub id (ORG/NAME, ORG/NAME:Q4_K_M, "
+        "ORG/NAME/FILE.gguf; default: SmolLM2-135M-Instruct)", "model")
+    revision: str | None = option(
+        None, "a Hub model's branch, tag or commit (default: main)", "model")
+    download_dir: str | None = option(
+        None, "the Hugging Face cache to read and download Hub models into (default: "
+        "HF_HUB_CACHE / HF_HOME's)", "model")
+    tokenizer: str | None = option(
+        None, "a tokenizer folder or Hub id to use instead of the model's own (e.g. the "
+        "original repository of a GGUF file)", "model")
+    dtype: str = option(
+        "auto", "the compute dtype; auto: float32 on CPU (a bf16 / fp16 checkpoint's dense "
+        "weights kept in their own dtype), the checkpoint's half precision on GPU", "model",
+        choices=("auto", *DTYPES))
+    max_model_len: int | None = option(
+        None, "the longest prompt + output in tokens (default: the model's context)", "model")
+    load_format: str = option(
+        "auto", "dummy: seeded random weights of the model's shape (benchmarks)", "model",
+        choices=LOAD_FORMATS)
+    quantization: str | None = option(
+        None, "weight format: int8 / int4 quantize a float checkpoint at load; awq / gptq read "
+        "such checkpoints (the default for them); gguf serves a GGUF file's blocks as stored "
+        "(the default for a quantized GGUF on CPU); none: dense, a GGUF expanded to float32",
+        "model", flags=("-q",), choices=("none", *QUANTIZATION_METHODS))
+    int8_activations: bool = option(
+        ModelConfig.int8_activations, "quantized weights: every step multiplies "
+        "int8-quantized activations (llama.cpp's numbers; faster, slightly less exact)",
+        "model")
+    # ---- the KV cache ----------------------------------------------------------------------
+    block_size: int = option(CacheConfig.block_size, "tokens per KV block", "cache")
+    kv_cache_memory: str | int | None = option(
+        CacheConfig.kv_cache_memory, "KV cache size: bytes or e.g. 512MiB, 4GiB (default: "
+        "half the memory free after the weights on CPU, 2GiB on GPU; logged)", "cache")
+    num_kv_blocks: int | None = option(
+        CacheConfig.num_kv_blocks, "exact number of KV blocks (overrides --kv-cache-memory)",
+        "cache")
+    enable_prefix_caching: bool = option(
+        CacheConfig.enable_prefix_caching, "reuse the KV blocks of prompt prefixes computed "
+        "before (a radix tree over whole blocks)", "cache", negations=("--no-prefix-caching",))
+    swap_space: str | int = option(
+        CacheConfig.swap_space, "CPU memory for swapped-out KV (--preemption-mode swap): "
+        "bytes or e.g. 1GiB", "cache")
+    kv_cache_dtype: str = option(
+        CacheConfig.kv_cache_dtype, "KV cache storage (vLLM's flag): auto = the model's dtype; "
+        "bfloat16 = half a float32 model's bytes; int8 = one scale per token and KV head, "
+        "~3.8x the tokens; fp8 (= fp8_e4m3) = e4m3 with a per-head scale, 4x; fp8_e5m2 is not "
+        "built yet", "cache", choices=(*kv_format_names(), *PLANNED_KV_FORMATS))
+    # ---- the scheduler ---------------------------------------------------------------------
+    max_num_batched_tokens: int | None = option(
+        None, f"the token budget of one step (default: {SchedulerConfig.max_num_batched_tokens}"
+        "; without chunked prefill at least max_model_len)", "scheduler")
+    max_num_seqs: int = option(SchedulerConfig.max_num_seqs, "requests running at once",
+                               "scheduler")
+    enable_chunked_prefill: bool = option(
+        SchedulerConfig.enable_chunked_prefill, "split long prompts over steps, beside the "
+        "decoding requests", "scheduler", negations=("--no-chunked-prefill",))
+    preemption_mode: str = option(
+        SchedulerConfig.preemption_mode, "what a request preempted for memory loses: "
+        "recompute (its KV, computed again) or swap (copied to CPU memory and back)",
+        "scheduler", choices=PREEMPTION_MODES)
+    async_scheduling: bool = option(
+        SchedulerConfig.async_scheduling, "schedule each step while the model runs the one "
+        "before", "scheduler")
+    # ---- parallelism -----------------------------------------------------------------------
+    tensor_parallel_size: int = option(
+        ParallelConfig.tensor_parallel_size, "split the model's heads, MLP and vocabulary over "
+        "this many worker processes (gloo on CPU, NCCL on CUDA)", "parallel", flags=("-tp",))
+    pipeline_parallel_size: int = option(
+        ParallelConfig.pipeline_parallel_size, "split the model's layers into this many "
+        "stages, one worker process (or tensor-parallel group) each, steps in flight through "
+        "them", "parallel", flags=("-pp",))
+    data_parallel_size: int = option(
+        ParallelConfig.data_parallel_size, "serve this many engine replicas behind one API "
+        "server, each with its own KV cache and worker processes (tokenmill serve only)",
+        "parallel", flags=("-dp",))
+    distributed_executor_backend: str | None = option(
+        ParallelConfig.distributed_executor_backend, "where the ranks run: uni (this process, "
+        "size 1), mp (one process per rank; the default above size 1), ray (Ray actors on a "
+        "Ray cluster's machines: docs/parallel.md)", "parallel", choices=EXECUTOR_BACKENDS)
+    # ---- the engine ------------------------------------------------------------------------
+    device: str | None = option(None, "cpu or cuda (default: cuda when present)", "engine")
+    seed: int = option(EngineConfig.seed, "the seed of dummy weights and of requests "
+                       "without their own", "engine")
+    prepack_weights: bool | str = option(
+        EngineConfig.prepack_weights, "CPU float32: keep a oneDNN-packed copy of each weight "
+        "for large batches (default auto: for models up to 5 GiB of weights); --no-: no "
+        "packed copy (half the weight memory)", "engine")
+    batch_invariant: bool | None = option(
+        None, "a request's tokens never depend on what shares its step (default: on where "
+        "built: CPU, float32, the C++ kernels); --no-: the fastest kernel for each step size "
+        "(results may then vary in the last bits with the batch)", "engine")
+    attention_backend: str = option(EngineConfig.attention_backend, "the attention kernels",
+                                    "engine", choices=BACKEND_NAMES)
+    enforce_eager: bool = option(EngineConfig.enforce_eager, "CUDA: run decode steps eagerly, "
+                                 "without CUDA graphs", "engine")
+    speculative_config: str | dict[str, Any] | None = option(
+        None, 'speculative decoding as JSON (vLLM\'s flag): method "ngram", "suffix" or '
+        '"draft_model" (with "model" and/or "quantization"), e.g. \'{"method": "suffix", '
+        '"num_speculative_tokens": 3}\'', "engine")
+    structured_outputs_config: str | dict[str, Any] | None = option(
+        None, 'structured outputs as JSON (vLLM\'s flag): "backend" ("auto", "guidance" or '
+        '"xgrammar") and "jump_forward" (true or false)', "engine")
+    runner: str = option(EngineConfig.runner, "vLLM's flag: 'pooling' serves embeddings only "
+                         "(/v1/embeddings), 'generate' text only; 'auto' both", "engine",
+                         choices=RUNNERS)
+    pooler_config: str | dict[str, Any] | None = option(
+        None, 'embeddings\' pooling as JSON (vLLM\'s flag): "pooling_type" ("LAST", the '
+        'default, or "MEAN") and "normalize" (true, the default, or false)', "engine")
+
+    @classmethod
+    def from_options(cls, model: str | None = None, **options: Any) -> EngineArgs:
+        """From `LLM`'s keywords: None means the default; an unknown name is a ValueError."""
+        known = {f.name for f in dataclasses.fields(cls)} - {"model"}
+        for name in options:
+            if name not in known:
+                raise ValueError(f"unknown engine option {name!r}; known: "
+                                 f"{', '.join(sorted(known))}")
+        return cls(model=model, **{k: v for k, v in options.items() if v is not None})
+
+    def group(self, name: str) -> dict[str, Any]:
+        """The fields of one config group, by name (the cache, scheduler and parallel groups
+        are their configs' keywords)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.metadata["group"] == name}
+
+    def create_engine_config(self) -> EngineConfig:
+        return create_engine_config(self)
+
+    # ---- the command line ------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Every field as a flag (default None: the field's default), in one argument group."""
+        group = parser.add_argument_group("engine")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            names = [f"--{f.name.replace('_', '-')}", *meta["flags"]]
+            kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": meta["help"]}
+            if bool in typing.get_args(hints[f.name]) or hints[f.name] is bool:
+                group.add_argument(*names, action=argparse.BooleanOptionalAction, **kwargs)
+                for negation in meta["negations"]:
+                    group.add_argument(negation, dest=f.name, action="store_false",
+                                       default=None, help=f"= --no-{names[0][2:]}")
+                continue
+            if meta["choices"] is not None:
+                kwargs["choices"] = list(meta["choices"])
+            kwargs["type"] = _cli_type(hints[f.name])
+            group.add_argument(*names, **kwargs)
+
+    @classmethod
+    def cli_options(cls, args: argparse.Namespace) -> dict[str, Any]:
+        """The flags given on the command line as keywords (the model's left out)."""
+        return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                if f.name != "model" and getattr(args, f.name, None) is not None}
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, model: str | None = None) -> EngineArgs:
+        """The flags given (those left out keep their defaults); `model` before --model."""
+        return cls(model=model or getattr(args, "model", None), **cls.cli_options(args))
+
+
+def _cli_type(hint: Any) -> type:
+    """The command line's parser for a field of this type: int for int fields, else str (a
+    size, a name or JSON, parsed where the config is built)."""
+    types = set(typing.get_args(hint)) or {hint}
+    return int if types <= {int, type(None)} else str
+
+
+def engine_config(model: str | None = None, **options: Any) -> EngineConfig:
+    """The config `LLM(model, **options)` runs with."""
+    return EngineArgs.from_options(model, **options).create_engine_config()
