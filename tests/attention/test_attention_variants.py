@@ -66,3 +66,15 @@ def test_auto_picks_a_backend_computing_the_model_s_variants():
     half = get_attention_backend("auto", 4, cpu, torch.float16,
                                  features=frozenset({"soft_cap", "sliding_window"}))
     assert type(half).__name__ == "TorchPagedAttention"
+
+
+def test_every_backend_takes_the_layer_not_its_variants():
+    """The interface does not widen with a variant: each backend's forward takes the layer
+    (its AttentionVariant and kv_scales fixed when it was built) and the step's tensors."""
+    import inspect
+
+    from tokenmill.attention.registry import _REGISTRY, _backend_class
+
+    for name in _REGISTRY:
+        params = list(inspect.signature(_backend_class(name).forward).parameters)
+        assert params == ["self", "layer", "q", "k", "v", "kv_cache", "meta"], name

@@ -9,11 +9,13 @@ the PyTorch backend, its oracle, on the same step. Tolerance: 1e-5 absolute (flo
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tokenmill.attention import get_attention_backend
+from tokenmill.attention.base import AttentionVariant
 from tokenmill.attention.cpu_kernels import paged_attention_op
 from tokenmill.attention.input_batch import InputBatch
 from tokenmill.attention.kv_cache import allocate_kv_cache
@@ -105,8 +107,9 @@ def run(backend_name, bs, cache, batch, q, k_new, v_new, kv_scales=None,
     kv_scales = None if kv_scales is None else kv_scales.to(device)
     backend = get_attention_backend(backend_name, bs, device, features=features)
     meta = backend.build_metadata(batch)
-    out = backend.forward(q, k_new, v_new, cache.clone(), meta, q.shape[-1] ** -0.5,
-                          kv_scales, **variants)
+    layer = SimpleNamespace(variant=AttentionVariant(q.shape[-1] ** -0.5, **variants),
+                            kv_scales=kv_scales)
+    out = backend.forward(layer, q, k_new, v_new, cache.clone(), meta)
     return meta, out.view_as(q).cpu()
 
 

@@ -3,9 +3,12 @@ backends is tested in test_paged_backends.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from tests.attention.test_paged_backends import dense_reference
+from tokenmill.attention.base import AttentionVariant
 from tokenmill.attention.input_batch import InputBatch
 from tokenmill.attention.kv_cache import allocate_kv_cache
 from tokenmill.attention.torch_ref import TorchPagedAttention
@@ -70,9 +73,9 @@ def test_cascade_decode_over_a_shared_prefix_matches_dense():
     assert [g.shared_block_ids.tolist() for g in meta.decode_groups
             if g.shared_block_ids is not None] != []
     q = torch.randn(len(lens), HQ, D)
-    out = backend.forward(q, torch.stack([k[-1] for k in full_k]),
-                          torch.stack([v[-1] for v in full_v]), cache, meta,
-                          scale=D ** -0.5).view(-1, HQ, D)
+    layer = SimpleNamespace(variant=AttentionVariant(D ** -0.5), kv_scales=None)
+    out = backend.forward(layer, q, torch.stack([k[-1] for k in full_k]),
+                          torch.stack([v[-1] for v in full_v]), cache, meta).view(-1, HQ, D)
     for i in range(len(lens)):
         ref = dense_reference(q[i:i + 1], full_k[i], full_v[i], D ** -0.5)
         torch.testing.assert_close(out[i:i + 1], ref, atol=1e-5, rtol=1e-5)

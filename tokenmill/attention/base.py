@@ -4,9 +4,9 @@ are registered in registry.py).
 Contract:
 - `build_metadata(batch)` runs once per step, before the forward pass, and may build tensors;
   it returns the backend's own AttentionMetadata subclass, which only the backend reads.
-- `forward(q, k, v, kv_cache, meta, scale, kv_scales)` first writes this step's k/v into
+- `forward(layer, q, k, v, kv_cache, meta)` first writes this step's k/v into
   `kv_cache` at `meta.slot_mapping` (quantized in the same op when the cache is int8 or fp8,
-  attention/kv_cache.py; kv_scales: the layer's fp8 scales), then returns attention of
+  attention/kv_cache.py; the layer's AttentionVariant and fp8 kv_scales), then returns attention of
   every query over its sequence's cached context (causal), shape (T, num_heads * head_dim).
   It runs once per layer and must not rebuild what `build_metadata` could have built.
 - Attention variants (`FEATURES`): a layer may ask for a sliding window ("sliding_window": a
@@ -25,12 +25,30 @@ Contract:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from tokenmill.attention.input_batch import InputBatch
 from tokenmill.attention.metadata import AttentionMetadata
+
+
+class AttentionVariant(NamedTuple):
+    """What one layer's attention computes, fixed when the layer is built: softmax(q k^T *
+    scale) v over the causal context, with optionally a sliding window (a query at position
+    p attends keys at positions > p - window) and soft-capped scores (cap * tanh(s / cap)).
+    A new variant is a new field here and in the backends' FEATURES, not a new argument."""
+
+    scale: float
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+
+
+class AttentionLayer(Protocol):
+    """What a backend reads of the layer it attends for (layers/attention.py Attention)."""
+
+    variant: AttentionVariant
+    kv_scales: torch.Tensor | None  # (2, Hkv): an fp8 cache's fixed scales
 
 
 class DecodeGraphState(ABC):
@@ -62,13 +80,12 @@ class AttentionBackend(ABC):
     def build_metadata(self, batch: InputBatch) -> AttentionMetadata: ...
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                kv_scales: torch.Tensor | None = None, sliding_window: int | None = None,
-                soft_cap: float | None = None) -> torch.Tensor:
+    def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+                ) -> torch.Tensor:
         """q (T, Hq, D); k, v (T, Hkv, D); kv_cache (2, num_blocks, block_size, Hkv, R) in
-        any format of kv_cache.py, read in place; kv_scales (2, Hkv) for an fp8 cache;
-        sliding_window / soft_cap: this layer's variants (None: off), as `features` said."""
+        any format of kv_cache.py, read in place; the layer's variant (scale, window, soft
+        cap, as `features` said) and its fp8 cache's kv_scales come from `layer`."""
 
     def fused_decode_queries(self, meta: AttentionMetadata, num_tokens: int) -> Any | None:
         """When every one of the step's `num_tokens` queries can go to the CPU paged-attention

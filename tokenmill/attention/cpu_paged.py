@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.attention.base import AttentionLayer
 from tokenmill.attention.cascade import CascadePolicy, plan_cascades
 from tokenmill.attention.cpu_kernels import paged_attention_op
 from tokenmill.attention.input_batch import InputBatch
@@ -163,10 +164,11 @@ class CPUPagedAttention(TorchPagedAttention):
                             split_keys=INVARIANT_SPLIT_KEYS if self.invariant else 0)
 
     # ---- forward ----------------------------------------------------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: CPUAttentionMetadata, scale: float,
-                kv_scales: torch.Tensor | None = None, sliding_window: int | None = None,
-                soft_cap: float | None = None) -> torch.Tensor:
+    def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, kv_cache: torch.Tensor, meta: CPUAttentionMetadata
+                ) -> torch.Tensor:
+        scale, sliding_window, soft_cap = layer.variant  # what the layer computes
+        kv_scales = layer.kv_scales
         T, Hq, D = q.shape
         if (every := self.fused_decode_queries(meta, T)) is not None:
             # Every query goes to the kernel (a plain decode step): no gather / scatter, and
@@ -177,8 +179,7 @@ class CPUPagedAttention(TorchPagedAttention):
         p = meta.paged
         if meta.prefills:  # (this backend makes no decode groups: cascades replace them)
             # stores k/v; (T, Hq * D)
-            out = super().forward(q, k, v, kv_cache, meta, scale, kv_scales, sliding_window,
-                                  soft_cap)
+            out = super().forward(layer, q, k, v, kv_cache, meta)
         else:
             store_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
             out = q.new_empty(T, Hq * D)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention.base import AttentionBackend
+from tokenmill.attention.base import AttentionBackend, AttentionLayer
 from tokenmill.attention.cascade import CascadePolicy, plan_cascades
 from tokenmill.attention.input_batch import InputBatch
 from tokenmill.attention.kv_cache import as_float, on_grid, store_kv
@@ -207,10 +207,11 @@ class TorchPagedAttention(AttentionBackend):
                           mask=mask)
 
     # ---- forward ----------------------------------------------------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: TorchAttentionMetadata, scale: float,
-                kv_scales: torch.Tensor | None = None, sliding_window: int | None = None,
-                soft_cap: float | None = None) -> torch.Tensor:
+    def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, kv_cache: torch.Tensor, meta: TorchAttentionMetadata
+                ) -> torch.Tensor:
+        scale, sliding_window, soft_cap = layer.variant  # what the layer computes
+        kv_scales = layer.kv_scales
         store_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
         T, Hq, D = q.shape
         out = torch.empty_like(q)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.attention.base import AttentionBackend, DecodeGraphState
+from tokenmill.attention.base import AttentionBackend, AttentionLayer, DecodeGraphState
 from tokenmill.attention.input_batch import InputBatch
 from tokenmill.attention.metadata import AttentionMetadata
 
@@ -92,10 +92,11 @@ class TritonPagedAttention(AttentionBackend):
         return QueryTiles(tile=tile, rows=cols[0], q_starts=cols[1], q_lens=cols[2],
                           first_ctx=cols[3], block_tables=block_tables)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: TritonAttentionMetadata, scale: float,
-                kv_scales: torch.Tensor | None = None, sliding_window: int | None = None,
-                soft_cap: float | None = None) -> torch.Tensor:
+    def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, kv_cache: torch.Tensor, meta: TritonAttentionMetadata
+                ) -> torch.Tensor:
+        scale, sliding_window, soft_cap = layer.variant  # what the layer computes
+        kv_scales = layer.kv_scales
         self._kernels.store_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
         T, Hq, D = q.shape
         out = torch.empty_like(q)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention import AttentionBackend, AttentionMetadata
+from tokenmill.attention.base import AttentionVariant
 from tokenmill.layers import cpu_ops
 from tokenmill.quantization.base import CPULinearKernel
 from tokenmill.utils.profiling import scope
@@ -25,8 +26,8 @@ class Attention(nn.Module):
         before the softmax (Gemma 2). Both None: plain causal attention."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = scale
-        self.sliding_window, self.soft_cap = sliding_window, soft_cap
+        # what the backend computes for this layer, fixed here (attention/base.py)
+        self.variant = AttentionVariant(scale, sliding_window, soft_cap)
         self.kv_cache: torch.Tensor | None = None  # (2, num_blocks, block_size, Hkv, R)
         self.kv_scales: torch.Tensor | None = None  # (2, Hkv): an fp8 cache's scales
         self.key_rotation: torch.Tensor | None = None  # (D, D): a quantized cache's
@@ -51,9 +52,19 @@ class Attention(nn.Module):
         with scope("attention"):
             if self.key_rotation is not None:  # q . k = (q R) . (k R): keys stored rotated
                 q, k = self._rotate(q), self._rotate(k)
-            return self.backend.forward(q, k, v, self.kv_cache, meta, self.scale, self.kv_scales,
-                                        sliding_window=self.sliding_window,
-                                        soft_cap=self.soft_cap)
+            return self.backend.forward(self, q, k, v, self.kv_cache, meta)
+
+    @property
+    def scale(self) -> float:
+        return self.variant.scale
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.variant.sliding_window
+
+    @property
+    def soft_cap(self) -> float | None:
+        return self.variant.soft_cap
 
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,10 @@ class GraniteAttention(LlamaAttention):
     def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
                  prefix: str, layer_idx: int, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__(config, tp, quant, prefix, layer_idx, qkv_bias, o_bias)
-        self.attn.scale = float(config.attention_multiplier)
         self.residual_multiplier = float(config.residual_multiplier)
+
+    def attention_scale(self, config: Any) -> float:
+        return float(config.attention_multiplier)
 
     def forward(self, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -46,8 +46,12 @@ class LlamaAttention(nn.Module):
                                         prefix=f"{prefix}.o_proj")
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
-                              scale=self.head_dim ** -0.5,
+                              scale=self.attention_scale(config),
                               sliding_window=layer_sliding_window(config, layer_idx))
+
+    def attention_scale(self, config: Any) -> float:
+        """The scores' scale, fixed in the layer's attention variant."""
+        return self.head_dim ** -0.5
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(T, (Hq + 2 Hkv) D) → q, k, v (T, Hq | Hkv | Hkv, D): one view and three slices,
