@@ -30,7 +30,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
-    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
+    llm = LLM(args.model, **EngineArgs.cli_options(args))
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params,
                         use_tqdm=False)

@@ -58,7 +58,7 @@ def start_server(engine: LLMEngine | list[LLMEngine], model: str, api_key: str |
     engines = engine if isinstance(engine, list) else [engine]
     server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning", timeout_graceful_shutdown=5),
-                            app.state.lifecycle)
+                            app.state.server.lifecycle)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

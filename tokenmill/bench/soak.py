@@ -268,7 +268,7 @@ def soak(model: str | None, num_requests: int, concurrency: int, seed: int,
     engine.runner.kv_cache.zero_()
     app = build_app(engine, "soak")
     server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"),
-                            app.state.lifecycle)
+                            app.state.server.lifecycle)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:

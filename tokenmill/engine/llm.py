@@ -28,15 +28,7 @@ PromptType = str | list[int] | dict[str, Any]
 class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         """`engine_options`: EngineArgs' fields (engine_args.py, vLLM's names)."""
-        self._start(EngineArgs.from_options(model, **engine_options))
-
-    @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLM:
-        llm = cls.__new__(cls)
-        llm._start(args)
-        return llm
-
-    def _start(self, args: EngineArgs) -> None:
+        args = EngineArgs.from_options(model, **engine_options)
         if args.data_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 runs engine replicas behind one API server "
                              "(tokenmill serve --data-parallel-size D); an offline LLM is one "

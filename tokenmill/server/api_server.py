@@ -93,7 +93,6 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str,
     app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan,
                   responses={code: {"model": ErrorResponse, "description": text}
                              for code, text in _ERROR_STATUSES.items()})
-    app.state.async_llm, app.state.lifecycle, app.state.admission = async_llm, lifecycle, admission
     app.state.server = ServerState(
         engine, async_llm, lifecycle, metrics, served_model_name, api_key,
         OpenAIServingCompletion(*serving), OpenAIServingChat(*serving, tool_options=tool_options),
@@ -143,7 +142,7 @@ def run_server(engine: LLMEngine | list[LLMEngine], host: str, port: int,
     # uvicorn's access log is off: ours (middleware.py) carries the request id.
     config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
                             log_config=None, timeout_graceful_shutdown=5)
-    server = DrainingServer(config, app.state.lifecycle)
+    server = DrainingServer(config, app.state.server.lifecycle)
     logger.info("serving %s on http://%s:%d", name, host, port)
     server.run()
-    return app.state.lifecycle.exit_code
+    return app.state.server.lifecycle.exit_code
