@@ -2,10 +2,13 @@
 oneDNN with the prepacked float32 weight (what dense layers use), F.linear (MKL sgemm) on the
 dense weight, and tokenmill's `linear` op on quantized weights (csrc/linear_cpu.h): Q8_0 and
 4-bit groups of 32, with float activations (int16 per 32-block on AVX-512 VNNI builds;
-elsewhere exact: float32 row kernels up to 16 rows, float32 tiles above) or int8 ones.
+elsewhere exact: float32 row kernels up to 16 rows, float32 tiles above) or int8 ones; the
+weight in bfloat16, widened to float32 (bf16) or multiplied in bfloat16 (bf16-products:
+vdpbf16ps where the CPU has AVX512-BF16, csrc/linear_bf16.h); torch's bf16 `F.linear`
+(oneDNN, bf16 outputs) on bf16 activations (torch-bf16).
 
-    python benchmarks/gemm_paths.py [--rows 16 64 128 256 512 2048]
-        [--paths onednn,mkl,q8,q8+int8acts,q4,q4+int8acts]
+    python benchmarks/gemm_paths.py [--rows 1 4 16 64 128 256 512 2048]
+        [--paths onednn,mkl,q8,q8+int8acts,q4,q4+int8acts,bf16,bf16-products,torch-bf16]
 """
 
 from __future__ import annotations
@@ -44,9 +47,15 @@ def path(name: str, w: torch.Tensor):
         return packed_linear, prepack(w)
     if name == "mkl":
         return F.linear, w
+    if name in ("bf16", "bf16-products"):
+        kind = CPULinearKernel.BF16 if name == "bf16" else CPULinearKernel.BF16_PRODUCTS
+        return cpu_ops.linear, CPULinearKernel(kind, 0, (w.to(torch.bfloat16),))
+    if name == "torch-bf16":
+        return (lambda x, wb: F.linear(x.to(torch.bfloat16), wb)), w.to(torch.bfloat16)
     base, _, acts = name.partition("+")
     if base not in ("q8", "q4") or acts not in ("", "int8acts"):
-        raise SystemExit(f"unknown path {name!r}: onednn, mkl, q8, q4, q8+int8acts, q4+int8acts")
+        raise SystemExit(f"unknown path {name!r}: onednn, mkl, q8, q4, q8+int8acts, "
+                         "q4+int8acts, bf16, bf16-products, torch-bf16")
     kind, tensors = ((CPULinearKernel.Q8_0, quantize_q8_0(w)) if base == "q8"
                      else (CPULinearKernel.Q4, quantize_q4(w, 32)))
     kernel = CPULinearKernel(kind, 32, tuple(tensors), int8_activations=acts == "int8acts")
@@ -58,7 +67,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="*", default=[16, 64, 128, 256, 512, 2048])
     ap.add_argument("--paths", default="onednn,mkl",
-                    help="comma-separated: onednn, mkl, q8, q4, q8+int8acts, q4+int8acts")
+                    help="comma-separated: onednn, mkl, q8, q4, q8+int8acts, q4+int8acts, "
+                         "bf16, bf16-products, torch-bf16")
     args = ap.parse_args()
     names = args.paths.split(",")
     torch.manual_seed(0)

@@ -3,6 +3,8 @@
     python benchmarks/profile_step.py [--scenario single|decode64|mixed|all] [--steps 10]
                                       [--no-prepack-weights] [--attention-backend torch]
                                       [--quantization none|int8|gguf...] [--int8-activations]
+                                      [--matmul-dtype auto|float32|bfloat16]
+                                      [--kv-cache-dtype auto|bfloat16|int8|fp8]
                                       [--json out.json]
 
 Scenarios (SmolLM2 in the default weight format unless --model / --quantization):
@@ -138,17 +140,22 @@ def main() -> None:
     ap.add_argument("--quantization", default=None,
                     help="weight format (tokenmill serve's --quantization); default: the model's")
     ap.add_argument("--int8-activations", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--matmul-dtype", default="auto")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     llm = LLM(args.model, prepack_weights=args.prepack, attention_backend=args.attention_backend,
               enable_prefix_caching=False, quantization=args.quantization,
-              int8_activations=args.int8_activations)
+              int8_activations=args.int8_activations, kv_cache_dtype=args.kv_cache_dtype,
+              matmul_dtype=args.matmul_dtype)
     llm.engine.runner.model.model.small_batch_decode.enabled = args.fused
     tok = llm.get_tokenizer()
     vocab = llm.engine.config.model.vocab_size
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"prepack_weights={args.prepack}, attention_backend={args.attention_backend}, "
-          f"fused_decode={args.fused}, quantization={llm.engine.config.model.quantization}")
+          f"fused_decode={args.fused}, quantization={llm.engine.config.model.quantization}, "
+          f"matmul_dtype={llm.engine.config.model.matmul_dtype}, "
+          f"kv_cache_dtype={llm.engine.config.cache.kv_cache_dtype}")
     names = ["single", "decode64", "mixed"] if args.scenario == "all" else [args.scenario]
     results = []
     for name in names:

@@ -69,7 +69,7 @@ class ModelConfig:
     load_format: str = "auto"
     # The weight format (tokenmill/quantization/): None (dense), "int8", "int4", "awq",
     # "gptq" or "gguf"; hf_quant_config is the checkpoint's own quantization_config. Unset
-    # in the options, a quantized GGUF may become "gguf" (config_factory.default_quantization).
+    # in the options, a quantized GGUF may become "gguf" (config_weights.default_quantization).
     quantization: str | None = None
     hf_quant_config: dict[str, Any] | None = None
     # Quantized weights multiply int8-quantized activations in every step (llama.cpp's
@@ -79,6 +79,10 @@ class ModelConfig:
     # Dense weights kept in this dtype on CPU (a bfloat16 / float16 checkpoint's own, with
     # `dtype` float32 for everything else; quantization/unquantized.py); None: `dtype`.
     weight_dtype: torch.dtype | None = None
+    # The dtype those half-precision weights are multiplied in: None, float32 (the weights
+    # widened exactly: float32's results); bfloat16 (bf16 weights only: activations rounded to
+    # bf16 at each product, float32 sums; AVX512-BF16's instructions, emulated elsewhere).
+    matmul_dtype: torch.dtype | None = None
     # The model as the user named it (a Hub id, or None for a local path): the served name.
     hub_id: str | None = None
     # Where the tokenizer comes from when not from the model itself (vLLM's --tokenizer,

@@ -4,8 +4,9 @@ checkpoint or picks a policy for one lives here, above the config dataclasses.
     EngineArgs ──create_engine_config──▶ EngineConfig
                    │ model_config: a path / Hub id / GGUF file → ModelConfig (reads the
                    │   checkpoint's config; its quirks normalized into hf_overrides)
-                   │ the defaults that depend on the model and the device: the weight format
-                   │   (default_quantization), the dense weights' dtype, batch invariance
+                   │ the defaults that depend on the model and the device: the weight format,
+                   │   the dense weights' dtype and products' dtype (config_weights.py),
+                   │   batch invariance
                    │ the draft model of speculative decoding, checked against the target
                    ▼
     config.py: frozen dataclasses and their own validation only (no file is read there)
@@ -33,6 +34,13 @@ from tokenmill.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from tokenmill.config_weights import (
+    checkpoint_quantization,
+    default_quantization,
+    default_weight_dtype,
+    resolve_matmul_dtype,
+    resolve_quantization,
+)
 from tokenmill.distributed.config import ParallelConfig
 from tokenmill.layers.linear import check_heads_split
 from tokenmill.layers.rotary import rope_parameter_sets
@@ -43,8 +51,7 @@ from tokenmill.model_loader.gguf_convert import converted_folder
 from tokenmill.model_loader.hub import parse_hub_id, resolve_hub_model
 from tokenmill.models import registry
 from tokenmill.pooling_params import PoolerConfig
-from tokenmill.quantization import QUANTIZATION_METHODS, WEIGHT_FORMATS
-from tokenmill.quantization.gguf import BLOCK_TYPES, SUPPORTED_TYPES
+from tokenmill.quantization import WEIGHT_FORMATS
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.structured_output.config import StructuredOutputsConfig
 from tokenmill.utils import cpp_extension
@@ -66,6 +73,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         model = dataclasses.replace(model, quantization=default_quantization(model, device))
     if args.dtype == "auto":
         model = dataclasses.replace(model, weight_dtype=default_weight_dtype(model, device))
+    model = dataclasses.replace(model, matmul_dtype=resolve_matmul_dtype(args.matmul_dtype,
+                                                                         model))
     scheduler = _scheduler_config(args, model)
     speculative = SpeculativeConfig.parse(args.speculative_config)
     draft = None
@@ -81,6 +90,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         raise ValueError("speculative decoding does not run with "
                          "pipeline_parallel_size > 1 yet")
     cache = args.group("cache")
+    if cache["kv_cache_dtype"] == "auto" and model.matmul_dtype == torch.bfloat16:
+        cache["kv_cache_dtype"] = "bfloat16"  # the cache in the products' dtype
     for size in ("kv_cache_memory", "swap_space"):
         if cache[size] is not None:
             cache[size] = parse_size(cache[size])
@@ -133,8 +144,8 @@ def model_config(path: str | None, dtype: str = "auto", max_model_len: int | Non
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, "
                          f"got {load_format!r}")
     hf_config, gguf_file, converted = _read_hf_config(path)
-    hf_quant = _checkpoint_quantization(hf_config)
-    quantization = _resolve_quantization(quantization, hf_quant, gguf_file, path)
+    hf_quant = checkpoint_quantization(hf_config)
+    quantization = resolve_quantization(quantization, hf_quant, gguf_file, path)
     if load_format == "dummy" and quantization is not None and \
             WEIGHT_FORMATS[quantization].source != "float":
         raise ValueError(f"load_format='dummy' draws float weights: it works with "
@@ -242,94 +253,6 @@ def _runner(asked: str, model: ModelConfig) -> str:
                          f"({model.hf_config.architectures[0]}): it computes embeddings only; "
                          "use runner='pooling'")
     return "pooling"
-
-
-# ---- weight formats -------------------------------------------------------------------------
-
-def _checkpoint_quantization(hf_config: Any) -> dict[str, Any] | None:
-    q = getattr(hf_config, "quantization_config", None)
-    if q is None:
-        return None
-    return dict(q) if isinstance(q, dict) else q.to_dict()
-
-
-def _resolve_quantization(asked: str | None, checkpoint: dict[str, Any] | None,
-                          gguf_file: str | None, path: str) -> str | None:
-    """The weight format to serve, from the option and what the checkpoint holds (each
-    format's `source` in the registry, quantization/__init__.py WEIGHT_FORMATS)."""
-    if asked in (None, "none", "None"):
-        asked = None
-    elif asked not in WEIGHT_FORMATS:
-        raise ValueError(f"unknown quantization {asked!r}; supported: "
-                         f"{', '.join(QUANTIZATION_METHODS)} or None")
-    stored = [f.name for f in WEIGHT_FORMATS.values() if f.source == "checkpoint"]
-    if checkpoint is not None:  # a pre-quantized HF checkpoint: serve it in its own format
-        method = str(checkpoint.get("quant_method", "")).lower()
-        if method not in stored:
-            raise ValueError(f"{path} is quantized with {method!r}, which tokenmill cannot "
-                             f"serve; supported checkpoint formats: {', '.join(stored)}")
-        if asked not in (None, method):
-            raise ValueError(f"quantization={asked!r}, but {path} is a {method} checkpoint; "
-                             f"pass quantization={method!r} or leave it unset")
-        return method
-    source = None if asked is None else WEIGHT_FORMATS[asked].source
-    if source == "checkpoint":
-        raise ValueError(f"quantization={asked!r} needs a checkpoint in that format (its "
-                         f"config.json names it in quantization_config); {path} has none")
-    if source == "gguf" and gguf_file is None:
-        raise ValueError(f"quantization={asked!r} serves the blocks of a GGUF file; {path} is "
-                         "not one")
-    return asked
-
-
-def default_quantization(model: ModelConfig, device: str) -> str | None:
-    """The format to serve `model` in when none was asked for: "gguf" for a GGUF file of
-    block types the kernels read (quantization/gguf.py SUPPORTED_TYPES) or of F16 / BF16
-    tensors (kept in their half precision), in float32 on a CPU with the C++ kernels, for a
-    model without experts (their GGUF blocks have no loader yet); else the checkpoint's own
-    (model.quantization: None, or an AWQ / GPTQ checkpoint's method).
-
-    The blocks are what llama.cpp users expect: the file's own numbers at its own size (the
-    float32 expansion is 4-7x larger), and with batch invariance (the CPU default) the dot
-    kernels multiply exactly the dequantized weights, so greedy output equals the float32
-    expansion's (tests/quantization/test_gguf_native.py). A file holding a type outside the
-    table is expanded, with a log line naming the type."""
-    hf = model.hf_config
-    experts = getattr(hf, "num_local_experts", 0) or getattr(hf, "num_experts", 0)
-    if (model.quantization is not None or model.gguf_file is None or model.load_format != "auto"
-            or not device.startswith("cpu") or model.dtype != torch.float32
-            or not cpp_extension.kernels_enabled() or experts):
-        return model.quantization
-    types = set(gguf_loader.gguf_tensor_types(model.gguf_file).values())
-    if types <= {"F32"}:
-        return None  # a float32 file: nothing to keep in its own form
-    if not types <= set(SUPPORTED_TYPES):
-        logger.warning("%s holds GGUF types %s, which are not served in their blocks (%s are): "
-                       "expanding it to float32", model.gguf_file,
-                       ", ".join(sorted(types - set(SUPPORTED_TYPES))), ", ".join(BLOCK_TYPES))
-        return None
-    logger.info("serving %s in its own %s blocks (quantization='gguf'; pass "
-                "quantization='none' for its float32 expansion)", model.gguf_file,
-                "/".join(sorted(types & set(BLOCK_TYPES))))
-    return "gguf"
-
-
-def default_weight_dtype(model: ModelConfig, device: str) -> torch.dtype | None:
-    """The dtype dense weights are kept in when the user set no dtype: a bfloat16 / float16
-    checkpoint's own on a CPU with the C++ kernels (computed in float32: activations, norms
-    and sums; the weights widened in registers, exactly), instead of a float32 copy twice its
-    size; None (the model's dtype) elsewhere."""
-    hf = model.hf_config
-    stored = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
-    if isinstance(stored, str):
-        stored = getattr(torch, stored, None)
-    if (stored not in (torch.bfloat16, torch.float16) or not device.startswith("cpu")
-            or model.dtype != torch.float32 or model.quantization is not None
-            or model.gguf_file is not None or not cpp_extension.kernels_enabled()):
-        return None
-    logger.info("keeping the %s checkpoint's weights in %s (computing in float32)",
-                model.path, stored)
-    return stored
 
 
 # ---- policies that depend on the model and the device ---------------------------------------

@@ -71,6 +71,13 @@ class EngineArgs:
         "auto", "the compute dtype; auto: float32 on CPU (a bf16 / fp16 checkpoint's dense "
         "weights kept in their own dtype), the checkpoint's half precision on GPU", "model",
         choices=("auto", *DTYPES))
+    matmul_dtype: str = option(
+        "auto", "CPU, a bfloat16 checkpoint kept as stored (dtype auto): the dtype its products "
+        "are computed in; bfloat16 = activations rounded to bf16, float32 sums (AVX512-BF16, "
+        "~2x the speed of batched steps; emulated elsewhere), with a bfloat16 KV cache under "
+        "kv_cache_dtype auto; float32 = the weights widened exactly (float32's results); auto "
+        "= bfloat16 where the CPU has AVX512-BF16, else float32", "model",
+        choices=("auto", "float32", "bfloat16"))
     max_model_len: int | None = option(
         None, "the longest prompt + output in tokens (default: the model's context)", "model")
     load_format: str = option(
@@ -100,7 +107,8 @@ class EngineArgs:
         CacheConfig.swap_space, "CPU memory for swapped-out KV (--preemption-mode swap): "
         "bytes or e.g. 1GiB", "cache")
     kv_cache_dtype: str = option(
-        CacheConfig.kv_cache_dtype, "KV cache storage (vLLM's flag): auto = the model's dtype; "
+        CacheConfig.kv_cache_dtype, "KV cache storage (vLLM's flag): auto = the model's dtype "
+        "(bfloat16 under matmul_dtype bfloat16); "
         "bfloat16 = half a float32 model's bytes; int8 = one scale per token and KV head, "
         "~3.8x the tokens; fp8 (= fp8_e4m3) = e4m3 with a per-head scale, 4x; fp8_e5m2 is not "
         "built yet", "cache", choices=(*kv_format_names(), *PLANNED_KV_FORMATS))

@@ -30,7 +30,11 @@ needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not ins
 BACKENDS = ["torch", pytest.param("cpu", marks=needs_kernel),
             pytest.param("triton", marks=needs_triton)]
 # (block_size, Hq, Hkv, D): GQA 3:1, GQA 2:1, MHA, MQA, a head dim that is not a multiple of 8
-SHAPES = [(4, 6, 2, 8), (16, 9, 3, 64), (4, 4, 4, 16), (8, 4, 1, 32), (4, 4, 2, 12)]
+# (block size, Hq, Hkv, D). On AVX-512 builds the C++ kernel scores 4 keys at a time and
+# accumulates V for the G = Hq / Hkv heads of a KV head together where G <= 6 (and D = 64 for
+# V; csrc/paged_attention_groups.h): G = 1, 3, 4, 6, 8 and D = 16, 64, 128 take each mix.
+SHAPES = [(4, 6, 2, 8), (16, 9, 3, 64), (4, 4, 4, 16), (8, 4, 1, 32), (4, 4, 2, 12),
+          (16, 12, 2, 128), (8, 8, 1, 64), (16, 8, 8, 64)]
 
 
 def dense_reference(q, k, v, scale):

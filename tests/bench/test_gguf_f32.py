@@ -6,10 +6,12 @@ import os
 
 import gguf
 import numpy as np
+import pytest
 
 from tokenmill.bench.gguf_f32 import f32_copy
 
 
+@pytest.mark.slow
 def test_f32_copy_has_the_dequantized_weights_and_same_metadata(smollm2_path, tmp_path,
                                                                   monkeypatch):
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
@@ -39,6 +41,7 @@ def test_f32_copy_has_the_dequantized_weights_and_same_metadata(smollm2_path, tm
     assert f32_copy(smollm2_path) == path and os.stat(path).st_mtime_ns == mtime  # cached
 
 
+@pytest.mark.slow
 def test_off_grid_copy_moves_each_weight_within_half_a_step(smollm2_path, tmp_path,
                                                             monkeypatch):
     """The perturbed copy (spec_decode.py --target offgrid): each quantized weight moved by

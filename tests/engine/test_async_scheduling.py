@@ -96,6 +96,7 @@ def test_abort_with_a_step_in_flight_frees_everything(tiny_model):
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 5
 
 
+@pytest.mark.slow
 def test_tensor_parallel_ranks_feed_the_driver_s_tokens(tiny_model):
     """TP=2: the next step is sent before this one's tokens are back, so the driver hands its
     sampled tokens to the other rank each step (the shared-memory all-reduce as a broadcast):

@@ -105,6 +105,7 @@ def test_smollm2_greedy_unchanged_with_drafts_accepted(smollm2_costs, options):
         assert spec.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.slow
 def test_smollm2_suffix_drafts_from_earlier_outputs(smollm2_costs):
     """A second round of the same questions (an agent's retry, a templated answer): suffix
     decoding finds the first round's answers in its cache and most drafts are accepted, where
@@ -129,6 +130,7 @@ def test_smollm2_suffix_drafts_from_earlier_outputs(smollm2_costs):
     {"max_num_batched_tokens": 16},  # prompts in chunks; prefix cache hits the second time
     {"num_kv_blocks": 15, "block_size": 8, "preemption_mode": "swap", "swap_space": "64MiB"},
 ], ids=["chunked", "swap"])
+@pytest.mark.slow
 def test_smollm2_self_draft_greedy_unchanged(smollm2_costs, options):
     """Float32 SmolLM2 drafted for by its own GGUF Q4_1 blocks: the same tokens, most drafts
     accepted (its float32 weights are those blocks expanded). Requests of different lengths,

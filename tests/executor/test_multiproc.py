@@ -60,6 +60,7 @@ def test_tp2_logprobs_agree_with_one_process(tiny_model):
             assert abs(a[t].logprob - b[t].logprob) < 1e-4
 
 
+@pytest.mark.slow
 def test_smollm2_split_three_ways(smollm2_path):
     """SmolLM2's 9 heads and 3 KV heads over 3 ranks (one KV head each), its GGUF blocks
     sharded as they are: the chat answers of one process, token for token."""

@@ -26,7 +26,8 @@ from tokenmill.engine.llm_engine import EngineDeadError, LLMEngine
 SMALL = dict(num_kv_blocks=40, block_size=8, max_num_batched_tokens=64, max_num_seqs=6)
 
 
-@pytest.mark.parametrize(("kind", "tp"), [("llama", 1), ("qwen3", 1), ("llama", 2)])
+@pytest.mark.parametrize(("kind", "tp"), [("llama", 1), ("qwen3", 1),
+                                         pytest.param("llama", 2, marks=pytest.mark.slow)])
 def test_greedy_is_identical_to_hf(tiny_model, kind, tp):
     """Two stages of one layer each (tp=2: four processes, each stage's KV heads split over
     its two ranks). A small cache and token budget force chunked prefill and preemption;
@@ -71,6 +72,7 @@ def test_one_step_in_flight_per_stage(tiny_model):
         engine.shutdown()
 
 
+@pytest.mark.slow
 def test_smollm2_in_two_and_three_stages(smollm2_path):
     """SmolLM2's 30 layers as 15 + 15 and 10 + 10 + 10 (its tied LM head on the last stage,
     beside the embedding table it shares): the chat answers of one process, token for token."""

@@ -12,6 +12,7 @@ from tokenmill import LLM
 ray = pytest.importorskip("ray")
 
 
+@pytest.mark.slow
 def test_an_engine_started_ray_fits_its_ranks_and_goes_with_it(tiny_model, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert not ray.is_initialized()

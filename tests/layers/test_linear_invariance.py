@@ -10,6 +10,7 @@ import torch
 
 from tokenmill.layers import cpu_ops
 from tokenmill.quantization import CPULinearKernel
+from tokenmill.utils.cpp_extension import runtime_isa
 
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
 
@@ -54,7 +55,10 @@ def test_every_row_is_the_same_at_every_step_size(name, kind, int8_acts, k, n):
     xs = x.double() * (scale.double() if scale is not None else 1)
     want = xs @ w64.T + bias.double()
     err = ((full.double() - want).abs().max() / want.abs().max()).item()
-    assert err < (2e-2 if int8_acts else 2e-5)  # int8 activations round x per 32 values
+    # int8 activations round x per 32 values; on AVX-512 VNNI builds float activations meet
+    # quantized weights rounded to int16 per 32 values (2^-15 of the block's largest)
+    int16_acts = kind != CPULinearKernel.DENSE and runtime_isa() == "avx512"
+    assert err < (2e-2 if int8_acts else 1e-4 if int16_acts else 2e-5)
 
 
 @pytest.mark.parametrize("k,n", [(576, 960), (1536, 67), (13, 5), (67, 13)])

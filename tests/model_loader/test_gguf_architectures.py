@@ -47,7 +47,8 @@ def test_gguf_experts_of_an_unknown_architecture_are_named(tmp_path):
         LLM(str(path))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2_moe", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("qwen2_moe", marks=pytest.mark.slow),
+                                  pytest.param("gemma2", marks=pytest.mark.slow)])
 def test_gguf_tokenizer_is_the_one_auto_tokenizer_builds(tiny_model, smollm2_path, tmp_path,
                                                          kind):
     """The tokenizer class chosen from tokenmill's own parse of the file (no second metadata

@@ -72,6 +72,7 @@ def _shared_prefix_hits(path: str, router: str) -> tuple[float, list[int]]:
     return hits, served
 
 
+@pytest.mark.slow
 def test_cache_aware_router_hits_the_prefix_cache_more_than_round_robin(tiny_model):
     path, _ = tiny_model("llama")
     aware, aware_served = _shared_prefix_hits(path, "cache_aware")
@@ -86,6 +87,7 @@ def test_cache_aware_router_hits_the_prefix_cache_more_than_round_robin(tiny_mod
     assert sum(aware_served) < sum(rr_served)
 
 
+@pytest.mark.slow
 def test_a_replica_that_dies_takes_the_server_down(tiny_model):
     path, _ = tiny_model("llama")
     engines = make_replicas(EngineArgs.from_options(path, data_parallel_size=2, **OPTIONS))

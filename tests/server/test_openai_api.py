@@ -291,7 +291,7 @@ def test_smollm2_server_answers(smollm2_path):
         srv.wait_idle()
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.slow)])
 def test_graceful_shutdown(tiny_model, sig, tmp_path):
     """`tokenmill serve` on a signal: the request in flight still gets its whole answer
     within the drain timeout, the process exits 0, and its port is closed after."""

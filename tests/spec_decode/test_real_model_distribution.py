@@ -70,6 +70,7 @@ def verify_many(runner: ModelRunner, prompt: list[int], drafts: list[int]) -> li
     return emitted
 
 
+@pytest.mark.slow
 def test_emitted_tokens_follow_the_model_whatever_the_draft(runner):
     # a next token with many likely answers
     tok_ids = load_tokenizer(runner.config.model).encode("My favourite colour is")

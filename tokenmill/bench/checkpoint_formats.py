@@ -6,8 +6,9 @@ peer, as llama-cpp-python is).
 Formats: `auto` (the checkpoint as tokenmill serves it by default: a bf16 / fp16 folder keeps
 its half-precision weights), `float32` (dtype=float32: the weights widened at load), or a
 file path (a GGUF file of the same model, served by default in its own blocks), optionally
-`PATH@int8` (or `auto@int8`: the folder) for another weight format, and `@kv=bfloat16` (any
-`kv_cache_dtype`) for another KV cache format, e.g. `auto@kv=bfloat16`. Each runs in a child
+`PATH@int8` (or `auto@int8`: the folder) for another weight format, `@kv=bfloat16` (any
+`kv_cache_dtype`) for another KV cache format, e.g. `auto@kv=bfloat16`, and `@matmul=float32`
+(any `matmul_dtype`) for a bf16 checkpoint's products in float32. Each runs in a child
 process of its own. vLLM runs under `--vllm-python` (default: this interpreter), so it can live
 in a venv of its own (this checkout is put on its PYTHONPATH for the shared workloads).
 vLLM's single-stream figure is its decode rate after the first token, as tokenmill's is: the
@@ -32,13 +33,37 @@ from tokenmill.bench.workloads import load_workload
 WORKLOADS = ("uniform", "mixed", "shared-prefix", "single-stream")
 
 
+def write_bf16_folder(gguf_path: str, out: str) -> str:
+    """A GGUF model written as a Hugging Face folder in bfloat16 (its float32 expansion rounded
+    to bf16, as a bf16 checkpoint of it would hold), with its config, tokenizer and chat
+    template: the form vLLM-CPU and the bf16 paths take. Returns `out`."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    from tokenmill.model_loader.gguf_convert import converted_folder, converted_weights
+
+    folder = converted_weights(converted_folder(gguf_path), gguf_path)
+    if folder is None:
+        raise RuntimeError(f"{gguf_path}: no float32 expansion cached to write from")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(out)
+    for f in Path(folder).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, Path(out) / f.name)
+    return out
+
+
 def _engine_args(folder: str, fmt: str) -> tuple[str, dict]:
     """FORMAT[@QUANTIZATION][@kv=KV_CACHE_DTYPE] → (model, LLM options)."""
     path, *extras = fmt.split("@")
     options: dict = {}
     for extra in extras:
         key, _, value = extra.rpartition("=")
-        options[{"": "quantization", "kv": "kv_cache_dtype"}[key]] = value
+        options[{"": "quantization", "kv": "kv_cache_dtype", "matmul": "matmul_dtype"}[key]] = \
+            value
     if path == "auto":
         return folder, options
     if path == "float32":

@@ -97,20 +97,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-dtype", default="",
                    help="comma-separated KV cache formats (int8) to compare, with float32 "
                         "weights, against the float32 cache")
+    p.add_argument("--matmul-dtype", default="",
+                   help="bfloat16: a bfloat16 checkpoint's products in bfloat16 (with its "
+                        "bfloat16 KV cache) against its float32 products (--model: a bf16 "
+                        "folder, e.g. benchmarks/smollm2_bf16.py's)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens of text to score")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--step-tokens", type=int, default=4,
                    help="prefill chunk per step (4: the decode kernels; 512: the GEMM ones)")
     args = p.parse_args(argv)
     if args.methods is None:
-        args.methods = ("" if args.kv_cache_dtype else
+        args.methods = ("" if args.kv_cache_dtype or args.matmul_dtype else
                         "gguf,gguf+int8acts,int8,int8+int8acts,int4,int4/64,int4/64+rtn")
 
     print(describe_machine())
     opts = dict(enable_prefix_caching=False, max_model_len=args.window + 8,
                 max_num_batched_tokens=args.step_tokens)
     t0 = time.perf_counter()
-    ref_llm = LLM(args.model, quantization="none", **opts)
+    ref_llm = LLM(args.model, quantization="none", matmul_dtype="float32", **opts)
     tok = ref_llm.engine.tokenizer
     ids: list[int] = []
     chars = 4 * args.tokens
@@ -131,13 +135,20 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((spec, compare(ref, score_windows(llm, windows), windows)))
         del llm
     for kv in [k for k in args.kv_cache_dtype.split(",") if k]:
-        llm = LLM(args.model, quantization="none", kv_cache_dtype=kv, **opts)
+        llm = LLM(args.model, quantization="none", kv_cache_dtype=kv, matmul_dtype="float32",
+                  **opts)
         rows.append((f"f32, KV {kv}", compare(ref, score_windows(llm, windows), windows)))
         del llm
-    print(f"\n{'weights':<15} {'mean KL':>10} {'top-1 agree':>12} {'perplexity':>11} "
+    for dtype in [d for d in args.matmul_dtype.split(",") if d]:
+        llm = LLM(args.model, quantization="none", matmul_dtype=dtype, **opts)
+        kv = llm.engine.config.cache.kv_cache_dtype
+        rows.append((f"{dtype} products, KV {kv}",
+                     compare(ref, score_windows(llm, windows), windows)))
+        del llm
+    print(f"\n{'weights':<30} {'mean KL':>10} {'top-1 agree':>12} {'perplexity':>11} "
           f"{'ppl vs f32':>11}")
     for name, r in rows:
-        print(f"{name:<15} {r['kl']:>10.5f} {100 * r['top1']:>11.2f}% {r['ppl']:>11.3f} "
+        print(f"{name:<30} {r['kl']:>10.5f} {100 * r['top1']:>11.2f}% {r['ppl']:>11.3f} "
               f"{100 * (r['ppl'] / base['ppl'] - 1):>+10.2f}%")
     print(f"({time.perf_counter() - t0:.0f} s)")
     return 0

@@ -15,6 +15,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("kind"), py::arg("group"), py::arg("tensors"), py::arg("bias"),
         py::arg("int8_acts") = false, py::arg("input_scale") = py::none(),
         py::arg("invariant") = false, release());
+  // Weight kind 10 (csrc/linear_bf16.h): whether this module's products run on AVX512-BF16
+  // (the CPU has it and the switch is on) and, given `enable`, the switch set (off: the
+  // float32 emulation, which the tests compare the instructions with); returns the state
+  // before. This module's switch only: decode_layers_cpu keeps its own (on).
+  m.def("bf16_products_hardware", [](c10::optional<bool> enable) {
+    const bool before = bf16_products::hardware_active();
+    if (enable.has_value()) bf16_products::use_hardware() = *enable;
+    return before;
+  }, py::arg("enable") = py::none());
   m.def("gather_rows", &gather_rows, "rows of a quantized weight as float32", release());
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual) * weight, x + residual)",
         release());

@@ -20,6 +20,9 @@
 //                              dot kernels (exact float32) on the portable one
 //   kind 8-9 dense bfloat16 / float16: tensors = {W (N, K)}, widened to float32 in
 //                              registers by the dot kernels at every M (linear_half.h)
+//   kind 10  dense bfloat16 multiplied in bfloat16: tensors = {W (N, K) bfloat16}; x
+//                              rounded to bfloat16, vdpbf16ps's products and float32 sums
+//                              at every M (linear_bf16.h; emulated without AVX512-BF16)
 //   kind 15  parts             a merged layer (qkv, gate_up) whose parts differ in kind:
 //                              tensors = {meta (P, 3) int64: kind, group, tensor count of
 //                              each part; then each part's tensors}; y = their outputs side
@@ -44,6 +47,7 @@
 //   activations from 12 rows the GEMMs of linear_int8_gemm.h (AVX-512 VNNI: every kind;
 //   AVX2: 4-bit weights).
 #pragma once
+#include "linear_bf16.h"
 #include "linear_dot.h"
 #include "linear_gguf_rows.h"
 #include "linear_int8_gemm.h"
@@ -215,8 +219,13 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  TORCH_CHECK(!(int8_acts && dot_form::dot_only_kind(kind)),
+  TORCH_CHECK(!(int8_acts && (dot_form::dot_only_kind(kind) ||
+                               kind == bf16_products::kKind)),
               "int8 activations are not implemented for weight kind ", kind);
+  if (kind == bf16_products::kKind) {  // one kernel at every M
+    bf16_products::linear(static_cast<const uint16_t*>(t[0].data_ptr()), xp, M, K, N, b, yp);
+    return y;
+  }
   const bool int8_path = int8_acts && kind != 0;
   const LinearPath path = choose_path(kind, int8_path, M, invariant);
   if (path == LinearPath::kDot) {

@@ -17,6 +17,9 @@ namespace half_rows {
 
 constexpr int64_t kBF16 = 8, kF16 = 9;
 constexpr bool is_half_kind(int64_t kind) { return kind == kBF16 || kind == kF16; }
+// kind 10: the same bfloat16 W multiplied in bfloat16 (linear_bf16.h); read as kind 8 where
+// rows are expanded (embedding lookups).
+constexpr int64_t kBF16Products = 10;
 
 struct Block {
   const uint16_t* p;  // 32 weights

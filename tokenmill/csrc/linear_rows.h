@@ -113,6 +113,7 @@ static void q4_rows(const float* x, const float* xsum, const uint8_t* Q, const a
 // ---- expanding rows of a quantized weight into float32 (the large-M path, embeddings) ------
 static void expand_rows(int64_t kind, int64_t G, const std::vector<torch::Tensor>& t,
                         const int64_t* rows, int64_t count, int64_t K, float* out) {
+  if (kind == half_rows::kBF16Products) kind = half_rows::kBF16;  // the same W, widened
   if (dot_form::dot_only_kind(kind)) {  // the dot kernels' expansion of their kinds
     const dot_form::WeightRows w = dot_form::weight_rows(kind, G, K, t);
     for (int64_t i = 0; i < count; ++i)
@@ -162,11 +163,11 @@ static void check_weight(int64_t kind, int64_t G, const std::vector<torch::Tenso
   }
   TORCH_CHECK(K % kBlock == 0, "quantized weights need K divisible by 32");
   const int64_t N = t[0].size(0);
-  if (half_rows::is_half_kind(kind)) {
-    TORCH_CHECK(t.size() == 1 && t[0].scalar_type() == (kind == half_rows::kBF16
-                                                           ? torch::kBFloat16 : torch::kHalf) &&
-                t[0].sizes() == torch::IntArrayRef({N, K}),
-                "half-precision weight: W (N, K) in bfloat16 (kind 8) or float16 (kind 9)");
+  if (half_rows::is_half_kind(kind) || kind == half_rows::kBF16Products) {
+    TORCH_CHECK(t.size() == 1 && t[0].scalar_type() == (kind == half_rows::kF16
+                                                           ? torch::kHalf : torch::kBFloat16) &&
+                t[0].sizes() == torch::IntArrayRef({N, K}) && t[0].is_contiguous(),
+                "half-precision weight: W (N, K) in bfloat16 (kinds 8, 10) or float16 (9)");
   } else if (gguf_blocks::is_gguf_kind(kind)) {
     TORCH_CHECK(K % gguf_blocks::block_weights(kind) == 0, "GGUF weight kind ", kind,
                 " needs K divisible by ", gguf_blocks::block_weights(kind));

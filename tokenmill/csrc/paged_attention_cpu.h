@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include "kv_formats.h"
+#include "paged_attention_groups.h"
 #include "vec_utils.h"
 #include <cmath>
 #include <limits>
@@ -43,9 +44,9 @@ static inline float dot(const float* a, const float* b, int64_t d) {
 // once for the G query heads sharing it. G is a template parameter so that the G accumulators
 // live in registers (a runtime-sized array went through the stack and cost 5x).
 template <int G>
-static void score_keys(const float* q, const float* const* krows, int64_t heads, int64_t keys,
-                       int64_t D, float scale, float* scores) {
-  for (int64_t i = 0; i < keys; ++i) {
+static void score_keys(const float* q, const float* const* krows, int64_t heads, int64_t first,
+                       int64_t keys, int64_t D, float scale, float* scores) {
+  for (int64_t i = first; i < keys; ++i) {
     for (int64_t h = 0; h < heads; ++h) {
       const float* k = krows[i] + h * D;
       const float* qh = q + h * G * D;
@@ -62,20 +63,26 @@ static void score_keys(const float* q, const float* const* krows, int64_t heads,
 
 static void score_keys_any(const float* q, const float* const* krows, int64_t heads,
                            int64_t keys, int64_t G, int64_t D, float scale, float* scores) {
+  int64_t first = 0;  // keys scored four at a time by the grouped loop, where it applies
+#ifdef TM_ATTENTION_GROUPS
+  if (attention_groups::score_group(G, q, krows, heads, keys, D, scale, scores, &first) &&
+      first == keys)
+    return;
+#endif
   if (D % Vec::size() == 0) {
     switch (G) {
-      case 1: return score_keys<1>(q, krows, heads, keys, D, scale, scores);
-      case 2: return score_keys<2>(q, krows, heads, keys, D, scale, scores);
-      case 3: return score_keys<3>(q, krows, heads, keys, D, scale, scores);
-      case 4: return score_keys<4>(q, krows, heads, keys, D, scale, scores);
-      case 5: return score_keys<5>(q, krows, heads, keys, D, scale, scores);
-      case 6: return score_keys<6>(q, krows, heads, keys, D, scale, scores);
-      case 7: return score_keys<7>(q, krows, heads, keys, D, scale, scores);
-      case 8: return score_keys<8>(q, krows, heads, keys, D, scale, scores);
+      case 1: return score_keys<1>(q, krows, heads, first, keys, D, scale, scores);
+      case 2: return score_keys<2>(q, krows, heads, first, keys, D, scale, scores);
+      case 3: return score_keys<3>(q, krows, heads, first, keys, D, scale, scores);
+      case 4: return score_keys<4>(q, krows, heads, first, keys, D, scale, scores);
+      case 5: return score_keys<5>(q, krows, heads, first, keys, D, scale, scores);
+      case 6: return score_keys<6>(q, krows, heads, first, keys, D, scale, scores);
+      case 7: return score_keys<7>(q, krows, heads, first, keys, D, scale, scores);
+      case 8: return score_keys<8>(q, krows, heads, first, keys, D, scale, scores);
       default: break;
     }
   }
-  for (int64_t i = 0; i < keys; ++i)
+  for (int64_t i = first; i < keys; ++i)
     for (int64_t r = 0; r < heads * G; ++r)
       scores[r * keys + i] = scale * dot(q + r * D, krows[i] + (r / G) * D, D);
 }
@@ -169,10 +176,10 @@ struct PagedArgs {
 
 // Per-thread buffers of an item covering `heads` KV heads (G query heads each).
 struct PagedScratch {
-  std::vector<float> scores, kbuf, vbuf;
+  std::vector<float> scores, kbuf, vbuf, corr;
   std::vector<const float*> krows, vrows;
   PagedScratch(const PagedArgs& a, int64_t heads, int64_t tile)
-      : scores(heads * a.G * tile),
+      : scores(heads * a.G * tile), corr(heads * a.G),
         kbuf(a.fmt == KVFormat::kFloat32 ? 0 : tile * heads * a.D), vbuf(kbuf.size()),
         krows(tile), vrows(tile) {}
 };
@@ -193,9 +200,10 @@ static void attend_keys(const PagedArgs& a, PagedScratch& s, int64_t n, int64_t 
   // cache while each query head uses them.
   for (int64_t t0 = k0; t0 < k1; t0 += kTile) {
     const int64_t keys = std::min(kTile, k1 - t0);
-    for (int64_t i = 0; i < keys; ++i) {
-      const int64_t t = t0 + i;
-      const int64_t row = (table[t / a.bs] * a.bs + t % a.bs) * a.Hkv + h0;  // first head's
+    int64_t blk = t0 / a.bs, off = t0 % a.bs;  // key t0 + i's block and slot, stepped (a
+    for (int64_t i = 0; i < keys; ++i) {       // division per key cost ~10% of a decode)
+      if (off == a.bs) ++blk, off = 0;
+      const int64_t row = (table[blk] * a.bs + off++) * a.Hkv + h0;  // first head's
       if (a.fmt == KVFormat::kFloat32) {  // read in place
         s.krows[i] = reinterpret_cast<const float*>(a.kb) + row * D;
         s.vrows[i] = reinterpret_cast<const float*>(a.vb) + row * D;
@@ -220,10 +228,21 @@ static void attend_keys(const PagedArgs& a, PagedScratch& s, int64_t n, int64_t 
     for (int64_t r = 0; r < rows_q; ++r) {
       float* sc = s.scores.data() + r * keys;
       const float m = std::max(mx[r], max_of(sc, keys));
-      const float corr = std::exp(mx[r] - m);  // 0 on the first tile (-inf)
-      sum[r] = sum[r] * corr + exp_minus_max(sc, m, keys);
+      s.corr[r] = std::exp(mx[r] - m);  // 0 on the first tile (-inf)
+      sum[r] = sum[r] * s.corr[r] + exp_minus_max(sc, m, keys);
       mx[r] = m;
-      rescale_accumulate(sc, s.vrows.data(), (r / a.G) * D, keys, D, corr, acc + r * D);
+    }
+    for (int64_t h = 0; h < heads; ++h) {  // the G heads sharing each V row together
+      const int64_t r0 = h * a.G;
+#ifdef TM_ATTENTION_GROUPS
+      if (attention_groups::accumulate_group(a.G, s.scores.data() + r0 * keys, keys,
+                                             s.vrows.data(), h * D, keys, D, &s.corr[r0],
+                                             acc + r0 * D))
+        continue;
+#endif
+      for (int64_t r = r0; r < r0 + a.G; ++r)
+        rescale_accumulate(s.scores.data() + r * keys, s.vrows.data(), h * D, keys, D,
+                           s.corr[r], acc + r * D);
     }
   }
 }

@@ -56,6 +56,13 @@ def gguf_activation_block(k: int) -> int | None:
     return 256 if k % 256 == 0 else 32
 
 
+def bf16_products_hardware(enable: bool | None = None) -> bool:
+    """Whether weight kind BF16_PRODUCTS runs on AVX512-BF16 here (the CPU has it and the
+    switch is on); `enable` sets this module's switch (False: the float32 emulation, the same
+    bits; csrc/linear_bf16.h). Returns the state before."""
+    return bool(_ops().bf16_products_hardware(enable))
+
+
 def gather_rows(ids: torch.Tensor, kernel: Any) -> torch.Tensor:
     """Rows `ids` (T,) of a quantized weight as float32 (T, K)."""
     return _ops().gather_rows(ids, kernel.kind, kernel.group, list(kernel.tensors))

@@ -9,7 +9,7 @@
                    K-quants Q4_K / Q5_K / Q6_K (gguf.py GGUF_TYPES)
 
 With none asked for (`quantization=None`), a GGUF file of block types the kernels read is
-served as "gguf" (config_factory.default_quantization); "none" asks for the float32 expansion
+served as "gguf" (config_weights.default_quantization); "none" asks for the float32 expansion
 explicitly.
 
 Each format is one registered `WeightFormat` (WEIGHT_FORMATS: name, what it is made from, its
@@ -145,7 +145,7 @@ def quantization_config(model: ModelConfig, device: torch.device, prepack: bool,
         if int8_acts:
             raise ValueError("int8_activations applies to quantized weights; pass a "
                              "quantization method too")
-        return UnquantizedConfig(prepack, inv, model.weight_dtype)
+        return UnquantizedConfig(prepack, inv, model.weight_dtype, model.matmul_dtype)
     if name not in WEIGHT_FORMATS:
         raise ValueError(f"unknown quantization {name!r}; supported: "
                          f"{', '.join(QUANTIZATION_METHODS)} or None")

@@ -45,6 +45,9 @@ class CPULinearKernel:
     Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 3, 4, 5, 6, 7
     # dense weights kept in half precision, widened to float32 in registers: (W (N, K),)
     BF16, F16 = 8, 9
+    # dense bfloat16 weights multiplied in bfloat16: x rounded to bf16, vdpbf16ps's products,
+    # float32 sums (csrc/linear_bf16.h; emulated without AVX512-BF16): (W (N, K) bfloat16,)
+    BF16_PRODUCTS = 10
     # a merged layer of parts of different kinds: (meta (P, 3) int64 [kind, group, tensor
     # count], then each part's tensors); outputs side by side
     PARTS = 15

@@ -1,0 +1,107 @@
+"""Weight kind BF16_PRODUCTS (csrc/linear_bf16.h): bfloat16 weights multiplied in bfloat16.
+
+Checked bit for bit against a torch transcription of the kernel's definition (x rounded as
+torch rounds, each pair's odd product added before its even one, 16 lanes summed in a fixed
+tree), which fixes the order of every sum: so the hardware (AVX512-BF16, where this CPU has
+it), the emulation and every kernel build this CPU runs give the same bits, and a row's result
+does not depend on the rows beside it."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from tokenmill.layers import cpu_ops
+from tokenmill.quantization.base import CPULinearKernel
+from tokenmill.utils.cpp_extension import runnable_isas
+
+pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
+KIND = CPULinearKernel.BF16_PRODUCTS
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """y (M, N) for x (M, K) float32 and w (N, K) bfloat16, in the kernel's order."""
+    m, k = x.shape
+    xr = x.to(torch.bfloat16).float().view(m, 1, k // 32, 16, 2)
+    wr = w.float().view(1, w.shape[0], k // 32, 16, 2)
+    acc = torch.zeros(m, w.shape[0], 16)
+    for c in range(k // 32):  # a bf16 product is exact in float32: each + rounds once
+        acc = acc + xr[:, :, c, :, 1] * wr[:, :, c, :, 1]
+        acc = acc + xr[:, :, c, :, 0] * wr[:, :, c, :, 0]
+    t = acc[..., :8] + acc[..., 8:]
+    u = t[..., :4] + t[..., 4:]
+    y = (u[..., 0] + u[..., 2]) + (u[..., 1] + u[..., 3])
+    return y if bias is None else y + bias
+
+
+def _ops_of(isa: str):
+    return importlib.import_module(f"tokenmill._C.cpu_ops_{isa}")
+
+
+@pytest.fixture(params=runnable_isas())
+def ops(request):
+    """Each kernel build this CPU runs (installed ones), and on each the paths it has: the
+    AVX512-BF16 instructions where this CPU has them, and the float32 emulation."""
+    try:
+        module = _ops_of(request.param)
+    except ImportError:
+        pytest.skip(f"the {request.param} build is not installed")
+    paths = [True, False] if module.bf16_products_hardware(None) else [False]
+    yield module, paths
+    module.bf16_products_hardware(True)
+
+
+@pytest.mark.parametrize("shape", [(100, 576), (37, 64), (8, 1536)])  # N: 4-row tiles + tails
+def test_products_are_the_definition_bit_for_bit(ops, shape):
+    module, paths = ops
+    n, k = shape
+    torch.manual_seed(n)
+    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(n)
+    for hardware in paths:
+        module.bf16_products_hardware(hardware)
+        for m in (1, 2, 3, 4, 5, 7, 13, 70, 131):
+            x = torch.randn(m, k) * 3
+            for b in (bias, None):
+                got = module.linear(x, KIND, 0, [w], b, False, None, True)
+                assert torch.equal(got, reference(x, w, b)), (hardware, m)
+
+
+def test_a_row_is_the_same_in_any_step(ops):
+    """Batch invariance: row 0's output alone and among 200 others, bitwise."""
+    module, paths = ops
+    w = (torch.randn(96, 256) * 0.05).to(torch.bfloat16)
+    x = torch.randn(201, 256)
+    for hardware in paths:
+        module.bf16_products_hardware(hardware)
+        alone = module.linear(x[:1], KIND, 0, [w], None, False, None, True)
+        for m in (2, 5, 64, 201):
+            assert torch.equal(module.linear(x[:m], KIND, 0, [w], None, False, None, True)[:1],
+                               alone)
+
+
+def test_the_loss_is_the_activations_rounding():
+    """Against float32 products of the same weights, the error is that of x in bf16: under
+    2^-8 of sum |x w| per output."""
+    w = (torch.randn(64, 512) * 0.05).to(torch.bfloat16)
+    x = torch.randn(9, 512)
+    got = cpu_ops.linear(x, CPULinearKernel(KIND, 0, (w,)))
+    exact = x.double() @ w.double().t()
+    bound = (x.abs().double() @ w.abs().double().t()) * 2.0 ** -8
+    assert ((got.double() - exact).abs() <= bound).all()
+    assert not torch.equal(got, (x @ w.float().t()))  # it is not the float32 product
+
+
+def test_embedding_rows_and_refusals():
+    w = (torch.randn(40, 64) * 0.05).to(torch.bfloat16)
+    kernel = CPULinearKernel(KIND, 0, (w,))
+    rows = torch.tensor([3, 0, 39, 3])
+    assert torch.equal(cpu_ops.gather_rows(rows, kernel), w.float()[rows])
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu_ops.linear(torch.randn(2, 64), CPULinearKernel(KIND, 0, (w.half(),)))
+    with pytest.raises(RuntimeError, match="divisible by 32"):
+        cpu_ops.linear(torch.randn(2, 48), CPULinearKernel(KIND, 0, (w[:, :48].contiguous(),)))
+    with pytest.raises(RuntimeError, match="int8 activations"):
+        cpu_ops.linear(torch.randn(2, 64), CPULinearKernel(KIND, 0, (w,), int8_activations=True))

@@ -1,0 +1,128 @@
+"""How a checkpoint's weights are served, chosen at start-up (config_factory's weight half):
+the weight format (a quantization method, a GGUF file's own blocks) and, for dense
+half-precision checkpoints on CPU, the dtype the weights are kept in and the dtype their
+products are computed in. Each choice reads the model's config and this CPU's flags, never the
+weights; an option that cannot be served is a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from tokenmill.config import ModelConfig
+from tokenmill.model_loader import gguf_loader
+from tokenmill.quantization import QUANTIZATION_METHODS, WEIGHT_FORMATS
+from tokenmill.quantization.gguf import BLOCK_TYPES, SUPPORTED_TYPES
+from tokenmill.utils import cpp_extension
+
+logger = logging.getLogger(__name__)
+
+
+def checkpoint_quantization(hf_config: Any) -> dict[str, Any] | None:
+    q = getattr(hf_config, "quantization_config", None)
+    if q is None:
+        return None
+    return dict(q) if isinstance(q, dict) else q.to_dict()
+
+
+def resolve_quantization(asked: str | None, checkpoint: dict[str, Any] | None,
+                          gguf_file: str | None, path: str) -> str | None:
+    """The weight format to serve, from the option and what the checkpoint holds (each
+    format's `source` in the registry, quantization/__init__.py WEIGHT_FORMATS)."""
+    if asked in (None, "none", "None"):
+        asked = None
+    elif asked not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown quantization {asked!r}; supported: "
+                         f"{', '.join(QUANTIZATION_METHODS)} or None")
+    stored = [f.name for f in WEIGHT_FORMATS.values() if f.source == "checkpoint"]
+    if checkpoint is not None:  # a pre-quantized HF checkpoint: serve it in its own format
+        method = str(checkpoint.get("quant_method", "")).lower()
+        if method not in stored:
+            raise ValueError(f"{path} is quantized with {method!r}, which tokenmill cannot "
+                             f"serve; supported checkpoint formats: {', '.join(stored)}")
+        if asked not in (None, method):
+            raise ValueError(f"quantization={asked!r}, but {path} is a {method} checkpoint; "
+                             f"pass quantization={method!r} or leave it unset")
+        return method
+    source = None if asked is None else WEIGHT_FORMATS[asked].source
+    if source == "checkpoint":
+        raise ValueError(f"quantization={asked!r} needs a checkpoint in that format (its "
+                         f"config.json names it in quantization_config); {path} has none")
+    if source == "gguf" and gguf_file is None:
+        raise ValueError(f"quantization={asked!r} serves the blocks of a GGUF file; {path} is "
+                         "not one")
+    return asked
+
+
+def default_quantization(model: ModelConfig, device: str) -> str | None:
+    """The format to serve `model` in when none was asked for: "gguf" for a GGUF file of
+    block types the kernels read (quantization/gguf.py SUPPORTED_TYPES) or of F16 / BF16
+    tensors (kept in their half precision), in float32 on a CPU with the C++ kernels, for a
+    model without experts (their GGUF blocks have no loader yet); else the checkpoint's own
+    (model.quantization: None, or an AWQ / GPTQ checkpoint's method).
+
+    The blocks are what llama.cpp users expect: the file's own numbers at its own size (the
+    float32 expansion is 4-7x larger), and with batch invariance (the CPU default) the dot
+    kernels multiply exactly the dequantized weights, so greedy output equals the float32
+    expansion's (tests/quantization/test_gguf_native.py). A file holding a type outside the
+    table is expanded, with a log line naming the type."""
+    hf = model.hf_config
+    experts = getattr(hf, "num_local_experts", 0) or getattr(hf, "num_experts", 0)
+    if (model.quantization is not None or model.gguf_file is None or model.load_format != "auto"
+            or not device.startswith("cpu") or model.dtype != torch.float32
+            or not cpp_extension.kernels_enabled() or experts):
+        return model.quantization
+    types = set(gguf_loader.gguf_tensor_types(model.gguf_file).values())
+    if types <= {"F32"}:
+        return None  # a float32 file: nothing to keep in its own form
+    if not types <= set(SUPPORTED_TYPES):
+        logger.warning("%s holds GGUF types %s, which are not served in their blocks (%s are): "
+                       "expanding it to float32", model.gguf_file,
+                       ", ".join(sorted(types - set(SUPPORTED_TYPES))), ", ".join(BLOCK_TYPES))
+        return None
+    logger.info("serving %s in its own %s blocks (quantization='gguf'; pass "
+                "quantization='none' for its float32 expansion)", model.gguf_file,
+                "/".join(sorted(types & set(BLOCK_TYPES))))
+    return "gguf"
+
+
+def default_weight_dtype(model: ModelConfig, device: str) -> torch.dtype | None:
+    """The dtype dense weights are kept in when the user set no dtype: a bfloat16 / float16
+    checkpoint's own on a CPU with the C++ kernels (computed in float32: activations, norms
+    and sums; the weights widened in registers, exactly), instead of a float32 copy twice its
+    size; None (the model's dtype) elsewhere."""
+    hf = model.hf_config
+    stored = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    if (stored not in (torch.bfloat16, torch.float16) or not device.startswith("cpu")
+            or model.dtype != torch.float32 or model.quantization is not None
+            or model.gguf_file is not None or not cpp_extension.kernels_enabled()):
+        return None
+    logger.info("keeping the %s checkpoint's weights in %s (computing in float32)",
+                model.path, stored)
+    return stored
+
+
+def resolve_matmul_dtype(asked: str, model: ModelConfig) -> torch.dtype | None:
+    """The dtype a bfloat16 checkpoint's dense weights are multiplied in on CPU
+    (ModelConfig.matmul_dtype): bfloat16 where asked, or by default ("auto") where the CPU has
+    AVX512-BF16 and its kernel build; None (float32 products) otherwise."""
+    if asked not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"matmul_dtype must be auto, float32 or bfloat16; got {asked!r}")
+    if asked == "float32" or (asked == "auto" and model.weight_dtype != torch.bfloat16):
+        return None
+    if model.weight_dtype != torch.bfloat16:
+        raise ValueError("matmul_dtype='bfloat16' multiplies a bfloat16 checkpoint's weights "
+                         "as stored on CPU (dtype='auto'); this model's dense weights are "
+                         f"{model.weight_dtype or model.dtype}")
+    hardware = (cpp_extension.runtime_isa() == "avx512"
+                and "avx512_bf16" in cpp_extension.cpu_flags())
+    if asked == "auto" and not hardware:
+        return None
+    logger.info("multiplying %s's bfloat16 weights in bfloat16 (float32 sums%s)", model.path,
+                "" if hardware else "; emulated: this CPU has no AVX512-BF16")
+    return torch.bfloat16

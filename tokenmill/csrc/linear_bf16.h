@@ -1,0 +1,280 @@
+// Dense bfloat16 weights multiplied in bfloat16 (kind 10, BF16_PRODUCTS): AVX512-BF16's
+// vdpbf16ps, the products of a bf16 checkpoint served at bf16 speed with float32 sums.
+//
+//   tensors = {W (N, K) bfloat16}, K a multiple of 32
+//   xb = x rounded to bfloat16 (nearest even: torch's x.to(torch.bfloat16)), once per call
+//   per output (m, n), 16 float32 lanes, lane l summing the pairs (2l, 2l + 1) of each 32:
+//     acc_l = 0
+//     for c in 0 .. K/32 - 1:   (k = 32 c + 2 l)
+//       acc_l = acc_l + xb[m, k + 1] * w[n, k + 1]     (each product exact in float32;
+//       acc_l = acc_l + xb[m, k]     * w[n, k]          one rounding per sum)
+//     y[m, n] = tree(acc_0 .. acc_15) (+ bias[n])
+//   with tree the sum _mm512_reduce_add_ps makes: t_i = a_i + a_(i+8); u_j = t_j + t_(j+4);
+//   (u_0 + u_2) + (u_1 + u_3).
+//
+// That is vdpbf16ps's definition (Intel SDM: the odd pair's product is added first, then the
+// even one's; inputs' denormals read as zero, outputs' flushed), run by the hardware where the
+// CPU has AVX512-BF16, and emulated with float32 FMAs elsewhere: the product of two bfloat16
+// values is exact in float32, so fma(a, b, acc) rounds once as the instruction does, and both
+// give the same bits (tests/layers/test_bf16_products.py checks the kernels against a torch
+// transcription of the lines above, and the hardware against the emulation). Each output is
+// summed in that one order whatever M, the tiling or the threads: batch-invariant.
+//
+// Against float32 on the same weights, the loss is x's rounding to 8 bits of mantissa (the
+// weights are bf16 already): benchmarks/quant_quality.py states the agreement.
+#pragma once
+#include "linear_half.h"
+#include "quant_blocks.h"
+#include <c10/util/BFloat16.h>
+#include <memory>
+
+namespace bf16_products {
+
+constexpr int64_t kKind = half_rows::kBF16Products;
+constexpr int64_t kStep = 32;    // weights per dot step: 16 lanes of 2
+constexpr int kLanes = 16;
+
+#define TM_INLINE_BF inline __attribute__((always_inline))
+
+// The tree of the header, on 16 lane sums.
+static TM_INLINE_BF float tree(const float* a) {
+  float u[4];
+  for (int j = 0; j < 4; ++j) u[j] = (a[j] + a[j + 8]) + (a[j + 4] + a[j + 12]);
+  return (u[0] + u[2]) + (u[1] + u[3]);
+}
+
+// ---- the emulation: float32 FMAs on the widened pairs (every build) ------------------------
+struct Emulated {
+  static constexpr int H = kLanes / kV;  // vectors per 16 lanes: 1 (AVX-512), 2 (AVX2)
+  struct Acc {
+    Vec v[H];
+  };
+  struct Pairs {  // 32 bf16 values as float32: the odd and even elements of each pair
+    Vec odd[H], even[H];
+  };
+
+  static TM_INLINE_BF Acc zero() {
+    Acc a;
+    for (int h = 0; h < H; ++h) a.v[h] = Vec(0.f);
+    return a;
+  }
+
+  static TM_INLINE_BF Pairs load(const uint16_t* p) {
+    Pairs r;
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)
+    const __m512i d = _mm512_loadu_si512(p);
+    r.odd[0] = Vec(_mm512_castsi512_ps(_mm512_and_si512(d, _mm512_set1_epi32(0xFFFF0000))));
+    r.even[0] = Vec(_mm512_castsi512_ps(_mm512_slli_epi32(d, 16)));
+#elif defined(CPU_CAPABILITY_AVX2) && defined(__AVX2__)
+    for (int h = 0; h < H; ++h) {
+      const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * h));
+      r.odd[h] = Vec(_mm256_castsi256_ps(_mm256_and_si256(d, _mm256_set1_epi32(0xFFFF0000))));
+      r.even[h] = Vec(_mm256_castsi256_ps(_mm256_slli_epi32(d, 16)));
+    }
+#else
+    float odd[kLanes], even[kLanes];
+    for (int l = 0; l < kLanes; ++l) {
+      odd[l] = static_cast<float>(c10::BFloat16(p[2 * l + 1], c10::BFloat16::from_bits()));
+      even[l] = static_cast<float>(c10::BFloat16(p[2 * l], c10::BFloat16::from_bits()));
+    }
+    for (int h = 0; h < H; ++h) r.odd[h] = Vec::loadu(odd + h * kV), r.even[h] = Vec::loadu(even + h * kV);
+#endif
+    return r;
+  }
+
+  // exact products: a * b + c rounds once, as fma does (the portable Vec's fmadd is a * b + c)
+  static TM_INLINE_BF void step(Acc& a, const Pairs& x, const Pairs& w) {
+    for (int h = 0; h < H; ++h) {
+      a.v[h] = at::vec::fmadd(x.odd[h], w.odd[h], a.v[h]);
+      a.v[h] = at::vec::fmadd(x.even[h], w.even[h], a.v[h]);
+    }
+  }
+
+  static TM_INLINE_BF float reduce(const Acc& a) {
+    float lanes[kLanes];
+    for (int h = 0; h < H; ++h) a.v[h].store(lanes + h * kV);
+    return tree(lanes);
+  }
+
+  // y[0..3] = the trees of a[0..3] (+ bias[0..3])
+  static TM_INLINE_BF void reduce4(const Acc* a, const float* bias, float* y) {
+    for (int j = 0; j < 4; ++j) y[j] = bias ? reduce(a[j]) + bias[j] : reduce(a[j]);
+  }
+};
+
+// The tiles below are compiled for AVX512-BF16 in the AVX-512 build, the hardware's calls
+// being inlined into them; the emulation's instantiations use none of its instructions and
+// run on any CPU of the build.
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)
+#define TM_HAVE_BF16_HW 1
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")
+#endif
+
+// Tiles: MR rows of x by NR rows of W, every loaded vector used MR or NR times.
+template <class D, int MR, int NR>
+static TM_INLINE_BF void tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t n0,
+                              const float* bias, float* y, int64_t ldy) {
+  typename D::Acc acc[MR][NR];
+  _Pragma("GCC unroll 16") for (int i = 0; i < MR; ++i)
+    _Pragma("GCC unroll 16") for (int j = 0; j < NR; ++j) acc[i][j] = D::zero();
+  for (int64_t k = 0; k < K; k += kStep) {
+    typename D::Pairs wv[NR];
+    _Pragma("GCC unroll 16") for (int j = 0; j < NR; ++j) wv[j] = D::load(w + (n0 + j) * K + k);
+    _Pragma("GCC unroll 16") for (int i = 0; i < MR; ++i) {
+      const auto xv = D::load(x + i * K + k);
+      _Pragma("GCC unroll 16") for (int j = 0; j < NR; ++j) D::step(acc[i][j], xv, wv[j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    if constexpr (NR % 4 == 0) {
+      for (int j = 0; j < NR; j += 4)
+        D::reduce4(acc[i] + j, bias ? bias + n0 + j : nullptr, y + i * ldy + n0 + j);
+    } else {
+      for (int j = 0; j < NR; ++j) {
+        const float s = D::reduce(acc[i][j]);
+        y[i * ldy + n0 + j] = bias ? s + bias[n0 + j] : s;
+      }
+    }
+  }
+}
+
+template <class D, int MR, int NR>
+static void rows_times(const uint16_t* x, int64_t K, const uint16_t* w, int64_t n0, int64_t n1,
+                       const float* bias, float* y, int64_t N) {
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) tile<D, MR, NR>(x, K, w, n, bias, y, N);
+  for (; n < n1; ++n) tile<D, MR, 1>(x, K, w, n, bias, y, N);
+}
+
+// W rows [n0, n1) against all M rows of xb: steps of up to 4 rows stream W once; larger ones
+// go by panels of 48 rows of W (in L1 / L2), each met by blocks of up to 256 KiB of x (in L2),
+// so W is read from memory once per block: once in all for most steps (the LM head of a
+// 256-row step: 0.45x the speed with blocks of 60 rows).
+template <class D, int NR_SMALL, int MR, int NR>
+static void range(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* w, int64_t n0,
+                  int64_t n1, const float* bias, float* y, int64_t N) {
+  switch (M) {
+    case 1: return rows_times<D, 1, NR_SMALL>(xb, K, w, n0, n1, bias, y, N);
+    case 2: return rows_times<D, 2, NR_SMALL>(xb, K, w, n0, n1, bias, y, N);
+    case 3: return rows_times<D, 3, NR_SMALL>(xb, K, w, n0, n1, bias, y, N);
+    case 4: return rows_times<D, 4, NR_SMALL>(xb, K, w, n0, n1, bias, y, N);
+    default: break;
+  }
+  constexpr int64_t kPanel = 48;  // a multiple of every NR
+  const int64_t block = std::max<int64_t>(MR, (int64_t{1} << 17) / K / MR * MR);
+  for (int64_t m0 = 0; m0 < M; m0 += block) {
+    const int64_t m1 = std::min(M, m0 + block);
+    for (int64_t p0 = n0; p0 < n1; p0 += kPanel) {
+      const int64_t p1 = std::min(n1, p0 + kPanel);
+      int64_t m = m0;
+      for (; m + MR <= m1; m += MR)
+        rows_times<D, MR, NR>(xb + m * K, K, w, p0, p1, bias, y + m * N, N);
+      for (; m < m1; ++m) rows_times<D, 1, NR>(xb + m * K, K, w, p0, p1, bias, y + m * N, N);
+    }
+  }
+}
+
+// ---- the hardware: AVX512-BF16, called only where the CPU reports avx512bf16 -------------
+#ifdef TM_HAVE_BF16_HW
+struct Hardware {
+  using Acc = __m512;
+  using Pairs = __m512i;
+  static TM_INLINE_BF Acc zero() { return _mm512_setzero_ps(); }
+  static TM_INLINE_BF Pairs load(const uint16_t* p) { return _mm512_loadu_si512(p); }
+  static TM_INLINE_BF void step(Acc& a, const Pairs& x, const Pairs& w) {
+    a = _mm512_dpbf16_ps(a, (__m512bh)x, (__m512bh)w);
+  }
+  static TM_INLINE_BF float reduce(const Acc& a) {
+    float lanes[kLanes];
+    _mm512_storeu_ps(lanes, a);
+    return tree(lanes);
+  }
+
+  // The tree of four accumulators at once, in registers (a scalar tree per output cost more
+  // than a tile's products at K = 576): t = lo 8 + hi 8 lanes of each, u = t's lo 4 + hi 4,
+  // then (u0 + u2) + (u1 + u3) in every 128-bit lane.
+  static TM_INLINE_BF void reduce4(const Acc* a, const float* bias, float* y) {
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44),   // a.l0 a.l1 b.l0 b.l1
+                                    _mm512_shuffle_f32x4(a[0], a[1], 0xEE));  // a.l2 a.l3 b.l2 b.l3
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44),
+                                    _mm512_shuffle_f32x4(a[2], a[3], 0xEE));
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88),    // t_0..3 of a b c d
+                                   _mm512_shuffle_f32x4(ab, cd, 0xDD));   // t_4..7
+    const __m512 x = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));       // u0 + u2, u1 + u3
+    const __m512 r = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));       // lane 0 of each 128
+    __m128 out = _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, r));
+    if (bias) out = _mm_add_ps(out, _mm_loadu_ps(bias));
+    _mm_storeu_ps(y, out);
+  }
+};
+
+// 32 zmm registers: M <= 4 streams 4 W rows (<= 16 accumulators); larger steps 6 x 4 tiles
+// (24 accumulators, 4 W vectors, 1 x vector).
+static void hardware_range(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* w,
+                           int64_t n0, int64_t n1, const float* bias, float* y, int64_t N) {
+  range<Hardware, 4, 6, 4>(xb, M, K, w, n0, n1, bias, y, N);
+}
+
+static bool cpu_has_bf16() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+#else
+static bool cpu_has_bf16() { return false; }
+#endif
+
+// Whether calls take the instructions (where the CPU has them) or the emulation: a switch for
+// the tests that compare the two on one machine.
+inline bool& use_hardware() {
+  static bool on = true;
+  return on;
+}
+
+inline bool hardware_active() { return use_hardware() && cpu_has_bf16(); }
+
+// AVX2's 16 registers hold 2 x 2 tiles of two-vector accumulators.
+static void emulated_range(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* w,
+                           int64_t n0, int64_t n1, const float* bias, float* y, int64_t N) {
+  constexpr int kNR = Emulated::H == 1 ? 4 : 2;
+  range<Emulated, kNR, 2, kNR>(xb, M, K, w, n0, n1, bias, y, N);
+}
+#ifdef TM_HAVE_BF16_HW
+#pragma GCC pop_options
+#endif
+
+// x (M, K) float32 rounded to bfloat16 bits, as torch rounds (nearest even).
+static void round_rows(const float* x, int64_t count, uint16_t* out) {
+  auto part = [&](int64_t i0, int64_t i1) {
+    int64_t i = i0;
+    for (; i + 2 * kV <= i1; i += 2 * kV)
+      at::vec::convert_float_bfloat16(Vec::loadu(x + i), Vec::loadu(x + i + kV))
+          .store(reinterpret_cast<c10::BFloat16*>(out + i));
+    for (; i < i1; ++i) out[i] = c10::BFloat16(x[i]).x;
+  };
+  if (count <= (1 << 16)) return part(0, count);
+  at::parallel_for(0, count / 64, 64, [&](int64_t b0, int64_t b1) {
+    part(b0 * 64, b1 == count / 64 ? count : b1 * 64);
+  });
+}
+
+// y (M, N) = x (M, K) @ W^T (+ bias) in the order of the header. Threads take contiguous
+// ranges of W's rows; each output is one thread's, whole.
+inline void linear(const uint16_t* w, const float* x, int64_t M, int64_t K, int64_t N,
+                   const float* bias, float* y) {
+  std::unique_ptr<uint16_t[]> xb(new uint16_t[M * K]);
+  round_rows(x, M * K, xb.get());
+  const bool hw = hardware_active();
+  const int64_t unit = M <= 4 ? 16 : 48, units = (N + unit - 1) / unit;
+  const int64_t grain = std::max<int64_t>(1, units / std::max<int64_t>(1, at::get_num_threads()));
+  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+    const int64_t n0 = u0 * unit, n1 = std::min(N, u1 * unit);
+#ifdef TM_HAVE_BF16_HW
+    if (hw) return hardware_range(xb.get(), M, K, w, n0, n1, bias, y, N);
+#endif
+    emulated_range(xb.get(), M, K, w, n0, n1, bias, y, N);
+  });
+  (void)hw;
+}
+
+}  // namespace bf16_products
