@@ -1,14 +1,18 @@
 """The CPU paged-attention kernel (csrc/paged_attention_cpu.cpp) on decode shapes, optionally
 against other versions of its source, timed interleaved in one process.
 
-    python benchmarks/attention_kernel.py [--compare OLD.cpp ...] [--reps 7]
+    python benchmarks/attention_kernel.py [--compare OLD_CSRC_DIR|OLD.cpp ...] [--reps 7]
+        [--kv-cache-dtype float32|bfloat16]
 
 SmolLM2's heads (9 query heads, 3 KV heads of 64), 16-token blocks scattered through a 200 MB
-pool. Shapes: 64 decodes over 1,100 / 320 / 80 cached tokens, 64 decodes' own 76 tokens after a
-cascade's shared prefix, and one decode over 1,000 tokens (keys split across threads). Each
-version is built under its own module name (`git show REV:tokenmill/csrc/paged_attention_cpu.cpp
-> old.cpp` gives an older one); every repetition runs all versions back to back, so machine noise
-hits them alike, and the median per call is printed.
+pool (float32; 100 MB in bf16). Shapes: 64 decodes over 1,100 / 320 / 80 cached tokens, 64
+decodes' own 76 tokens after a cascade's shared prefix, one decode over 1,000 tokens (keys split
+across threads), and prefill chunks (8 sequences of 256 queries, 2 of 512, each query attending
+its sequence up to itself). Each version is built under its own module name: another
+checkout's csrc folder (`git archive REV tokenmill/csrc | tar -x -C /tmp/old` gives
+/tmp/old/tokenmill/csrc) or a single .cpp (built against this csrc's headers); every
+repetition runs all versions back to back, so machine noise hits them alike, and the median
+per call is printed.
 """
 
 from __future__ import annotations
@@ -24,45 +28,76 @@ from torch.utils.cpp_extension import load
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tokenmill.bench.alternate import alternate  # noqa: E402
+from tokenmill.bench.machine import describe_machine  # noqa: E402
 from tokenmill.utils.cpp_extension import CSRC, cflags  # noqa: E402
 
 # (rows, first cached token attended, context length)
 SHAPES = [(64, 0, 1100), (64, 0, 320), (64, 0, 80), (64, 1024, 1100), (1, 0, 1000)]
+# (sequences, queries each): prefill chunks, query j of a sequence attending tokens [0, j]
+CHUNKS = [(8, 256), (2, 512)]
 
 
-def build(path: str) -> object:
-    # The current source includes headers from csrc/ (an old one may not): hash them too.
-    text = Path(path).read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
+def build(path: str, include: Path) -> object:
+    # The source includes headers from its csrc folder: hash them too.
+    text = Path(path).read_bytes() + b"".join(h.read_bytes() for h in sorted(include.glob("*.h")))
     digest = hashlib.sha256(text).hexdigest()[:10]
     return load(f"attn_bench_{digest}", [path], extra_cflags=cflags(),
-                extra_include_paths=[str(CSRC)], extra_ldflags=["-fopenmp"])
+                extra_include_paths=[str(include)], extra_ldflags=["-fopenmp"])
+
+
+def version(path: str) -> tuple[str, Path]:
+    """(the .cpp to build, its include folder) of a --compare entry."""
+    if os.path.isdir(path):
+        return os.path.join(path, "paged_attention_cpu.cpp"), Path(path)
+    return path, CSRC
+
+
+def cases(gen: torch.Generator, num_blocks: int, bs: int) -> list[tuple[str, tuple]]:
+    """(label, (q rows, tables, seq_rows, start_lens, ctx_lens)) of every shape."""
+    out = []
+    for rows, start, ctx in SHAPES:
+        max_blocks = -(-ctx // bs)
+        tables = torch.randperm(num_blocks - 1, generator=gen)[:rows * max_blocks].add(1)
+        label = f"{rows} x {ctx - start}" + (" (cascade)" if start else "")
+        out.append((label, (rows, tables.view(rows, max_blocks), torch.arange(rows),
+                            torch.full((rows,), start), torch.full((rows,), ctx))))
+    for seqs, queries in CHUNKS:
+        max_blocks = -(-queries // bs)
+        tables = torch.randperm(num_blocks - 1, generator=gen)[:seqs * max_blocks].add(1)
+        out.append((f"{seqs} chunks x {queries}",
+                    (seqs * queries, tables.view(seqs, max_blocks),
+                     torch.arange(seqs).repeat_interleave(queries),
+                     torch.zeros(seqs * queries, dtype=torch.long),
+                     torch.arange(1, queries + 1).repeat(seqs))))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--compare", nargs="*", default=[], help="other versions of the source")
+    ap.add_argument("--compare", nargs="*", default=[],
+                    help="other versions: a csrc folder, or a .cpp")
+    ap.add_argument("--kv-cache-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--calls", type=int, default=10, help="calls per timing")
     args = ap.parse_args()
-    versions = {"current": str(CSRC / "paged_attention_cpu.cpp")}
-    versions.update({os.path.basename(p): p for p in args.compare})
-    ops = {name: build(path).paged_attention for name, path in versions.items()}
+    versions = {"current": version(str(CSRC))}
+    versions.update({os.path.basename(os.path.normpath(p)): version(p) for p in args.compare})
+    ops = {name: build(*v).paged_attention for name, v in versions.items()}
 
     num_blocks, bs, hkv, d, hq = 8000, 16, 3, 64, 9
+    dtype = getattr(torch, args.kv_cache_dtype)
     gen = torch.Generator().manual_seed(0)
-    k_cache, v_cache = torch.randn(num_blocks, bs, hkv, d), torch.randn(num_blocks, bs, hkv, d)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median ms per call")
+    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype)
+    print(describe_machine())
+    print(f"{args.kv_cache_dtype} cache; median ms per call")
     print(f"{'rows x keys':<22}" + "".join(f"{n:>16}" for n in ops))
-    for rows, start, ctx in SHAPES:
-        max_blocks = -(-ctx // bs)
-        tables = torch.randperm(num_blocks - 1, generator=gen)[:rows * max_blocks].add(1)
-        args_ = (torch.randn(rows, hq, d), k_cache, v_cache, tables.view(rows, max_blocks),
-                 torch.arange(rows), torch.full((rows,), start), torch.full((rows,), ctx),
-                 d ** -0.5)
+    for label, (rows, tables, seq_rows, starts, lens) in cases(gen, num_blocks, bs):
+        args_ = (torch.randn(rows, hq, d, generator=gen), k_cache, v_cache, tables, seq_rows,
+                 starts, lens, d ** -0.5, None, 0.0, 512)  # split_keys: the engine's default
         times = alternate({name: lambda op=op, a=args_: op(*a) for name, op in ops.items()},
                           args.reps, args.calls)
-        label = f"{rows} x {ctx - start}" + (" (cascade)" if start else "")
         print(f"{label:<22}" + "".join(f"{t * 1e3:>16.3f}" for t in times.values()))
 
 

@@ -223,3 +223,43 @@ def test_triton_kernel_in_half_precision():
         s, e = batch.query_start_locs[i], batch.query_start_locs[i + 1]
         ref = dense_reference(q[s:e], full_k[i], full_v[i], 64 ** -0.5)
         torch.testing.assert_close(out[s:e].float(), ref, atol=4e-3, rtol=4e-3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split_keys", [512, 0])
+def test_kernel_rows_are_bitwise_the_same_alone_or_grouped(dtype, split_keys):
+    """Consecutive query rows of one sequence (a prefill chunk's) walk their keys together in
+    the kernel, up to 16 at a time (csrc/paged_attention_cpu.h: attend_keys); a row's result
+    must not depend on that: each row alone, with its chunk, or among other sequences' rows,
+    bitwise. Contexts past 512 keys give rows several chunks (split_keys 512) of which some
+    rows of a group have one more."""
+    op = paged_attention_op()
+    gen = torch.Generator().manual_seed(5)
+    bs, hkv, hq, d, nb = 16, 3, 9, 64, 160
+    k_cache = torch.randn(nb, bs, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(nb, bs, hkv, d, generator=gen).to(dtype)
+    tables = torch.randperm(nb, generator=gen)[:3 * 50].view(3, 50)
+    rows, starts, lens = [], [], []
+    for seq, start, ends in ((0, 0, range(500, 530)), (1, 0, [90]), (2, 40, range(700, 720))):
+        for end in ends:
+            rows.append(seq), starts.append(start), lens.append(end)
+    q = torch.randn(len(rows), hq, d, generator=gen)
+    args = [torch.tensor(v) for v in (rows, starts, lens)]
+
+    def attend(idx):
+        out, lse = op(q[idx], k_cache, v_cache, tables, *(a[idx] for a in args), d ** -0.5,
+                      None, 0.0, split_keys)
+        return out, lse
+
+    together = attend(torch.arange(len(rows)))
+    # the sequences' rows interleaved: no two neighbours share a sequence, no row is grouped
+    order = torch.tensor([i for pair in zip(range(30), range(31, 51), strict=False)
+                          for i in pair] + list(range(20, 31)))
+    apart = attend(order)
+    assert torch.equal(apart[0], together[0][order]) and torch.equal(apart[1], together[1][order])
+    if split_keys:  # invariant mode: a row alone too (split_keys 0 splits a lone row's keys)
+        for i in (0, 13, 29, 30, 31, 45, 50):
+            alone = attend(torch.tensor([i]))
+            assert torch.equal(alone[0][0], together[0][i]), i
+            assert torch.equal(alone[1][0], together[1][i]), i

@@ -3,11 +3,14 @@
 // Every query row n attends tokens [start_lens[n], ctx_lens[n]) of sequence row seq_rows[n],
 // whose cache blocks are block_tables[seq_rows[n], :] (start_lens > 0: cascade attention, where
 // a shared prefix is attended separately and merged through the returned log-sum-exp). A work
-// item (one query row, a range of its KV heads and of its keys, see below) walks its keys in
-// tiles with an online softmax (running max, sum and output per query head, rescaled as the max
-// grows): each tile's K and V rows are read from memory once, the G = Hq / Hkv query heads of
-// each KV head are scored against them (GQA without expanding K/V) and their weighted V added
-// while the tile is still in cache. Work items run in parallel on torch's intra-op thread pool.
+// item (a query row, or up to 16 consecutive rows of one sequence: a prefill chunk's; a range
+// of their KV heads and of their keys, see below) walks its keys in tiles with an online
+// softmax per row (running max, sum and output per query head, rescaled as the max grows):
+// each tile's K and V rows are read from memory (and widened) once for all the item's rows,
+// the G = Hq / Hkv query heads of each KV head are scored against them (GQA without expanding
+// K/V) and their weighted V added while the tile is still in cache. Each row's arithmetic is
+// its own, whatever rows share its item. Work items run in parallel on torch's intra-op
+// thread pool. The per-row arithmetic: paged_attention_rows.h.
 //
 // Shapes: q (N, Hq, D) float32; k_cache, v_cache (num_blocks, block_size, Hkv, R) contiguous,
 // in any row format of kv_formats.h (float32: R = D; int8: R = D + 4; float8_e4m3fn: R = D,
@@ -21,147 +24,11 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include "kv_formats.h"
-#include "paged_attention_groups.h"
+#include "paged_attention_rows.h"
 #include "vec_utils.h"
 #include <cmath>
 #include <limits>
 #include <vector>
-
-static inline float dot(const float* a, const float* b, int64_t d) {
-  int64_t i = 0;
-  Vec acc(0.f);
-  for (; i + Vec::size() <= d; i += Vec::size())
-    acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
-  float s = hsum(acc);
-  for (; i < d; ++i) s += a[i] * b[i];
-  return s;
-}
-
-// scores[(h * G + g) * keys + i] = scale * <q_{h,g}, k_{i,h}> for `heads` KV heads and the G
-// query heads of each. Key-major: each key's row (all its heads, contiguous in the cache) is
-// read in one sweep, which memory prefetchers follow; head-major order read a strided part of
-// every row per head and ran 1.5x slower once the cache spills out of L3. Each K row is loaded
-// once for the G query heads sharing it. G is a template parameter so that the G accumulators
-// live in registers (a runtime-sized array went through the stack and cost 5x).
-template <int G>
-static void score_keys(const float* q, const float* const* krows, int64_t heads, int64_t first,
-                       int64_t keys, int64_t D, float scale, float* scores) {
-  for (int64_t i = first; i < keys; ++i) {
-    for (int64_t h = 0; h < heads; ++h) {
-      const float* k = krows[i] + h * D;
-      const float* qh = q + h * G * D;
-      Vec acc[G];
-      for (int g = 0; g < G; ++g) acc[g] = Vec(0.f);
-      for (int64_t d = 0; d < D; d += Vec::size()) {
-        const Vec kv = Vec::loadu(k + d);
-        for (int g = 0; g < G; ++g) acc[g] = at::vec::fmadd(Vec::loadu(qh + g * D + d), kv, acc[g]);
-      }
-      for (int g = 0; g < G; ++g) scores[(h * G + g) * keys + i] = scale * hsum(acc[g]);
-    }
-  }
-}
-
-static void score_keys_any(const float* q, const float* const* krows, int64_t heads,
-                           int64_t keys, int64_t G, int64_t D, float scale, float* scores) {
-  int64_t first = 0;  // keys scored four at a time by the grouped loop, where it applies
-#ifdef TM_ATTENTION_GROUPS
-  if (attention_groups::score_group(G, q, krows, heads, keys, D, scale, scores, &first) &&
-      first == keys)
-    return;
-#endif
-  if (D % Vec::size() == 0) {
-    switch (G) {
-      case 1: return score_keys<1>(q, krows, heads, first, keys, D, scale, scores);
-      case 2: return score_keys<2>(q, krows, heads, first, keys, D, scale, scores);
-      case 3: return score_keys<3>(q, krows, heads, first, keys, D, scale, scores);
-      case 4: return score_keys<4>(q, krows, heads, first, keys, D, scale, scores);
-      case 5: return score_keys<5>(q, krows, heads, first, keys, D, scale, scores);
-      case 6: return score_keys<6>(q, krows, heads, first, keys, D, scale, scores);
-      case 7: return score_keys<7>(q, krows, heads, first, keys, D, scale, scores);
-      case 8: return score_keys<8>(q, krows, heads, first, keys, D, scale, scores);
-      default: break;
-    }
-  }
-  for (int64_t i = first; i < keys; ++i)
-    for (int64_t r = 0; r < heads * G; ++r)
-      scores[r * keys + i] = scale * dot(q + r * D, krows[i] + (r / G) * D, D);
-}
-
-static inline void axpy(float w, const float* x, float* y, int64_t d) {
-  int64_t i = 0;
-  Vec wv(w);
-  for (; i + Vec::size() <= d; i += Vec::size())
-    at::vec::fmadd(wv, Vec::loadu(x + i), Vec::loadu(y + i)).store(y + i);
-  for (; i < d; ++i) y[i] += w * x[i];
-}
-
-// s[t] = exp(s[t] - m) in place; returns the sum.
-static inline float exp_minus_max(float* s, float m, int64_t n) {
-  int64_t t = 0;
-  Vec mv(m), total(0.f);
-  for (; t + Vec::size() <= n; t += Vec::size()) {
-    Vec e = (Vec::loadu(s + t) - mv).exp_u20();
-    e.store(s + t);
-    total = total + e;
-  }
-  float sum = hsum(total);
-  for (; t < n; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
-  return sum;
-}
-
-// acc (D) = corr * acc + sum_i p[i] * v_i over the rows v_i = vrows[i] + offset (one tile of
-// keys of the online softmax). D = 64 (the common head size) keeps acc in registers over the
-// tile; other sizes go through memory.
-static inline void rescale_accumulate(const float* p, const float* const* vrows, int64_t offset,
-                                      int64_t n, int64_t D, float corr, float* acc) {
-  constexpr int64_t kRegs = 64 / Vec::size();
-  if (D == 64 && kRegs <= 16) {
-    Vec a[kRegs];
-    const Vec c(corr);
-    for (int64_t j = 0; j < kRegs; ++j) a[j] = Vec::loadu(acc + j * Vec::size()) * c;
-    for (int64_t i = 0; i < n; ++i) {
-      const Vec w(p[i]);
-      const float* v = vrows[i] + offset;
-      for (int64_t j = 0; j < kRegs; ++j)
-        a[j] = at::vec::fmadd(w, Vec::loadu(v + j * Vec::size()), a[j]);
-    }
-    for (int64_t j = 0; j < kRegs; ++j) a[j].store(acc + j * Vec::size());
-    return;
-  }
-  for (int64_t i = 0; i < D; ++i) acc[i] *= corr;
-  for (int64_t i = 0; i < n; ++i) axpy(p[i], vrows[i] + offset, acc, D);
-}
-
-static inline float max_of(const float* s, int64_t n) {
-  int64_t t = 0;
-  float m = -std::numeric_limits<float>::infinity();
-  if (n >= Vec::size()) {
-    Vec mv = Vec::loadu(s);
-    for (t = Vec::size(); t + Vec::size() <= n; t += Vec::size())
-      mv = at::vec::maximum(mv, Vec::loadu(s + t));
-    float buf[Vec::size()];
-    mv.store(buf);
-    for (int64_t i = 0; i < Vec::size(); ++i) m = std::max(m, buf[i]);
-  }
-  for (; t < n; ++t) m = std::max(m, s[t]);
-  return m;
-}
-
-// A running softmax state over keys: per query head, the unnormalised output (D), max, sum.
-// `merge_into` folds a later range's partial state into it; it is the one rule by which key
-// ranges are combined, whichever thread computed them.
-static inline void merge_into(float* out, float& mx, float& sum, const float* acc, float m,
-                              float s, int64_t D) {
-  const float new_max = std::max(mx, m);
-  const float a = std::exp(mx - new_max), b = std::exp(m - new_max);
-  sum = sum * a + s * b;
-  mx = new_max;
-  int64_t i = 0;
-  const Vec av(a), bv(b);
-  for (; i + Vec::size() <= D; i += Vec::size())
-    at::vec::fmadd(Vec::loadu(acc + i), bv, Vec::loadu(out + i) * av).store(out + i);
-  for (; i < D; ++i) out[i] = std::fma(acc[i], b, out[i] * a);
-}
 
 // What every work item reads.
 struct PagedArgs {
@@ -184,25 +51,84 @@ struct PagedScratch {
         krows(tile), vrows(tile) {}
 };
 
-// Keys [k0, k1) of query row n for KV heads [h0, h0 + heads), as an online softmax over tiles
-// of kTile keys starting at k0: acc (heads G, D) unnormalised, mx and sum per query head.
-static void attend_keys(const PagedArgs& a, PagedScratch& s, int64_t n, int64_t h0,
-                        int64_t heads, int64_t k0, int64_t k1, float* acc, float* mx,
-                        float* sum) {
+// Asks for cache block b's K and V rows (all heads) ahead of their use: blocks lie anywhere
+// in the pool, so the hardware prefetchers, which follow one sequential stream, miss the jump
+// from one block to the next: rows widened from a bf16 / int8 / fp8 cache stalled on those
+// loads (1.1x on 1,100-token contexts). A float32 cache, read in place, gained nothing.
+static inline void prefetch_block(const PagedArgs& a, int64_t b) {
+  const int64_t bytes = a.bs * a.Hkv * a.row_bytes, first = b * bytes;
+  for (int64_t o = 0; o < bytes; o += 64) {
+    __builtin_prefetch(a.kb + first + o);
+    __builtin_prefetch(a.vb + first + o);
+  }
+}
+
+// One query row's share of a group walking the same keys (attend_keys): its row, its keys'
+// end and its softmax state (acc (heads G, D) unnormalised, mx and sum per query head).
+struct RowState {
+  int64_t n, k1;
+  float *acc, *mx, *sum;
+};
+
+// One tile's `keys` keys (rows in s.krows / s.vrows) for one query row: scores, the online
+// softmax's rescale, the weighted sum of V.
+static void attend_tile(const PagedArgs& a, PagedScratch& s, const RowState& row, int64_t h0,
+                        int64_t heads, int64_t keys) {
+  const int64_t rows_q = heads * a.G, D = a.D;
+  const float* qn = a.q + (row.n * a.Hq + h0 * a.G) * D;
+  float *acc = row.acc, *mx = row.mx, *sum = row.sum;
+  score_keys_any(qn, s.krows.data(), heads, keys, a.G, D, a.scale, s.scores.data());
+  if (a.cap > 0.f) {  // Gemma 2's soft cap, before the softmax
+    for (int64_t j = 0; j < rows_q * keys; ++j)
+      s.scores[j] = a.cap * std::tanh(s.scores[j] / a.cap);
+  }
+  for (int64_t r = 0; r < rows_q; ++r) {
+    float* sc = s.scores.data() + r * keys;
+    const float m = std::max(mx[r], max_of(sc, keys));
+    s.corr[r] = std::exp(mx[r] - m);  // 0 on the first tile (-inf)
+    sum[r] = sum[r] * s.corr[r] + exp_minus_max(sc, m, keys);
+    mx[r] = m;
+  }
+  for (int64_t h = 0; h < heads; ++h) {  // the G heads sharing each V row together
+    const int64_t r0 = h * a.G;
+#ifdef TM_ATTENTION_GROUPS
+    if (attention_groups::accumulate_group(a.G, s.scores.data() + r0 * keys, keys,
+                                           s.vrows.data(), h * D, keys, D, &s.corr[r0],
+                                           acc + r0 * D))
+      continue;
+#endif
+    for (int64_t r = r0; r < r0 + a.G; ++r)
+      rescale_accumulate(s.scores.data() + r * keys, s.vrows.data(), h * D, keys, D,
+                         s.corr[r], acc + r * D);
+  }
+}
+
+// Keys [k0, rows[r].k1) of each query row r (rows of one sequence, the same k0), for KV heads
+// [h0, h0 + heads), as an online softmax over tiles of kTile keys starting at k0. Each tile's
+// K and V rows (all heads of the item) are read from memory (and widened) once for every row
+// of the group and stay in cache while each query head of each row uses them; a row's
+// arithmetic is that of the row alone (its tiles are [k0 + 64 j, min(k1, k0 + 64 (j + 1)))
+// whatever the group), so grouping changes no result.
+static void attend_keys(const PagedArgs& a, PagedScratch& s, const RowState* rows, int64_t R,
+                        int64_t h0, int64_t heads, int64_t k0) {
   constexpr int64_t kTile = 64;
   const int64_t rows_q = heads * a.G, D = a.D;
-  const float* qn = a.q + (n * a.Hq + h0 * a.G) * D;
-  const int64_t* table = a.tables + a.rows[n] * a.max_blocks;
-  std::fill_n(acc, rows_q * D, 0.f);
-  std::fill_n(mx, rows_q, -std::numeric_limits<float>::infinity());
-  std::fill_n(sum, rows_q, 0.f);
-  // A tile's K and V rows (all heads of the item) are read from memory once and stay in
-  // cache while each query head uses them.
+  const int64_t* table = a.tables + a.rows[rows[0].n] * a.max_blocks;
+  int64_t k1 = k0;
+  for (int64_t r = 0; r < R; ++r) {
+    std::fill_n(rows[r].acc, rows_q * D, 0.f);
+    std::fill_n(rows[r].mx, rows_q, -std::numeric_limits<float>::infinity());
+    std::fill_n(rows[r].sum, rows_q, 0.f);
+    k1 = std::max(k1, rows[r].k1);
+  }
   for (int64_t t0 = k0; t0 < k1; t0 += kTile) {
     const int64_t keys = std::min(kTile, k1 - t0);
     int64_t blk = t0 / a.bs, off = t0 % a.bs;  // key t0 + i's block and slot, stepped (a
     for (int64_t i = 0; i < keys; ++i) {       // division per key cost ~10% of a decode)
       if (off == a.bs) ++blk, off = 0;
+      if ((off == 0 || i == 0) && heads == a.Hkv && a.fmt != KVFormat::kFloat32 &&
+          (blk + 1) * a.bs < k1)
+        prefetch_block(a, table[blk + 1]);  // the next block's rows, while this one is read
       const int64_t row = (table[blk] * a.bs + off++) * a.Hkv + h0;  // first head's
       if (a.fmt == KVFormat::kFloat32) {  // read in place
         s.krows[i] = reinterpret_cast<const float*>(a.kb) + row * D;
@@ -220,29 +146,9 @@ static void attend_keys(const PagedArgs& a, PagedScratch& s, int64_t n, int64_t 
       s.krows[i] = kd;
       s.vrows[i] = vd;
     }
-    score_keys_any(qn, s.krows.data(), heads, keys, a.G, D, a.scale, s.scores.data());
-    if (a.cap > 0.f) {  // Gemma 2's soft cap, before the softmax
-      for (int64_t j = 0; j < rows_q * keys; ++j)
-        s.scores[j] = a.cap * std::tanh(s.scores[j] / a.cap);
-    }
-    for (int64_t r = 0; r < rows_q; ++r) {
-      float* sc = s.scores.data() + r * keys;
-      const float m = std::max(mx[r], max_of(sc, keys));
-      s.corr[r] = std::exp(mx[r] - m);  // 0 on the first tile (-inf)
-      sum[r] = sum[r] * s.corr[r] + exp_minus_max(sc, m, keys);
-      mx[r] = m;
-    }
-    for (int64_t h = 0; h < heads; ++h) {  // the G heads sharing each V row together
-      const int64_t r0 = h * a.G;
-#ifdef TM_ATTENTION_GROUPS
-      if (attention_groups::accumulate_group(a.G, s.scores.data() + r0 * keys, keys,
-                                             s.vrows.data(), h * D, keys, D, &s.corr[r0],
-                                             acc + r0 * D))
-        continue;
-#endif
-      for (int64_t r = r0; r < r0 + a.G; ++r)
-        rescale_accumulate(s.scores.data() + r * keys, s.vrows.data(), h * D, keys, D,
-                           s.corr[r], acc + r * D);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t own = std::min(kTile, rows[r].k1 - t0);  // this row's keys of the tile
+      if (own > 0) attend_tile(a, s, rows[r], h0, heads, own);
     }
   }
 }
@@ -340,11 +246,26 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
       lsep[n * Hq + r0 + r] = mx[r] + std::log(sum[r]);
     }
   };
-  const int64_t units = whole_rows ? N * items_per_row : total_chunks * items_per_row;
+  // Whole rows go in groups: consecutive query rows of one sequence with the same first key
+  // (a prefill chunk's queries) walk their keys together, up to kGroupRows at a time; their
+  // chunks start alike where chunks are cut at fixed multiples or are whole ranges.
+  constexpr int64_t kGroupRows = 16;
+  std::vector<int64_t> group_first;  // each group's first row, then N
+  for (int64_t n = 0; n < N && whole_rows; ++n) {
+    const int64_t g = group_first.empty() ? -1 : group_first.back();
+    if (g < 0 || n - g >= kGroupRows || (split_keys == 0 && splits > 1) ||
+        a.rows[n] != a.rows[g] || a.starts[n] != a.starts[g])
+      group_first.push_back(n);
+  }
+  group_first.push_back(N);
+  const int64_t groups = static_cast<int64_t>(group_first.size()) - 1;
+  const int64_t units = whole_rows ? groups * items_per_row : total_chunks * items_per_row;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     PagedScratch s(a, heads_per_item, 64);
-    std::vector<float> acc(rows_q * D), mx(rows_q), sum(rows_q);
-    std::vector<float> run(rows_q * D), run_max(rows_q), run_sum(rows_q);
+    const int64_t state = kGroupRows * rows_q;  // query heads of a group
+    std::vector<float> acc(state * D), mx(state), sum(state);
+    std::vector<float> run(state * D), run_max(state), run_sum(state);
+    std::vector<RowState> rows;
     for (int64_t u = begin; u < end; ++u) {
       const int64_t h0 = (u % items_per_row) * heads_per_item;
       if (!whole_rows) {  // one chunk: its partial state, kept
@@ -355,26 +276,41 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
           std::fill_n(&part_sum[e], rows_q, 0.f);
           continue;
         }
-        attend_keys(a, s, n, h0, heads_per_item, k0, k1, &part_acc[e * D], &part_max[e],
-                    &part_sum[e]);
+        const RowState one{n, k1, &part_acc[e * D], &part_max[e], &part_sum[e]};
+        attend_keys(a, s, &one, 1, h0, heads_per_item, k0);
         continue;
       }
-      const int64_t n = u / items_per_row;
-      bool first = true;
-      for (int64_t c = 0; c < chunks.count(n); ++c) {
-        const auto [k0, k1] = chunks.range(n, c);
-        if (k1 == k0) continue;
-        if (first) {  // the running state starts as the first chunk's
-          attend_keys(a, s, n, h0, heads_per_item, k0, k1, run.data(), run_max.data(),
-                      run_sum.data());
-          first = false;
-          continue;
-        }
-        attend_keys(a, s, n, h0, heads_per_item, k0, k1, acc.data(), mx.data(), sum.data());
-        for (int64_t r = 0; r < rows_q; ++r)
-          merge_into(&run[r * D], run_max[r], run_sum[r], &acc[r * D], mx[r], sum[r], D);
+      const int64_t g0 = group_first[u / items_per_row], g1 = group_first[u / items_per_row + 1];
+      int64_t most = 0;  // chunk 0 is every row's first (non-empty): the running state
+      rows.clear();
+      for (int64_t n = g0; n < g1; ++n) {
+        const int64_t i = (n - g0) * rows_q;
+        rows.push_back({n, chunks.range(n, 0).second, &run[i * D], &run_max[i], &run_sum[i]});
+        most = std::max(most, chunks.count(n));
       }
-      finish(n, h0 * a.G, rows_q, run.data(), run_max.data(), run_sum.data());
+      attend_keys(a, s, rows.data(), rows.size(), h0, heads_per_item, chunks.range(g0, 0).first);
+      for (int64_t c = 1; c < most; ++c) {  // later chunks: merged into each row's state
+        rows.clear();
+        int64_t k0 = 0;
+        for (int64_t n = g0; n < g1; ++n) {
+          if (c >= chunks.count(n)) continue;
+          const auto [r0, r1] = chunks.range(n, c);
+          if (r1 == r0) continue;
+          const int64_t i = (n - g0) * rows_q;
+          k0 = r0;
+          rows.push_back({n, r1, &acc[i * D], &mx[i], &sum[i]});
+        }
+        if (rows.empty()) continue;
+        attend_keys(a, s, rows.data(), rows.size(), h0, heads_per_item, k0);
+        for (const RowState& r : rows)
+          for (int64_t q = 0; q < rows_q; ++q)
+            merge_into(&run[((r.n - g0) * rows_q + q) * D], run_max[(r.n - g0) * rows_q + q],
+                       run_sum[(r.n - g0) * rows_q + q], &r.acc[q * D], r.mx[q], r.sum[q], D);
+      }
+      for (int64_t n = g0; n < g1; ++n) {
+        const int64_t i = (n - g0) * rows_q;
+        finish(n, h0 * a.G, rows_q, &run[i * D], &run_max[i], &run_sum[i]);
+      }
     }
   });
   if (!whole_rows) {  // merge each (row, query head)'s chunks in order

@@ -1,5 +1,5 @@
 // The paged-attention kernel's two inner loops, for the G query heads of one KV head at once
-// on AVX-512 builds (paged_attention_cpu.h calls them where they apply and its per-row code
+// on AVX-512 builds (paged_attention_rows.h calls them where they apply and its per-row code
 // elsewhere). Each computes exactly the per-row code's arithmetic, the same operations in the
 // same order for every output, so results are bitwise the same; only loads and reductions are
 // shared:
