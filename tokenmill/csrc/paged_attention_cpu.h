@@ -175,6 +175,56 @@ struct KeyChunks {
   }
 };
 
+// Up to this many consecutive query rows of one sequence form a work item (attend_group).
+constexpr int64_t kGroupRows = 16;
+
+// A work item's buffers: each row's running state, a later chunk's state, the rows' shares.
+struct GroupBuffers {
+  std::vector<float> acc, mx, sum, run, run_max, run_sum;
+  std::vector<RowState> rows;
+  GroupBuffers(int64_t heads_q, int64_t D)  // heads_q: query heads of an item
+      : acc(kGroupRows * heads_q * D), mx(kGroupRows * heads_q), sum(mx.size()),
+        run(acc.size()), run_max(mx.size()), run_sum(mx.size()) {}
+};
+
+// Query rows [g0, g1) (one sequence, the same first key) over KV heads [h0, h0 + heads):
+// chunk 0 of every row as its running state, each later chunk merged into it (rows with fewer
+// chunks drop out), as a row alone would be computed. Leaves row g0 + r's state at offset
+// r * heads * G of b.run / run_max / run_sum.
+static void attend_group(const PagedArgs& a, PagedScratch& s, const KeyChunks& chunks,
+                         int64_t g0, int64_t g1, int64_t h0, int64_t heads, GroupBuffers& b) {
+  const int64_t rows_q = heads * a.G, D = a.D;
+  int64_t most = 0;  // chunk 0 is every row's first (non-empty): the running state
+  b.rows.clear();
+  for (int64_t n = g0; n < g1; ++n) {
+    const int64_t i = (n - g0) * rows_q;
+    b.rows.push_back({n, chunks.range(n, 0).second, &b.run[i * D], &b.run_max[i],
+                      &b.run_sum[i]});
+    most = std::max(most, chunks.count(n));
+  }
+  attend_keys(a, s, b.rows.data(), b.rows.size(), h0, heads, chunks.range(g0, 0).first);
+  for (int64_t c = 1; c < most; ++c) {  // later chunks: merged into each row's state
+    b.rows.clear();
+    int64_t k0 = 0;  // the same for every row: chunks start at fixed multiples here
+    for (int64_t n = g0; n < g1; ++n) {
+      if (c >= chunks.count(n)) continue;
+      const auto [r0, r1] = chunks.range(n, c);
+      if (r1 == r0) continue;
+      const int64_t i = (n - g0) * rows_q;
+      k0 = r0;
+      b.rows.push_back({n, r1, &b.acc[i * D], &b.mx[i], &b.sum[i]});
+    }
+    if (b.rows.empty()) continue;
+    attend_keys(a, s, b.rows.data(), b.rows.size(), h0, heads, k0);
+    for (const RowState& r : b.rows)
+      for (int64_t q = 0; q < rows_q; ++q) {
+        const int64_t j = (r.n - g0) * rows_q + q;
+        merge_into(&b.run[j * D], b.run_max[j], b.run_sum[j], &r.acc[q * D], r.mx[q],
+                   r.sum[q], D);
+      }
+  }
+}
+
 inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cache,
                                            torch::Tensor v_cache, torch::Tensor block_tables,
                                            torch::Tensor seq_rows, torch::Tensor start_lens,
@@ -249,7 +299,6 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
   // Whole rows go in groups: consecutive query rows of one sequence with the same first key
   // (a prefill chunk's queries) walk their keys together, up to kGroupRows at a time; their
   // chunks start alike where chunks are cut at fixed multiples or are whole ranges.
-  constexpr int64_t kGroupRows = 16;
   std::vector<int64_t> group_first;  // each group's first row, then N
   for (int64_t n = 0; n < N && whole_rows; ++n) {
     const int64_t g = group_first.empty() ? -1 : group_first.back();
@@ -262,10 +311,7 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
   const int64_t units = whole_rows ? groups * items_per_row : total_chunks * items_per_row;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     PagedScratch s(a, heads_per_item, 64);
-    const int64_t state = kGroupRows * rows_q;  // query heads of a group
-    std::vector<float> acc(state * D), mx(state), sum(state);
-    std::vector<float> run(state * D), run_max(state), run_sum(state);
-    std::vector<RowState> rows;
+    GroupBuffers b(rows_q, D);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t h0 = (u % items_per_row) * heads_per_item;
       if (!whole_rows) {  // one chunk: its partial state, kept
@@ -281,35 +327,10 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
         continue;
       }
       const int64_t g0 = group_first[u / items_per_row], g1 = group_first[u / items_per_row + 1];
-      int64_t most = 0;  // chunk 0 is every row's first (non-empty): the running state
-      rows.clear();
+      attend_group(a, s, chunks, g0, g1, h0, heads_per_item, b);
       for (int64_t n = g0; n < g1; ++n) {
         const int64_t i = (n - g0) * rows_q;
-        rows.push_back({n, chunks.range(n, 0).second, &run[i * D], &run_max[i], &run_sum[i]});
-        most = std::max(most, chunks.count(n));
-      }
-      attend_keys(a, s, rows.data(), rows.size(), h0, heads_per_item, chunks.range(g0, 0).first);
-      for (int64_t c = 1; c < most; ++c) {  // later chunks: merged into each row's state
-        rows.clear();
-        int64_t k0 = 0;
-        for (int64_t n = g0; n < g1; ++n) {
-          if (c >= chunks.count(n)) continue;
-          const auto [r0, r1] = chunks.range(n, c);
-          if (r1 == r0) continue;
-          const int64_t i = (n - g0) * rows_q;
-          k0 = r0;
-          rows.push_back({n, r1, &acc[i * D], &mx[i], &sum[i]});
-        }
-        if (rows.empty()) continue;
-        attend_keys(a, s, rows.data(), rows.size(), h0, heads_per_item, k0);
-        for (const RowState& r : rows)
-          for (int64_t q = 0; q < rows_q; ++q)
-            merge_into(&run[((r.n - g0) * rows_q + q) * D], run_max[(r.n - g0) * rows_q + q],
-                       run_sum[(r.n - g0) * rows_q + q], &r.acc[q * D], r.mx[q], r.sum[q], D);
-      }
-      for (int64_t n = g0; n < g1; ++n) {
-        const int64_t i = (n - g0) * rows_q;
-        finish(n, h0 * a.G, rows_q, &run[i * D], &run_max[i], &run_sum[i]);
+        finish(n, h0 * a.G, rows_q, &b.run[i * D], &b.run_max[i], &b.run_sum[i]);
       }
     }
   });
