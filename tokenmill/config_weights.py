@@ -119,8 +119,7 @@ def resolve_matmul_dtype(asked: str, model: ModelConfig) -> torch.dtype | None:
         raise ValueError("matmul_dtype='bfloat16' multiplies a bfloat16 checkpoint's weights "
                          "as stored on CPU (dtype='auto'); this model's dense weights are "
                          f"{model.weight_dtype or model.dtype}")
-    hardware = (cpp_extension.runtime_isa() == "avx512"
-                and "avx512_bf16" in cpp_extension.cpu_flags())
+    hardware = cpp_extension.has_bf16_instructions()
     if asked == "auto" and not hardware:
         return None
     logger.info("multiplying %s's bfloat16 weights in bfloat16 (float32 sums%s)", model.path,

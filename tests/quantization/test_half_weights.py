@@ -182,8 +182,8 @@ def test_matmul_dtype_is_chosen_by_the_cpu_and_refused_where_it_does_not_apply(
     from tokenmill.engine_args import EngineArgs
     from tokenmill.utils import cpp_extension
 
-    hardware = (cpp_extension.runtime_isa() == "avx512"
-                and "avx512_bf16" in cpp_extension.cpu_flags())
+    hardware = cpp_extension.has_bf16_instructions()
+    assert hardware == cpu_ops.bf16_products_hardware()  # the kernel's own run-time check
     auto = engine_config(bf16_checkpoint, device="cpu")
     assert auto.model.matmul_dtype == (torch.bfloat16 if hardware else None)
     assert auto.cache.kv_cache_dtype == ("bfloat16" if hardware else "auto")

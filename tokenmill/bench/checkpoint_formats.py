@@ -57,7 +57,8 @@ def write_bf16_folder(gguf_path: str, out: str) -> str:
 
 
 def _engine_args(folder: str, fmt: str) -> tuple[str, dict]:
-    """FORMAT[@QUANTIZATION][@kv=KV_CACHE_DTYPE] → (model, LLM options)."""
+    """FORMAT[@QUANTIZATION][@kv=KV_CACHE_DTYPE][@matmul=MATMUL_DTYPE] → (model, LLM
+    options)."""
     path, *extras = fmt.split("@")
     options: dict = {}
     for extra in extras:

@@ -191,19 +191,10 @@ struct Hardware {
     return tree(lanes);
   }
 
-  // The tree of four accumulators at once, in registers (a scalar tree per output cost more
-  // than a tile's products at K = 576): t = lo 8 + hi 8 lanes of each, u = t's lo 4 + hi 4,
-  // then (u0 + u2) + (u1 + u3) in every 128-bit lane.
+  // The trees of four accumulators at once, in registers (vec_utils.h: the tree above); a
+  // scalar tree per output cost more than a tile's products at K = 576.
   static TM_INLINE_BF void reduce4(const Acc* a, const float* bias, float* y) {
-    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44),   // a.l0 a.l1 b.l0 b.l1
-                                    _mm512_shuffle_f32x4(a[0], a[1], 0xEE));  // a.l2 a.l3 b.l2 b.l3
-    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44),
-                                    _mm512_shuffle_f32x4(a[2], a[3], 0xEE));
-    const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88),    // t_0..3 of a b c d
-                                   _mm512_shuffle_f32x4(ab, cd, 0xDD));   // t_4..7
-    const __m512 x = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));       // u0 + u2, u1 + u3
-    const __m512 r = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));       // lane 0 of each 128
-    __m128 out = _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, r));
+    __m128 out = hsum4(a);
     if (bias) out = _mm_add_ps(out, _mm_loadu_ps(bias));
     _mm_storeu_ps(y, out);
   }
@@ -264,7 +255,7 @@ inline void linear(const uint16_t* w, const float* x, int64_t M, int64_t K, int6
                    const float* bias, float* y) {
   std::unique_ptr<uint16_t[]> xb(new uint16_t[M * K]);
   round_rows(x, M * K, xb.get());
-  const bool hw = hardware_active();
+  [[maybe_unused]] const bool hw = hardware_active();
   const int64_t unit = M <= 4 ? 16 : 48, units = (N + unit - 1) / unit;
   const int64_t grain = std::max<int64_t>(1, units / std::max<int64_t>(1, at::get_num_threads()));
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
@@ -274,7 +265,6 @@ inline void linear(const uint16_t* w, const float* x, int64_t M, int64_t K, int6
 #endif
     emulated_range(xb.get(), M, K, w, n0, n1, bias, y, N);
   });
-  (void)hw;
 }
 
 }  // namespace bf16_products

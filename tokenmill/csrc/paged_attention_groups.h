@@ -3,9 +3,9 @@
 // elsewhere). Each computes exactly the per-row code's arithmetic, the same operations in the
 // same order for every output, so results are bitwise the same; only loads and reductions are
 // shared:
-// - scores: 4 keys at a time, their 4 x G accumulators reduced together (`tree4`, the very
-//   tree _mm512_reduce_add_ps, the per-row code's hsum, applies to each) instead of one
-//   horizontal sum per score, which cost more than the products at D = 64;
+// - scores: 4 keys at a time, their 4 x G accumulators reduced together (vec_utils.h's
+//   `hsum4`: each sum in the per-row code's hsum tree) instead of one horizontal sum per
+//   score, which cost more than the products at D = 64;
 // - the softmax-weighted sum of V: each V row loaded once for the G heads sharing it, not G
 //   times.
 #pragma once
@@ -15,20 +15,6 @@
 #define TM_ATTENTION_GROUPS 1
 
 namespace attention_groups {
-
-// The four sums of a[0..3]'s 16 lanes, each in hsum's tree (t_i = a_i + a_(i+8),
-// u_j = t_j + t_(j+4), (u_0 + u_2) + (u_1 + u_3)), as one vector.
-static inline __m128 tree4(const __m512* a) {
-  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44),
-                                  _mm512_shuffle_f32x4(a[0], a[1], 0xEE));
-  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44),
-                                  _mm512_shuffle_f32x4(a[2], a[3], 0xEE));
-  const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88),
-                                 _mm512_shuffle_f32x4(ab, cd, 0xDD));
-  const __m512 x = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));
-  const __m512 r = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
-  return _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, r));
-}
 
 // scores[(h G + g) keys + i] = scale <q_{h,g}, k_{i,h}> for keys [0, keys - keys % 4), D a
 // multiple of 16 (the caller scores the rest); returns the first key left.
@@ -52,7 +38,7 @@ static int64_t score_keys4(const float* q, const float* const* krows, int64_t he
         }
       }
       for (int g = 0; g < G; ++g)
-        _mm_storeu_ps(scores + (h * G + g) * keys + i, _mm_mul_ps(sv, tree4(acc[g])));
+        _mm_storeu_ps(scores + (h * G + g) * keys + i, _mm_mul_ps(sv, hsum4(acc[g])));
     }
   }
   return i;

@@ -23,3 +23,21 @@ static inline float hsum(const Vec& v) {
   return total;
 #endif
 }
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)
+// hsum of four vectors at once, in registers, each in hsum's own tree (_mm512_reduce_add_ps:
+// t_i = a_i + a_(i+8), u_j = t_j + t_(j+4), (u_0 + u_2) + (u_1 + u_3)), so each of the four
+// sums is bitwise hsum(a[k]). Where many outputs are each one vector's sum (attention scores,
+// bf16 products), one horizontal sum per output cost more than their products.
+static inline __m128 hsum4(const __m512* a) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44),   // a.l0 a.l1 b.l0 b.l1
+                                  _mm512_shuffle_f32x4(a[0], a[1], 0xEE));  // a.l2 a.l3 b.l2 b.l3
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44),
+                                  _mm512_shuffle_f32x4(a[2], a[3], 0xEE));
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88),   // t_0..3 of a b c d
+                                 _mm512_shuffle_f32x4(ab, cd, 0xDD));  // t_4..7
+  const __m512 x = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));      // u0 + u2, u1 + u3
+  const __m512 r = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));      // lane 0 of each 128
+  return _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, r));
+}
+#endif

@@ -77,6 +77,13 @@ def runtime_isa() -> str:
     return "avx2" if capability in ("AVX2", "AVX512") else "generic"
 
 
+def has_bf16_instructions() -> bool:
+    """Whether the kernels multiply bfloat16 with AVX512-BF16's instructions here (the
+    "avx512" build runs and the CPU reports avx512_bf16; csrc/linear_bf16.h checks the same at
+    run time), rather than their emulation."""
+    return runtime_isa() == "avx512" and "avx512_bf16" in cpu_flags()
+
+
 def runnable_isas() -> list[str]:
     """The builds this CPU can execute, fastest first (an AVX-512 CPU runs all three)."""
     return list(ISAS[ISAS.index(runtime_isa()):])
