@@ -1,5 +1,6 @@
 """How fast the GGUF block kernels read a layer's weights: tokenmill's `linear` op on raw
-GGUF blocks (csrc/linear_gguf_rows.h on SIMD builds) at a few rows of x, per type, with
+GGUF blocks (csrc/linear_gguf_rows.h on SIMD builds, linear_gguf_vnni.h for K-quants on
+AVX-512 VNNI) at a few rows of x, per type, with
 random blocks of one large layer shape (Llama-3.2-1B's ffn_down by default).
 
     python benchmarks/gguf_kernels.py [--types Q4_K,Q5_K,Q6_K,Q5_0,Q5_1]
@@ -9,12 +10,14 @@ A decode step reads each weight once from memory, so each timing cycles through 
 distinct weights of the shape (more bytes than the caches hold) and reports milliseconds per
 layer and the rate at which the weight bytes went by (GB/s), beside the machine's own read
 rate of a plain float32 sum over as many bytes. Types are timed in alternation (medians over
-rounds, taken in one run); compare builds by running the script on each.
+rounds, taken in one run); `--builds avx512,avx2` times the installed kernel builds side by
+side in the same run (the AVX2 kernels run on an AVX-512 CPU too).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
@@ -45,6 +48,9 @@ def main() -> None:
     ap.add_argument("--shape", default="2048x8192", help="N x K of the layer")
     ap.add_argument("--copies", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--builds", default="",
+                    help="comma-separated kernel builds to compare (avx512, avx2, generic; "
+                         "default: the one this CPU runs)")
     args = ap.parse_args()
     n, k = (int(v) for v in args.shape.split("x"))
     types = args.types.split(",")
@@ -55,18 +61,30 @@ def main() -> None:
     read = alternate({"sum": lambda: [row.sum() for row in plain]}, args.rounds, 1)["sum"]
     print(f"float32 sum over {args.copies} x {plain.shape[1] * 4 / 1e6:.1f} MB: "
           f"{plain.numel() * 4 / read / 1e9:.1f} GB/s")
+    builds = {b: importlib.import_module(f"tokenmill._C.cpu_ops_{b}")
+              for b in args.builds.split(",") if b}
+    linears = {b: _build_linear(module) for b, module in builds.items()} or {"": cpu_ops.linear}
     print(f"layer {n} x {k}; ms per layer (GB/s of its weight)")
-    print(f"{'rows':>5}" + "".join(f"{t:>18}" for t in types))
+    columns = [(t, b) for t in types for b in linears]
+    print(f"{'rows':>5}" + "".join(f"{f'{t} {b}'.strip():>18}" for t, b in columns))
     for m in args.rows:
         x = torch.randn(m, k)
-        fns = {t: (lambda w=w, x=x: [cpu_ops.linear(x, kernel) for kernel in w])
-               for t, w in weights.items()}
+        fns = {(t, b): (lambda w=weights[t], x=x, f=f: [f(x, kernel) for kernel in w])
+               for t in types for b, f in linears.items()}
         seconds = alternate(fns, args.rounds, 1)
         cells = []
-        for t in types:
-            per_layer = seconds[t] / args.copies
+        for t, b in columns:
+            per_layer = seconds[t, b] / args.copies
             cells.append(f"{per_layer * 1e3:.3f} ({nbytes[t] / per_layer / 1e9:.1f})")
         print(f"{m:>5}" + "".join(f"{c:>18}" for c in cells))
+
+
+def _build_linear(module):
+    """cpu_ops.linear through one installed kernel build."""
+    def linear(x: torch.Tensor, kernel: CPULinearKernel) -> torch.Tensor:
+        kind, group, tensors, int8_acts, input_scale, invariant = kernel.as_args()
+        return module.linear(x, kind, group, tensors, None, int8_acts, input_scale, invariant)
+    return linear
 
 
 if __name__ == "__main__":

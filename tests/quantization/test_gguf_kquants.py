@@ -2,12 +2,15 @@
 (csrc/linear_gguf.h): every weight bit for bit as the gguf package dequantizes it. Products:
 on the SIMD builds the activations are rounded to int16 per 256 values (per 32 where K is not
 a multiple of 256) and meet the blocks in integers (csrc/linear_gguf_rows.h); the portable
-build multiplies exact float32 (the dot kernels). Either way a row's result is bitwise the
-same at every step size and in merged layers of mixed types, and a tiny K-quant model's
-greedy tokens equal its float32 expansion's, logprobs within the rounding's reach, through the
-fused decode call."""
+build multiplies exact float32 (the dot kernels); the AVX-512 VNNI build widens the blocks to
+int16 weights (K-quant scales folded in) for vpdpwssd (csrc/linear_gguf_vnni.h). Every
+installed build is checked. Either way a row's result is bitwise the same at every step size
+and in merged layers of mixed types, and a tiny K-quant model's greedy tokens equal its float32
+expansion's, logprobs within the rounding's reach, through the fused decode call."""
 
 from __future__ import annotations
+
+import importlib
 
 import gguf
 import numpy as np
@@ -24,6 +27,7 @@ from tokenmill.models import cpu_decode
 from tokenmill.quantization.base import CPULinearKernel
 from tokenmill.quantization.blocks import dequantize
 from tokenmill.quantization.gguf import GGUF_TYPES
+from tokenmill.utils.cpp_extension import runnable_isas
 
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
 RAW_TYPES = ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
@@ -45,11 +49,28 @@ def test_weights_are_the_gguf_packages_dequantization(type_name):
     assert torch.equal(dequantize(kernel), torch.from_numpy(expected))
 
 
-def expected_product(x: torch.Tensor, kernel: CPULinearKernel,
+@pytest.fixture(params=runnable_isas())
+def ops(request):
+    """Each kernel build this CPU runs (the installed ones): their GGUF kernels differ."""
+    try:
+        return importlib.import_module(f"tokenmill._C.cpu_ops_{request.param}")
+    except ImportError:
+        pytest.skip(f"the {request.param} build is not installed")
+
+
+def build_linear(ops, x: torch.Tensor, kernel: CPULinearKernel,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    kind, group, tensors, int8_acts, input_scale, invariant = kernel.as_args()
+    return ops.linear(x, kind, group, tensors, bias, int8_acts, input_scale, invariant)
+
+
+def expected_product(ops, x: torch.Tensor, kernel: CPULinearKernel,
                      bias: torch.Tensor) -> torch.Tensor:
-    """What the build computes: dequantize(W) times x rounded as gguf_activation_block says
-    (float64, so that only the kernel's own float32 sums differ)."""
-    block = cpu_ops.gguf_activation_block(x.shape[1])
+    """What the build computes: dequantize(W) times x rounded as its activations are (to
+    int16 per 256 values, per 32 where K is not a multiple of 256; exact on the portable
+    build), in float64, so that only the kernel's own float32 sums differ."""
+    k = x.shape[1]
+    block = (256 if k % 256 == 0 else 32) if ops.GGUF_INT16_ACTIVATIONS else None
     xr = x if block is None else round_blocks(x, 32767, block)
     return (xr.double() @ dequantize(kernel).double().T + bias.double()).float()
 
@@ -58,25 +79,47 @@ def expected_product(x: torch.Tensor, kernel: CPULinearKernel,
 @pytest.mark.parametrize("invariant", [True, False])
 @pytest.mark.parametrize("k", [768, 672])
 def test_products_are_the_dequantized_weights_times_the_rounded_activations(
-        type_name, invariant, k):
+        ops, type_name, invariant, k):
     """One kernel per build, so even with batch invariance off a row's result does not depend
-    on M: each row of a product is bitwise that row's product alone, at every M."""
+    on M: each row of a product is bitwise that row's product alone, at every M (1-4 rows
+    decode W as they read it; larger steps decode tiles of it once)."""
     if k % GGUF_TYPES[type_name].weights:
         pytest.skip("K-quant rows are whole 256-weight super-blocks")
-    kernel = kernel_of(type_name, 72, k, seed=1)
+    kernel = kernel_of(type_name, 73, k, seed=1)  # odd N: a last row without its pair
     kernel = CPULinearKernel(kernel.kind, 32, kernel.tensors, batch_invariant=invariant)
-    bias = torch.randn(72)
+    bias = torch.randn(73)
     for m in (1, 2, 3, 4, 5, 13, 70):
         x = torch.randn(m, k) * torch.logspace(-1, 1, k)  # blocks of very different ranges
-        y = cpu_ops.linear(x, kernel, bias)
-        torch.testing.assert_close(y, expected_product(x, kernel, bias), atol=1e-4, rtol=1e-5)
+        y = build_linear(ops, x, kernel, bias)
+        torch.testing.assert_close(y, expected_product(ops, x, kernel, bias), atol=1e-4,
+                                   rtol=1e-5)
         for i in {0, m // 2, m - 1}:
-            assert torch.equal(cpu_ops.linear(x[i:i + 1], kernel, bias)[0], y[i])
-    if cpu_ops.gguf_activation_block(k) is not None:  # the rounding is int16's, not exact
+            assert torch.equal(build_linear(ops, x[i:i + 1], kernel, bias)[0], y[i])
+    if ops.GGUF_INT16_ACTIVATIONS:  # the rounding is int16's, not exact
         w = dequantize(kernel).double()
         exact = x.double() @ w.T
         relative = float((y.double() - bias - exact).norm() / exact.norm())
         assert 1e-7 < relative < 1e-4, relative
+
+
+def test_q6_k_sums_at_their_bound_do_not_overflow(ops):
+    """Q6_K's largest products, x constant (every x16 = +-32767) and every scale -128: W row 0
+    with every q at 0 (weight -32 sc), row 1 at 63 (31 sc). The VNNI kernel's int32 lanes
+    then hold up to 16 * 4096 * 32767, just under 2^31; with q not shifted by its zero point
+    first, row 1's 16 * 63 * 128 * 32767 would wrap."""
+    raw = random_blocks("Q6_K", 3, 512, seed=5)
+    blocks = raw.reshape(3, 2, 210)
+    blocks[0, :, :192] = 0  # q = 0
+    blocks[1, :, :192] = 0xFF  # q = 63
+    blocks[:, :, 192:208] = 0x80  # int8 scales -128
+    kernel = CPULinearKernel(GGUF_TYPES["Q6_K"].kind, 32, (torch.from_numpy(raw),))
+    x = torch.full((2, 512), 0.75)
+    x[1] = -0.75
+    bias = torch.zeros(3)
+    y = build_linear(ops, x, kernel, bias)
+    want = expected_product(ops, x, kernel, bias)
+    assert want[:, :2].abs().min() > 1.0  # far from any wrapped sum's
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)
 
 
 def test_a_merged_layer_of_mixed_types_is_its_parts_side_by_side():

@@ -16,8 +16,9 @@
 //   kind 3-7 GGUF Q5_0, Q5_1, Q4_K, Q5_K, Q6_K as the file stores them:
 //                              tensors = {raw block rows (N, K / QK * block bytes) uint8}
 //                              (linear_gguf.h); at every M, the integer row kernels of
-//                              linear_gguf_rows.h (x rounded to int16) on SIMD builds, the
-//                              dot kernels (exact float32) on the portable one
+//                              linear_gguf_rows.h (x rounded to int16) on AVX2 builds,
+//                              linear_gguf_vnni.h on AVX-512 VNNI ones, the dot kernels
+//                              (exact float32) on the portable one
 //   kind 8-9 dense bfloat16 / float16: tensors = {W (N, K)}, widened to float32 in
 //                              registers by the dot kernels at every M (linear_half.h)
 //   kind 10  dense bfloat16 multiplied in bfloat16: tensors = {W (N, K) bfloat16}; x
@@ -50,6 +51,7 @@
 #include "linear_bf16.h"
 #include "linear_dot.h"
 #include "linear_gguf_rows.h"
+#include "linear_gguf_vnni.h"
 #include "linear_int8_gemm.h"
 #include "linear_rows.h"
 
@@ -234,7 +236,11 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
   }
 #if defined(TOKENMILL_GGUF_ROWS)
   if (path == LinearPath::kGgufRows) {  // x rounded to int16, at every M
+#if defined(TOKENMILL_GGUF_VNNI)  // AVX-512 VNNI: int16 weights, vpdpwssd
+    gguf_vnni::linear(kind, static_cast<const uint8_t*>(t[0].data_ptr()), xp, M, K, N, b, yp);
+#else
     gguf_rows::linear(kind, static_cast<const uint8_t*>(t[0].data_ptr()), xp, M, K, N, b, yp);
+#endif
     return y;
   }
 #endif
