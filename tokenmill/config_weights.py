@@ -107,18 +107,32 @@ def default_weight_dtype(model: ModelConfig, device: str) -> torch.dtype | None:
     return stored
 
 
+def _bf16_matrices(model: ModelConfig, all_of_them: bool) -> bool:
+    """Whether the model's dense weights are bfloat16: a bf16 checkpoint kept in bf16, or a
+    GGUF file served in its own tensors (quantization "gguf") whose non-F32 tensors are all
+    (`all_of_them`) or some BF16."""
+    if model.weight_dtype == torch.bfloat16:
+        return True
+    if model.gguf_file is None or model.quantization != "gguf":
+        return False
+    types = set(gguf_loader.gguf_tensor_types(model.gguf_file).values()) - {"F32"}
+    return types == {"BF16"} if all_of_them else "BF16" in types
+
+
 def resolve_matmul_dtype(asked: str, model: ModelConfig) -> torch.dtype | None:
-    """The dtype a bfloat16 checkpoint's dense weights are multiplied in on CPU
-    (ModelConfig.matmul_dtype): bfloat16 where asked, or by default ("auto") where the CPU has
-    AVX512-BF16 and its kernel build; None (float32 products) otherwise."""
+    """The dtype bfloat16 weights are multiplied in on CPU (ModelConfig.matmul_dtype): a
+    bfloat16 checkpoint's, or a GGUF file's BF16 tensors. bfloat16 where asked, or by default
+    ("auto") where the CPU has AVX512-BF16 and its kernel build and the weights are all
+    bfloat16 (a GGUF of K-quants with a BF16 output tensor keeps float32 products); None
+    (float32 products) otherwise."""
     if asked not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"matmul_dtype must be auto, float32 or bfloat16; got {asked!r}")
-    if asked == "float32" or (asked == "auto" and model.weight_dtype != torch.bfloat16):
+    if asked == "float32" or (asked == "auto" and not _bf16_matrices(model, all_of_them=True)):
         return None
-    if model.weight_dtype != torch.bfloat16:
+    if not _bf16_matrices(model, all_of_them=False):
         raise ValueError("matmul_dtype='bfloat16' multiplies a bfloat16 checkpoint's weights "
-                         "as stored on CPU (dtype='auto'); this model's dense weights are "
-                         f"{model.weight_dtype or model.dtype}")
+                         "(or a GGUF file's BF16 tensors) as stored on CPU (dtype='auto'); "
+                         f"this model's dense weights are {model.weight_dtype or model.dtype}")
     hardware = cpp_extension.has_bf16_instructions()
     if asked == "auto" and not hardware:
         return None

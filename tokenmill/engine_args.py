@@ -72,11 +72,13 @@ class EngineArgs:
         "weights kept in their own dtype), the checkpoint's half precision on GPU", "model",
         choices=("auto", *DTYPES))
     matmul_dtype: str = option(
-        "auto", "CPU, a bfloat16 checkpoint kept as stored (dtype auto): the dtype its products "
-        "are computed in; bfloat16 = activations rounded to bf16, float32 sums (AVX512-BF16, "
+        "auto", "CPU, a bfloat16 checkpoint kept as stored (dtype auto) or a GGUF file's BF16 "
+        "tensors: the dtype their products are computed in; bfloat16 = activations rounded "
+        "to bf16, float32 sums (AVX512-BF16, "
         "~2x the speed of batched steps; emulated elsewhere), with a bfloat16 KV cache under "
         "kv_cache_dtype auto; float32 = the weights widened exactly (float32's results); auto "
-        "= bfloat16 where the CPU has AVX512-BF16, else float32", "model",
+        "= bfloat16 where the CPU has AVX512-BF16 and the weights are all bf16, else float32",
+        "model",
         choices=("auto", "float32", "bfloat16"))
     max_model_len: int | None = option(
         None, "the longest prompt + output in tokens (default: the model's context)", "model")

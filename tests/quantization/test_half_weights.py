@@ -152,6 +152,48 @@ def test_bf16_products_run_every_path_with_a_bf16_cache(bf16_checkpoint, monkeyp
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
 
 
+def test_a_bf16_gguf_file_multiplies_like_its_bf16_checkpoint(bf16_checkpoint, tiny_model,
+                                                               smollm2_path, tmp_path):
+    """A GGUF file of BF16 tensors takes the bf16 products as a bf16 HF checkpoint does (by
+    default where the CPU has AVX512-BF16; asked for, on any CPU): the same bf16 weights (the
+    gguf package and torch round alike), so the same tokens and logprobs, bit for bit. A file
+    with BF16 beside quantized tensors keeps float32 products unless asked; one without BF16
+    refuses them."""
+    from tests.gguf_writer import write_gguf
+    from tokenmill.utils import cpp_extension
+
+    folder, hf = tiny_model("llama")
+    matrices = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                "ffn_down", "token_embd")
+    files = {"bf16": {n: "BF16" for n in matrices}, "mixed": {"ffn_down": "BF16",
+             "attn_q": "Q8_0"}, "q8": {"attn_q": "Q8_0"}}
+    for name, types in files.items():
+        write_gguf("llama", folder, hf, smollm2_path, tmp_path / f"{name}.gguf", types)
+    path = str(tmp_path / "bf16.gguf")
+    hardware = cpp_extension.has_bf16_instructions()
+    assert engine_config(path, device="cpu").model.matmul_dtype == \
+        (torch.bfloat16 if hardware else None)
+    native = LLM(path, matmul_dtype="bfloat16", num_kv_blocks=64)
+    assert native.engine.config.cache.kv_cache_dtype == "bfloat16"
+    mlp = native.engine.runner.model.model.layers[1].mlp
+    assert mlp.down_proj.quant_method.cpu_kernel(mlp.down_proj).kind == \
+        CPULinearKernel.BF16_PRODUCTS
+    prompts = [[1, 504, 3458, 282, 4649, 314], list(range(2000, 2030))]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
+    got = native.generate(prompts, params, use_tqdm=False)
+    want = LLM(bf16_checkpoint, matmul_dtype="bfloat16", num_kv_blocks=64).generate(
+        prompts, params, use_tqdm=False)
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs
+    mixed = str(tmp_path / "mixed.gguf")
+    assert engine_config(mixed, device="cpu").model.matmul_dtype is None
+    assert engine_config(mixed, device="cpu", matmul_dtype="bfloat16").model.matmul_dtype == \
+        torch.bfloat16
+    with pytest.raises(ValueError, match="BF16 tensors"):
+        engine_config(str(tmp_path / "q8.gguf"), device="cpu", matmul_dtype="bfloat16")
+
+
 def _agreement(got: list[int], want: list[int]) -> float:
     return sum(a == b for a, b in zip(got, want, strict=True)) / len(want)
 
@@ -198,5 +240,6 @@ def test_matmul_dtype_is_chosen_by_the_cpu_and_refused_where_it_does_not_apply(
     assert kept.cache.kv_cache_dtype == "int8"  # a cache format asked for is kept
     with pytest.raises(ValueError, match="bfloat16 checkpoint"):
         engine_config(tiny_model("llama")[0], device="cpu", matmul_dtype="bfloat16")
+    # (a GGUF file's BF16 tensors: test_a_bf16_gguf_file_multiplies_like_its_bf16_checkpoint)
     with pytest.raises(ValueError, match="bfloat16 checkpoint"):
         engine_config(bf16_checkpoint, device="cpu", dtype="float32", matmul_dtype="bfloat16")

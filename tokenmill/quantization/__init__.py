@@ -109,7 +109,8 @@ def _gguf(model: ModelConfig, prepack: bool, int8_acts: bool,
 
     assert model.gguf_file is not None
     mapping = getattr(resolve_model_class(model.architecture), "packed_modules_mapping", {})
-    return GGUFConfig(gguf_tensor_types(model.gguf_file), prepack, mapping, int8_acts, inv)
+    return GGUFConfig(gguf_tensor_types(model.gguf_file), prepack, mapping, int8_acts, inv,
+                      model.matmul_dtype)
 
 
 @dataclass(frozen=True)

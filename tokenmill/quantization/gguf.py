@@ -14,9 +14,12 @@ raw rows needs no requantizing.
     Q5_0, Q5_1, Q4_K, Q5_K, Q6_K      raw block rows read in place (csrc/linear_gguf.h),
                                       every weight as gguf dequantizes it; products with x
                                       rounded to int16 per 256 values (SIMD builds,
-                                      csrc/linear_gguf_rows.h), exact on the portable build
+                                      csrc/linear_gguf_rows.h, linear_gguf_vnni.h), exact
+                                      on the portable build
 F32 tensors are served dense, F16 / BF16 ones dense in their own precision (widened to float32
-in registers by the kernels, csrc/linear_half.h). Other types (Q2_K, Q3_K, IQ*) are refused
+in registers by the kernels, csrc/linear_half.h; BF16 ones multiplied in bfloat16 under
+ModelConfig.matmul_dtype, by default on AVX512-BF16 CPUs for a file of BF16 tensors,
+csrc/linear_bf16.h). Other types (Q2_K, Q3_K, IQ*) are refused
 at start-up with the list of supported ones. A merged layer (qkv, gate_up) whose parts have
 different types (Q4_K_M files store some attn_v in Q6_K beside Q4_K q and k) keeps one
 kernel per part (CPULinearKernel.PARTS): the checkpoint's parts arrive padded to the widest
@@ -169,16 +172,18 @@ class GGUFConfig(QuantizationConfig):
 
     def __init__(self, tensor_types: dict[str, str], prepack: bool,
                  packed_modules: dict[str, tuple[str, int | str]],
-                 int8_activations: bool = False, batch_invariant: bool = True) -> None:
+                 int8_activations: bool = False, batch_invariant: bool = True,
+                 matmul_dtype: torch.dtype | None = None) -> None:
         self.int8_activations = int8_activations
         self.batch_invariant = batch_invariant
         # HF parameter name ("model.layers.0.self_attn.q_proj.weight") → GGML type name
         self.tensor_types = tensor_types
-        # F16 / BF16 tensors stay in their half precision (the kernels widen them); F32 dense
+        # F16 / BF16 tensors stay in their half precision (the kernels widen them, or BF16
+        # ones meet bf16 activations: matmul_dtype); F32 dense
         self.dense = {"F32": UnquantizedLinearMethod(prepack, batch_invariant),
                       "F16": UnquantizedLinearMethod(prepack, batch_invariant, torch.float16),
                       "BF16": UnquantizedLinearMethod(prepack, batch_invariant,
-                                                      torch.bfloat16)}
+                                                      torch.bfloat16, matmul_dtype)}
         self.packed_modules = packed_modules
         bad = sorted({t for t in tensor_types.values() if t not in SUPPORTED_TYPES})
         if bad:
