@@ -42,6 +42,10 @@ TINY_MODELS = {
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
                                       sliding_window=None, tie_word_embeddings=False)),
+    # experts of 256 x 256: whole K-quant super-blocks (tests/quantization/test_gguf_experts.py)
+    "mixtral-256": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
+                                          hidden_size=256, intermediate_size=256,
+                                          sliding_window=None, tie_word_embeddings=False)),
     # dense layer 1 (mlp_only_layers), a shared expert, top-k not renormalized
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=48, mlp_only_layers=[1],

@@ -77,10 +77,9 @@ def _block_tensor(writer, name: str, data: np.ndarray,
                   block_type: str | dict[str, str] | None) -> None:
     """A matrix in the GGML block type (token_embd in Q8_0, as llama.cpp's quantizer keeps
     it finer), anything else as float32. A dict names a type per tensor ("attn_v",
-    "token_embd"): the gguf package quantizes Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 from the
-    weights; K-quants are random blocks (random_blocks)."""
+    "token_embd", stacked experts "ffn_gate_exps"): the gguf package quantizes Q4_0 / Q4_1 /
+    Q8_0 / Q5_0 / Q5_1 from the weights; K-quants are random blocks (random_blocks)."""
     import gguf
-    from gguf import quants
 
     if isinstance(block_type, dict):
         parts = name.split(".")
@@ -90,12 +89,19 @@ def _block_tensor(writer, name: str, data: np.ndarray,
     if block_type is None or data.ndim != 2 or data.shape[1] % 32:
         writer.add_tensor(name, data)
         return
-    kind = gguf.GGMLQuantizationType[block_type]
+    writer.add_tensor(name, _raw_blocks(name, data, block_type),
+                      raw_dtype=gguf.GGMLQuantizationType[block_type])
+
+
+def _raw_blocks(name: str, data: np.ndarray, block_type: str, seed: int = 0) -> np.ndarray:
+    """A matrix as raw blocks of `block_type`: quantized by the gguf package, or random blocks
+    for the K-quants (which it cannot quantize)."""
+    import gguf
+    from gguf import quants
+
     if block_type.endswith("_K"):
-        raw = random_blocks(block_type, *data.shape, seed=len(name) + data.shape[0])
-    else:
-        raw = quants.quantize(data, kind)
-    writer.add_tensor(name, raw, raw_dtype=kind)
+        return random_blocks(block_type, *data.shape, seed=len(name) + data.shape[0] + seed)
+    return quants.quantize(data, gguf.GGMLQuantizationType[block_type])
 
 
 def write_gguf(kind: str, folder: str, hf, smollm2_path: str, out: Path,
@@ -144,7 +150,14 @@ def write_gguf(kind: str, folder: str, hf, smollm2_path: str, out: Path,
         else:
             _block_tensor(writer, f"blk.{layer}.{g}.{what}", data, block_type)
     for name, parts in experts.items():  # stacked (E, rows, cols), as llama.cpp stores them
-        writer.add_tensor(name, np.stack([d for _, d in sorted(parts, key=lambda p: p[0])]))
+        ordered = [d for _, d in sorted(parts, key=lambda p: p[0])]
+        expert_type = block_type.get(name.split(".")[2]) if isinstance(block_type, dict) \
+            else None  # ("ffn_gate_exps": a type of their own, else float32)
+        if expert_type is None:
+            writer.add_tensor(name, np.stack(ordered))
+        else:
+            raw = np.stack([_raw_blocks(name, d, expert_type, e) for e, d in enumerate(ordered)])
+            writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[expert_type])
     rope = c.rope_parameters
     if rope.get("rope_type") == "longrope":
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))

@@ -60,8 +60,8 @@ def resolve_quantization(asked: str | None, checkpoint: dict[str, Any] | None,
 def default_quantization(model: ModelConfig, device: str) -> str | None:
     """The format to serve `model` in when none was asked for: "gguf" for a GGUF file of
     block types the kernels read (quantization/gguf.py SUPPORTED_TYPES) or of F16 / BF16
-    tensors (kept in their half precision), in float32 on a CPU with the C++ kernels, for a
-    model without experts (their GGUF blocks have no loader yet); else the checkpoint's own
+    tensors (kept in their half precision), in float32 on a CPU with the C++ kernels (an
+    MoE's expert blocks too: quantization/gguf_experts.py); else the checkpoint's own
     (model.quantization: None, or an AWQ / GPTQ checkpoint's method).
 
     The blocks are what llama.cpp users expect: the file's own numbers at its own size (the
@@ -69,11 +69,9 @@ def default_quantization(model: ModelConfig, device: str) -> str | None:
     kernels multiply exactly the dequantized weights, so greedy output equals the float32
     expansion's (tests/quantization/test_gguf_native.py). A file holding a type outside the
     table is expanded, with a log line naming the type."""
-    hf = model.hf_config
-    experts = getattr(hf, "num_local_experts", 0) or getattr(hf, "num_experts", 0)
     if (model.quantization is not None or model.gguf_file is None or model.load_format != "auto"
             or not device.startswith("cpu") or model.dtype != torch.float32
-            or not cpp_extension.kernels_enabled() or experts):
+            or not cpp_extension.kernels_enabled()):
         return model.quantization
     types = set(gguf_loader.gguf_tensor_types(model.gguf_file).values())
     if types <= {"F32"}:

@@ -116,14 +116,8 @@ def test_quantized_mixtral_top1_agrees_with_float32(tiny_model):
 
 
 def test_unsupported_expert_quantization_is_refused(tiny_model, tmp_path):
-    """A format whose experts would need their own checkpoint loaders (a GGUF served in its
-    blocks) is refused by name, never left float silently; experts whose width 32 does not
-    divide are refused too."""
-    from tokenmill.quantization.gguf import GGUFConfig
-    from tokenmill.quantization.moe import moe_quant_method
-
-    with pytest.raises(ValueError, match="quantization='gguf' is not supported for MoE"):
-        moe_quant_method(GGUFConfig({}, False, {}, False), "m.experts")
+    """Experts whose width 32 does not divide are refused by name, never left float silently
+    (a GGUF file's expert blocks: tests/quantization/test_gguf_experts.py)."""
     path, _ = tiny_model("qwen2_moe")  # experts 48 wide
     with pytest.raises(ValueError, match="divisible by 32; this model's experts have 48"):
         LLM(path, quantization="int8")

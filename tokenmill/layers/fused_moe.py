@@ -123,8 +123,11 @@ class FusedMoE(nn.Module):
             param.weight_loader = self.weight_loader
             param.expected_shards = [(e, n) for e in range(num_experts) for n in names]
         self.act = SiluAndMul()
-        # quantized experts: the loader calls its process_weights_after_loading
+        # quantized experts: the loader calls its process_weights_after_loading; a format
+        # stored in blocks (GGUF) replaces w13 / w2 by its own parameters
         self.quant_method = moe_quant_method(quant_config, prefix)
+        if hasattr(self.quant_method, "create_weights"):
+            self.quant_method.create_weights(self)
         self.batch_invariant = quant_config is None or quant_config.batch_invariant
 
     @torch.no_grad()
@@ -183,9 +186,10 @@ _EXPERT_MATRIX = {"w1": "w1", "w3": "w3", "w2": "w2",
 
 
 def map_expert_weight(name: str, block: str) -> tuple[str, tuple[int, str]] | None:
-    """A checkpoint tensor `{layer}.{block}.experts.{e}.{matrix}.weight` → (our stacked
-    parameter `{layer}.mlp.experts.w13 | w2`, (e, w1 | w3 | w2)); None for any other name."""
-    m = re.match(rf"(.*)\.{re.escape(block)}\.experts\.(\d+)\.(\w+)\.weight$", name)
+    """A checkpoint tensor `{layer}.{block}.experts.{e}.{matrix}.weight` (or `.qweight`: a GGUF
+    file's raw blocks) → (our stacked parameter `{layer}.mlp.experts.w13 | w2`, (e, w1 | w3 |
+    w2)); None for any other name."""
+    m = re.match(rf"(.*)\.{re.escape(block)}\.experts\.(\d+)\.(\w+)\.q?weight$", name)
     if m is None or m[3] not in _EXPERT_MATRIX:
         return None
     shard = _EXPERT_MATRIX[m[3]]

@@ -157,12 +157,19 @@ class GGUFBlockMethod(LinearMethodBase):
         if first is None or not first.is_cpu:
             return None
         parts = [self._part_kernel(layer, p, n) for p, (n, _) in enumerate(layer.gguf_parts)]
-        if len(parts) == 1:
-            return parts[0]
-        meta = torch.tensor([[k.kind, k.group, len(k.tensors)] for k in parts])
-        return CPULinearKernel(CPULinearKernel.PARTS, 0,
-                               (meta, *(t for k in parts for t in k.tensors)),
-                               self.int8_activations, None, self.batch_invariant)
+        return merged_kernel(parts, self.int8_activations, self.batch_invariant)
+
+
+def merged_kernel(parts: list[CPULinearKernel], int8_activations: bool = False,
+                  batch_invariant: bool = True) -> CPULinearKernel:
+    """One kernel for a layer whose row ranges are `parts` (outputs side by side): the part
+    itself when there is one, else CPULinearKernel.PARTS."""
+    if len(parts) == 1:
+        return parts[0]
+    meta = torch.tensor([[k.kind, k.group, len(k.tensors)] for k in parts])
+    return CPULinearKernel(CPULinearKernel.PARTS, 0,
+                           (meta, *(t for k in parts for t in k.tensors)),
+                           int8_activations, None, batch_invariant)
 
 
 class GGUFConfig(QuantizationConfig):
@@ -231,8 +238,8 @@ class GGUFConfig(QuantizationConfig):
     def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Raw rows of one part of a merged layer whose parts differ in type, zero-padded to
         the widest part's row (GGUFBlockMethod cuts each part back after loading)."""
-        if not name.endswith(".qweight") or tensor.dtype != torch.uint8:
-            return tensor
+        if not name.endswith(".qweight") or tensor.dtype != torch.uint8 or ".experts." in name:
+            return tensor  # (experts: gguf_experts.py pads gate / up itself)
         weight = name[:-len("qweight")] + "weight"
         parent = weight.rpartition(".")[0]
         module = parent.rpartition(".")[2]

@@ -5,8 +5,9 @@ as every quantized linear layer (its CPULinearKernel per expert and matrix).
 
 The checkpoint fills the float stacked weights as for an unquantized model (same loaders, same
 tensor-parallel split); `process_weights_after_loading` quantizes each expert's matrices and
-drops the floats. Formats whose checkpoint already holds blocks (gguf, awq, gptq) are refused
-for experts by name: their expert tensors would need loaders of their own.
+drops the floats. A GGUF file's expert blocks are served as stored (quantization/
+gguf_experts.py); AWQ / GPTQ experts are refused by name: their expert tensors would need
+loaders of their own.
 
 Agreement with float32 is measured in tests/models/test_moe.py (the layer's relative error,
 the model's greedy tokens).
@@ -14,11 +15,15 @@ the model's greedy tokens).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from tokenmill.quantization.base import CPULinearKernel, QuantizationConfig, replace_param
 from tokenmill.quantization.blocks import quantize_q4, quantize_q8_0
+from tokenmill.quantization.gguf import BLOCK_TYPES
+from tokenmill.quantization.gguf_experts import GGUFExpertsMethod, expert_types
 from tokenmill.quantization.load_time import INT4_GROUP, LoadTimeQuantMethod
 
 
@@ -64,11 +69,30 @@ class MoEQuantMethod:
                                self.int8_activations, batch_invariant=self.batch_invariant)
 
 
-def moe_quant_method(quant: QuantizationConfig | None, prefix: str) -> MoEQuantMethod | None:
+def gguf_experts_method(quant: Any, prefix: str) -> GGUFExpertsMethod | None:
+    """A GGUF file's experts at `prefix` in their blocks; None where the file stores them as
+    float tensors (F32 / F16 / BF16: loaded as float32, as an unquantized model's)."""
+    types = expert_types(quant.tensor_types, prefix)
+    blocks = [t for t in types.values() if t in BLOCK_TYPES]
+    if not blocks:
+        return None
+    if len(blocks) < len(types):
+        raise ValueError(f"{prefix} mixes float and block GGUF expert tensors ({types}); pass "
+                         "quantization='none' to serve the file in float32")
+    if quant.int8_activations:
+        raise ValueError("int8_activations is not implemented for GGUF expert weights; "
+                         "leave it off")
+    return GGUFExpertsMethod(types, quant.batch_invariant)
+
+
+def moe_quant_method(quant: QuantizationConfig | None,
+                     prefix: str) -> MoEQuantMethod | GGUFExpertsMethod | None:
     """The experts' method under the model's quantization (None: float weights);
     ValueError for a format whose expert weights are not supported."""
     if quant is None or quant.name == "none":
         return None
+    if quant.name == "gguf":  # the file's own expert blocks, or None: float tensors
+        return gguf_experts_method(quant, prefix)
     method = quant.linear_method(prefix) if quant.name in ("int8", "int4") else None
     if not isinstance(method, LoadTimeQuantMethod):
         raise ValueError(f"quantization={quant.name!r} is not supported for MoE expert "
