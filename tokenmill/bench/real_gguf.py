@@ -1,6 +1,7 @@
-"""GGUF files of real model shapes (Llama-3.2-1B, Llama-3.1-8B) with random weights, served
-by tokenmill and, where llama-cpp-python is installed, by llama.cpp on the same files: load
-time, peak RSS, time to first token, single-stream decode and batch-16 throughput.
+"""GGUF files of real model shapes (Llama-3.2-1B, Llama-3.1-8B, and "moe": OLMoE-1B-7B's
+sizes, 64 experts of 1024 with 8 used, in llama.cpp's Mixtral layout) with random weights,
+served by tokenmill and, where llama-cpp-python is installed, by llama.cpp on the same files:
+load time, peak RSS, time to first token, single-stream decode and batch-16 throughput.
 
 How the files are made (cached under $TOKENMILL_CACHE_DIR/bench, printed):
 - with llama-cpp-python: an F16 file written with `gguf` (N(0, 0.02) weights), quantized to
@@ -29,10 +30,12 @@ import numpy as np
 
 from tokenmill.bench.machine import describe_machine, process_memory_mib
 
-SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab, tied
+SHAPES = {  # hidden, layers, heads, kv heads, intermediate (MoE: per expert), vocab, tied
     "1b": (2048, 16, 32, 8, 8192, 128256, True),
     "8b": (4096, 32, 32, 8, 14336, 128256, False),
+    "moe": (2048, 16, 16, 16, 1024, 50304, False),
 }
+EXPERTS = {"moe": (64, 8)}  # experts, used per token
 
 
 # Where the fp16 scales of each block type sit, and a scale that gives weights of about
@@ -71,9 +74,17 @@ def _tensor_plan(shape: str) -> list[tuple[str, tuple[int, int]]]:
         plan += [(f"blk.{i}.attn_q.weight", (h, h)), (f"blk.{i}.attn_k.weight", (kv * d, h)),
                  (f"blk.{i}.attn_v.weight", (kv * d, h)),
                  (f"blk.{i}.attn_output.weight", (h, h)),
-                 (f"blk.{i}.ffn_gate.weight", (inter, h)), (f"blk.{i}.ffn_up.weight", (inter, h)),
-                 (f"blk.{i}.ffn_down.weight", (h, inter)),
                  (f"blk.{i}.attn_norm.weight", (h,)), (f"blk.{i}.ffn_norm.weight", (h,))]
+        if shape in EXPERTS:  # stacked (E, rows, cols), the router beside them
+            e = EXPERTS[shape][0]
+            plan += [(f"blk.{i}.ffn_gate_inp.weight", (e, h)),
+                     (f"blk.{i}.ffn_gate_exps.weight", (e, inter, h)),
+                     (f"blk.{i}.ffn_up_exps.weight", (e, inter, h)),
+                     (f"blk.{i}.ffn_down_exps.weight", (e, h, inter))]
+        else:
+            plan += [(f"blk.{i}.ffn_gate.weight", (inter, h)),
+                     (f"blk.{i}.ffn_up.weight", (inter, h)),
+                     (f"blk.{i}.ffn_down.weight", (h, inter))]
     plan.append(("output_norm.weight", (h,)))
     if not tied:
         plan.append(("output.weight", (vocab, h)))
@@ -83,7 +94,7 @@ def _tensor_plan(shape: str) -> list[tuple[str, tuple[int, int]]]:
 def _q4_k_m_type(name: str, layers: int) -> str:
     if name == "output.weight":
         return "Q6_K"
-    if ".attn_v." in name or ".ffn_down." in name:
+    if ".attn_v." in name or ".ffn_down" in name:
         return "Q6_K" if _more_bits(int(name.split(".")[1]), layers) else "Q4_K"
     return "Q4_K"
 
@@ -101,6 +112,9 @@ def _writer(path: Path, shape: str):
                        ("attention.head_count", heads), ("attention.head_count_kv", kv),
                        ("rope.dimension_count", h // heads), ("vocab_size", vocab)):
         w.add_uint32(f"llama.{key}", value)
+    if shape in EXPERTS:
+        w.add_uint32("llama.expert_count", EXPERTS[shape][0])
+        w.add_uint32("llama.expert_used_count", EXPERTS[shape][1])
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_float32("llama.rope.freq_base", 500000.0)
     for name, field in gguf_reader(default_model_path()).fields.items():
@@ -130,7 +144,9 @@ def _write(path: Path, shape: str, kind: str) -> None:
             continue
         if kind == "Q4_K_M":
             t = _q4_k_m_type(name, layers)
-            w.add_tensor(name, random_blocks(t, *dims, seed=len(name)),
+            raw = np.stack([random_blocks(t, *dims[-2:], seed=len(name) + e)
+                            for e in range(dims[0] if len(dims) == 3 else 1)])
+            w.add_tensor(name, raw if len(dims) == 3 else raw[0],
                          raw_dtype=gguf.GGMLQuantizationType[t])
             continue
         data = (rng.standard_normal(dims, np.float32) * 0.02)

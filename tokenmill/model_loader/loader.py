@@ -112,6 +112,7 @@ def load_model(config: ModelConfig, device: torch.device, tp: ParallelState = Pa
                 param.data.copy_(tensor)
         loaded.add(target if shard is None else f"{target}:{shard}")
     _check_complete(model, params, mapping, loaded)
+    del params  # the loaded parameters, so that what processing replaces is freed at once
     return _process_weights(model).eval()
 
 

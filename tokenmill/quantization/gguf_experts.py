@@ -107,13 +107,26 @@ class GGUFExpertsMethod:
             for p, (shard, row, rows, k) in enumerate(self._parts(name, hidden, inter)):
                 type_name = self.types[shard]
                 cut = raw[:, row:row + rows, :GGUF_TYPES[type_name].row_bytes(k)]
+                if GGUF_TYPES[type_name].split is None and cut.is_contiguous():
+                    replace_param(layer, f"{name}_p{p}_0", cut)  # the loaded bytes, no copy
+                    continue
                 per_expert = [kernel_tensors(cut[e], type_name) for e in range(cut.shape[0])]
                 for i in range(len(per_expert[0])):
                     stacked = torch.stack([t[i] for t in per_expert]).contiguous()
                     replace_param(layer, f"{name}_p{p}_{i}", stacked)
 
     def kernel(self, layer: nn.Module, name: str, e: int) -> CPULinearKernel:
-        """Expert e's `name` (w13 | w2) matrix as the C++ linear op reads it."""
+        """Expert e's `name` (w13 | w2) matrix as the C++ linear op reads it: built once (a
+        decode step asks for 2 top_k of them per layer), again if the parameters moved (huge
+        pages, a device)."""
+        kernels = layer.__dict__.setdefault("gguf_kernels", {})
+        where = getattr(layer, f"{name}_p0_0").data_ptr()
+        cached = kernels.get((name, e))
+        if cached is None or cached[0] != where:
+            kernels[name, e] = cached = (where, self._kernel(layer, name, e))
+        return cached[1]
+
+    def _kernel(self, layer: nn.Module, name: str, e: int) -> CPULinearKernel:
         parts = []
         for p, (shard, *_) in enumerate(self._parts(name, *layer.gguf_sizes)):
             tensors = []
