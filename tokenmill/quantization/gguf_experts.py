@@ -71,7 +71,8 @@ class GGUFExpertsMethod:
                   "w2": (E, hidden, GGUF_TYPES[self.types["w2"]].row_bytes(inter))}
         for name, shape in shapes.items():
             shards = getattr(layer, name).expected_shards
-            param = nn.Parameter(torch.zeros(shape, dtype=torch.uint8), requires_grad=False)
+            # (empty: a narrower part's padding is never read)
+            param = nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
             param.weight_loader, param.expected_shards = self.weight_loader, shards
             replace_param(layer, name, None)
             layer.register_parameter(name, param)
@@ -86,6 +87,10 @@ class GGUFExpertsMethod:
             raise ValueError(f"expert {e} {name}: expected GGUF block rows, got {tensor.dtype}")
         rows = tensor.shape[0]
         first = rows if name == "w3" else 0
+        expected = param.shape[1] // (1 if name == "w2" else 2)
+        if rows != expected or tensor.shape[1] > param.shape[2]:
+            raise ValueError(f"expert {e} {name}: {tuple(tensor.shape)} block rows do not fit "
+                             f"this layer's ({expected}, <= {param.shape[2]} bytes)")
         param.data[e, first:first + rows, :tensor.shape[1]].copy_(tensor)
 
     def _parts(self, name: str, hidden: int, inter: int) -> list[tuple[str, int, int, int]]:
