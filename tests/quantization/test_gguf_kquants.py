@@ -88,7 +88,7 @@ def test_products_are_the_dequantized_weights_times_the_rounded_activations(
     kernel = kernel_of(type_name, 73, k, seed=1)  # odd N: a last row without its pair
     kernel = CPULinearKernel(kernel.kind, 32, kernel.tensors, batch_invariant=invariant)
     bias = torch.randn(73)
-    for m in (1, 2, 3, 4, 5, 13, 70):
+    for m in (1, 2, 3, 4, 5, 8, 9, 13, 70):  # raw rows up to 8, tiles above
         x = torch.randn(m, k) * torch.logspace(-1, 1, k)  # blocks of very different ranges
         y = build_linear(ops, x, kernel, bias)
         torch.testing.assert_close(y, expected_product(ops, x, kernel, bias), atol=1e-4,

@@ -4,10 +4,10 @@
 // at 4-128 rows they ran ~96 G products/s on two Zen 5 cores, about a third of llama.cpp's
 // prompt rate on the same file. Here each weight is widened once to int16 (a K-quant's
 // sub-block scale folded in), and one vpdpwssd multiplies 32 weights by 32 int16 activations
-// into 16 int32 lanes: ~2.2x at 16-128 rows, where vpdpwssd's own throughput (one a cycle per
-// Zen 5 core) is the bound (benchmarks/gguf_kernels.py). A decode step (<= 4 rows of x: W
-// read once) decodes each block in registers as it reads it; larger steps decode a tile of W
-// rows once for every row of x.
+// into 16 int32 lanes: 1.6-2x at 16-128 rows, where vpdpwssd's own throughput (one a cycle
+// per Zen 5 core) is the bound (benchmarks/gguf_kernels.py). A step of up to 8 rows of x (a
+// decode step: W read once) decodes each block in registers as it reads it; larger steps
+// decode a tile of W rows once for every row of x.
 //
 //   x16 = round-half-even(x / dx), dx = amax / 32767 per XB values of x (XB = 256 where K
 //   allows, else 32: the rounding of linear_gguf_rows.h and of gguf_activation_block), S32
@@ -320,40 +320,66 @@ static TM_GGUF_INLINE void products(const Int16Rows& x, int64_t x0, const Weight
     for (int c = 0; c < C; ++c) out[r][c] = _mm512_reduce_add_ps(facc[r][c]);
 }
 
-// Rows [x0, x0 + R) of x times W rows [n0, n1) into y: a decoded tile (tile != nullptr, its
-// row 0 being W row n0) two rows at a time, or the raw rows one at a time.
-template <int64_t KIND, int G, int R>
+// Rows [x0, x0 + R) of x times W rows [n0, n1) into y: the raw rows one at a time (RAW), or a
+// decoded tile (row 0 being W row n0) two rows at a time.
+template <int64_t KIND, int G, int R, bool RAW>
 static void rows_times(const Int16Rows& x, int64_t x0, const DecodedRows* tile,
                        const uint8_t* W, int64_t row_bytes, int64_t n0, int64_t n1, int64_t K,
                        int64_t N, const float* bias, float* y) {
   auto put = [&](int64_t n, int r, float v) { y[(x0 + r) * N + n] = v + (bias ? bias[n] : 0.f); };
   int64_t n = n0;
-  for (; tile && n + 2 <= n1; n += 2) {
+  for (; !RAW && n + 2 <= n1; n += 2) {
     float out[R][2];
     products<KIND, G, R, 2, false>(x, x0, {tile, n - n0, nullptr}, out);
     for (int r = 0; r < R; ++r) put(n, r, out[r][0]), put(n + 1, r, out[r][1]);
   }
   for (; n < n1; ++n) {
     float out[R][1];
-    if (tile) products<KIND, G, R, 1, false>(x, x0, {tile, n - n0, nullptr}, out);
-    else products<KIND, G, R, 1, true>(x, x0, {nullptr, 0, W + n * row_bytes}, out);
+    if constexpr (RAW) products<KIND, G, R, 1, true>(x, x0, {nullptr, 0, W + n * row_bytes}, out);
+    else products<KIND, G, R, 1, false>(x, x0, {tile, n - n0, nullptr}, out);
     for (int r = 0; r < R; ++r) put(n, r, out[r][0]);
   }
 }
 
-// Rows of x per products call: 4 x 2 outputs keep 8 int32 and 8 float32 accumulators in
-// registers.
-constexpr int64_t kRowsX = 4;
+// Rows of x per products call: a tile's 4 x 2 outputs keep 8 int32 and 8 float32 accumulators
+// in registers; raw rows (one W row, its group decoded in 8 registers) take up to 8 rows of x,
+// so that a step of up to 8 rows reads and decodes W once.
+constexpr int64_t kTileRowsX = 4, kRawRowsX = 8;
+
+// Rows [m, m + R) of x, R <= RAW ? 8 : 4 (a switch over the templates).
+template <int64_t KIND, int G, bool RAW>
+static void rows_times_any(int64_t R, const Int16Rows& x, int64_t m, const DecodedRows* tile,
+                           const uint8_t* W, int64_t row_bytes, int64_t n0, int64_t n1,
+                           int64_t K, int64_t N, const float* bias, float* y) {
+#define TM_ROWS(r) \
+  return rows_times<KIND, G, r, RAW>(x, m, tile, W, row_bytes, n0, n1, K, N, bias, y)
+  switch (R) {
+    case 1: TM_ROWS(1);
+    case 2: TM_ROWS(2);
+    case 3: TM_ROWS(3);
+    case 4: TM_ROWS(4);
+  }
+  if constexpr (RAW) {
+    switch (R) {
+      case 5: TM_ROWS(5);
+      case 6: TM_ROWS(6);
+      case 7: TM_ROWS(7);
+      case 8: TM_ROWS(8);
+    }
+  }
+#undef TM_ROWS
+  TORCH_CHECK(false, "gguf_vnni: no kernel for ", R, " rows");
+}
 
 // y (M, N) = x @ W^T (+ bias) for a GGUF block kind's raw rows W (N, row_bytes), x (M, K)
-// float32. A decode step (M <= 4: W read once) multiplies each raw row as it decodes it;
-// larger steps decode a tile of W rows once (as many as fit ~128 KB of int16, kept in L2)
+// float32. A step of up to 8 rows (decode: W read once) multiplies each raw row as it decodes
+// it; larger steps decode a tile of W rows once (as many as fit ~128 KB of int16, kept in L2)
 // for every group of 4 rows of x. Threads take contiguous ranges of tiles.
 template <int64_t KIND, int G>
 static void linear_kind(const Int16Rows& x, const uint8_t* W, int64_t M, int64_t K, int64_t N,
                         const float* bias, float* y) {
   const int64_t row_bytes = gguf_blocks::row_bytes(KIND, K);
-  const bool stream = M <= kRowsX;
+  const bool stream = M <= kRawRowsX;
   const int64_t tile = stream ? 8 : std::clamp<int64_t>((65536 / K) & ~int64_t{1}, 2, 16);
   const int64_t tiles = (N + tile - 1) / tile;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
@@ -361,16 +387,14 @@ static void linear_kind(const Int16Rows& x, const uint8_t* W, int64_t M, int64_t
     DecodedRows w;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
-      if (!stream) decode_rows<KIND, G>(W, row_bytes, K, n0, n1, w);
-      const DecodedRows* dec = stream ? nullptr : &w;
-      for (int64_t m = 0; m < M; m += kRowsX) {
-        switch (std::min(kRowsX, M - m)) {
-          case 1: rows_times<KIND, G, 1>(x, m, dec, W, row_bytes, n0, n1, K, N, bias, y); break;
-          case 2: rows_times<KIND, G, 2>(x, m, dec, W, row_bytes, n0, n1, K, N, bias, y); break;
-          case 3: rows_times<KIND, G, 3>(x, m, dec, W, row_bytes, n0, n1, K, N, bias, y); break;
-          default: rows_times<KIND, G, 4>(x, m, dec, W, row_bytes, n0, n1, K, N, bias, y);
-        }
+      if (stream) {
+        rows_times_any<KIND, G, true>(M, x, 0, nullptr, W, row_bytes, n0, n1, K, N, bias, y);
+        continue;
       }
+      decode_rows<KIND, G>(W, row_bytes, K, n0, n1, w);
+      for (int64_t m = 0; m < M; m += kTileRowsX)
+        rows_times_any<KIND, G, false>(std::min(kTileRowsX, M - m), x, m, &w, W, row_bytes, n0,
+                                       n1, K, N, bias, y);
     }
   });
 }
