@@ -17,6 +17,7 @@ side in the same run (the AVX2 kernels run on an AVX-512 CPU too).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 import sys
@@ -63,7 +64,8 @@ def main() -> None:
           f"{plain.numel() * 4 / read / 1e9:.1f} GB/s")
     builds = {b: importlib.import_module(f"tokenmill._C.cpu_ops_{b}")
               for b in args.builds.split(",") if b}
-    linears = {b: _build_linear(module) for b, module in builds.items()} or {"": cpu_ops.linear}
+    linears = {b: functools.partial(cpu_ops.linear, build=module)
+               for b, module in builds.items()} or {"": cpu_ops.linear}
     print(f"layer {n} x {k}; ms per layer (GB/s of its weight)")
     columns = [(t, b) for t in types for b in linears]
     print(f"{'rows':>5}" + "".join(f"{f'{t} {b}'.strip():>18}" for t, b in columns))
@@ -77,14 +79,6 @@ def main() -> None:
             per_layer = seconds[t, b] / args.copies
             cells.append(f"{per_layer * 1e3:.3f} ({nbytes[t] / per_layer / 1e9:.1f})")
         print(f"{m:>5}" + "".join(f"{c:>18}" for c in cells))
-
-
-def _build_linear(module):
-    """cpu_ops.linear through one installed kernel build."""
-    def linear(x: torch.Tensor, kernel: CPULinearKernel) -> torch.Tensor:
-        kind, group, tensors, int8_acts, input_scale, invariant = kernel.as_args()
-        return module.linear(x, kind, group, tensors, None, int8_acts, input_scale, invariant)
-    return linear
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def default_quantization(model: ModelConfig, device: str) -> str | None:
             or not device.startswith("cpu") or model.dtype != torch.float32
             or not cpp_extension.kernels_enabled()):
         return model.quantization
-    types = set(gguf_loader.gguf_tensor_types(model.gguf_file).values())
+    types = _gguf_types(model)
     if types <= {"F32"}:
         return None  # a float32 file: nothing to keep in its own form
     if not types <= set(SUPPORTED_TYPES):
@@ -113,8 +113,14 @@ def _bf16_matrices(model: ModelConfig, all_of_them: bool) -> bool:
         return True
     if model.gguf_file is None or model.quantization != "gguf":
         return False
-    types = set(gguf_loader.gguf_tensor_types(model.gguf_file).values()) - {"F32"}
+    types = _gguf_types(model) - {"F32"}
     return types == {"BF16"} if all_of_them else "BF16" in types
+
+
+def _gguf_types(model: ModelConfig) -> set[str]:
+    """The GGML types of the model's GGUF file's tensors."""
+    assert model.gguf_file is not None
+    return set(gguf_loader.gguf_tensor_types(model.gguf_file).values())
 
 
 def resolve_matmul_dtype(asked: str, model: ModelConfig) -> torch.dtype | None:

@@ -58,19 +58,12 @@ def ops(request):
         pytest.skip(f"the {request.param} build is not installed")
 
 
-def build_linear(ops, x: torch.Tensor, kernel: CPULinearKernel,
-                 bias: torch.Tensor | None) -> torch.Tensor:
-    kind, group, tensors, int8_acts, input_scale, invariant = kernel.as_args()
-    return ops.linear(x, kind, group, tensors, bias, int8_acts, input_scale, invariant)
-
-
 def expected_product(ops, x: torch.Tensor, kernel: CPULinearKernel,
                      bias: torch.Tensor) -> torch.Tensor:
     """What the build computes: dequantize(W) times x rounded as its activations are (to
     int16 per 256 values, per 32 where K is not a multiple of 256; exact on the portable
     build), in float64, so that only the kernel's own float32 sums differ."""
-    k = x.shape[1]
-    block = (256 if k % 256 == 0 else 32) if ops.GGUF_INT16_ACTIVATIONS else None
+    block = cpu_ops.gguf_activation_block(x.shape[1], ops)
     xr = x if block is None else round_blocks(x, 32767, block)
     return (xr.double() @ dequantize(kernel).double().T + bias.double()).float()
 
@@ -90,12 +83,12 @@ def test_products_are_the_dequantized_weights_times_the_rounded_activations(
     bias = torch.randn(73)
     for m in (1, 2, 3, 4, 5, 8, 9, 13, 70):  # raw rows up to 8, tiles above
         x = torch.randn(m, k) * torch.logspace(-1, 1, k)  # blocks of very different ranges
-        y = build_linear(ops, x, kernel, bias)
+        y = cpu_ops.linear(x, kernel, bias, ops)
         torch.testing.assert_close(y, expected_product(ops, x, kernel, bias), atol=1e-4,
                                    rtol=1e-5)
         for i in {0, m // 2, m - 1}:
-            assert torch.equal(build_linear(ops, x[i:i + 1], kernel, bias)[0], y[i])
-    if ops.GGUF_INT16_ACTIVATIONS:  # the rounding is int16's, not exact
+            assert torch.equal(cpu_ops.linear(x[i:i + 1], kernel, bias, ops)[0], y[i])
+    if cpu_ops.gguf_activation_block(k, ops) is not None:  # int16's rounding, not exact
         w = dequantize(kernel).double()
         exact = x.double() @ w.T
         relative = float((y.double() - bias - exact).norm() / exact.norm())
@@ -116,7 +109,7 @@ def test_q6_k_sums_at_their_bound_do_not_overflow(ops):
     x = torch.full((2, 512), 0.75)
     x[1] = -0.75
     bias = torch.zeros(3)
-    y = build_linear(ops, x, kernel, bias)
+    y = cpu_ops.linear(x, kernel, bias, ops)
     want = expected_product(ops, x, kernel, bias)
     assert want[:, :2].abs().min() > 1.0  # far from any wrapped sum's
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)

@@ -84,12 +84,10 @@ struct Group {
 };
 
 // vpshufb control: int16 lane a (of a 128-bit lane) into every int16 of 128-bit lanes 0, 1,
-// lane b into lanes 2, 3.
+// lane b into lanes 2, 3 (linear_gguf_rows.h's 256-bit control, twice).
 static TM_GGUF_INLINE __m512i lane_spread(int a, int b) {
-  const __m128i la = _mm_set1_epi16(static_cast<int16_t>((2 * a) | ((2 * a + 1) << 8)));
-  const __m128i lb = _mm_set1_epi16(static_cast<int16_t>((2 * b) | ((2 * b + 1) << 8)));
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(la, la)),
-                            _mm256_set_m128i(lb, lb), 1);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(gguf_rows::lane_spread(a, a)),
+                            gguf_rows::lane_spread(b, b), 1);
 }
 
 // The K-quant super-block at p.

@@ -38,20 +38,25 @@ def fused(x: torch.Tensor) -> bool:
     return x.dtype is torch.float32 and x.is_cpu and _ops() is not None
 
 
-def linear(x: torch.Tensor, kernel: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, kernel: Any, bias: torch.Tensor | None = None,
+           build: Any = None) -> torch.Tensor:
     """x (M, K) @ W^T + bias → (M, N) for a weight described by `kernel` (a
     quantization.CPULinearKernel: dense float32, Q8_0 or 4-bit blocks; csrc/linear_cpu.h).
-    A batch-invariant kernel sums every row in an order that does not depend on M."""
+    A batch-invariant kernel sums every row in an order that does not depend on M. `build`:
+    another installed kernel build's module (tokenmill._C.cpu_ops_<isa>; tests, benchmarks)
+    instead of the one this CPU runs."""
     with scope("tokenmill::linear"):  # a GEMM in benchmarks/profile_step.py
         kind, group, tensors, int8_acts, input_scale, invariant = kernel.as_args()
-        return _ops().linear(x, kind, group, tensors, bias, int8_acts, input_scale, invariant)
+        return (build or _ops()).linear(x, kind, group, tensors, bias, int8_acts, input_scale,
+                                        invariant)
 
 
-def gguf_activation_block(k: int) -> int | None:
+def gguf_activation_block(k: int, build: Any = None) -> int | None:
     """How the GGUF block kinds (Q5_0 .. Q6_K) take float activations with K inputs: rounded
     to int16 per this many values (256 where K allows, else 32; csrc/linear_gguf_rows.h, the
-    SIMD builds), or None where they multiply them exactly (the portable build)."""
-    if not _ops().GGUF_INT16_ACTIVATIONS:
+    SIMD builds), or None where they multiply them exactly (the portable build). `build`: as
+    for linear."""
+    if not (build or _ops()).GGUF_INT16_ACTIVATIONS:
         return None
     return 256 if k % 256 == 0 else 32
 

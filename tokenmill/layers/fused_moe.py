@@ -27,7 +27,6 @@ its experts serve in the step, and its experts' outputs are added in expert orde
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 import torch
@@ -129,6 +128,7 @@ class FusedMoE(nn.Module):
         if hasattr(self.quant_method, "create_weights"):
             self.quant_method.create_weights(self)
         self.batch_invariant = quant_config is None or quant_config.batch_invariant
+        self._kernels: dict[tuple[str, int], tuple[int, CPULinearKernel]] = {}
 
     @torch.no_grad()
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor,
@@ -161,11 +161,21 @@ class FusedMoE(nn.Module):
 
     def _product(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
-            return cpu_ops.linear(x, self.quant_method.kernel(self, name, e))
+            return cpu_ops.linear(x, self._kernel(name, e))
         w = getattr(self, name)[e]
         if self.batch_invariant and cpu_ops.fused(x):
             return cpu_ops.linear(x, CPULinearKernel(CPULinearKernel.DENSE, 0, (w,)))
         return F.linear(x, w)
+
+    def _kernel(self, name: str, e: int) -> CPULinearKernel:
+        """The quantized experts' kernel of expert e's `name` (w13 | w2) matrix, built once (a
+        decode step asks for 2 top_k of them per layer) and again if the parameters moved
+        (huge pages, a device)."""
+        where = next(self.parameters()).data_ptr()
+        cached = self._kernels.get((name, e))
+        if cached is None or cached[0] != where:
+            cached = self._kernels[name, e] = (where, self.quant_method.kernel(self, name, e))
+        return cached[1]
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x (T, H), router_logits (T, E) → (T, H), summed over tensor-parallel ranks."""
@@ -177,21 +187,3 @@ class FusedMoE(nn.Module):
         run = grouped_experts if self.grouped else masked_experts
         return self.tp.all_reduce(run(x, self.up, self.down, weights, ids, self.act,
                                       self.num_experts))
-
-
-# Checkpoint names of one expert's matrices → our shard names (Mixtral's w1 / w3 / w2 and the
-# gate / up / down names of Qwen-MoE, OLMoE and most later MoE checkpoints).
-_EXPERT_MATRIX = {"w1": "w1", "w3": "w3", "w2": "w2",
-                  "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-
-
-def map_expert_weight(name: str, block: str) -> tuple[str, tuple[int, str]] | None:
-    """A checkpoint tensor `{layer}.{block}.experts.{e}.{matrix}.weight` (or `.qweight`: a GGUF
-    file's raw blocks) → (our stacked parameter `{layer}.mlp.experts.w13 | w2`, (e, w1 | w3 |
-    w2)); None for any other name."""
-    m = re.match(rf"(.*)\.{re.escape(block)}\.experts\.(\d+)\.(\w+)\.q?weight$", name)
-    if m is None or m[3] not in _EXPERT_MATRIX:
-        return None
-    shard = _EXPERT_MATRIX[m[3]]
-    return f"{m[1]}.mlp.experts.{'w2' if shard == 'w2' else 'w13'}", (int(m[2]), shard)
-

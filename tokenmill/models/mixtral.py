@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from tokenmill.distributed import ParallelState
-from tokenmill.layers.fused_moe import FusedMoE, map_expert_weight
+from tokenmill.layers.expert_weights import map_expert_weight
+from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.layers.linear import ColumnParallelLinear
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.quantization import QuantizationConfig

@@ -18,7 +18,8 @@ from torch import nn
 
 from tokenmill.distributed import ParallelState
 from tokenmill.layers import cpu_ops
-from tokenmill.layers.fused_moe import FusedMoE, map_expert_weight
+from tokenmill.layers.expert_weights import map_expert_weight
+from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.layers.linear import ColumnParallelLinear
 from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP
 from tokenmill.models.qwen3 import Qwen3Attention

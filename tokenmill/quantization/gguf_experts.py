@@ -21,12 +21,9 @@ import re
 import torch
 from torch import nn
 
+from tokenmill.layers.expert_weights import EXPERT_MATRICES
 from tokenmill.quantization.base import CPULinearKernel, replace_param
 from tokenmill.quantization.gguf import GGUF_TYPES, kernel_tensors, merged_kernel
-
-# our shard names of the experts' matrices (layers/fused_moe.py) from the checkpoint's
-_SHARDS = {"w1": "w1", "w3": "w3", "w2": "w2", "gate_proj": "w1", "up_proj": "w3",
-           "down_proj": "w2"}
 
 
 def expert_types(tensor_types: dict[str, str], prefix: str) -> dict[str, str]:
@@ -39,8 +36,8 @@ def expert_types(tensor_types: dict[str, str], prefix: str) -> dict[str, str]:
     pattern = re.compile(rf"{re.escape(layer[1])}\.\w+\.experts\.\{{e\}}\.(\w+)\.weight$")
     found = {}
     for name, type_name in tensor_types.items():
-        if (m := pattern.match(name)) and m[1] in _SHARDS:
-            found[_SHARDS[m[1]]] = type_name
+        if (m := pattern.match(name)) and m[1] in EXPERT_MATRICES:
+            found[EXPERT_MATRICES[m[1]]] = type_name
     return found
 
 
@@ -121,17 +118,7 @@ class GGUFExpertsMethod:
                     replace_param(layer, f"{name}_p{p}_{i}", stacked)
 
     def kernel(self, layer: nn.Module, name: str, e: int) -> CPULinearKernel:
-        """Expert e's `name` (w13 | w2) matrix as the C++ linear op reads it: built once (a
-        decode step asks for 2 top_k of them per layer), again if the parameters moved (huge
-        pages, a device)."""
-        kernels = layer.__dict__.setdefault("gguf_kernels", {})
-        where = getattr(layer, f"{name}_p0_0").data_ptr()
-        cached = kernels.get((name, e))
-        if cached is None or cached[0] != where:
-            kernels[name, e] = cached = (where, self._kernel(layer, name, e))
-        return cached[1]
-
-    def _kernel(self, layer: nn.Module, name: str, e: int) -> CPULinearKernel:
+        """Expert e's `name` (w13 | w2) matrix as the C++ linear op reads it."""
         parts = []
         for p, (shard, *_) in enumerate(self._parts(name, *layer.gguf_sizes)):
             tensors = []
