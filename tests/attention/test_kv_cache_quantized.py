@@ -200,6 +200,22 @@ def test_every_backend_reads_the_quantized_cache(backend, fmt, shape):
 
 
 @needs_kernel
+@pytest.mark.parametrize("shape", [(16, 4, 4, 64), (16, 4, 2, 64), (16, 8, 2, 64),
+                                   (16, 10, 2, 64), (16, 12, 2, 64)])
+def test_cpu_kernel_bf16_keys_transposed_for_every_group_size(shape):
+    """A bfloat16 cache with 64-dim heads is scored with its keys transposed on AVX-512 builds
+    (csrc/paged_attention_keys_t.h: G = 1..6 query heads per KV head, one to four vectors of
+    16 keys in a tile's last part): a mixed step with prefill chunks, decodes of many lengths
+    and a shared prefix, against dense attention on the values the cache holds."""
+    bs = shape[0]
+    seqs = MIXED + [(4 * bs + 3, 1)] * 5 + [(70 + 9 * i, 1) for i in range(8)]
+    step = quantized_step("bfloat16", shape, seqs, shared_prefix=4 * bs, seed=3)
+    cache, scales, batch, q, k_new, v_new, full_k, full_v = step
+    _, out = run_quantized("cpu", bs, cache, scales, batch, q, k_new, v_new)
+    check_against_dense(out, batch, q, full_k, full_v, shape[3])
+
+
+@needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("cached", [[1000], [700, 0, 90] + [40 + 7 * i for i in range(60)]])
 def test_cpu_kernel_long_decodes_and_batch(fmt, cached):

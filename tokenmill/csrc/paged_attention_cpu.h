@@ -24,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include "kv_formats.h"
+#include "paged_attention_keys_t.h"
 #include "paged_attention_rows.h"
 #include "vec_utils.h"
 #include <cmath>
@@ -39,28 +40,46 @@ struct PagedArgs {
   KVFormat fmt;
   int64_t Hq, Hkv, G, D, bs, max_blocks, row_bytes;
   float scale, cap;
+  bool keys_t;  // bf16 keys read transposed (paged_attention_keys_t.h), else row-major
 };
+
+constexpr int64_t kTileKeys = 64;  // keys of a tile of the online softmax
+#ifdef TM_ATTENTION_KEYS_T
+static_assert(kTileKeys == attention_keys_t::kTileKeys, "one tile size");
+#endif
 
 // Per-thread buffers of an item covering `heads` KV heads (G query heads each).
 struct PagedScratch {
-  std::vector<float> scores, kbuf, vbuf, corr;
+  std::vector<float> scores, kbuf, vbuf, corr, kT;
   std::vector<const float*> krows, vrows;
+  std::vector<const uint16_t*> kraw;  // keys_t: a tile's bf16 K rows of one head
+  std::vector<int64_t> key_rows;      // keys_t: each key's first row (head h0) in the cache
   PagedScratch(const PagedArgs& a, int64_t heads, int64_t tile)
       : scores(heads * a.G * tile), corr(heads * a.G),
-        kbuf(a.fmt == KVFormat::kFloat32 ? 0 : tile * heads * a.D), vbuf(kbuf.size()),
-        krows(tile), vrows(tile) {}
+        kbuf(a.fmt == KVFormat::kFloat32 || a.keys_t ? 0 : tile * heads * a.D),
+        vbuf(a.fmt == KVFormat::kFloat32 ? 0 : tile * heads * a.D),
+        kT(a.keys_t ? heads * a.D * tile : 0), krows(tile), vrows(tile), kraw(tile),
+        key_rows(tile) {}
 };
 
-// Asks for cache block b's K and V rows (all heads) ahead of their use: blocks lie anywhere
-// in the pool, so the hardware prefetchers, which follow one sequential stream, miss the jump
-// from one block to the next: rows widened from a bf16 / int8 / fp8 cache stalled on those
-// loads (1.1x on 1,100-token contexts). A float32 cache, read in place, gained nothing.
-static inline void prefetch_block(const PagedArgs& a, int64_t b) {
-  const int64_t bytes = a.bs * a.Hkv * a.row_bytes, first = b * bytes;
-  for (int64_t o = 0; o < bytes; o += 64) {
-    __builtin_prefetch(a.kb + first + o);
-    __builtin_prefetch(a.vb + first + o);
+// Asks for the K and V rows (heads [h0, h0 + heads), from cache row `row`) of one cached
+// token ahead of their use. Blocks lie anywhere in the pool, and a tile was read (widened)
+// and then computed: without prefetches the memory sat idle while a tile was computed, and
+// the loads stalled while it was read (64 decodes from DRAM, bf16: 1.3x with them).
+static inline void prefetch_row(const PagedArgs& a, int64_t row, int64_t heads) {
+  for (int64_t o = 0; o < heads * a.row_bytes; o += 64) {
+    __builtin_prefetch(a.kb + row * a.row_bytes + o);
+    __builtin_prefetch(a.vb + row * a.row_bytes + o);
   }
+}
+
+// The first tile's rows of query row n's keys from k0 (heads [h0, h0 + heads)): the next
+// work item's, prefetched as a thread starts an item.
+static inline void prefetch_first_tile(const PagedArgs& a, int64_t n, int64_t k0, int64_t h0,
+                                       int64_t heads) {
+  const int64_t* table = a.tables + a.rows[n] * a.max_blocks;
+  for (int64_t k = k0; k < std::min(a.lens[n], k0 + kTileKeys); ++k)
+    prefetch_row(a, (table[k / a.bs] * a.bs + k % a.bs) * a.Hkv + h0, heads);
 }
 
 // One query row's share of a group walking the same keys (attend_keys): its row, its keys'
@@ -77,6 +96,13 @@ static void attend_tile(const PagedArgs& a, PagedScratch& s, const RowState& row
   const int64_t rows_q = heads * a.G, D = a.D;
   const float* qn = a.q + (row.n * a.Hq + h0 * a.G) * D;
   float *acc = row.acc, *mx = row.mx, *sum = row.sum;
+#ifdef TM_ATTENTION_KEYS_T
+  if (a.keys_t) {
+    for (int64_t h = 0; h < heads; ++h)
+      attention_keys_t::score_group_t(a.G, qn + h * a.G * D, s.kT.data() + h * D * kTileKeys, a.scale,
+                                      keys, keys, s.scores.data() + h * a.G * keys);
+  } else
+#endif
   score_keys_any(qn, s.krows.data(), heads, keys, a.G, D, a.scale, s.scores.data());
   if (a.cap > 0.f) {  // Gemma 2's soft cap, before the softmax
     for (int64_t j = 0; j < rows_q * keys; ++j)
@@ -103,15 +129,63 @@ static void attend_tile(const PagedArgs& a, PagedScratch& s, const RowState& row
   }
 }
 
+// Keys [t0, t0 + keys) of a sequence (block table `table`), heads [h0, h0 + heads), into s:
+// a float32 cache's rows in place; others widened row by row (s.kbuf, s.vbuf), or with
+// keys_t the V rows widened and the K rows transposed into s.kT (one (D, 64) per head).
+// The rows of keys [t0 + keys, next_end) (the next tile) are prefetched meanwhile.
+static void load_tile(const PagedArgs& a, PagedScratch& s, const int64_t* table, int64_t t0,
+                      int64_t keys, int64_t next_end, int64_t h0, int64_t heads) {
+  const int64_t D = a.D;
+  int64_t blk = t0 / a.bs, off = t0 % a.bs;  // key t0 + i's block and slot, stepped (a
+  int64_t next = t0 + keys;                  // division per key cost ~10% of a decode)
+  int64_t nblk = next / a.bs, noff = next % a.bs;
+  for (int64_t i = 0; i < keys; ++i) {
+    if (off == a.bs) ++blk, off = 0;
+    if (noff == a.bs) ++nblk, noff = 0;
+    if (next++ < next_end) prefetch_row(a, (table[nblk] * a.bs + noff) * a.Hkv + h0, heads);
+    ++noff;
+    const int64_t row = (table[blk] * a.bs + off++) * a.Hkv + h0;  // first head's
+    if (a.fmt == KVFormat::kFloat32) {  // read in place
+      s.krows[i] = reinterpret_cast<const float*>(a.kb) + row * D;
+      s.vrows[i] = reinterpret_cast<const float*>(a.vb) + row * D;
+      continue;
+    }
+    float* vd = &s.vbuf[i * heads * D];
+    s.vrows[i] = vd;
+    if (a.keys_t) {  // K transposed below (its rows asked for now); V widened row by row
+      s.key_rows[i] = row;
+      for (int64_t o = 0; o < heads * a.row_bytes; o += 64)
+        __builtin_prefetch(a.kb + row * a.row_bytes + o);
+      for (int64_t h = 0; h < heads; ++h)
+        bf16_load_row(a.vb + (row + h) * a.row_bytes, D, vd + h * D);
+      continue;
+    }
+    float* kd = &s.kbuf[i * heads * D];
+    for (int64_t h = 0; h < heads; ++h) {
+      const float ks = a.head_scales ? a.head_scales[h0 + h] : 0.f;
+      const float vs = a.head_scales ? a.head_scales[a.Hkv + h0 + h] : 0.f;
+      kv_load_row(a.fmt, a.kb + (row + h) * a.row_bytes, D, ks, kd + h * D);
+      kv_load_row(a.fmt, a.vb + (row + h) * a.row_bytes, D, vs, vd + h * D);
+    }
+    s.krows[i] = kd;
+  }
+#ifdef TM_ATTENTION_KEYS_T
+  for (int64_t h = 0; a.keys_t && h < heads; ++h) {  // the tile's keys of head h0 + h
+    for (int64_t i = 0; i < keys; ++i)
+      s.kraw[i] = reinterpret_cast<const uint16_t*>(a.kb + (s.key_rows[i] + h) * a.row_bytes);
+    attention_keys_t::widen_keys_t(s.kraw.data(), keys, s.kT.data() + h * D * kTileKeys);
+  }
+#endif
+}
+
 // Keys [k0, rows[r].k1) of each query row r (rows of one sequence, the same k0), for KV heads
-// [h0, h0 + heads), as an online softmax over tiles of kTile keys starting at k0. Each tile's
-// K and V rows (all heads of the item) are read from memory (and widened) once for every row
-// of the group and stay in cache while each query head of each row uses them; a row's
-// arithmetic is that of the row alone (its tiles are [k0 + 64 j, min(k1, k0 + 64 (j + 1)))
-// whatever the group), so grouping changes no result.
+// [h0, h0 + heads), as an online softmax over tiles of kTileKeys keys starting at k0. Each
+// tile's K and V rows (all heads of the item) are read from memory (and widened) once for
+// every row of the group and stay in cache while each query head of each row uses them; a
+// row's arithmetic is that of the row alone (its tiles are [k0 + 64 j, min(k1, k0 + 64 (j +
+// 1))) whatever the group), so grouping changes no result.
 static void attend_keys(const PagedArgs& a, PagedScratch& s, const RowState* rows, int64_t R,
                         int64_t h0, int64_t heads, int64_t k0) {
-  constexpr int64_t kTile = 64;
   const int64_t rows_q = heads * a.G, D = a.D;
   const int64_t* table = a.tables + a.rows[rows[0].n] * a.max_blocks;
   int64_t k1 = k0;
@@ -121,33 +195,11 @@ static void attend_keys(const PagedArgs& a, PagedScratch& s, const RowState* row
     std::fill_n(rows[r].sum, rows_q, 0.f);
     k1 = std::max(k1, rows[r].k1);
   }
-  for (int64_t t0 = k0; t0 < k1; t0 += kTile) {
-    const int64_t keys = std::min(kTile, k1 - t0);
-    int64_t blk = t0 / a.bs, off = t0 % a.bs;  // key t0 + i's block and slot, stepped (a
-    for (int64_t i = 0; i < keys; ++i) {       // division per key cost ~10% of a decode)
-      if (off == a.bs) ++blk, off = 0;
-      if ((off == 0 || i == 0) && heads == a.Hkv && a.fmt != KVFormat::kFloat32 &&
-          (blk + 1) * a.bs < k1)
-        prefetch_block(a, table[blk + 1]);  // the next block's rows, while this one is read
-      const int64_t row = (table[blk] * a.bs + off++) * a.Hkv + h0;  // first head's
-      if (a.fmt == KVFormat::kFloat32) {  // read in place
-        s.krows[i] = reinterpret_cast<const float*>(a.kb) + row * D;
-        s.vrows[i] = reinterpret_cast<const float*>(a.vb) + row * D;
-        continue;
-      }
-      float* kd = &s.kbuf[i * heads * D];
-      float* vd = &s.vbuf[i * heads * D];
-      for (int64_t h = 0; h < heads; ++h) {
-        const float ks = a.head_scales ? a.head_scales[h0 + h] : 0.f;
-        const float vs = a.head_scales ? a.head_scales[a.Hkv + h0 + h] : 0.f;
-        kv_load_row(a.fmt, a.kb + (row + h) * a.row_bytes, D, ks, kd + h * D);
-        kv_load_row(a.fmt, a.vb + (row + h) * a.row_bytes, D, vs, vd + h * D);
-      }
-      s.krows[i] = kd;
-      s.vrows[i] = vd;
-    }
+  for (int64_t t0 = k0; t0 < k1; t0 += kTileKeys) {
+    const int64_t keys = std::min(kTileKeys, k1 - t0);
+    load_tile(a, s, table, t0, keys, std::min(k1, t0 + 2 * kTileKeys), h0, heads);
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t own = std::min(kTile, rows[r].k1 - t0);  // this row's keys of the tile
+      const int64_t own = std::min(kTileKeys, rows[r].k1 - t0);  // this row's keys of the tile
       if (own > 0) attend_tile(a, s, rows[r], h0, heads, own);
     }
   }
@@ -225,6 +277,15 @@ static void attend_group(const PagedArgs& a, PagedScratch& s, const KeyChunks& c
   }
 }
 
+// Whether a cache of this format and these head shapes is scored with its keys transposed.
+inline bool keys_transposed(KVFormat fmt, int64_t D, int64_t G) {
+#ifdef TM_ATTENTION_KEYS_T
+  return attention_keys_t::applies(fmt == KVFormat::kBf16, D, G);
+#else
+  return false;
+#endif
+}
+
 inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cache,
                                            torch::Tensor v_cache, torch::Tensor block_tables,
                                            torch::Tensor seq_rows, torch::Tensor start_lens,
@@ -250,7 +311,8 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
                     rows.data_ptr<int64_t>(), starts.data_ptr<int64_t>(),
                     lens.data_ptr<int64_t>(), kv_head_scales(fmt, kv_scales, Hkv), fmt, Hq, Hkv,
                     Hq / Hkv, D, bs, tables.size(1), kv_row_bytes(fmt, D),
-                    static_cast<float>(scale), static_cast<float>(soft_cap)};
+                    static_cast<float>(scale), static_cast<float>(soft_cap),
+                    keys_transposed(fmt, D, Hq / Hkv)};
   auto out = torch::empty_like(q);
   auto lse = torch::empty({N, Hq}, q.options());
   int64_t longest = 0;
@@ -310,7 +372,7 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
   const int64_t groups = static_cast<int64_t>(group_first.size()) - 1;
   const int64_t units = whole_rows ? groups * items_per_row : total_chunks * items_per_row;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    PagedScratch s(a, heads_per_item, 64);
+    PagedScratch s(a, heads_per_item, kTileKeys);
     GroupBuffers b(rows_q, D);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t h0 = (u % items_per_row) * heads_per_item;
@@ -327,6 +389,11 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
         continue;
       }
       const int64_t g0 = group_first[u / items_per_row], g1 = group_first[u / items_per_row + 1];
+      if (u + 1 < end) {  // the next item's first keys, while this one is computed
+        const int64_t n = group_first[(u + 1) / items_per_row];
+        prefetch_first_tile(a, n, chunks.range(n, 0).first,
+                            ((u + 1) % items_per_row) * heads_per_item, heads_per_item);
+      }
       attend_group(a, s, chunks, g0, g1, h0, heads_per_item, b);
       for (int64_t n = g0; n < g1; ++n) {
         const int64_t i = (n - g0) * rows_q;

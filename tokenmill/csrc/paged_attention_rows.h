@@ -88,6 +88,15 @@ static inline float exp_minus_max(float* s, float m, int64_t n) {
     e.store(s + t);
     total = total + e;
   }
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)
+  if (t < n) {  // the tail as one masked vector: a scalar expf per key cost 1/5 of a prefill
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - t)) - 1);
+    const Vec e = (Vec(_mm512_maskz_loadu_ps(k, s + t)) - mv).exp_u20();
+    _mm512_mask_storeu_ps(s + t, k, e);
+    total = total + Vec(_mm512_maskz_mov_ps(k, e));
+    t = n;
+  }
+#endif
   float sum = hsum(total);
   for (; t < n; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
   return sum;
