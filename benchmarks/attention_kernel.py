@@ -7,12 +7,13 @@ against other versions of its source, timed interleaved in one process.
 SmolLM2's heads (9 query heads, 3 KV heads of 64), 16-token blocks scattered through a 200 MB
 pool (float32; 100 MB in bf16). Shapes: 64 decodes over 1,100 / 320 / 80 cached tokens, 64
 decodes' own 76 tokens after a cascade's shared prefix, one decode over 1,000 tokens (keys split
-across threads), and prefill chunks (8 sequences of 256 queries, 2 of 512, each query attending
-its sequence up to itself). Each version is built under its own module name: another
-checkout's csrc folder (`git archive REV tokenmill/csrc | tar -x -C /tmp/old` gives
-/tmp/old/tokenmill/csrc) or a single .cpp (built against this csrc's headers); every
-repetition runs all versions back to back, so machine noise hits them alike, and the median
-per call is printed.
+across threads), 64 decodes over 1,100 tokens whose first 1,024 are the same blocks for all (a
+shared prefix, attended whole by the kernel, as in batch-invariant mode), and prefill chunks
+(8 sequences of 256 queries, 2 of 512, each query attending its sequence up to itself).
+Each version is built under its own module name: another checkout's csrc folder
+(`git archive REV tokenmill/csrc | tar -x -C /tmp/old` gives /tmp/old/tokenmill/csrc) or a
+single .cpp (built against this csrc's headers); every repetition runs all versions back to
+back, so machine noise hits them alike, and the median per call is printed.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ from tokenmill.utils.cpp_extension import CSRC, cflags  # noqa: E402
 SHAPES = [(64, 0, 1100), (64, 0, 320), (64, 0, 80), (64, 1024, 1100), (1, 0, 1000)]
 # (sequences, queries each): prefill chunks, query j of a sequence attending tokens [0, j]
 CHUNKS = [(8, 256), (2, 512)]
+# (rows, shared cached tokens, context length): decodes whose contexts start with the same
+# cached blocks (prefix caching's system prompt), all keys attended by the kernel
+SHARED = [(64, 1024, 1100)]
 
 
 def build(path: str, include: Path) -> object:
@@ -61,6 +65,14 @@ def cases(gen: torch.Generator, num_blocks: int, bs: int) -> list[tuple[str, tup
         label = f"{rows} x {ctx - start}" + (" (cascade)" if start else "")
         out.append((label, (rows, tables.view(rows, max_blocks), torch.arange(rows),
                             torch.full((rows,), start), torch.full((rows,), ctx))))
+    for rows, shared, ctx in SHARED:
+        own = -(-ctx // bs) - shared // bs
+        ids = torch.randperm(num_blocks - 1, generator=gen)[:shared // bs + rows * own].add(1)
+        tables = torch.cat([ids[:shared // bs].repeat(rows, 1),
+                            ids[shared // bs:].view(rows, own)], dim=1)
+        out.append((f"{rows} x {ctx} ({shared} shared)",
+                    (rows, tables, torch.arange(rows), torch.zeros(rows, dtype=torch.long),
+                     torch.full((rows,), ctx))))
     for seqs, queries in CHUNKS:
         max_blocks = -(-queries // bs)
         tables = torch.randperm(num_blocks - 1, generator=gen)[:seqs * max_blocks].add(1)

@@ -263,3 +263,43 @@ def test_kernel_rows_are_bitwise_the_same_alone_or_grouped(dtype, split_keys):
             alone = attend(torch.tensor([i]))
             assert torch.equal(alone[0][0], together[0][i]), i
             assert torch.equal(alone[1][0], together[1][i]), i
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_rows_sharing_cached_blocks_are_bitwise_the_same_alone(dtype):
+    """Decodes of sequences whose contexts start with the same cached blocks (a shared
+    prompt) go in one work item, each tile of the shared blocks read once for all of them
+    (csrc/paged_attention_cpu.h: attend_runs); a sequence sharing fewer blocks and a prefill
+    chunk of another sequence sit among them. Batch-invariant mode (split_keys 512): every
+    row bitwise as alone and in any order, and all of them dense attention's answer."""
+    op = paged_attention_op()
+    gen = torch.Generator().manual_seed(7)
+    bs, hkv, hq, d, nb, seqs = 16, 3, 9, 64, 1000, 12
+    k_cache = torch.randn(nb, bs, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(nb, bs, hkv, d, generator=gen).to(dtype)
+    ids = torch.randperm(nb - 1, generator=gen).add(1)
+    tables = torch.cat([ids[:40].repeat(seqs, 1), ids[40:40 + seqs * 40].view(seqs, 40)], 1)
+    tables[5, 30:] = ids[600:650]  # sequence 5 shares 30 blocks, not 40
+    rows = torch.tensor(list(range(seqs)) + [3] * 20)
+    lens = torch.tensor([650 + 7 * i for i in range(seqs)] + list(range(900, 920)))
+    starts = torch.zeros_like(rows)
+    q = torch.randn(len(rows), hq, d, generator=gen)
+
+    def attend(idx):
+        return op(q[idx], k_cache, v_cache, tables, rows[idx], starts[idx], lens[idx],
+                  d ** -0.5, None, 0.0, 512)
+
+    out, lse = attend(torch.arange(len(rows)))
+    for i in range(len(rows)):
+        alone = attend(torch.tensor([i]))
+        assert torch.equal(alone[0][0], out[i]) and torch.equal(alone[1][0], lse[i]), i
+    order = torch.randperm(len(rows), generator=gen)
+    assert torch.equal(attend(order)[0], out[order])
+    flat_k = k_cache.float().view(-1, hkv, d)
+    flat_v = v_cache.float().view(-1, hkv, d)
+    for i in range(len(rows)):
+        n = int(lens[i])
+        slots = (tables[rows[i]].repeat_interleave(bs) * bs + torch.arange(bs).repeat(tables.shape[1]))[:n]
+        ref = dense_reference(q[i:i + 1], flat_k[slots], flat_v[slots], d ** -0.5)
+        torch.testing.assert_close(out[i:i + 1], ref, atol=1e-5, rtol=1e-5)

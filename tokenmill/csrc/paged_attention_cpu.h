@@ -3,13 +3,14 @@
 // Every query row n attends tokens [start_lens[n], ctx_lens[n]) of sequence row seq_rows[n],
 // whose cache blocks are block_tables[seq_rows[n], :] (start_lens > 0: cascade attention, where
 // a shared prefix is attended separately and merged through the returned log-sum-exp). A work
-// item (a query row, or up to 16 consecutive rows of one sequence: a prefill chunk's; a range
-// of their KV heads and of their keys, see below) walks its keys in tiles with an online
-// softmax per row (running max, sum and output per query head, rescaled as the max grows):
-// each tile's K and V rows are read from memory (and widened) once for all the item's rows,
-// the G = Hq / Hkv query heads of each KV head are scored against them (GQA without expanding
-// K/V) and their weighted V added while the tile is still in cache. Each row's arithmetic is
-// its own, whatever rows share its item. Work items run in parallel on torch's intra-op
+// item (a query row, or up to 16 consecutive rows of one sequence, a prefill chunk's, or of
+// sequences sharing cached blocks; a range of their KV heads and of their keys, see below)
+// walks its keys in tiles (paged_attention_tiles.h) with an online softmax per row (running
+// max, sum and output per query head, rescaled as the max grows): each tile's K and V rows
+// are read from memory (and widened) once for all the item's rows that read them, the G =
+// Hq / Hkv query heads of each KV head are scored against them (GQA without expanding K/V)
+// and their weighted V added while the tile is still in cache. Each row's arithmetic is its
+// own, whatever rows share its item. Work items run in parallel on torch's intra-op
 // thread pool. The per-row arithmetic: paged_attention_rows.h.
 //
 // Shapes: q (N, Hq, D) float32; k_cache, v_cache (num_blocks, block_size, Hkv, R) contiguous,
@@ -22,188 +23,11 @@
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
 #include "kv_formats.h"
-#include "paged_attention_keys_t.h"
-#include "paged_attention_rows.h"
-#include "vec_utils.h"
+#include "paged_attention_tiles.h"
 #include <cmath>
 #include <limits>
 #include <vector>
-
-// What every work item reads.
-struct PagedArgs {
-  const float* q;           // (N, Hq, D)
-  const uint8_t *kb, *vb;   // the caches' bytes
-  const int64_t *tables, *rows, *starts, *lens;
-  const float* head_scales;  // fp8 only
-  KVFormat fmt;
-  int64_t Hq, Hkv, G, D, bs, max_blocks, row_bytes;
-  float scale, cap;
-  bool keys_t;  // bf16 keys read transposed (paged_attention_keys_t.h), else row-major
-};
-
-constexpr int64_t kTileKeys = 64;  // keys of a tile of the online softmax
-#ifdef TM_ATTENTION_KEYS_T
-static_assert(kTileKeys == attention_keys_t::kTileKeys, "one tile size");
-#endif
-
-// Per-thread buffers of an item covering `heads` KV heads (G query heads each).
-struct PagedScratch {
-  std::vector<float> scores, kbuf, vbuf, corr, kT;
-  std::vector<const float*> krows, vrows;
-  std::vector<const uint16_t*> kraw;  // keys_t: a tile's bf16 K rows of one head
-  std::vector<int64_t> key_rows;      // keys_t: each key's first row (head h0) in the cache
-  PagedScratch(const PagedArgs& a, int64_t heads, int64_t tile)
-      : scores(heads * a.G * tile), corr(heads * a.G),
-        kbuf(a.fmt == KVFormat::kFloat32 || a.keys_t ? 0 : tile * heads * a.D),
-        vbuf(a.fmt == KVFormat::kFloat32 ? 0 : tile * heads * a.D),
-        kT(a.keys_t ? heads * a.D * tile : 0), krows(tile), vrows(tile), kraw(tile),
-        key_rows(tile) {}
-};
-
-// Asks for the K and V rows (heads [h0, h0 + heads), from cache row `row`) of one cached
-// token ahead of their use. Blocks lie anywhere in the pool, and a tile was read (widened)
-// and then computed: without prefetches the memory sat idle while a tile was computed, and
-// the loads stalled while it was read (64 decodes from DRAM, bf16: 1.3x with them).
-static inline void prefetch_row(const PagedArgs& a, int64_t row, int64_t heads) {
-  for (int64_t o = 0; o < heads * a.row_bytes; o += 64) {
-    __builtin_prefetch(a.kb + row * a.row_bytes + o);
-    __builtin_prefetch(a.vb + row * a.row_bytes + o);
-  }
-}
-
-// The first tile's rows of query row n's keys from k0 (heads [h0, h0 + heads)): the next
-// work item's, prefetched as a thread starts an item.
-static inline void prefetch_first_tile(const PagedArgs& a, int64_t n, int64_t k0, int64_t h0,
-                                       int64_t heads) {
-  const int64_t* table = a.tables + a.rows[n] * a.max_blocks;
-  for (int64_t k = k0; k < std::min(a.lens[n], k0 + kTileKeys); ++k)
-    prefetch_row(a, (table[k / a.bs] * a.bs + k % a.bs) * a.Hkv + h0, heads);
-}
-
-// One query row's share of a group walking the same keys (attend_keys): its row, its keys'
-// end and its softmax state (acc (heads G, D) unnormalised, mx and sum per query head).
-struct RowState {
-  int64_t n, k1;
-  float *acc, *mx, *sum;
-};
-
-// One tile's `keys` keys (rows in s.krows / s.vrows) for one query row: scores, the online
-// softmax's rescale, the weighted sum of V.
-static void attend_tile(const PagedArgs& a, PagedScratch& s, const RowState& row, int64_t h0,
-                        int64_t heads, int64_t keys) {
-  const int64_t rows_q = heads * a.G, D = a.D;
-  const float* qn = a.q + (row.n * a.Hq + h0 * a.G) * D;
-  float *acc = row.acc, *mx = row.mx, *sum = row.sum;
-#ifdef TM_ATTENTION_KEYS_T
-  if (a.keys_t) {
-    for (int64_t h = 0; h < heads; ++h)
-      attention_keys_t::score_group_t(a.G, qn + h * a.G * D, s.kT.data() + h * D * kTileKeys, a.scale,
-                                      keys, keys, s.scores.data() + h * a.G * keys);
-  } else
-#endif
-  score_keys_any(qn, s.krows.data(), heads, keys, a.G, D, a.scale, s.scores.data());
-  if (a.cap > 0.f) {  // Gemma 2's soft cap, before the softmax
-    for (int64_t j = 0; j < rows_q * keys; ++j)
-      s.scores[j] = a.cap * std::tanh(s.scores[j] / a.cap);
-  }
-  for (int64_t r = 0; r < rows_q; ++r) {
-    float* sc = s.scores.data() + r * keys;
-    const float m = std::max(mx[r], max_of(sc, keys));
-    s.corr[r] = std::exp(mx[r] - m);  // 0 on the first tile (-inf)
-    sum[r] = sum[r] * s.corr[r] + exp_minus_max(sc, m, keys);
-    mx[r] = m;
-  }
-  for (int64_t h = 0; h < heads; ++h) {  // the G heads sharing each V row together
-    const int64_t r0 = h * a.G;
-#ifdef TM_ATTENTION_GROUPS
-    if (attention_groups::accumulate_group(a.G, s.scores.data() + r0 * keys, keys,
-                                           s.vrows.data(), h * D, keys, D, &s.corr[r0],
-                                           acc + r0 * D))
-      continue;
-#endif
-    for (int64_t r = r0; r < r0 + a.G; ++r)
-      rescale_accumulate(s.scores.data() + r * keys, s.vrows.data(), h * D, keys, D,
-                         s.corr[r], acc + r * D);
-  }
-}
-
-// Keys [t0, t0 + keys) of a sequence (block table `table`), heads [h0, h0 + heads), into s:
-// a float32 cache's rows in place; others widened row by row (s.kbuf, s.vbuf), or with
-// keys_t the V rows widened and the K rows transposed into s.kT (one (D, 64) per head).
-// The rows of keys [t0 + keys, next_end) (the next tile) are prefetched meanwhile.
-static void load_tile(const PagedArgs& a, PagedScratch& s, const int64_t* table, int64_t t0,
-                      int64_t keys, int64_t next_end, int64_t h0, int64_t heads) {
-  const int64_t D = a.D;
-  int64_t blk = t0 / a.bs, off = t0 % a.bs;  // key t0 + i's block and slot, stepped (a
-  int64_t next = t0 + keys;                  // division per key cost ~10% of a decode)
-  int64_t nblk = next / a.bs, noff = next % a.bs;
-  for (int64_t i = 0; i < keys; ++i) {
-    if (off == a.bs) ++blk, off = 0;
-    if (noff == a.bs) ++nblk, noff = 0;
-    if (next++ < next_end) prefetch_row(a, (table[nblk] * a.bs + noff) * a.Hkv + h0, heads);
-    ++noff;
-    const int64_t row = (table[blk] * a.bs + off++) * a.Hkv + h0;  // first head's
-    if (a.fmt == KVFormat::kFloat32) {  // read in place
-      s.krows[i] = reinterpret_cast<const float*>(a.kb) + row * D;
-      s.vrows[i] = reinterpret_cast<const float*>(a.vb) + row * D;
-      continue;
-    }
-    float* vd = &s.vbuf[i * heads * D];
-    s.vrows[i] = vd;
-    if (a.keys_t) {  // K transposed below (its rows asked for now); V widened row by row
-      s.key_rows[i] = row;
-      for (int64_t o = 0; o < heads * a.row_bytes; o += 64)
-        __builtin_prefetch(a.kb + row * a.row_bytes + o);
-      for (int64_t h = 0; h < heads; ++h)
-        bf16_load_row(a.vb + (row + h) * a.row_bytes, D, vd + h * D);
-      continue;
-    }
-    float* kd = &s.kbuf[i * heads * D];
-    for (int64_t h = 0; h < heads; ++h) {
-      const float ks = a.head_scales ? a.head_scales[h0 + h] : 0.f;
-      const float vs = a.head_scales ? a.head_scales[a.Hkv + h0 + h] : 0.f;
-      kv_load_row(a.fmt, a.kb + (row + h) * a.row_bytes, D, ks, kd + h * D);
-      kv_load_row(a.fmt, a.vb + (row + h) * a.row_bytes, D, vs, vd + h * D);
-    }
-    s.krows[i] = kd;
-  }
-#ifdef TM_ATTENTION_KEYS_T
-  for (int64_t h = 0; a.keys_t && h < heads; ++h) {  // the tile's keys of head h0 + h
-    for (int64_t i = 0; i < keys; ++i)
-      s.kraw[i] = reinterpret_cast<const uint16_t*>(a.kb + (s.key_rows[i] + h) * a.row_bytes);
-    attention_keys_t::widen_keys_t(s.kraw.data(), keys, s.kT.data() + h * D * kTileKeys);
-  }
-#endif
-}
-
-// Keys [k0, rows[r].k1) of each query row r (rows of one sequence, the same k0), for KV heads
-// [h0, h0 + heads), as an online softmax over tiles of kTileKeys keys starting at k0. Each
-// tile's K and V rows (all heads of the item) are read from memory (and widened) once for
-// every row of the group and stay in cache while each query head of each row uses them; a
-// row's arithmetic is that of the row alone (its tiles are [k0 + 64 j, min(k1, k0 + 64 (j +
-// 1))) whatever the group), so grouping changes no result.
-static void attend_keys(const PagedArgs& a, PagedScratch& s, const RowState* rows, int64_t R,
-                        int64_t h0, int64_t heads, int64_t k0) {
-  const int64_t rows_q = heads * a.G, D = a.D;
-  const int64_t* table = a.tables + a.rows[rows[0].n] * a.max_blocks;
-  int64_t k1 = k0;
-  for (int64_t r = 0; r < R; ++r) {
-    std::fill_n(rows[r].acc, rows_q * D, 0.f);
-    std::fill_n(rows[r].mx, rows_q, -std::numeric_limits<float>::infinity());
-    std::fill_n(rows[r].sum, rows_q, 0.f);
-    k1 = std::max(k1, rows[r].k1);
-  }
-  for (int64_t t0 = k0; t0 < k1; t0 += kTileKeys) {
-    const int64_t keys = std::min(kTileKeys, k1 - t0);
-    load_tile(a, s, table, t0, keys, std::min(k1, t0 + 2 * kTileKeys), h0, heads);
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t own = std::min(kTileKeys, rows[r].k1 - t0);  // this row's keys of the tile
-      if (own > 0) attend_tile(a, s, rows[r], h0, heads, own);
-    }
-  }
-}
 
 // Which keys each query row attends, in ranges (chunks) combined by merge_into.
 // split_keys > 0 (batch-invariant): chunk c of row n is [start, ctx) cut at the multiples of
@@ -227,7 +51,8 @@ struct KeyChunks {
   }
 };
 
-// Up to this many consecutive query rows of one sequence form a work item (attend_group).
+// Up to this many consecutive query rows (one sequence's, or sequences' sharing cached
+// blocks) form a work item (attend_group).
 constexpr int64_t kGroupRows = 16;
 
 // A work item's buffers: each row's running state, a later chunk's state, the rows' shares.
@@ -239,7 +64,43 @@ struct GroupBuffers {
         run(acc.size()), run_max(mx.size()), run_sum(mx.size()) {}
 };
 
-// Query rows [g0, g1) (one sequence, the same first key) over KV heads [h0, h0 + heads):
+// Whether query rows n and g (the same first key) start in the same cache block: rows of one
+// sequence, or of sequences whose cached prefix is shared (their work then goes in runs).
+static inline bool shares_first_block(const PagedArgs& a, int64_t n, int64_t g) {
+  const int64_t b = a.starts[n] / a.bs;
+  return a.rows[n] == a.rows[g] ||
+         a.tables[a.rows[n] * a.max_blocks + b] == a.tables[a.rows[g] * a.max_blocks + b];
+}
+
+// Whether query rows x and y read the same cache rows for keys [k0, max of their ends): the
+// same sequence, or other sequences whose block tables agree over those keys (a prefix that
+// prefix caching shares).
+static inline bool same_keys(const PagedArgs& a, const RowState& x, const RowState& y,
+                             int64_t k0) {
+  if (a.rows[x.n] == a.rows[y.n]) return true;
+  const int64_t b0 = k0 / a.bs, b1 = (std::max(x.k1, y.k1) + a.bs - 1) / a.bs;
+  return std::equal(a.tables + a.rows[x.n] * a.max_blocks + b0,
+                    a.tables + a.rows[x.n] * a.max_blocks + b1,
+                    a.tables + a.rows[y.n] * a.max_blocks + b0);
+}
+
+// attend_keys for `rows` (the same k0), in runs of rows that read the same cache rows: each
+// run's tiles are read once for all of its rows.
+static void attend_runs(const PagedArgs& a, PagedScratch& s, const std::vector<RowState>& rows,
+                        int64_t h0, int64_t heads, int64_t k0) {
+  std::vector<char> taken(rows.size(), 0);
+  std::vector<RowState> run;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (taken[i]) continue;
+    run.assign(1, rows[i]);
+    for (size_t j = i + 1; j < rows.size(); ++j)
+      if (!taken[j] && same_keys(a, rows[i], rows[j], k0)) run.push_back(rows[j]), taken[j] = 1;
+    attend_keys(a, s, run.data(), run.size(), h0, heads, k0);
+  }
+}
+
+// Query rows [g0, g1) (the same first key; one sequence, or sequences sharing cached blocks)
+// over KV heads [h0, h0 + heads):
 // chunk 0 of every row as its running state, each later chunk merged into it (rows with fewer
 // chunks drop out), as a row alone would be computed. Leaves row g0 + r's state at offset
 // r * heads * G of b.run / run_max / run_sum.
@@ -254,7 +115,7 @@ static void attend_group(const PagedArgs& a, PagedScratch& s, const KeyChunks& c
                       &b.run_sum[i]});
     most = std::max(most, chunks.count(n));
   }
-  attend_keys(a, s, b.rows.data(), b.rows.size(), h0, heads, chunks.range(g0, 0).first);
+  attend_runs(a, s, b.rows, h0, heads, chunks.range(g0, 0).first);
   for (int64_t c = 1; c < most; ++c) {  // later chunks: merged into each row's state
     b.rows.clear();
     int64_t k0 = 0;  // the same for every row: chunks start at fixed multiples here
@@ -267,7 +128,7 @@ static void attend_group(const PagedArgs& a, PagedScratch& s, const KeyChunks& c
       b.rows.push_back({n, r1, &b.acc[i * D], &b.mx[i], &b.sum[i]});
     }
     if (b.rows.empty()) continue;
-    attend_keys(a, s, b.rows.data(), b.rows.size(), h0, heads, k0);
+    attend_runs(a, s, b.rows, h0, heads, k0);
     for (const RowState& r : b.rows)
       for (int64_t q = 0; q < rows_q; ++q) {
         const int64_t j = (r.n - g0) * rows_q + q;
@@ -365,7 +226,7 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
   for (int64_t n = 0; n < N && whole_rows; ++n) {
     const int64_t g = group_first.empty() ? -1 : group_first.back();
     if (g < 0 || n - g >= kGroupRows || (split_keys == 0 && splits > 1) ||
-        a.rows[n] != a.rows[g] || a.starts[n] != a.starts[g])
+        a.starts[n] != a.starts[g] || !shares_first_block(a, n, g))
       group_first.push_back(n);
   }
   group_first.push_back(N);

@@ -1,0 +1,190 @@
+// The paged-attention kernel's walk over one work item's keys (paged_attention_cpu.h): its
+// K and V rows read tile by tile from the block-paged cache (in place, widened, or with bf16
+// keys transposed: paged_attention_keys_t.h), the next tile's rows prefetched meanwhile, and
+// each query row's online softmax over the tiles (paged_attention_rows.h's arithmetic).
+// Invariant: a row's tiles are [k0 + 64 j, min(k1, k0 + 64 (j + 1))) and its arithmetic is
+// its own, whatever other rows walk the same keys with it.
+#pragma once
+#include "kv_formats.h"
+#include "paged_attention_keys_t.h"
+#include "paged_attention_rows.h"
+#include "vec_utils.h"
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+// What every work item reads.
+struct PagedArgs {
+  const float* q;           // (N, Hq, D)
+  const uint8_t *kb, *vb;   // the caches' bytes
+  const int64_t *tables, *rows, *starts, *lens;
+  const float* head_scales;  // fp8 only
+  KVFormat fmt;
+  int64_t Hq, Hkv, G, D, bs, max_blocks, row_bytes;
+  float scale, cap;
+  bool keys_t;  // bf16 keys read transposed (paged_attention_keys_t.h), else row-major
+};
+
+constexpr int64_t kTileKeys = 64;  // keys of a tile of the online softmax
+#ifdef TM_ATTENTION_KEYS_T
+static_assert(kTileKeys == attention_keys_t::kTileKeys, "one tile size");
+#endif
+
+// Per-thread buffers of an item covering `heads` KV heads (G query heads each).
+struct PagedScratch {
+  std::vector<float> scores, kbuf, vbuf, corr, kT;
+  std::vector<const float*> krows, vrows;
+  std::vector<const uint16_t*> kraw;  // keys_t: a tile's bf16 K rows of one head
+  std::vector<int64_t> key_rows;      // keys_t: each key's first row (head h0) in the cache
+  PagedScratch(const PagedArgs& a, int64_t heads, int64_t tile)
+      : scores(heads * a.G * tile), corr(heads * a.G),
+        kbuf(a.fmt == KVFormat::kFloat32 || a.keys_t ? 0 : tile * heads * a.D),
+        vbuf(a.fmt == KVFormat::kFloat32 ? 0 : tile * heads * a.D),
+        kT(a.keys_t ? heads * a.D * tile : 0), krows(tile), vrows(tile), kraw(tile),
+        key_rows(tile) {}
+};
+
+// Asks for the K and V rows (heads [h0, h0 + heads), from cache row `row`) of one cached
+// token ahead of their use. Blocks lie anywhere in the pool, and a tile was read (widened)
+// and then computed: without prefetches the memory sat idle while a tile was computed, and
+// the loads stalled while it was read (64 decodes from DRAM, bf16: 1.3x with them).
+static inline void prefetch_row(const PagedArgs& a, int64_t row, int64_t heads) {
+  for (int64_t o = 0; o < heads * a.row_bytes; o += 64) {
+    __builtin_prefetch(a.kb + row * a.row_bytes + o);
+    __builtin_prefetch(a.vb + row * a.row_bytes + o);
+  }
+}
+
+// The first tile's rows of query row n's keys from k0 (heads [h0, h0 + heads)): the next
+// work item's, prefetched as a thread starts an item.
+static inline void prefetch_first_tile(const PagedArgs& a, int64_t n, int64_t k0, int64_t h0,
+                                       int64_t heads) {
+  const int64_t* table = a.tables + a.rows[n] * a.max_blocks;
+  for (int64_t k = k0; k < std::min(a.lens[n], k0 + kTileKeys); ++k)
+    prefetch_row(a, (table[k / a.bs] * a.bs + k % a.bs) * a.Hkv + h0, heads);
+}
+
+// One query row's share of a group walking the same keys (attend_keys): its row, its keys'
+// end and its softmax state (acc (heads G, D) unnormalised, mx and sum per query head).
+struct RowState {
+  int64_t n, k1;
+  float *acc, *mx, *sum;
+};
+
+// One tile's `keys` keys (rows in s.krows / s.vrows) for one query row: scores, the online
+// softmax's rescale, the weighted sum of V.
+static void attend_tile(const PagedArgs& a, PagedScratch& s, const RowState& row, int64_t h0,
+                        int64_t heads, int64_t keys) {
+  const int64_t rows_q = heads * a.G, D = a.D;
+  const float* qn = a.q + (row.n * a.Hq + h0 * a.G) * D;
+  float *acc = row.acc, *mx = row.mx, *sum = row.sum;
+#ifdef TM_ATTENTION_KEYS_T
+  if (a.keys_t) {
+    for (int64_t h = 0; h < heads; ++h)
+      attention_keys_t::score_group_t(a.G, qn + h * a.G * D, s.kT.data() + h * D * kTileKeys, a.scale,
+                                      keys, keys, s.scores.data() + h * a.G * keys);
+  } else
+#endif
+  score_keys_any(qn, s.krows.data(), heads, keys, a.G, D, a.scale, s.scores.data());
+  if (a.cap > 0.f) {  // Gemma 2's soft cap, before the softmax
+    for (int64_t j = 0; j < rows_q * keys; ++j)
+      s.scores[j] = a.cap * std::tanh(s.scores[j] / a.cap);
+  }
+  for (int64_t r = 0; r < rows_q; ++r) {
+    float* sc = s.scores.data() + r * keys;
+    const float m = std::max(mx[r], max_of(sc, keys));
+    s.corr[r] = std::exp(mx[r] - m);  // 0 on the first tile (-inf)
+    sum[r] = sum[r] * s.corr[r] + exp_minus_max(sc, m, keys);
+    mx[r] = m;
+  }
+  for (int64_t h = 0; h < heads; ++h) {  // the G heads sharing each V row together
+    const int64_t r0 = h * a.G;
+#ifdef TM_ATTENTION_GROUPS
+    if (attention_groups::accumulate_group(a.G, s.scores.data() + r0 * keys, keys,
+                                           s.vrows.data(), h * D, keys, D, &s.corr[r0],
+                                           acc + r0 * D))
+      continue;
+#endif
+    for (int64_t r = r0; r < r0 + a.G; ++r)
+      rescale_accumulate(s.scores.data() + r * keys, s.vrows.data(), h * D, keys, D,
+                         s.corr[r], acc + r * D);
+  }
+}
+
+// Keys [t0, t0 + keys) of a sequence (block table `table`), heads [h0, h0 + heads), into s:
+// a float32 cache's rows in place; others widened row by row (s.kbuf, s.vbuf), or with
+// keys_t the V rows widened and the K rows transposed into s.kT (one (D, 64) per head).
+// The rows of keys [t0 + keys, next_end) (the next tile) are prefetched meanwhile.
+static void load_tile(const PagedArgs& a, PagedScratch& s, const int64_t* table, int64_t t0,
+                      int64_t keys, int64_t next_end, int64_t h0, int64_t heads) {
+  const int64_t D = a.D;
+  int64_t blk = t0 / a.bs, off = t0 % a.bs;  // key t0 + i's block and slot, stepped (a
+  int64_t next = t0 + keys;                  // division per key cost ~10% of a decode)
+  int64_t nblk = next / a.bs, noff = next % a.bs;
+  for (int64_t i = 0; i < keys; ++i) {
+    if (off == a.bs) ++blk, off = 0;
+    if (noff == a.bs) ++nblk, noff = 0;
+    if (next++ < next_end) prefetch_row(a, (table[nblk] * a.bs + noff) * a.Hkv + h0, heads);
+    ++noff;
+    const int64_t row = (table[blk] * a.bs + off++) * a.Hkv + h0;  // first head's
+    if (a.fmt == KVFormat::kFloat32) {  // read in place
+      s.krows[i] = reinterpret_cast<const float*>(a.kb) + row * D;
+      s.vrows[i] = reinterpret_cast<const float*>(a.vb) + row * D;
+      continue;
+    }
+    float* vd = &s.vbuf[i * heads * D];
+    s.vrows[i] = vd;
+    if (a.keys_t) {  // K transposed below (its rows asked for now); V widened row by row
+      s.key_rows[i] = row;
+      for (int64_t o = 0; o < heads * a.row_bytes; o += 64)
+        __builtin_prefetch(a.kb + row * a.row_bytes + o);
+      for (int64_t h = 0; h < heads; ++h)
+        bf16_load_row(a.vb + (row + h) * a.row_bytes, D, vd + h * D);
+      continue;
+    }
+    float* kd = &s.kbuf[i * heads * D];
+    for (int64_t h = 0; h < heads; ++h) {
+      const float ks = a.head_scales ? a.head_scales[h0 + h] : 0.f;
+      const float vs = a.head_scales ? a.head_scales[a.Hkv + h0 + h] : 0.f;
+      kv_load_row(a.fmt, a.kb + (row + h) * a.row_bytes, D, ks, kd + h * D);
+      kv_load_row(a.fmt, a.vb + (row + h) * a.row_bytes, D, vs, vd + h * D);
+    }
+    s.krows[i] = kd;
+  }
+#ifdef TM_ATTENTION_KEYS_T
+  for (int64_t h = 0; a.keys_t && h < heads; ++h) {  // the tile's keys of head h0 + h
+    for (int64_t i = 0; i < keys; ++i)
+      s.kraw[i] = reinterpret_cast<const uint16_t*>(a.kb + (s.key_rows[i] + h) * a.row_bytes);
+    attention_keys_t::widen_keys_t(s.kraw.data(), keys, s.kT.data() + h * D * kTileKeys);
+  }
+#endif
+}
+
+// Keys [k0, rows[r].k1) of each query row r (the same k0; rows reading the same cache rows,
+// rows[0]'s block table serving all), for KV heads [h0, h0 + heads), as an online softmax
+// over tiles of kTileKeys keys starting at k0. Each tile's K and V rows (all heads of the
+// item) are read from memory (and widened) once for every row and stay in cache while each
+// query head of each row uses them; a row's arithmetic is that of the row alone (its tiles
+// are [k0 + 64 j, min(k1, k0 + 64 (j + 1))) whatever the group), so grouping changes no
+// result.
+static void attend_keys(const PagedArgs& a, PagedScratch& s, const RowState* rows, int64_t R,
+                        int64_t h0, int64_t heads, int64_t k0) {
+  const int64_t rows_q = heads * a.G, D = a.D;
+  const int64_t* table = a.tables + a.rows[rows[0].n] * a.max_blocks;
+  int64_t k1 = k0;
+  for (int64_t r = 0; r < R; ++r) {
+    std::fill_n(rows[r].acc, rows_q * D, 0.f);
+    std::fill_n(rows[r].mx, rows_q, -std::numeric_limits<float>::infinity());
+    std::fill_n(rows[r].sum, rows_q, 0.f);
+    k1 = std::max(k1, rows[r].k1);
+  }
+  for (int64_t t0 = k0; t0 < k1; t0 += kTileKeys) {
+    const int64_t keys = std::min(kTileKeys, k1 - t0);
+    load_tile(a, s, table, t0, keys, std::min(k1, t0 + 2 * kTileKeys), h0, heads);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t own = std::min(kTileKeys, rows[r].k1 - t0);  // this row's keys of the tile
+      if (own > 0) attend_tile(a, s, rows[r], h0, heads, own);
+    }
+  }
+}
