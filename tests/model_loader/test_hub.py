@@ -70,7 +70,7 @@ def test_ids_are_told_from_paths(tmp_path, monkeypatch):
     assert parse_hub_id("gpt2") == HubModel("gpt2")
     assert parse_hub_id("org/x-GGUF:Q4_K_M") == HubModel("org/x-GGUF", quant="Q4_K_M")
     assert parse_hub_id("org/x-GGUF/x.Q8_0.gguf") == HubModel("org/x-GGUF", file="x.Q8_0.gguf")
-    for local in ("./models/x", "/abs/x", "~/x", "a/b/c/d"):
+    for local in ("./models/x", "/abs/x", "~/x", "a/b/c/d", "model.Q4_1.gguf"):
         assert parse_hub_id(local) is None
     (tmp_path / "org").mkdir()
     monkeypatch.chdir(tmp_path)  # an existing relative folder is a path, not an id
@@ -154,6 +154,20 @@ def test_a_tokenizer_from_another_id(offline_hub, smollm2_path):
 def test_what_cannot_be_resolved_fails_at_once_naming_it(offline_hub, name, kwargs, message):
     with pytest.raises(ValueError, match=message):
         engine_config(name, **kwargs)
+
+
+def test_an_unreachable_hub_fails_at_once_naming_the_id(tmp_path, monkeypatch):
+    """Online, an id not in the cache and a Hub that cannot be reached (here: a refused
+    connection, as with no network): the id and the reason, not the HTTP client's traceback."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    with pytest.raises(ValueError, match=r"model 'org/missing' is not in the local Hugging "
+                                         r"Face cache and the Hub could not be reached"):
+        engine_config("org/missing")
 
 
 def test_serve_an_unknown_id_exits_with_the_message_not_a_traceback(offline_hub):

@@ -50,6 +50,8 @@ def parse_hub_id(name: str) -> HubModel | None:
     """The Hub id `name` spells, or None where it cannot be one (or is a local path)."""
     if os.path.exists(name) or name.startswith((".", "/", "~")) or name.count("/") > 2:
         return None
+    if "/" not in name and name.lower().endswith(".gguf"):  # a file (ids name ORG/NAME/FILE)
+        return None
     m = _ID.fullmatch(name)
     if m is None or (m.group("file") is None and name.count("/") > 1):
         return None
@@ -98,6 +100,24 @@ def resolve_hub_model(name: str, revision: str | None = None,
                          f"({_first_line(e)})") from e
     except (errors.HfHubHTTPError, OSError) as e:
         raise ValueError(f"model {where} could not be downloaded: {_first_line(e)}") from e
+    except _transport_errors() as e:  # no network, DNS, refused, timed out
+        raise ValueError(f"model {where} is not in the local Hugging Face cache and the Hub "
+                         f"could not be reached ({_first_line(e)}); HF_HUB_OFFLINE=1 serves "
+                         "from the cache alone") from e
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The connection errors of the HTTP client huggingface_hub uses (httpx's, named httpx2
+    in some builds; requests' are OSErrors, caught above), none of which are OSErrors."""
+    import importlib
+
+    found = []
+    for module in ("httpx", "httpx2"):
+        try:
+            found.append(importlib.import_module(module).TransportError)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
 
 
 def _first_line(e: BaseException) -> str:
