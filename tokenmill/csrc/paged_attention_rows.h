@@ -89,9 +89,12 @@ static inline float exp_minus_max(float* s, float m, int64_t n) {
     total = total + e;
   }
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)
-  if (t < n) {  // the tail as one masked vector: a scalar expf per key cost 1/5 of a prefill
+  // The tail as one masked vector: a scalar expf per key cost 1/5 of a prefill's softmax. Its
+  // exp is the accurate one, as expf was: the 20-ulp exp_u20 there flipped SmolLM2's greedy
+  // answer on an fp8 cache (tests/engine/test_kv_cache_dtype.py).
+  if (t < n) {
     const __mmask16 k = static_cast<__mmask16>((1u << (n - t)) - 1);
-    const Vec e = (Vec(_mm512_maskz_loadu_ps(k, s + t)) - mv).exp_u20();
+    const Vec e = (Vec(_mm512_maskz_loadu_ps(k, s + t)) - mv).exp();
     _mm512_mask_storeu_ps(s + t, k, e);
     total = total + Vec(_mm512_maskz_mov_ps(k, e));
     t = n;
