@@ -127,9 +127,8 @@ def test_paged_matches_dense_for_mixed_step(backend, shape):
     bs, hq, hkv, d = shape
     cache, batch, q, k_new, v_new, full_k, full_v = build_step(bs, hq, hkv, d, MIXED)
     meta, out = run(backend, bs, cache, batch, q, k_new, v_new)
-    if backend == "cpu":  # decodes and short chunks go to the kernel, long chunks do not
-        assert meta.paged is not None and len(meta.prefills) == 1  # only (40, 20)
-        assert not meta.prefix_cascades  # no two sequences share blocks
+    if backend == "cpu":  # every query goes to the kernel, chunks of any length too
+        assert meta.paged.seq_rows.numel() == batch.num_tokens
     if backend == "triton":  # one launch of decode tiles, one of prefill tiles
         decode, chunks = meta.tiles
         assert decode.tile == 1 and decode.rows.tolist() == [0, 3, 4, 5, 10, 11]
@@ -144,14 +143,16 @@ def test_paged_matches_dense_for_mixed_step(backend, shape):
 
 @needs_kernel
 @pytest.mark.parametrize("num_decodes", [1, 3, 64])  # batch 1 splits work by head
-@pytest.mark.parametrize("consecutive", [False, True])  # prefix gathered / read as a view
+@pytest.mark.parametrize("consecutive", [False, True])  # shared block ids scattered / in order
 @pytest.mark.parametrize("members", ["decodes", "decodes+chunks"])
-def test_kernel_matches_torch_backend_with_prefix_cascade(num_decodes, consecutive, members):
+@pytest.mark.parametrize("invariant", [False, True])
+def test_kernel_matches_torch_backend_with_shared_prefix(num_decodes, consecutive, members,
+                                                         invariant):
+    """Decodes in shuffled length order, then 5 sequences sharing a 480-token cached prefix:
+    decodes only, or decodes with prefill chunks that start right after the prefix (480, 64),
+    later (520, 30), and a long one (500, 300). The kernel (whose work items read shared
+    blocks once for the rows sharing them) against the PyTorch backend and dense attention."""
     bs, hq, hkv, d = 16, 9, 3, 64
-    # Decodes in shuffled length order, then 5 sequences sharing a 480-token cached prefix:
-    # decodes only, or decodes with prefill chunks that start right after the prefix (480, 64),
-    # later (520, 30), and one whose own part is too big for the kernel (500, 300): it stays
-    # a PyTorch prefill outside the cascade.
     lens = [30 + 3 * i for i in range(num_decodes)]
     lens = lens[::2] + lens[1::2]
     sharing = ([(600 + i, 1) for i in range(5)] if members == "decodes"
@@ -161,15 +162,9 @@ def test_kernel_matches_torch_backend_with_prefix_cascade(num_decodes, consecuti
                       consecutive_shared=consecutive)
     cache, batch, q, k_new, v_new, full_k, full_v = step
     _, out_t = run("torch", bs, cache, batch, q, k_new, v_new)
-    meta_c, out_c = run("cpu", bs, cache, batch, q, k_new, v_new)
-    assert len(meta_c.prefix_cascades) == 1
-    cascade = meta_c.prefix_cascades[0]
-    assert cascade.shared_block_ids.numel() == 480 // bs
-    assert (cascade.shared_first_block is not None) == consecutive
-    in_cascade = sharing if members == "decodes" else sharing[:4]
-    assert cascade.queries.token_indices.numel() == sum(n for _, n in in_cascade)
-    assert len(meta_c.prefills) == (0 if members == "decodes" else 1)
-    assert meta_c.paged is not None
+    features = frozenset({"batch_invariant"}) if invariant else frozenset()
+    meta_c, out_c = run("cpu", bs, cache, batch, q, k_new, v_new, features=features)
+    assert meta_c.paged.seq_rows.numel() == batch.num_tokens
     torch.testing.assert_close(out_c, out_t, atol=1e-5, rtol=1e-5)
     for i in range(len(seqs)):
         s, e = batch.query_start_locs[i], batch.query_start_locs[i + 1]
@@ -300,6 +295,7 @@ def test_kernel_rows_sharing_cached_blocks_are_bitwise_the_same_alone(dtype):
     flat_v = v_cache.float().view(-1, hkv, d)
     for i in range(len(rows)):
         n = int(lens[i])
-        slots = (tables[rows[i]].repeat_interleave(bs) * bs + torch.arange(bs).repeat(tables.shape[1]))[:n]
+        slots = (tables[rows[i]].repeat_interleave(bs) * bs
+                 + torch.arange(bs).repeat(tables.shape[1]))[:n]
         ref = dense_reference(q[i:i + 1], flat_k[slots], flat_v[slots], d ** -0.5)
         torch.testing.assert_close(out[i:i + 1], ref, atol=1e-5, rtol=1e-5)

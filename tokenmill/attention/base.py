@@ -14,7 +14,7 @@ Contract:
   ("soft_cap": cap * tanh(score / cap), Gemma 2). A backend lists the variants it computes in
   `FEATURES` (an allow-list); `get_attention_backend` (registry.py) gives a model only a
   backend that lists every variant its layers use, and is told them at construction
-  (`features`: a windowed model plans no cascades, whose shared prefix could lie outside a
+  (`features`: e.g. a windowed model plans no cascades, whose shared prefix could lie outside a
   window).
 - Hooks for code outside the backends, instead of reading its metadata: `fused_decode_queries`
   (can this step go through the fused small-batch decode call, and with which queries) and

@@ -1,7 +1,7 @@
 """Cascade planning: which sequences of a step share leading cached blocks (a common prompt
-prefix under prefix caching), and whether attending those blocks once for all of them pays.
-One planner for every backend that cascades (torch_ref.py's decode groups, cpu_paged.py's
-prefix cascades); each passes its own `CascadePolicy`.
+prefix under prefix caching), and whether attending those blocks once for all of them pays,
+for torch_ref.py's decode groups (with its `CascadePolicy`). (The C++ kernel backend needs no
+plan: its work items read shared blocks once by themselves.)
 
 Invariant of a planned cascade: its k shared blocks lie wholly before every member's first
 query of the step (they are cached context), so each member still attends a non-empty part

@@ -1,6 +1,6 @@
 """AttentionMetadata: what every backend's per-step metadata has. Each backend subclasses it
 with what its own forward reads (torch_ref.py: decode groups and prefill sequences;
-cpu_paged.py: kernel queries and prefix cascades; triton_paged.py: query tiles) and builds it
+cpu_paged.py: the kernel's queries; triton_paged.py: query tiles) and builds it
 in `build_metadata`; code outside a backend reads only these fields, and asks the backend
 (AttentionBackend's hooks) for anything else.
 

@@ -41,6 +41,10 @@ def get_attention_backend(name: str, block_size: int, device: torch.device,
         if not features <= _backend_class(name).FEATURES:
             name = "torch"
     cls = _backend_class(name)
+    if name == "cpu" and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError(f"attention backend 'cpu' (the C++ kernel) computes float32 on CPU, "
+                         f"not {dtype} on {device.type}; use attention_backend='torch' or "
+                         "'auto'")
     if missing := features - cls.FEATURES:
         raise ValueError(f"attention backend {name!r} does not compute "
                          f"{', '.join(sorted(missing))}, which this model's layers use; "
