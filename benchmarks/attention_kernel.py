@@ -2,13 +2,14 @@
 against other versions of its source, timed interleaved in one process.
 
     python benchmarks/attention_kernel.py [--compare OLD_CSRC_DIR|OLD.cpp ...] [--reps 7]
-        [--kv-cache-dtype float32|bfloat16]
+        [--kv-cache-dtype float32|bfloat16] [--layers 8]
 
 SmolLM2's heads (9 query heads, 3 KV heads of 64), 16-token blocks scattered through a 200 MB
-pool (float32; 100 MB in bf16). Shapes: 64 decodes over 1,100 / 320 / 80 cached tokens, 64
-decodes' own 76 tokens after a cascade's shared prefix, one decode over 1,000 tokens (keys split
-across threads), 64 decodes over 1,100 tokens whose first 1,024 are the same blocks for all (a
-shared prefix, attended whole by the kernel, as in batch-invariant mode), and prefill chunks
+pool (float32; 100 MB in bf16), one per --layers (the calls cycle through them). Shapes: 64
+decodes over 1,100 / 320 / 80 cached tokens, 64 decodes' own 76 tokens after a cascade's
+shared prefix, one decode over 1,000 tokens (keys split across threads), 64 decodes over
+1,100 tokens whose first 1,024 are the same blocks for all (a shared prefix, attended whole by
+the kernel, as in batch-invariant mode), and prefill chunks
 (8 sequences of 256 queries, 2 of 512, each query attending its sequence up to itself).
 Each version is built under its own module name: another checkout's csrc folder
 (`git archive REV tokenmill/csrc | tar -x -C /tmp/old` gives /tmp/old/tokenmill/csrc) or a
@@ -92,6 +93,10 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--calls", type=int, default=10, help="calls per timing")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="caches (layers) the calls cycle through: with 8, a case's K/V no "
+                         "longer fit the last-level cache and are read from memory, as in a "
+                         "model's step")
     args = ap.parse_args()
     versions = {"current": version(str(CSRC))}
     versions.update({os.path.basename(os.path.normpath(p)): version(p) for p in args.compare})
@@ -100,17 +105,24 @@ def main() -> None:
     num_blocks, bs, hkv, d, hq = 8000, 16, 3, 64, 9
     dtype = getattr(torch, args.kv_cache_dtype)
     gen = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype)
+    caches = [(torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype),
+               torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype))
+              for _ in range(args.layers)]
     print(describe_machine())
-    print(f"{args.kv_cache_dtype} cache; median ms per call")
+    print(f"{args.kv_cache_dtype} cache, {args.layers} layer(s); median ms per call")
     print(f"{'rows x keys':<22}" + "".join(f"{n:>16}" for n in ops))
     for label, (rows, tables, seq_rows, starts, lens) in cases(gen, num_blocks, bs):
-        args_ = (torch.randn(rows, hq, d, generator=gen), k_cache, v_cache, tables, seq_rows,
-                 starts, lens, d ** -0.5, None, 0.0, 512)  # split_keys: the engine's default
-        times = alternate({name: lambda op=op, a=args_: op(*a) for name, op in ops.items()},
+        q = torch.randn(rows, hq, d, generator=gen)
+        rest = (tables, seq_rows, starts, lens, d ** -0.5, None, 0.0, 512)  # split_keys 512
+
+        def every_layer(op, q=q, rest=rest):
+            for k_cache, v_cache in caches:
+                op(q, k_cache, v_cache, *rest)
+
+        times = alternate({name: lambda op=op: every_layer(op) for name, op in ops.items()},
                           args.reps, args.calls)
-        print(f"{label:<22}" + "".join(f"{t * 1e3:>16.3f}" for t in times.values()))
+        print(f"{label:<22}" + "".join(f"{t * 1e3 / args.layers:>16.3f}"
+                                        for t in times.values()))
 
 
 if __name__ == "__main__":
