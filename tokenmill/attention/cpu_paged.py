@@ -27,7 +27,7 @@ no attention code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,14 +52,17 @@ class PagedQueries:
     # > 0: keys cut at its multiples, whatever the step; 0: the kernel balances the call's
     # work over the threads
     split_keys: int = SPLIT_KEYS
+    # window → (T,) first attended token, built by the first layer with that window
+    _first: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def first_keys(self, window: int | None) -> torch.Tensor:
         """(T,) each query's first attended cached token: 0, or with a sliding window its
         last `window` positions ([ctx - window, ctx), as transformers' mask: keys > its
         position - window). The fused decode call (models/cpu_decode.py) passes these too."""
-        if window is None:
-            return torch.zeros_like(self.ctx_lens)
-        return (self.ctx_lens - window).clamp_min(0)
+        if window not in self._first:
+            self._first[window] = (torch.zeros_like(self.ctx_lens) if window is None
+                                   else (self.ctx_lens - window).clamp_min(0))
+        return self._first[window]
 
 
 @dataclass

@@ -88,8 +88,8 @@ static inline bool same_keys(const PagedArgs& a, const RowState& x, const RowSta
 // run's tiles are read once for all of its rows.
 static void attend_runs(const PagedArgs& a, PagedScratch& s, const std::vector<RowState>& rows,
                         int64_t h0, int64_t heads, int64_t k0) {
-  std::vector<char> taken(rows.size(), 0);
-  std::vector<RowState> run;
+  char taken[kGroupRows] = {};
+  std::vector<RowState>& run = s.run;
   for (size_t i = 0; i < rows.size(); ++i) {
     if (taken[i]) continue;
     run.assign(1, rows[i]);

@@ -31,16 +31,24 @@ constexpr int64_t kTileKeys = 64;  // keys of a tile of the online softmax
 static_assert(kTileKeys == attention_keys_t::kTileKeys, "one tile size");
 #endif
 
+// One query row's share of a group walking the same keys (attend_keys): its row, its keys'
+// end and its softmax state (acc (heads G, D) unnormalised, mx and sum per query head).
+struct RowState {
+  int64_t n, k1;
+  float *acc, *mx, *sum;
+};
+
 // Per-thread buffers of an item covering `heads` KV heads (G query heads each).
 struct PagedScratch {
   std::vector<float> scores, kbuf, vbuf, corr, kT;
   std::vector<const float*> krows, vrows;
   std::vector<const uint16_t*> kraw;  // keys_t: a tile's bf16 K rows of one head
   std::vector<int64_t> key_rows;      // keys_t: each key's first row (head h0) in the cache
+  std::vector<RowState> run;          // attend_runs: the rows of one run
   PagedScratch(const PagedArgs& a, int64_t heads, int64_t tile)
-      : scores(heads * a.G * tile), corr(heads * a.G),
+      : scores(heads * a.G * tile),
         kbuf(a.fmt == KVFormat::kFloat32 || a.keys_t ? 0 : tile * heads * a.D),
-        vbuf(a.fmt == KVFormat::kFloat32 ? 0 : tile * heads * a.D),
+        vbuf(a.fmt == KVFormat::kFloat32 ? 0 : tile * heads * a.D), corr(heads * a.G),
         kT(a.keys_t ? heads * a.D * tile : 0), krows(tile), vrows(tile), kraw(tile),
         key_rows(tile) {}
 };
@@ -65,12 +73,6 @@ static inline void prefetch_first_tile(const PagedArgs& a, int64_t n, int64_t k0
     prefetch_row(a, (table[k / a.bs] * a.bs + k % a.bs) * a.Hkv + h0, heads);
 }
 
-// One query row's share of a group walking the same keys (attend_keys): its row, its keys'
-// end and its softmax state (acc (heads G, D) unnormalised, mx and sum per query head).
-struct RowState {
-  int64_t n, k1;
-  float *acc, *mx, *sum;
-};
 
 // One tile's `keys` keys (rows in s.krows / s.vrows) for one query row: scores, the online
 // softmax's rescale, the weighted sum of V.
