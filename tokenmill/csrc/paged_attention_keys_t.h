@@ -75,11 +75,11 @@ static inline void widen_keys_t(const uint16_t* const* rows, int64_t keys, float
   }
 }
 
-// scores[g * stride + i] = scale * <q_g, k_i> for the G query heads g of one KV head (q_g =
+// scores[g * own + i] = scale * <q_g, k_i> for the G query heads g of one KV head (q_g =
 // q + g * 64) and keys i < own (own <= 16 NV), k_i = column i of kT (64, 64).
 template <int G, int NV>
 static void score_keys_t(const float* q, const float* kT, float scale, int64_t own,
-                         int64_t stride, float* scores) {
+                         float* scores) {
   __m512 acc[G][NV];
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_setzero_ps();
@@ -97,18 +97,18 @@ static void score_keys_t(const float* q, const float* kT, float scale, int64_t o
       const int64_t left = own - 16 * v;
       if (left <= 0) break;
       const __mmask16 m = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-      _mm512_mask_storeu_ps(scores + g * stride + 16 * v, m, _mm512_mul_ps(sv, acc[g][v]));
+      _mm512_mask_storeu_ps(scores + g * own + 16 * v, m, _mm512_mul_ps(sv, acc[g][v]));
     }
 }
 
 template <int G>
 static void score_keys_t_any(const float* q, const float* kT, float scale, int64_t own,
-                             int64_t stride, float* scores) {
+                             float* scores) {
   switch ((own + 15) / 16) {
-    case 1: return score_keys_t<G, 1>(q, kT, scale, own, stride, scores);
-    case 2: return score_keys_t<G, 2>(q, kT, scale, own, stride, scores);
-    case 3: return score_keys_t<G, 3>(q, kT, scale, own, stride, scores);
-    default: return score_keys_t<G, 4>(q, kT, scale, own, stride, scores);
+    case 1: return score_keys_t<G, 1>(q, kT, scale, own, scores);
+    case 2: return score_keys_t<G, 2>(q, kT, scale, own, scores);
+    case 3: return score_keys_t<G, 3>(q, kT, scale, own, scores);
+    default: return score_keys_t<G, 4>(q, kT, scale, own, scores);
   }
 }
 
@@ -119,14 +119,14 @@ static inline bool applies(bool bf16, int64_t D, int64_t G) {
 
 // The scores of one KV head's G query heads (see score_keys_t); G as `applies` allows.
 static inline void score_group_t(int64_t G, const float* q, const float* kT, float scale,
-                                 int64_t own, int64_t stride, float* scores) {
+                                 int64_t own, float* scores) {
   switch (G) {
-    case 1: return score_keys_t_any<1>(q, kT, scale, own, stride, scores);
-    case 2: return score_keys_t_any<2>(q, kT, scale, own, stride, scores);
-    case 3: return score_keys_t_any<3>(q, kT, scale, own, stride, scores);
-    case 4: return score_keys_t_any<4>(q, kT, scale, own, stride, scores);
-    case 5: return score_keys_t_any<5>(q, kT, scale, own, stride, scores);
-    default: return score_keys_t_any<6>(q, kT, scale, own, stride, scores);
+    case 1: return score_keys_t_any<1>(q, kT, scale, own, scores);
+    case 2: return score_keys_t_any<2>(q, kT, scale, own, scores);
+    case 3: return score_keys_t_any<3>(q, kT, scale, own, scores);
+    case 4: return score_keys_t_any<4>(q, kT, scale, own, scores);
+    case 5: return score_keys_t_any<5>(q, kT, scale, own, scores);
+    default: return score_keys_t_any<6>(q, kT, scale, own, scores);
   }
 }
 

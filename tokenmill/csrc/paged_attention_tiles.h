@@ -84,8 +84,8 @@ static void attend_tile(const PagedArgs& a, PagedScratch& s, const RowState& row
 #ifdef TM_ATTENTION_KEYS_T
   if (a.keys_t) {
     for (int64_t h = 0; h < heads; ++h)
-      attention_keys_t::score_group_t(a.G, qn + h * a.G * D, s.kT.data() + h * D * kTileKeys, a.scale,
-                                      keys, keys, s.scores.data() + h * a.G * keys);
+      attention_keys_t::score_group_t(a.G, qn + h * a.G * D, s.kT.data() + h * D * kTileKeys,
+                                      a.scale, keys, s.scores.data() + h * a.G * keys);
   } else
 #endif
   score_keys_any(qn, s.krows.data(), heads, keys, a.G, D, a.scale, s.scores.data());

@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 from dataclasses import dataclass
@@ -109,8 +110,6 @@ def resolve_hub_model(name: str, revision: str | None = None,
 def _transport_errors() -> tuple[type[BaseException], ...]:
     """The connection errors of the HTTP client huggingface_hub uses (httpx's, named httpx2
     in some builds; requests' are OSErrors, caught above), none of which are OSErrors."""
-    import importlib
-
     found = []
     for module in ("httpx", "httpx2"):
         try:
