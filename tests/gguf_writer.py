@@ -95,11 +95,11 @@ def _block_tensor(writer, name: str, data: np.ndarray,
 
 def _raw_blocks(name: str, data: np.ndarray, block_type: str, seed: int = 0) -> np.ndarray:
     """A matrix as raw blocks of `block_type`: quantized by the gguf package, or random blocks
-    for the K-quants (which it cannot quantize)."""
+    for the K-quants and IQ4 types (which it cannot quantize)."""
     import gguf
     from gguf import quants
 
-    if block_type.endswith("_K"):
+    if block_type.endswith("_K") or block_type.startswith("IQ"):
         return random_blocks(block_type, *data.shape, seed=len(name) + data.shape[0] + seed)
     return quants.quantize(data, gguf.GGMLQuantizationType[block_type])
 

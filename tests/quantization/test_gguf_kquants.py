@@ -1,5 +1,6 @@
-"""GGUF Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K served from the file's own blocks, read in place
-(csrc/linear_gguf.h): every weight bit for bit as the gguf package dequantizes it. Products:
+"""GGUF Q5_0 / Q5_1 / IQ4_NL and the K-quants Q2_K .. Q6_K / IQ4_XS served from the file's
+own blocks, read in place (csrc/linear_gguf.h): every weight bit for bit as the gguf package
+dequantizes it. Products:
 on the SIMD builds the activations are rounded to int16 per 256 values (per 32 where K is not
 a multiple of 256) and meet the blocks in integers (csrc/linear_gguf_rows.h); the portable
 build multiplies exact float32 (the dot kernels); the AVX-512 VNNI build widens the blocks to
@@ -30,7 +31,7 @@ from tokenmill.quantization.gguf import GGUF_TYPES
 from tokenmill.utils.cpp_extension import runnable_isas
 
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
-RAW_TYPES = ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+RAW_TYPES = ["Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
 
 
 def kernel_of(type_name: str, rows: int, cols: int, seed: int = 0) -> CPULinearKernel:
@@ -95,17 +96,28 @@ def test_products_are_the_dequantized_weights_times_the_rounded_activations(
         assert 1e-7 < relative < 1e-4, relative
 
 
-def test_q6_k_sums_at_their_bound_do_not_overflow(ops):
-    """Q6_K's largest products, x constant (every x16 = +-32767) and every scale -128: W row 0
-    with every q at 0 (weight -32 sc), row 1 at 63 (31 sc). The VNNI kernel's int32 lanes
-    then hold up to 16 * 4096 * 32767, just under 2^31; with q not shifted by its zero point
-    first, row 1's 16 * 63 * 128 * 32767 would wrap."""
-    raw = random_blocks("Q6_K", 3, 512, seed=5)
-    blocks = raw.reshape(3, 2, 210)
-    blocks[0, :, :192] = 0  # q = 0
-    blocks[1, :, :192] = 0xFF  # q = 63
-    blocks[:, :, 192:208] = 0x80  # int8 scales -128
-    kernel = CPULinearKernel(GGUF_TYPES["Q6_K"].kind, 32, (torch.from_numpy(raw),))
+# Each kind's largest int16 weights (VNNI kernel: sub-block scale times value): bytes of
+# W row 0 set to `low`, of row 1 to `high`, the scale bytes to `scale` (each slice of a block).
+EXTREMES = {
+    # q = 0 (weight -32 sc) and 63 (31 sc), every int8 scale -128: with q not shifted by its
+    # zero point first, row 1's 16 * 63 * 128 * 32767 would wrap
+    "Q6_K": (slice(0, 192), 0x00, 0xFF, slice(192, 208), 0x80),
+    # levels -127 and 113, every 6-bit scale 0 (sc - 32 = -32)
+    "IQ4_XS": (slice(8, 136), 0x00, 0xFF, slice(2, 8), 0x00),
+}
+
+
+@pytest.mark.parametrize("type_name", list(EXTREMES))
+def test_sums_at_their_bound_do_not_overflow(ops, type_name):
+    """x constant (every x16 = +-32767) against the kind's largest weights: the VNNI kernel's
+    int32 lanes then hold up to 16 * 4096 * 32767, just under 2^31."""
+    values, low, high, scales, scale = EXTREMES[type_name]
+    raw = random_blocks(type_name, 3, 512, seed=5)
+    blocks = raw.reshape(3, 2, GGUF_TYPES[type_name].nbytes)
+    blocks[0, :, values] = low
+    blocks[1, :, values] = high
+    blocks[:, :, scales] = scale
+    kernel = CPULinearKernel(GGUF_TYPES[type_name].kind, 32, (torch.from_numpy(raw),))
     x = torch.full((2, 512), 0.75)
     x[1] = -0.75
     bias = torch.zeros(3)
@@ -129,33 +141,39 @@ def test_a_merged_layer_of_mixed_types_is_its_parts_side_by_side():
 
 
 # A Q4_K_M-like file: q and k in Q4_K, v in Q6_K (a mixed qkv), o in Q5_K, gate in Q5_0 and
-# up in Q5_1 (a mixed gate_up), down in Q4_K, the tied embedding in Q6_K.
-KQUANT_FILE = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K",
-               "ffn_gate": "Q5_0", "ffn_up": "Q5_1", "ffn_down": "Q4_K", "token_embd": "Q6_K"}
+# up in Q5_1 (a mixed gate_up), down in Q4_K, the tied embedding in Q6_K. A Q2_K-like one:
+# the low-bit K-quants and IQ4 in the same places.
+KQUANT_FILES = {
+    "Q4_K_M": {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K",
+               "ffn_gate": "Q5_0", "ffn_up": "Q5_1", "ffn_down": "Q4_K", "token_embd": "Q6_K"},
+    "Q2_K": {"attn_q": "Q2_K", "attn_k": "Q2_K", "attn_v": "Q3_K", "attn_output": "IQ4_XS",
+             "ffn_gate": "IQ4_NL", "ffn_up": "Q2_K", "ffn_down": "Q3_K", "token_embd": "IQ4_XS"},
+}
 
 
-@pytest.fixture(scope="module")
-def kquant_file(tmp_path_factory, tiny_model, smollm2_path):
+@pytest.fixture(scope="module", params=list(KQUANT_FILES))
+def kquant_file(request, tmp_path_factory, tiny_model, smollm2_path):
     folder, hf = tiny_model("llama-256")
-    path = tmp_path_factory.mktemp("kquant") / "tiny-Q4_K_M.gguf"
-    write_gguf("llama", folder, hf, smollm2_path, path, KQUANT_FILE)
-    return str(path)
+    path = tmp_path_factory.mktemp("kquant") / f"tiny-{request.param}.gguf"
+    write_gguf("llama", folder, hf, smollm2_path, path, KQUANT_FILES[request.param])
+    return str(path), KQUANT_FILES[request.param]
 
 
 def test_a_kquant_model_serves_its_blocks_by_default_like_its_float32_expansion(
         kquant_file, monkeypatch):
     prompts = [[1, 504, 3458, 282, 4649, 314], list(range(2000, 2040))]
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
-    native = LLM(kquant_file, max_model_len=256, num_kv_blocks=64)
+    path, types = kquant_file
+    native = LLM(path, max_model_len=256, num_kv_blocks=64)
     assert native.engine.config.model.quantization == "gguf"  # the default for these types
     model = native.engine.runner.model
     qkv = model.model.layers[0].self_attn.qkv_proj
     kernel = qkv.quant_method.cpu_kernel(qkv)
-    assert kernel.kind == CPULinearKernel.PARTS  # Q4_K q, k and Q6_K v, each in place
-    assert [row[0] for row in kernel.tensors[0].tolist()] == [CPULinearKernel.Q4_K] * 2 + [
-        CPULinearKernel.Q6_K]
+    assert kernel.kind == CPULinearKernel.PARTS  # q, k and a v of another type, in place
+    assert [row[0] for row in kernel.tensors[0].tolist()] == [
+        GGUF_TYPES[types[t]].kind for t in ("attn_q", "attn_k", "attn_v")]
     held = sum(p.numel() * p.element_size() for p in model.parameters())
-    stored = sum(t.n_bytes for t in gguf.GGUFReader(kquant_file).tensors)
+    stored = sum(t.n_bytes for t in gguf.GGUFReader(path).tensors)
     assert held <= stored * 1.01  # the file's blocks, no float copy
     calls: list[int] = []
     real_op = cpu_decode._decode_layers_op()
@@ -164,7 +182,7 @@ def test_a_kquant_model_serves_its_blocks_by_default_like_its_float32_expansion(
     outs = native.generate(prompts, params, use_tqdm=False)
     assert calls  # decode steps went through the fused call with the GGUF kernels
     assert_kv_all_free(native.engine)
-    dense = LLM(kquant_file, quantization="none", max_model_len=256, num_kv_blocks=64)
+    dense = LLM(path, quantization="none", max_model_len=256, num_kv_blocks=64)
     expected = dense.generate(prompts, params, use_tqdm=False)
     exact = cpu_ops.gguf_activation_block(256) is None  # the portable build: bitwise
     for got, want in zip(outs, expected, strict=True):
@@ -181,4 +199,4 @@ def test_a_kquant_model_serves_its_blocks_by_default_like_its_float32_expansion(
 
 def test_int8_activations_are_refused_for_kquants(kquant_file):
     with pytest.raises(ValueError, match="int8_activations is not implemented for GGUF"):
-        LLM(kquant_file, quantization="gguf", int8_activations=True, max_model_len=64)
+        LLM(kquant_file[0], quantization="gguf", int8_activations=True, max_model_len=64)

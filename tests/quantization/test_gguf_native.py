@@ -59,9 +59,10 @@ def test_unsupported_tensor_types_are_named(monkeypatch, smollm2_path):
 
     real = gguf_loader.gguf_tensor_types
     monkeypatch.setattr(gguf_loader, "gguf_tensor_types", lambda path: {
-        **real(path), "model.layers.0.mlp.down_proj.weight": "Q2_K"})
-    with pytest.raises(ValueError, match="Q2_K cannot be served natively.*Q8_0, Q4_1, Q4_0, "
-                                         "Q5_0, Q5_1, Q4_K, Q5_K, Q6_K"):
+        **real(path), "model.layers.0.mlp.down_proj.weight": "IQ2_XXS"})
+    with pytest.raises(ValueError, match="IQ2_XXS cannot be served natively.*Q8_0, Q4_1, "
+                                         "Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, "
+                                         "IQ4_XS, IQ4_NL"):
         LLM(smollm2_path, quantization="gguf", max_model_len=64)
 
 
@@ -91,5 +92,5 @@ def test_default_is_only_a_default(monkeypatch, smollm2_path, tiny_model):
     assert engine_config(tiny_model("llama")[0]).model.quantization is None
     real = gguf_loader.gguf_tensor_types
     monkeypatch.setattr(gguf_loader, "gguf_tensor_types", lambda path: {
-        **real(path), "model.layers.0.mlp.down_proj.weight": "IQ4_XS"})
+        **real(path), "model.layers.0.mlp.down_proj.weight": "IQ3_XXS"})
     assert engine_config(smollm2_path, device="cpu").model.quantization is None

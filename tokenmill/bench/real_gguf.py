@@ -41,7 +41,8 @@ EXPERTS = {"moe": (64, 8)}  # experts, used per token
 # Where the fp16 scales of each block type sit, and a scale that gives weights of about
 # N(0, 0.02)'s magnitude (random_blocks)
 _F16_FIELDS = {"Q5_0": {0: 2e-3}, "Q5_1": {0: 1e-3, 2: -16e-3}, "Q4_K": {0: 4e-5, 2: 4e-5},
-               "Q5_K": {0: 2e-5, 2: 2e-5}, "Q6_K": {208: 1e-5}}
+               "Q5_K": {0: 2e-5, 2: 2e-5}, "Q6_K": {208: 1e-5}, "Q3_K": {108: 4e-4},
+               "Q2_K": {80: 1e-3, 82: 1e-3}, "IQ4_XS": {0: 1e-5}, "IQ4_NL": {0: 2e-4}}
 RANDOM_BLOCK_TYPES = tuple(_F16_FIELDS)
 
 

@@ -13,7 +13,8 @@
 //           Within each 32 weights (16 bytes), byte j holds weight j in its low nibble and
 //           weight j + 16 in its high nibble: llama.cpp's Q4_0 / Q4_1 block order, so GGUF
 //           blocks are used bit for bit. G is a multiple of 32 (GGUF 32, AWQ / GPTQ 128).
-//   kind 3-7 GGUF Q5_0, Q5_1, Q4_K, Q5_K, Q6_K as the file stores them:
+//   kind 3-7, 11-14 GGUF Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS, IQ4_NL as the
+//                              file stores them:
 //                              tensors = {raw block rows (N, K / QK * block bytes) uint8}
 //                              (linear_gguf.h); at every M, the integer row kernels of
 //                              linear_gguf_rows.h (x rounded to int16) on AVX2 builds,
@@ -30,7 +31,7 @@
 //                              by side
 //
 // How a call multiplies (`choose_path`):
-// - GGUF block kinds (3-7), whatever the mode: one kernel at every M (above), so a row's
+// - GGUF block kinds (3-7, 11-14), whatever the mode: one kernel at every M (above), so a row's
 //   result never depends on M.
 // - batch-invariant (the engine's default on CPU): every row of y is summed in one order
 //   whatever M is. Dense weights and quantized weights with float activations take the dot

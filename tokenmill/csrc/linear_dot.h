@@ -137,11 +137,10 @@ static inline void with_block_kind(int64_t kind, F&& f) {
   switch (kind) {
     case 1: return f(std::integral_constant<int, 1>{});
     case 2: return f(std::integral_constant<int, 2>{});
-    case gguf_blocks::kQ5_0: return f(std::integral_constant<int, gguf_blocks::kQ5_0>{});
-    case gguf_blocks::kQ5_1: return f(std::integral_constant<int, gguf_blocks::kQ5_1>{});
-    case gguf_blocks::kQ4_K: return f(std::integral_constant<int, gguf_blocks::kQ4_K>{});
-    case gguf_blocks::kQ5_K: return f(std::integral_constant<int, gguf_blocks::kQ5_K>{});
-    case gguf_blocks::kQ6_K: return f(std::integral_constant<int, gguf_blocks::kQ6_K>{});
+#define TM_GGUF_CASE(k) \
+  case gguf_blocks::k: return f(std::integral_constant<int, gguf_blocks::k>{});
+    TM_GGUF_KINDS(TM_GGUF_CASE)
+#undef TM_GGUF_CASE
     case half_rows::kBF16: return f(std::integral_constant<int, half_rows::kBF16>{});
     case half_rows::kF16: return f(std::integral_constant<int, half_rows::kF16>{});
     default: TORCH_CHECK(false, "no dot kernel for weight kind ", kind);
@@ -312,11 +311,10 @@ static inline void tile(const float* x, const WeightRows& w, const float* dense,
     switch (w.kind) {
       case 1: quant_tile<1, MR, NR>(x, w.K, w, n0, acc); break;
       case 2: quant_tile<2, MR, NR>(x, w.K, w, n0, acc); break;
-      case gguf_blocks::kQ5_0: quant_tile<gguf_blocks::kQ5_0, MR, NR>(x, w.K, w, n0, acc); break;
-      case gguf_blocks::kQ5_1: quant_tile<gguf_blocks::kQ5_1, MR, NR>(x, w.K, w, n0, acc); break;
-      case gguf_blocks::kQ4_K: quant_tile<gguf_blocks::kQ4_K, MR, NR>(x, w.K, w, n0, acc); break;
-      case gguf_blocks::kQ5_K: quant_tile<gguf_blocks::kQ5_K, MR, NR>(x, w.K, w, n0, acc); break;
-      case gguf_blocks::kQ6_K: quant_tile<gguf_blocks::kQ6_K, MR, NR>(x, w.K, w, n0, acc); break;
+#define TM_GGUF_CASE(k) \
+  case gguf_blocks::k: quant_tile<gguf_blocks::k, MR, NR>(x, w.K, w, n0, acc); break;
+      TM_GGUF_KINDS(TM_GGUF_CASE)
+#undef TM_GGUF_CASE
       case half_rows::kBF16: quant_tile<half_rows::kBF16, MR, NR>(x, w.K, w, n0, acc); break;
       default: quant_tile<half_rows::kF16, MR, NR>(x, w.K, w, n0, acc); break;
     }

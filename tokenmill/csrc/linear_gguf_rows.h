@@ -1,4 +1,4 @@
-// Products of GGUF block weights (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, read in place: linear_gguf.h)
+// Products of GGUF block weights (every kind of linear_gguf.h, read in place)
 // with float activations rounded to int16, on the SIMD builds (AVX2; AVX-512 builds run the
 // same 256-bit code), at every M. Included by linear_cpu.h, which dispatches to it.
 //
@@ -19,6 +19,13 @@
 //   Q5_1:         y += dx (d_b sum_j q_j x16_j + m_b S32_b)
 //   Q4_K, Q5_K:   y += dx (d sum_s sc_s sum_j q_j x16_j - dmin sum_s mn_s S32_s)
 //   Q6_K:         y += dx d (sum_h sc_h sum_j q_j x16_j - 32 sum_h sc_h S16_h)   (h: 16 weights)
+//   Q3_K:         the same with sc_h - 32 for sc_h and 4 for 32
+//   Q2_K:         y += dx (d sum_h sc_h sum_j q_j x16_j - dmin sum_h mn_h S16_h)
+//   IQ4_NL:       y += dx d_b (sum_j v_j x16_j)
+//   IQ4_XS:       y += dx d sum_s (sc_s - 32) (sum_j v_j x16_j)
+// IQ4's levels v (int8, up to 127 in magnitude) would overflow vpmaddubsw's pair sums, so
+// they and x16 are widened to int16 for vpmaddwd (levels_madd), each sub-block's int32 sum
+// converted to float before its scale.
 //
 // That is y = W x^ exactly up to float32 rounding, x^ = dx x16 the rounded activations, W the
 // gguf package's dequantization (the same block_values and scales as the float kernels). The
@@ -145,20 +152,61 @@ static TM_GGUF_INLINE __m256 joined(__m256i ih, __m256i il) {
 // The scales of a K-quant super-block, as the products take them: int16 lanes that one
 // vpshufb per sub-block spreads over a vector (pair_scale), and the mins as floats.
 struct SuperScales {
-  __m256i lo, hi;  // Q4_K / Q5_K: the 8 scales in each 128-bit half of lo; Q6_K: the 16
-                   // half-sub-block scales, 0..7 in both halves of lo, 8..15 of hi
-  __m256 mins;     // Q4_K / Q5_K: the 8 mins
+  __m256i lo, hi;  // Q4_K / Q5_K: the 8 scales in each 128-bit half of lo; per16 kinds: the
+                   // 16 half-sub-block scales, 0..7 in both halves of lo, 8..15 of hi
+  __m256 mins;     // Q4_K / Q5_K: the 8 mins times -dmin
+  __m256 off16[2];  // per16 kinds: what each 16 weights' S16 adds (16 floats; -zero d sc, or
+                    // Q2_K's -dmin mn)
 };
 
+// Lanes 0..7 of an int16 vector as floats.
+static TM_GGUF_INLINE __m256 low_floats(__m256i v) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(v)));
+}
+
+// The 16 int8 scales of a per16 kind as SuperScales' lo / hi, and their offsets' factors
+// (times `by`, -zero d).
+static TM_GGUF_INLINE void scales16(__m128i sc, float by, SuperScales& r) {
+  r.lo = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
+  r.hi = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_unpackhi_epi64(sc, sc)));
+  r.off16[0] = _mm256_mul_ps(low_floats(r.lo), _mm256_set1_ps(by));
+  r.off16[1] = _mm256_mul_ps(low_floats(r.hi), _mm256_set1_ps(by));
+}
+
 // Q4_K / Q5_K: llama.cpp's unpacking of the 12 packed bytes of 6-bit (scale, min) pairs
-// (scale_min in linear_gguf.h reads the same bits one at a time). Q6_K: its 16 int8 scales.
+// (scale_min in linear_gguf.h reads the same bits one at a time). Q6_K: its 16 int8 scales;
+// Q3_K its 16 6-bit ones (q3_k_scales) less 32; Q2_K its 16 (scale, min) nibble pairs.
 template <int64_t KIND>
 static TM_GGUF_INLINE SuperScales superblock_scales(const uint8_t* p) {
   SuperScales r{};
   if constexpr (KIND == kQ6_K) {
-    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
-    r.lo = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
-    r.hi = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_unpackhi_epi64(sc, sc)));
+    scales16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)), -32.f * half_at(p + 208),
+             r);
+    return r;
+  } else if constexpr (KIND == kQ3_K) {
+    // q3_k_scales in registers (through memory, its 16 bytes stalled the load that read
+    // them back): the low nibbles of bytes 0..7, then their high nibbles; scale i's high
+    // bits from byte 8 + i % 4 (the word repeated), shifted by 2 (i / 4)
+    const __m128i low8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 96));
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(low8, nib),
+                                           _mm_and_si128(_mm_srli_epi16(low8, 4), nib));
+    uint32_t h;
+    std::memcpy(&h, p + 104, 4);
+    const __m128i high = _mm_srlv_epi32(_mm_set1_epi32(static_cast<int>(h)),
+                                        _mm_setr_epi32(0, 2, 4, 6));
+    const __m128i sc = _mm_or_si128(low, _mm_slli_epi16(_mm_and_si128(high, _mm_set1_epi8(3)), 4));
+    scales16(_mm_sub_epi8(sc, _mm_set1_epi8(32)), -4.f * half_at(p + 108), r);
+    return r;
+  } else if constexpr (KIND == kQ2_K) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    scales16(_mm_and_si128(b, nib), 0.f, r);
+    const __m128i mn = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+    const __m256 by = _mm256_set1_ps(-half_at(p + 82));
+    r.off16[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)), by);
+    r.off16[1] = _mm256_mul_ps(
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(mn, mn))), by);
     return r;
   }
   constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
@@ -169,7 +217,8 @@ static TM_GGUF_INLINE SuperScales superblock_scales(const uint8_t* p) {
   const __m128i v = _mm_setr_epi32(static_cast<int>(u[0] & k6), static_cast<int>(scales_hi),
                                    static_cast<int>(u[1] & k6), static_cast<int>(mins_hi));
   r.lo = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(v));
-  r.mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(v, v)));
+  r.mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(v, v))),
+                         _mm256_set1_ps(-half_at(p + 2)));
   return r;
 }
 
@@ -181,19 +230,26 @@ static TM_GGUF_INLINE __m256i lane_spread(int a, int b) {
   return _mm256_set_m128i(hi, lo);
 }
 
-// Sub-block s's scale for each int16 pair of its products: Q4_K / Q5_K one scale; Q6_K one
-// per 16 weights (pairs 0..7, 8..15).
+// Sub-block s's scale for each int16 pair of its products: Q4_K / Q5_K one scale; per16
+// kinds one per 16 weights (pairs 0..7, 8..15).
 template <int64_t KIND>
 static TM_GGUF_INLINE __m256i pair_scale(const SuperScales& sc, int s) {
-  if constexpr (KIND == kQ6_K)
+  if constexpr (per16(KIND))
     return _mm256_shuffle_epi8(s < 4 ? sc.lo : sc.hi, lane_spread((2 * s) % 8, (2 * s + 1) % 8));
   else
     return _mm256_shuffle_epi8(sc.lo, lane_spread(s, s));
 }
 
-// Lanes 0..7 of an int16 vector as floats.
-static TM_GGUF_INLINE __m256 low_floats(__m256i v) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(v)));
+// IQ4: sum_j v_j x16_j of 32 weights in 8 int32 lanes, v (signed int8 levels) and x16 (its
+// bytes rejoined: lo + 256 hi) widened to int16 in the same in-lane order; a lane's four
+// products stay under 4 * 127 * 32767.
+static TM_GGUF_INLINE __m256i levels_madd(__m256i v, const int8_t* hi, const uint8_t* lo) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi));
+  const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo));
+  const __m256i sign = _mm256_cmpgt_epi8(_mm256_setzero_si256(), v);
+  const __m256i a = _mm256_madd_epi16(_mm256_unpacklo_epi8(v, sign), _mm256_unpacklo_epi8(l, h));
+  const __m256i b = _mm256_madd_epi16(_mm256_unpackhi_epi8(v, sign), _mm256_unpackhi_epi8(l, h));
+  return _mm256_add_epi32(a, b);
 }
 
 // When x is a single group of rows (a decode step), W is read once, as one stream (its rows
@@ -207,7 +263,8 @@ static TM_GGUF_INLINE void prefetch_ahead(const uint8_t* p, int64_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + off), _MM_HINT_T0);
 }
 
-// Block b of a 32-weight-block kind (Q5_0, Q5_1) times M rows of x, into acc and offset.
+// Block b of a 32-weight-block kind (Q5_0, Q5_1, IQ4_NL) times M rows of x, into acc and
+// offset.
 template <int64_t KIND, int M>
 static TM_GGUF_INLINE void small_block(const uint8_t* row, const RowsX& x, int64_t b,
                                        __m256 (&acc)[M], float (&offset)[M], bool stream) {
@@ -216,18 +273,21 @@ static TM_GGUF_INLINE void small_block(const uint8_t* row, const RowsX& x, int64
   const __m256i q = block_values<KIND>(p, 0);
   const float d = half_at(p);
   // Q5_0: the zero point's part, -16 d S32; Q5_1: the offset's, m S32
-  const float per_sum = KIND == kQ5_0 ? -16.f * d : half_at(p + 2);
+  const float per_sum = KIND == kQ5_0 ? -16.f * d : KIND == kQ5_1 ? half_at(p + 2) : 0.f;
   // 256 hi + lo in one int32 sum: a block's is at most 32 * 31 * 32767 (exact in float32)
   const __m256i by_hi = _mm256_set1_epi16(256), by_lo = _mm256_set1_epi16(1);
   const int64_t nx = x.K / x.XB, xb = x.XB == 256 ? b >> 3 : b;  // b's block of x
   TM_ROWS_UNROLL
   for (int m = 0; m < M; ++m) {
+    const int8_t* hi = x.hi + m * x.K + b * kBlock;
+    const uint8_t* lo = x.lo + m * x.K + b * kBlock;
     __m256i sum = _mm256_setzero_si256();
-    block_madd(q, x.hi + m * x.K + b * kBlock, x.lo + m * x.K + b * kBlock, by_hi, by_lo,
-               sum, sum);
+    if constexpr (is_iq4(KIND)) sum = levels_madd(q, hi, lo);
+    else block_madd(q, hi, lo, by_hi, by_lo, sum, sum);
     const float dx = x.d[m * nx + xb];
     acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * dx), acc[m]);
-    offset[m] = std::fma(per_sum * dx, x.s32[m * (x.K / kBlock) + b], offset[m]);
+    if constexpr (!is_iq4(KIND))
+      offset[m] = std::fma(per_sum * dx, x.s32[m * (x.K / kBlock) + b], offset[m]);
   }
 }
 
@@ -253,8 +313,33 @@ static TM_GGUF_INLINE void small_block_row(const uint8_t* row, const RowsX& x, f
     out[m] = hsum8(_mm256_add_ps(acc0[m], acc1[m])) + (off0[m] + off1[m]);
 }
 
-// Row `row` of a K-quant kind (Q4_K, Q5_K, Q6_K) times M rows of x (XB = 256: one dx a
-// super-block), super-block by super-block.
+// IQ4_XS super-block sb at p times M rows of x, into acc.
+template <int M>
+static TM_GGUF_INLINE void iq4_xs_superblock(const uint8_t* p, const RowsX& x, int64_t sb,
+                                             __m256 (&acc)[M]) {
+  __m256 f[M];
+  TM_ROWS_UNROLL
+  for (int m = 0; m < M; ++m) f[m] = _mm256_setzero_ps();
+  TM_ROWS_UNROLL
+  for (int s = 0; s < 8; ++s) {
+    const __m256i q = block_values<kIQ4_XS>(p, s);
+    const __m256 scale = _mm256_set1_ps(static_cast<float>(iq4_xs_scale(p, s) - 32));
+    const int64_t k = sb * 256 + s * kBlock;
+    TM_ROWS_UNROLL
+    for (int m = 0; m < M; ++m)
+      f[m] = _mm256_fmadd_ps(
+          _mm256_cvtepi32_ps(levels_madd(q, x.hi + m * x.K + k, x.lo + m * x.K + k)), scale,
+          f[m]);
+  }
+  const __m256 dv = _mm256_set1_ps(half_at(p));
+  const int64_t nsb = x.K / 256;
+  TM_ROWS_UNROLL
+  for (int m = 0; m < M; ++m)
+    acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(f[m], dv), _mm256_set1_ps(x.d[m * nsb + sb]), acc[m]);
+}
+
+// Row `row` of a 256-weight kind times M rows of x (XB = 256: one dx a super-block),
+// super-block by super-block.
 template <int64_t KIND, int M>
 static TM_GGUF_INLINE void super_block_row(const uint8_t* row, const RowsX& x, float (&out)[M],
                                            bool stream) {
@@ -265,6 +350,10 @@ static TM_GGUF_INLINE void super_block_row(const uint8_t* row, const RowsX& x, f
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const uint8_t* p = row + sb * block_bytes(KIND);
     if (stream) prefetch_ahead(p, block_bytes(KIND));
+    if constexpr (is_iq4(KIND)) {
+      iq4_xs_superblock<M>(p, x, sb, acc);
+      continue;
+    }
     const SuperScales sc = superblock_scales<KIND>(p);
     __m256i ih[M], il[M];
     TM_ROWS_UNROLL
@@ -283,28 +372,18 @@ static TM_GGUF_INLINE void super_block_row(const uint8_t* row, const RowsX& x, f
         __asm__("" : "+x"(ih[m]), "+x"(il[m]));
       }
     }
-    const float d = half_at(KIND == kQ6_K ? p + 208 : p);
-    const __m256 dv = _mm256_set1_ps(d);
-    if constexpr (KIND == kQ6_K) {  // - 32 d sum_h sc_h S16_h
-      const __m256 by = _mm256_set1_ps(-32.f * d);
-      const __m256 c0 = _mm256_mul_ps(low_floats(sc.lo), by);
-      const __m256 c1 = _mm256_mul_ps(low_floats(sc.hi), by);
-      TM_ROWS_UNROLL
-      for (int m = 0; m < M; ++m) {
+    const __m256 dv = _mm256_set1_ps(half_at(p + d_offset(KIND)));
+    TM_ROWS_UNROLL
+    for (int m = 0; m < M; ++m) {
+      __m256 f = _mm256_mul_ps(joined(ih[m], il[m]), dv);
+      if constexpr (per16(KIND)) {  // + sum_h off16_h S16_h
         const float* s16 = x.s16 + m * (x.K / 16) + sb * 16;
-        __m256 f = _mm256_mul_ps(joined(ih[m], il[m]), dv);
-        f = _mm256_fmadd_ps(c0, _mm256_loadu_ps(s16), f);
-        f = _mm256_fmadd_ps(c1, _mm256_loadu_ps(s16 + 8), f);
-        acc[m] = _mm256_fmadd_ps(f, _mm256_set1_ps(x.d[m * nsb + sb]), acc[m]);
+        f = _mm256_fmadd_ps(sc.off16[0], _mm256_loadu_ps(s16), f);
+        f = _mm256_fmadd_ps(sc.off16[1], _mm256_loadu_ps(s16 + 8), f);
+      } else {  // - dmin sum_s mn_s S32_s
+        f = _mm256_fmadd_ps(sc.mins, _mm256_loadu_ps(x.s32 + m * (x.K / kBlock) + sb * 8), f);
       }
-    } else {  // - dmin sum_s mn_s S32_s
-      const __m256 mins = _mm256_mul_ps(sc.mins, _mm256_set1_ps(-half_at(p + 2)));
-      TM_ROWS_UNROLL
-      for (int m = 0; m < M; ++m) {
-        __m256 f = _mm256_mul_ps(joined(ih[m], il[m]), dv);
-        f = _mm256_fmadd_ps(mins, _mm256_loadu_ps(x.s32 + m * (x.K / kBlock) + sb * 8), f);
-        acc[m] = _mm256_fmadd_ps(f, _mm256_set1_ps(x.d[m * nsb + sb]), acc[m]);
-      }
+      acc[m] = _mm256_fmadd_ps(f, _mm256_set1_ps(x.d[m * nsb + sb]), acc[m]);
     }
   }
   TM_ROWS_UNROLL
@@ -343,12 +422,12 @@ using RowsTimes = void (*)(int64_t, const uint8_t*, int64_t, const RowsX&, const
                            int64_t, int64_t, int64_t, bool);
 static RowsTimes rows_times_of(int64_t kind) {
   switch (kind) {
-    case kQ5_0: return &rows_times_any<kQ5_0>;
-    case kQ5_1: return &rows_times_any<kQ5_1>;
-    case kQ4_K: return &rows_times_any<kQ4_K>;
-    case kQ5_K: return &rows_times_any<kQ5_K>;
-    default: return &rows_times_any<kQ6_K>;
+#define TM_GGUF_CASE(k) \
+  case k: return &rows_times_any<k>;
+    TM_GGUF_KINDS(TM_GGUF_CASE)
+#undef TM_GGUF_CASE
   }
+  TORCH_CHECK(false, "no GGUF row kernel for weight kind ", kind);
 }
 
 // Rows of W per tile: a tile stays in L2 while every group of four rows of x passes it.

@@ -1,4 +1,4 @@
-// GGUF block products (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K read in place, linear_gguf.h) on AVX-512
+// GGUF block products (every kind of linear_gguf.h, read in place) on AVX-512
 // VNNI builds, at every M. The AVX2 row kernels (linear_gguf_rows.h) meet the stored bytes with
 // x split into two bytes: two vpmaddubsw and two vpmaddwd per 32 weights and row of x, 256-bit;
 // at 4-128 rows they ran ~96 G products/s on two Zen 5 cores, about a third of llama.cpp's
@@ -14,11 +14,16 @@
 //   the exact sums of x16 over 32 values. Per group of XB / 32 (G) blocks of 32 weights:
 //   Q4_K, Q5_K: w16 = sc_s q          y += (d dx) I + sum_s (-dmin mn_s) (S32_s dx)
 //   Q6_K:       w16 = sc_h (q - 32)   y += (d dx) I
+//   Q3_K:       w16 = (sc_h - 32) (q - 4)         y += (d dx) I
+//   Q2_K:       w16 = sc_h q          y += (d dx) I + sum_h (-dmin mn_h) (S16_h dx)
+//   IQ4_XS:     w16 = (sc_s - 32) v   y += (d dx) I
+//   IQ4_NL:     w16 = v               y += dx (sum_b d_b I_b)
 //   Q5_0:       w16 = q - 16          y += dx (sum_b d_b I_b)
 //   Q5_1:       w16 = q               y += dx (sum_b d_b I_b + sum_b m_b S32_b)
 //   I = sum_j w16_j x16_j (K-quants: over the super-block; I_b: over block b), 16 int32
-//   lanes, each exact: Q6_K's |w16| <= 32 * 128 = 4096, so a lane's 16 products stay under
-//   16 * 4096 * 32767 < 2^31 (with q unshifted, 63 * 128, they would not); Q5_K's <= 31 * 63.
+//   lanes, each exact: Q6_K's |w16| <= 32 * 128 = 4096 (IQ4_XS's 32 * 127), so a lane's 16
+//   products stay under 16 * 4096 * 32767 < 2^31 (with q unshifted, 63 * 128, they would
+//   not); Q5_K's <= 31 * 63.
 //
 // Per (row of x, row of W), 16 float32 lanes take each group's terms in K order and one fixed
 // tree sums them at the end: a row's result is bitwise the same at any M, with any
@@ -33,18 +38,18 @@
 namespace gguf_vnni {
 using namespace gguf_blocks;
 
-constexpr bool is_kquant(int64_t kind) { return kind >= kQ4_K && kind <= kQ6_K; }
-
 // M rows of x rounded to int16 per XB values.
 struct Int16Rows {
   int64_t K = 0, XB = 0;
   std::vector<int16_t> x;  // (M, K) x16
   std::vector<float> dx;   // (M, K / XB)
-  std::vector<float> s32;  // (M, K / 32) S32, integers held exactly as floats
+  std::vector<float> s16;  // (M, K / 16) S16, integers held exactly as floats
+  std::vector<float> s32;  // (M, K / 32) S32
 };
 
-// XB values of a row: x16 into q, its dx, S32 of its XB / 32 blocks.
-static void round_block(const float* x, int64_t XB, int16_t* q, float* dx_out, float* s32) {
+// XB values of a row: x16 into q, its dx, S16 and S32 of its XB / 16 and XB / 32 blocks.
+static void round_block(const float* x, int64_t XB, int16_t* q, float* dx_out, float* s16,
+                        float* s32) {
   __m512 amax = _mm512_setzero_ps();
   for (int64_t i = 0; i < XB; i += 16)
     amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
@@ -56,26 +61,36 @@ static void round_block(const float* x, int64_t XB, int16_t* q, float* dx_out, f
     const __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i + 16), vinv));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm512_cvtepi32_epi16(a));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i + 16), _mm512_cvtepi32_epi16(b));
-    s32[i / 32] = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(a, b)));
+    const int32_t sa = _mm512_reduce_add_epi32(a), sb = _mm512_reduce_add_epi32(b);
+    s16[i / 16] = static_cast<float>(sa), s16[i / 16 + 1] = static_cast<float>(sb);
+    s32[i / 32] = static_cast<float>(sa + sb);
   }
 }
 
 static Int16Rows round_rows(const float* x, int64_t M, int64_t K) {
   Int16Rows r;
   r.K = K, r.XB = K % 256 == 0 ? 256 : 32;
-  r.x.resize(M * K), r.dx.resize(M * K / r.XB), r.s32.resize(M * K / 32);
+  r.x.resize(M * K), r.dx.resize(M * K / r.XB), r.s16.resize(M * K / 16);
+  r.s32.resize(M * K / 32);
   auto run = [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
-      round_block(x + b * r.XB, r.XB, r.x.data() + b * r.XB, &r.dx[b], &r.s32[b * r.XB / 32]);
+      round_block(x + b * r.XB, r.XB, r.x.data() + b * r.XB, &r.dx[b], &r.s16[b * r.XB / 16],
+                  &r.s32[b * r.XB / 32]);
   };
   if (M <= 4) run(0, M * K / r.XB);  // a decode step: not worth waking the thread pool
   else at::parallel_for(0, M * K / r.XB, 16, run);
   return r;
 }
 
+// Offsets per group of G blocks: Q2_K one per 16 weights, else one per block.
+constexpr int offsets_per_group(int64_t kind, int G) { return kind == kQ2_K ? 16 : G; }
+constexpr __mmask16 offsets_mask(int64_t kind, int G) {
+  return static_cast<__mmask16>((1u << offsets_per_group(kind, G)) - 1);
+}
+
 // One group of G blocks of 32 weights of a W row (a K-quant super-block: G = 8), decoded:
 // int16 weights, the scales (K-quants: d[0]; else each block's d), and the offsets' lanes
-// (K-quants -dmin mn_s, Q5_1 m_b; lanes 0..G-1, zeros above).
+// (Q4_K / Q5_K -dmin mn_s, Q2_K -dmin mn_h, Q5_1 m_b; from lane 0, zeros above).
 template <int G>
 struct Group {
   __m512i w[G];
@@ -90,39 +105,50 @@ static TM_GGUF_INLINE __m512i lane_spread(int a, int b) {
                             gguf_rows::lane_spread(b, b), 1);
 }
 
-// The K-quant super-block at p.
+// The int16 scales of a super-block in every 128-bit lane (per16 kinds: 0..7 in lo, 8..15
+// in hi; else 8 in lo), spread to a sub-block's lanes by one in-lane vpshufb (a permute
+// across lanes cost more); d and the offsets into g.
 template <int64_t KIND>
-static TM_GGUF_INLINE void decode_superblock(const uint8_t* p, Group<8>& g) {
-  // The int16 scales in every 128-bit lane (Q6_K: 0..7 in lo, 8..15 in hi), spread to a
-  // sub-block's lanes by one in-lane vpshufb (a permute across lanes cost more).
-  __m512i lo, hi;
-  if constexpr (KIND == kQ6_K) {
-    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
-    lo = _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(sc));
-    hi = _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(_mm_unpackhi_epi64(sc, sc)));
-    g.d[0] = half_at(p + 208);
-    g.offs = _mm512_setzero_ps();
+static TM_GGUF_INLINE void superblock_scales(const uint8_t* p, __m512i& lo, __m512i& hi,
+                                             Group<8>& g) {
+  g.d[0] = half_at(p + d_offset(KIND));
+  g.offs = _mm512_setzero_ps();
+  if constexpr (per16(KIND)) {
+    const gguf_rows::SuperScales sc = gguf_rows::superblock_scales<KIND>(p);
+    lo = _mm512_broadcast_i32x4(_mm256_castsi256_si128(sc.lo));
+    hi = _mm512_broadcast_i32x4(_mm256_castsi256_si128(sc.hi));
+    if constexpr (KIND == kQ2_K)
+      g.offs = _mm512_insertf32x8(_mm512_castps256_ps512(sc.off16[0]), sc.off16[1], 1);
+  } else if constexpr (KIND == kIQ4_XS) {
+    alignas(16) int16_t sc[8];
+    for (int s = 0; s < 8; ++s) sc[s] = static_cast<int16_t>(iq4_xs_scale(p, s) - 32);
+    lo = hi = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(sc)));
   } else {
     const gguf_rows::SuperScales sc = gguf_rows::superblock_scales<KIND>(p);
     lo = hi = _mm512_broadcast_i32x4(_mm256_castsi256_si128(sc.lo));
-    g.d[0] = half_at(p);
-    g.offs = _mm512_zextps256_ps512(_mm256_mul_ps(sc.mins, _mm256_set1_ps(-half_at(p + 2))));
+    g.offs = _mm512_zextps256_ps512(sc.mins);
   }
+}
+
+// The K-quant super-block at p.
+template <int64_t KIND>
+static TM_GGUF_INLINE void decode_superblock(const uint8_t* p, Group<8>& g) {
+  __m512i lo, hi;
+  superblock_scales<KIND>(p, lo, hi, g);
   for (int s = 0; s < 8; ++s) {
-    __m512i v, spread;  // spread: which scale (int16 lane of a 128-bit lane) each lane takes
+    __m512i v;  // the values less their zero point, int16
     if constexpr (KIND == kQ4_K) {  // sub-blocks 2j, 2j + 1: the low and high nibbles
       const __m512i bytes = _mm512_cvtepu8_epi16(load32(p + 16 + 32 * (s / 2)));
       v = s % 2 ? _mm512_srli_epi16(bytes, 4) : _mm512_and_si512(bytes, _mm512_set1_epi16(15));
-      spread = lane_spread(s, s);
-    } else if constexpr (KIND == kQ6_K) {  // 16 weights a scale: 2s, then 2s + 1
-      const __m256i q = block_values<KIND>(p, s);
-      v = _mm512_cvtepi8_epi16(_mm256_sub_epi8(q, _mm256_set1_epi8(32)));
-      spread = lane_spread((2 * s) % 8, (2 * s + 1) % 8);
+    } else if constexpr (zero_point(KIND) != 0 || is_iq4(KIND)) {
+      v = _mm512_cvtepi8_epi16(signed_values<KIND>(p, s));
     } else {
       v = _mm512_cvtepu8_epi16(block_values<KIND>(p, s));
-      spread = lane_spread(s, s);
     }
-    const __m512i scale = _mm512_shuffle_epi8(KIND == kQ6_K && s >= 4 ? hi : lo, spread);
+    // which scale (int16 lane of a 128-bit lane) each lane takes: per16 kinds 2s, 2s + 1
+    const __m512i spread = per16(KIND) ? lane_spread((2 * s) % 8, (2 * s + 1) % 8)
+                                       : lane_spread(s, s);
+    const __m512i scale = _mm512_shuffle_epi8(per16(KIND) && s >= 4 ? hi : lo, spread);
     g.w[s] = _mm512_mullo_epi16(v, scale);
   }
 }
@@ -136,9 +162,8 @@ static TM_GGUF_INLINE void decode_group(const uint8_t* row, int64_t gi, Group<G>
     alignas(64) float m[16] = {};
     for (int b = 0; b < G; ++b) {
       const uint8_t* p = row + (gi * G + b) * block_bytes(KIND);
-      const __m256i q = block_values<KIND>(p, 0);
-      g.w[b] = KIND == kQ5_0 ? _mm512_cvtepi8_epi16(_mm256_sub_epi8(q, _mm256_set1_epi8(16)))
-                             : _mm512_cvtepu8_epi16(q);
+      g.w[b] = KIND == kQ5_1 ? _mm512_cvtepu8_epi16(block_values<KIND>(p, 0))
+                             : _mm512_cvtepi8_epi16(signed_values<KIND>(p, 0));
       g.d[b] = half_at(p);
       if (KIND == kQ5_1) m[b] = half_at(p + 2);
     }
@@ -150,7 +175,7 @@ static TM_GGUF_INLINE void decode_group(const uint8_t* row, int64_t gi, Group<G>
 }
 
 // A tile of W rows decoded: per row K int16 weights, per group its G (K-quants 1) scales and
-// its G offsets.
+// its offsets_per_group offsets.
 struct DecodedRows {
   std::vector<int16_t> w;
   std::vector<float> d, offs;
@@ -163,9 +188,9 @@ constexpr int64_t scales_per_group(int64_t kind, int64_t G) { return is_kquant(k
 template <int64_t KIND, int G>
 static void decode_rows(const uint8_t* W, int64_t row_bytes, int64_t K, int64_t n0, int64_t n1,
                         DecodedRows& out) {
-  constexpr int64_t S = scales_per_group(KIND, G);
+  constexpr int64_t S = scales_per_group(KIND, G), O = offsets_per_group(KIND, G);
   const int64_t groups = K / (32 * G), rows = n1 - n0;
-  out.w.resize(rows * K), out.d.resize(rows * groups * S), out.offs.resize(rows * K / 32);
+  out.w.resize(rows * K), out.d.resize(rows * groups * S), out.offs.resize(rows * groups * O);
   for (int64_t i = 0; i < rows; ++i) {
     for (int64_t gi = 0; gi < groups; ++gi) {
       Group<G> g;
@@ -173,7 +198,7 @@ static void decode_rows(const uint8_t* W, int64_t row_bytes, int64_t K, int64_t 
       const int64_t j = i * groups + gi;
       for (int b = 0; b < G; ++b) _mm512_storeu_si512(&out.w[j * 32 * G + 32 * b], g.w[b]);
       for (int64_t b = 0; b < S; ++b) out.d[j * S + b] = g.d[b];
-      _mm512_mask_storeu_ps(&out.offs[j * G], (1 << G) - 1, g.offs);
+      _mm512_mask_storeu_ps(&out.offs[j * O], offsets_mask(KIND, G), g.offs);
     }
   }
 }
@@ -201,7 +226,7 @@ struct GroupRows {
       const DecodedRows& t = *wr.tile;
       w[c] = t.w.data() + (wr.w0 + c) * K + gi * 32 * G;
       d[c] = t.d.data() + ((wr.w0 + c) * (K / (32 * G)) + gi) * S;
-      offs[c] = t.offs.data() + (wr.w0 + c) * (K / 32) + gi * G;
+      offs[c] = t.offs.data() + ((wr.w0 + c) * (K / (32 * G)) + gi) * offsets_per_group(KIND, G);
     }
   }
   TM_GGUF_INLINE __m512i weights(int c, int b) const {
@@ -209,7 +234,7 @@ struct GroupRows {
   }
   TM_GGUF_INLINE float scale(int c, int b) const { return RAW ? raw->d[b] : d[c][b]; }
   TM_GGUF_INLINE __m512 offsets(int c) const {
-    return RAW ? raw->offs : _mm512_maskz_loadu_ps((1 << G) - 1, offs[c]);
+    return RAW ? raw->offs : _mm512_maskz_loadu_ps(offsets_mask(KIND, G), offs[c]);
   }
 };
 
@@ -266,7 +291,7 @@ template <int64_t KIND, int G, int R, int C, bool RAW>
 static TM_GGUF_INLINE void add_group(const Int16Rows& x, int64_t x0, int64_t gi,
                                      const GroupRows<KIND, G, C, RAW>& w,
                                      __m512 (&fsum)[R][C], __m512 (&facc)[R][C]) {
-  constexpr bool kOffsets = KIND != kQ6_K && KIND != kQ5_0;
+  constexpr bool kOffsets = has_offset(KIND);
   const int64_t K = x.K, groups = K / (32 * G);
   __m512 offs[C];
   float d0[C];
@@ -274,9 +299,10 @@ static TM_GGUF_INLINE void add_group(const Int16Rows& x, int64_t x0, int64_t gi,
     offs[c] = kOffsets ? w.offsets(c) : _mm512_setzero_ps(), d0[c] = w.scale(c, 0);
   for (int r = 0; r < R; ++r) {
     const float dx = x.dx[(x0 + r) * groups + gi];
-    const __m512 s32 = kOffsets
-        ? _mm512_maskz_loadu_ps((1 << G) - 1, &x.s32[(x0 + r) * (K / 32) + gi * G])
-        : _mm512_setzero_ps();
+    // the sums the offsets multiply: Q2_K's S16 (16 a group), else S32 (G)
+    const __m512 s32 = !kOffsets ? _mm512_setzero_ps()
+        : KIND == kQ2_K ? _mm512_loadu_ps(&x.s16[(x0 + r) * (K / 16) + gi * 16])
+                        : _mm512_maskz_loadu_ps((1 << G) - 1, &x.s32[(x0 + r) * (K / 32) + gi * G]);
     const __m512 s32dx = _mm512_mul_ps(s32, _mm512_set1_ps(dx));  // K-quants' offsets
     for (int c = 0; c < C; ++c) {
       if constexpr (is_kquant(KIND)) {
@@ -397,21 +423,25 @@ static void linear_kind(const Int16Rows& x, const uint8_t* W, int64_t M, int64_t
   });
 }
 
+// K-quants: a group is a super-block; 32-weight kinds: the XB / 32 blocks of one dx.
+template <int64_t KIND>
+static void linear_of(const Int16Rows& x, const uint8_t* W, int64_t M, int64_t K, int64_t N,
+                      const float* bias, float* y) {
+  if constexpr (is_kquant(KIND)) linear_kind<KIND, 8>(x, W, M, K, N, bias, y);
+  else if (x.XB == 256) linear_kind<KIND, 8>(x, W, M, K, N, bias, y);
+  else linear_kind<KIND, 1>(x, W, M, K, N, bias, y);
+}
+
 inline void linear(int64_t kind, const uint8_t* W, const float* xp, int64_t M, int64_t K,
                    int64_t N, const float* bias, float* y) {
   const Int16Rows x = round_rows(xp, M, K);
-  const bool per256 = x.XB == 256;
   switch (kind) {
-    case kQ4_K: return linear_kind<kQ4_K, 8>(x, W, M, K, N, bias, y);
-    case kQ5_K: return linear_kind<kQ5_K, 8>(x, W, M, K, N, bias, y);
-    case kQ6_K: return linear_kind<kQ6_K, 8>(x, W, M, K, N, bias, y);
-    case kQ5_0:
-      return per256 ? linear_kind<kQ5_0, 8>(x, W, M, K, N, bias, y)
-                    : linear_kind<kQ5_0, 1>(x, W, M, K, N, bias, y);
-    default:
-      return per256 ? linear_kind<kQ5_1, 8>(x, W, M, K, N, bias, y)
-                    : linear_kind<kQ5_1, 1>(x, W, M, K, N, bias, y);
+#define TM_GGUF_CASE(k) \
+  case k: return linear_of<k>(x, W, M, K, N, bias, y);
+    TM_GGUF_KINDS(TM_GGUF_CASE)
+#undef TM_GGUF_CASE
   }
+  TORCH_CHECK(false, "no GGUF VNNI kernel for weight kind ", kind);
 }
 
 }  // namespace gguf_vnni

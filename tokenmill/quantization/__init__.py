@@ -5,8 +5,8 @@
     "int4"         4-bit groups quantized at load from a float checkpoint, with an
                    activation-aware scale search (load_time.py, awq_search.py)
     "awq", "gptq"  4-bit checkpoints in those published layouts (int4_checkpoints.py)
-    "gguf"         a GGUF file's blocks as stored: Q4_0 / Q4_1 / Q8_0, Q5_0 / Q5_1 and the
-                   K-quants Q4_K / Q5_K / Q6_K (gguf.py GGUF_TYPES)
+    "gguf"         a GGUF file's blocks as stored: Q4_0 / Q4_1 / Q8_0, Q5_0 / Q5_1, the
+                   K-quants Q2_K .. Q6_K, IQ4_NL / IQ4_XS (gguf.py GGUF_TYPES)
 
 With none asked for (`quantization=None`), a GGUF file of block types the kernels read is
 served as "gguf" (config_weights.default_quantization); "none" asks for the float32 expansion

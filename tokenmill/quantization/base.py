@@ -43,6 +43,7 @@ class CPULinearKernel:
     Q4 = 2  # (q (N, K/2) uint8, d (N, K/G) float16, m (N, K/G) float16): w = d q + m
     # GGUF block types read in place: (raw block rows (N, K / QK * block bytes) uint8,)
     Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 3, 4, 5, 6, 7
+    Q3_K, Q2_K, IQ4_XS, IQ4_NL = 11, 12, 13, 14
     # dense weights kept in half precision, widened to float32 in registers: (W (N, K),)
     BF16, F16 = 8, 9
     # dense bfloat16 weights multiplied in bfloat16: x rounded to bf16, vdpbf16ps's products,

@@ -11,15 +11,16 @@ raw rows needs no requantizing.
     Q8_0  d + 32 x int8               → Q8_0 (q, d)                     split, bit for bit
     Q4_1  d, m + 16 B nibbles         → Q4 (q, d, m), G = 32            split, bit for bit
     Q4_0  d + 16 B nibbles            → Q4 with m = -8 d (exact)        split, bit for bit
-    Q5_0, Q5_1, Q4_K, Q5_K, Q6_K      raw block rows read in place (csrc/linear_gguf.h),
-                                      every weight as gguf dequantizes it; products with x
-                                      rounded to int16 per 256 values (SIMD builds,
+    Q5_0, Q5_1, IQ4_NL,               raw block rows read in place (csrc/linear_gguf.h),
+    Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,     every weight as gguf dequantizes it; products with x
+    IQ4_XS
+           (IQ4: a table's levels)    rounded to int16 per 256 values (SIMD builds,
                                       csrc/linear_gguf_rows.h, linear_gguf_vnni.h), exact
                                       on the portable build
 F32 tensors are served dense, F16 / BF16 ones dense in their own precision (widened to float32
 in registers by the kernels, csrc/linear_half.h; BF16 ones multiplied in bfloat16 under
 ModelConfig.matmul_dtype, by default on AVX512-BF16 CPUs for a file of BF16 tensors,
-csrc/linear_bf16.h). Other types (Q2_K, Q3_K, IQ*) are refused
+csrc/linear_bf16.h). Other types (IQ1-IQ3, TQ*, ...) are refused
 at start-up with the list of supported ones. A merged layer (qkv, gate_up) whose parts have
 different types (Q4_K_M files store some attn_v in Q6_K beside Q4_K q and k) keeps one
 kernel per part (CPULinearKernel.PARTS): the checkpoint's parts arrive padded to the widest
@@ -92,6 +93,10 @@ GGUF_TYPES = {t.name: t for t in (
     GGUFType("Q4_K", 256, 144, CPULinearKernel.Q4_K),
     GGUFType("Q5_K", 256, 176, CPULinearKernel.Q5_K),
     GGUFType("Q6_K", 256, 210, CPULinearKernel.Q6_K),
+    GGUFType("Q3_K", 256, 110, CPULinearKernel.Q3_K),
+    GGUFType("Q2_K", 256, 84, CPULinearKernel.Q2_K),
+    GGUFType("IQ4_XS", 256, 136, CPULinearKernel.IQ4_XS),
+    GGUFType("IQ4_NL", 32, 18, CPULinearKernel.IQ4_NL),
 )}
 BLOCK_TYPES = tuple(GGUF_TYPES)
 DENSE_TYPES = ("F32", "F16", "BF16")
