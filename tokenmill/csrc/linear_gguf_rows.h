@@ -222,22 +222,38 @@ static TM_GGUF_INLINE SuperScales superblock_scales(const uint8_t* p) {
   return r;
 }
 
-// vpshufb control: int16 lane a (of a 128-bit half) into every lane of the low half, lane b
-// into every lane of the high half.
-static TM_GGUF_INLINE __m256i lane_spread(int a, int b) {
-  const __m128i lo = _mm_set1_epi16(static_cast<int16_t>((2 * a) | ((2 * a + 1) << 8)));
-  const __m128i hi = _mm_set1_epi16(static_cast<int16_t>((2 * b) | ((2 * b + 1) << 8)));
-  return _mm256_set_m128i(hi, lo);
+// vpshufb controls that spread a sub-block's scale(s), int16 lanes of each 128-bit lane of
+// SuperScales, over its weights' lanes: entry s (0..7) lane s everywhere; entry 8 + s (per16
+// kinds) lane (2s) % 8 over weights 0..15 and (2s + 1) % 8 over 16..31. `w256` for 256-bit
+// vectors of int16 pairs (weights 0..15 in the low 128 bits), `w512` for 512-bit ones of
+// int16 weights (0..15 in the low 256 bits). Read from memory (one load, folded into the
+// shuffle): built in registers they had cost four instructions a sub-block.
+struct SpreadTable {
+  alignas(64) uint8_t w512[16][64];
+  alignas(32) uint8_t w256[16][32];
+};
+static SpreadTable make_spread_table() {
+  SpreadTable t{};
+  for (int e = 0; e < 16; ++e) {
+    const int s = e % 8, a = e < 8 ? s : (2 * s) % 8, b = e < 8 ? s : (2 * s + 1) % 8;
+    for (int j = 0; j < 64; ++j) t.w512[e][j] = static_cast<uint8_t>(2 * (j < 32 ? a : b) + j % 2);
+    for (int j = 0; j < 32; ++j) t.w256[e][j] = static_cast<uint8_t>(2 * (j < 16 ? a : b) + j % 2);
+  }
+  return t;
 }
+inline const SpreadTable kSpread = make_spread_table();
+
+// The entry of kSpread for sub-block s of a KIND.
+template <int64_t KIND>
+constexpr int spread_entry(int s) { return per16(KIND) ? 8 + s : s; }
 
 // Sub-block s's scale for each int16 pair of its products: Q4_K / Q5_K one scale; per16
 // kinds one per 16 weights (pairs 0..7, 8..15).
 template <int64_t KIND>
 static TM_GGUF_INLINE __m256i pair_scale(const SuperScales& sc, int s) {
-  if constexpr (per16(KIND))
-    return _mm256_shuffle_epi8(s < 4 ? sc.lo : sc.hi, lane_spread((2 * s) % 8, (2 * s + 1) % 8));
-  else
-    return _mm256_shuffle_epi8(sc.lo, lane_spread(s, s));
+  const __m256i spread =
+      _mm256_load_si256(reinterpret_cast<const __m256i*>(kSpread.w256[spread_entry<KIND>(s)]));
+  return _mm256_shuffle_epi8(per16(KIND) && s >= 4 ? sc.hi : sc.lo, spread);
 }
 
 // IQ4: sum_j v_j x16_j of 32 weights in 8 int32 lanes, v (signed int8 levels) and x16 (its

@@ -98,13 +98,6 @@ struct Group {
   __m512 offs;
 };
 
-// vpshufb control: int16 lane a (of a 128-bit lane) into every int16 of 128-bit lanes 0, 1,
-// lane b into lanes 2, 3 (linear_gguf_rows.h's 256-bit control, twice).
-static TM_GGUF_INLINE __m512i lane_spread(int a, int b) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(gguf_rows::lane_spread(a, a)),
-                            gguf_rows::lane_spread(b, b), 1);
-}
-
 // The int16 scales of a super-block in every 128-bit lane (per16 kinds: 0..7 in lo, 8..15
 // in hi; else 8 in lo), spread to a sub-block's lanes by one in-lane vpshufb (a permute
 // across lanes cost more); d and the offsets into g.
@@ -146,8 +139,8 @@ static TM_GGUF_INLINE void decode_superblock(const uint8_t* p, Group<8>& g) {
       v = _mm512_cvtepu8_epi16(block_values<KIND>(p, s));
     }
     // which scale (int16 lane of a 128-bit lane) each lane takes: per16 kinds 2s, 2s + 1
-    const __m512i spread = per16(KIND) ? lane_spread((2 * s) % 8, (2 * s + 1) % 8)
-                                       : lane_spread(s, s);
+    const __m512i spread = _mm512_load_si512(
+        gguf_rows::kSpread.w512[gguf_rows::spread_entry<KIND>(s)]);
     const __m512i scale = _mm512_shuffle_epi8(per16(KIND) && s >= 4 ? hi : lo, spread);
     g.w[s] = _mm512_mullo_epi16(v, scale);
   }
