@@ -14,14 +14,14 @@ def test_engine_measures_costs_and_the_scheduler_uses_them(tiny_model):
                                                            "quantization": "int8"})
     costs = llm.engine.runner.spec_costs
     assert 0 <= costs.verify_per_draft < 5 and 0 < costs.draft_forward < 5
-    assert llm.engine.scheduler.spec_costs is costs
+    assert llm.engine.scheduler.spec.costs is costs
     assert len(costs.verify_curve) == 4 and costs.verify_curve[0] == 1.0  # k = 0..3
     assert all(c >= 1.0 for c in costs.verify_curve)
     # num_speculative_tokens 8: steps of up to 9 tokens measured and allowed
     eight = LLM(path, max_model_len=256, speculative_config={"method": "ngram",
                                                              "num_speculative_tokens": 8})
     assert len(eight.engine.runner.spec_costs.verify_curve) == 9
-    assert eight.engine.scheduler.spec_step_tokens == 9
+    assert eight.engine.scheduler.spec.step_tokens == 9
     ngram = LLM(path, max_model_len=256, speculative_config={"method": "ngram"})
     assert ngram.engine.runner.spec_costs.draft_forward == 0.0
 

@@ -13,22 +13,12 @@ that preempted, so swap-outs and swap-ins never meet in one step.
 Parallel sampling (n > 1): the first sample (the leader) is queued alone; the others wait in
 `SampleGroups` (core/sample_groups.py) until they fork the leader's prompt blocks.
 
-Speculative decoding: with a proposer, a decoding request may also get draft tokens after its
-last token (`Request.spec_token_ids`), from the same token budget; the runner verifies them and
-`update_from_output` rolls `num_computed_tokens` back past the rejected ones (their K/V slots
-are simply overwritten later). Lookup drafts (n-gram, suffix) are made here; a draft model's
-are made by the runner after a step, for requests given lookahead slots for their K/V, and
-scheduled the step after (`Request.proposed_token_ids`). Drafts go only to steps small enough
-that verifying stays cheap (policy.spec_step_tokens: 4 tokens, or 1 + num_speculative_tokens
-where that is larger), and only as many as the request's running acceptance and the measured
-cost of such steps make worth it (spec_decode/policy.py, cost_model.py).
-
-Structured outputs: a request with a grammar matcher (`Request.grammar`) has it advanced on
-every token appended here; a token it refuses ends the request with finish reason "error" (a
-dead end), a completed grammar ends it as stopped. Drafts are cut at the first token the
-grammar refuses. Jump-forward: after a step, the tokens the grammar forces next are appended
-at once (`jump_forward`), so the next step computes them as one chunk instead of one step
-each, and samples after them.
+The policies are objects of their own, each with its state and tests: admission of waiting
+requests (core/admission.py: cache hits, swap-ins, prefill budgeting), speculative drafts
+(core/spec_policy.py: drafts, a draft model's lookahead, acceptance and its counters) and
+structured outputs (core/grammar_policy.py: grammar checks of appended tokens, drafts cut at
+the first refused one, jump-forward). An embedding request (pooling) ends when its prompt is
+computed: it samples nothing.
 
 Async scheduling (SchedulerConfig.async_scheduling): the engine schedules step N+1 before step
 N's tokens come back, so a request whose sampled token is in flight counts it as a placeholder
@@ -51,6 +41,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+from tokenmill.core.admission import Admission
+from tokenmill.core.grammar_policy import GrammarPolicy
 from tokenmill.core.interface import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -61,25 +53,14 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.runner_view import RunnerView
 from tokenmill.core.sample_groups import SampleGroups
+from tokenmill.core.spec_policy import SpecPolicy
 from tokenmill.core.stop import check_stop
-from tokenmill.spec_decode import SpeculativeConfig, make_proposer
-from tokenmill.spec_decode.policy import (
-    DRAFT_MODEL_COST,
-    DRAFT_MODEL_INITIAL_ACCEPTANCE,
-    VERIFY_COST_PER_DRAFT,
-    SpecCosts,
-    draft_length,
-    spec_step_tokens,
-    update_acceptance,
-)
+from tokenmill.spec_decode import SpeculativeConfig
+from tokenmill.spec_decode.policy import SpecCosts
 from tokenmill.utils import cdiv
 
 if TYPE_CHECKING:
     from tokenmill.config import SchedulerConfig
-
-# A draft model whose acceptance says drafting does not pay still drafts once every this many
-# output tokens, so that its running acceptance can recover.
-PROBE_EVERY = 8
 
 
 class Scheduler:
@@ -92,23 +73,9 @@ class Scheduler:
         # its output is applied (the stages hold no sampled token the scheduler has not seen)
         self.pipeline_depth = pipeline_depth
         self._stepping: set[str] = set()
-        self.jump_forward = jump_forward
-        self.num_jump_forward_tokens = 0  # tokens a grammar forced, appended without a step
-        self.speculative = speculative
-        # what drafting costs, in decode steps (measured by the runner at start-up)
-        self.spec_costs = spec_costs or SpecCosts(VERIFY_COST_PER_DRAFT, DRAFT_MODEL_COST)
-        self.spec_step_tokens = spec_step_tokens(speculative.num_speculative_tokens
-                                                 if speculative else 0)
-        # n-gram and suffix drafts are made here at schedule time; a draft model's come from
-        # the runner after the step before (Request.proposed_token_ids), into reserved
-        # lookahead slots
-        self.proposer = make_proposer(speculative)
-        self.draft_model = speculative is not None and speculative.method == "draft_model"
-        # spec_decode metrics (vLLM's names): verify events, draft tokens, accepted ones, and
-        # accepted ones by draft position
-        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
-        self.num_accepted_per_pos = [0] * (speculative.num_speculative_tokens
-                                           if speculative else 0)
+        self.spec = SpecPolicy(speculative, spec_costs)
+        self.grammar = GrammarPolicy(jump_forward)
+        self.admission = Admission(kv, config.enable_chunked_prefill)
         self.kv = kv
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -119,7 +86,6 @@ class Scheduler:
         self.num_preemptions = 0  # total, for stats and tests
         self.num_prompt_tokens_computed = 0  # prefill work done (cache hits are not counted)
         self._swap_out: list[tuple[int, int]] = []  # (gpu, cpu) block copies for the runner
-        self._swap_in: list[tuple[int, int]] = []  # (cpu, gpu)
         self.runner_view = RunnerView()  # what the runner holds: each step sends a diff
 
     # ---- queue management -------------------------------------------------------------------
@@ -128,9 +94,8 @@ class Scheduler:
         for r in [request, *(followers or [])]:
             if r.request_id in self.requests:
                 raise ValueError(f"request id {r.request_id!r} is already in use")
-        if self.draft_model:
-            for r in [request, *(followers or [])]:
-                r.spec_acceptance = DRAFT_MODEL_INITIAL_ACCEPTANCE
+        for r in [request, *(followers or [])]:
+            self.spec.on_add(r)
         self.requests[request.request_id] = request
         self.waiting.append(request)
         if followers:
@@ -171,7 +136,7 @@ class Scheduler:
         scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, lookahead)
         preempted: list[Request] = []
 
-        spec_room = self.spec_step_tokens - len(self.running)
+        spec_room = self.spec.step_tokens - len(self.running)
         # pipeline parallelism: this step's share of the requests (a micro-batch per stage)
         cap = (cdiv(len(self.running) + len(self.waiting), self.pipeline_depth)
                if self.pipeline_depth > 1 else self.config.max_num_seqs)
@@ -183,8 +148,10 @@ class Scheduler:
             if n == 0:  # waiting for its token in flight
                 i += 1
                 continue
-            drafts = self._drafts(request, n, min(spec_room, budget - n))
-            lookahead = self._lookahead(request, n)
+            drafts = self.grammar.cut(request, self.spec.drafts(
+                request, n, min(spec_room, budget - n), self._tokens_left(request)))
+            lookahead = self.spec.lookahead(request, n, len(self.running),
+                                            self._tokens_left(request))
             while self.kv.allocate_slots(request, n + len(drafts) + lookahead) is None:
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
@@ -219,7 +186,8 @@ class Scheduler:
         """Tokens a running request computes this step (its placeholders fed as tokens), or 0
         while its placeholder may end it or its grammar needs the token first."""
         ahead = request.num_output_placeholders
-        if ahead and (request.grammar is not None or self._tokens_left(request) <= ahead):
+        if ahead and (self.grammar.needs_token_first(request)
+                      or self._tokens_left(request) <= ahead):
             return 0
         return min(request.num_tokens + ahead - request.num_computed_tokens, budget)
 
@@ -227,78 +195,21 @@ class Scheduler:
         return min(request.max_tokens - request.num_output_tokens,
                    self.max_model_len - request.num_tokens)
 
-    def _drafts(self, request: Request, n: int, room: int) -> list[int]:
-        """Draft tokens for a decoding request (n = 1), at most `room` of them, none past
-        max_tokens or the model's length."""
-        if self.speculative is None or n != 1 or room <= 0:
-            return []
-        k = min(self.speculative.num_speculative_tokens, room, self._tokens_left(request) - 1)
-        if k <= 0:
-            return []
-        if self.proposer is None:  # a draft model's, proposed after the last step
-            drafts = request.proposed_token_ids[:k]
-        else:
-            drafts, matched = self.proposer.propose_with_match(request.all_token_ids, k)
-            long_match = matched >= self.proposer.confident_match
-            drafts = drafts[:draft_length(request.spec_acceptance, len(drafts), long_match,
-                                          self.spec_costs.verify_per_draft,
-                                          verify_curve=self.spec_costs.verify_curve)]
-        if request.grammar is not None and drafts:
-            drafts = drafts[:request.grammar.validate(drafts)]
-        return drafts
-
-    def _lookahead(self, request: Request, n: int) -> int:
-        """How many tokens a draft model drafts for the request after this step: for a
-        decoding request (not after its prompt, whose first draft would run the draft model
-        over the whole prompt before the first token is returned), in a batch small enough for
-        the next step to verify them (spec_step_tokens split evenly), as many as its
-        acceptance makes worth it (one every PROBE_EVERY tokens when none is, so that its
-        acceptance can recover)."""
-        if (not self.draft_model or n != 1 or request.num_output_tokens == 0
-                or request.num_computed_tokens + 1 != request.num_tokens):
-            return 0
-        running = len(self.running)
-        k = min(self.speculative.num_speculative_tokens,
-                (self.spec_step_tokens - running) // running,
-                self._tokens_left(request) - 2)  # this step emits at least one
-        if k <= 0:
-            return 0
-        probe = request.num_output_tokens % PROBE_EVERY == 0
-        return draft_length(request.spec_acceptance, k, probe,
-                            self.spec_costs.verify_per_draft, self.spec_costs.draft_forward,
-                            self.spec_costs.verify_curve)
-
     def _admit(self, request: Request, budget: int) -> int | None:
-        """Give a waiting request its blocks (a cache hit, swap-in or new ones); the number of
-        tokens it computes this step, or None if it cannot start now."""
+        """The tokens a waiting request computes this step (core/admission.py), or None if it
+        cannot start now (also while a step of it is in flight)."""
         if request.num_output_placeholders or request.request_id in self._stepping:
-            return None  # a step of it is still in flight
-        if request.status == RequestStatus.SWAPPED:
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            copies = self.kv.swap_in(request, n)
-            if copies is None:
-                return None
-            self._swap_in += copies
-            return n
-        computed = (self.kv.get_computed_blocks(request) if request.num_computed_tokens == 0
-                    else None)
-        start = max(request.num_computed_tokens, computed.num_tokens if computed else 0)
-        n = request.num_tokens - start
-        if n > budget and not self.config.enable_chunked_prefill:
             return None
-        n = min(n, budget)
-        if self.kv.allocate_slots(request, n, computed) is None:
-            return None
-        request.num_computed_tokens = start
-        return n
+        return self.admission.admit(request, budget)
 
     def _make_output(self, scheduled: list[tuple[Request, int, int]],
                      preempted: list[Request]) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_since_last_step,
                               blocks_to_copy=self.kv.take_pending_copies(),
-                              blocks_to_swap_out=self._swap_out, blocks_to_swap_in=self._swap_in,
+                              blocks_to_swap_out=self._swap_out,
+                              blocks_to_swap_in=self.admission.take_swap_in(),
                               preempted_req_ids=[r.request_id for r in preempted])
-        self._finished_since_last_step, self._swap_out, self._swap_in = set(), [], []
+        self._finished_since_last_step, self._swap_out = set(), []
         for request, n, lookahead in scheduled:
             start = request.num_computed_tokens
             self.num_prompt_tokens_computed += max(0, min(start + n, request.num_prompt_tokens)
@@ -361,25 +272,15 @@ class Scheduler:
             if request is None or not token_ids:
                 continue  # aborted during the step, or a partial prefill chunk
             request.num_output_placeholders -= 1
-            if drafts := request.spec_token_ids:
-                accepted = len(token_ids) - 1  # the accepted drafts, then one sampled token
-                request.num_computed_tokens -= len(drafts) - accepted
-                request.spec_acceptance = update_acceptance(request.spec_acceptance,
-                                                            accepted, len(drafts))
-                self.num_drafts += 1
-                self.num_draft_tokens += len(drafts)
-                self.num_accepted_tokens += accepted
-                for j in range(accepted):
-                    self.num_accepted_per_pos[j] += 1
-                request.spec_token_ids = []
+            self.spec.on_verified(request, len(token_ids))
             request.proposed_token_ids = runner_out.draft_token_ids.get(req_id, [])
             request.proposed_probs = runner_out.draft_probs.get(req_id)
             status = None
             for token_id in token_ids:
                 if (status := self._append(request, token_id)) is not None:
                     break
-            if status is None and request.grammar is not None:
-                status = self._jump_forward(request)
+            if status is None:
+                status = self.grammar.jump(request, self._tokens_left(request), self._append)
             if status is not None:
                 # preempted after it was scheduled (async scheduling): it waits
                 (self.running if request.status == RequestStatus.RUNNING
@@ -400,27 +301,11 @@ class Scheduler:
     def _append(self, request: Request, token_id: int) -> RequestStatus | None:
         """Append an emitted token; the finished status it puts the request in, or None."""
         request.append_output_token(token_id)
-        if request.grammar is not None and not request.grammar.accept(token_id):
-            request.stop_reason = ("grammar dead end: "
-                                   f"{request.grammar.error() or f'token {token_id} refused'}")
-            return RequestStatus.FINISHED_ERROR
-        return check_stop(request, self.max_model_len)
-
-    def _jump_forward(self, request: Request) -> RequestStatus | None:
-        """Append the tokens the request's grammar forces next (none for a request that asked
-        for logprobs: forced tokens have none); the status they finish it with, or None."""
-        if not self.jump_forward or request.sampling_params.logprobs is not None:
-            return None
-        for token_id in request.grammar.forced_tokens()[:self._tokens_left(request)]:
-            self.num_jump_forward_tokens += 1
-            if (status := self._append(request, token_id)) is not None:
-                return status
-        return None
+        return self.grammar.accept(request, token_id) or check_stop(request, self.max_model_len)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self._groups.release(request, self.waiting)
-        if self.proposer is not None:
-            self.proposer.observe_output(request.request_id, request.output_token_ids)
+        self.spec.on_finish(request)
         request.status = status
         self.kv.free(request)
         self.runner_view.forget(request.request_id)

@@ -200,20 +200,21 @@ class LLMEngine:
         return bool(self._in_flight) or self.scheduler.has_unfinished_requests()
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(num_running=self.scheduler.num_running,
-                              num_waiting=self.scheduler.num_waiting,
+        sched, spec = self.scheduler, self.scheduler.spec
+        return SchedulerStats(num_running=sched.num_running,
+                              num_waiting=sched.num_waiting,
                               kv_cache_usage=self.kv.usage,
-                              num_preemptions=self.scheduler.num_preemptions,
+                              num_preemptions=sched.num_preemptions,
                               prefix_cache_queries=self.kv.prefix_queries,
                               prefix_cache_hits=self.kv.prefix_hits,
-                              num_prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
-                              spec_decode_num_drafts=self.scheduler.num_drafts,
-                              spec_decode_num_draft_tokens=self.scheduler.num_draft_tokens,
-                              spec_decode_num_accepted_tokens=self.scheduler.num_accepted_tokens,
+                              num_prompt_tokens_computed=sched.num_prompt_tokens_computed,
+                              spec_decode_num_drafts=spec.num_drafts,
+                              spec_decode_num_draft_tokens=spec.num_draft_tokens,
+                              spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
                               spec_decode_num_accepted_tokens_per_pos=tuple(
-                                  self.scheduler.num_accepted_per_pos),
+                                  spec.num_accepted_per_pos),
                               structured_output_jump_forward_tokens=(
-                                  self.scheduler.num_jump_forward_tokens))
+                                  sched.grammar.num_jump_forward_tokens))
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
