@@ -107,6 +107,7 @@ def test_greedy_matches_masked_hf_reference(tiny, kind, jump_forward):
     {"num_kv_blocks": 12, "block_size": 16},  # preemption (recompute)
     {"async_scheduling": True},  # constrained requests wait for their token in flight
     {"async_scheduling": True, "num_kv_blocks": 12, "block_size": 16},
+    {"tensor_parallel_size": 2},  # the masks cross to worker processes beside the step
 ])
 def test_same_output_under_engine_features(tiny, options, monkeypatch):
     path, _ = tiny

@@ -63,7 +63,7 @@ def test_one_step_in_flight_per_stage(tiny_model):
         while engine.has_unfinished_requests():
             engine.step()
             most = max(most, len(engine._in_flight) + 1)  # +1: the one just applied
-            ids = [{r.req_id for r in s.scheduled} for s, _ in engine._in_flight]
+            ids = [{r.req_id for r in s.scheduled} for s, _, _ in engine._in_flight]
             overlaps += [a & b for i, a in enumerate(ids) for b in ids[i + 1:]]
         assert most == 2
         assert not any(overlaps)

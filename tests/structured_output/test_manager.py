@@ -52,7 +52,7 @@ def test_rows_follow_the_drafts_and_the_matcher_is_restored(manager):
     before = mask_of(m)
     sched = SchedulerOutput(scheduled=[row("a", hello), row("b", [], sample=False),
                                        row("c", [])])
-    masks = mgr.submit(sched, {"a": m, "b": other, "c": other}).result()
+    masks = mgr.submit(sched, {"a": m, "b": other, "c": other}).masks()
     assert set(masks) == {"a", "c"}  # b does not sample this step
     assert masks["a"].shape == (1 + len(hello), bitmask_width(V))
     ref = grammar.matcher()
@@ -68,7 +68,7 @@ def test_rows_after_a_refused_draft_are_unconstrained(manager):
     mgr, tok = manager
     m = mgr.compile(StructuredOutputsParams(choice=["yes", "no"])).matcher()
     bad = tok.encode("maybe so", add_special_tokens=False)
-    masks = mgr.submit(SchedulerOutput(scheduled=[row("a", bad)]), {"a": m}).result()
+    masks = mgr.submit(SchedulerOutput(scheduled=[row("a", bad)]), {"a": m}).masks()
     assert torch.equal(masks["a"][0], mask_of(m))
     assert bool((masks["a"][1:] == -1).all())
     assert m.error() is None  # the refused draft never reached the matcher

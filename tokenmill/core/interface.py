@@ -1,6 +1,7 @@
 """The contract between the scheduler and the model runner.
 
-`Scheduler.schedule()` returns a `SchedulerOutput`; the runner executes it and returns a
+`Scheduler.schedule()` returns a `SchedulerOutput`; the runner executes it (with the step's
+`GrammarOutput` beside it, when a scheduled request is constrained) and returns a
 `ModelRunnerOutput`; `Scheduler.update_from_output(sched_out, runner_out)` applies it.
 
 A `SchedulerOutput` is a diff, cheap to send to worker processes (vLLM v1's contract): a request
@@ -138,10 +139,6 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     preempted_req_ids: list[str] = field(default_factory=list)
-    # Structured outputs: req_id → (num_sample_positions, W) int32 token bitmask rows, being
-    # filled on a worker thread while the forward pass runs (structured_output/manager.py);
-    # None when no scheduled request is constrained.
-    grammar_bitmask: Future[dict[str, torch.Tensor]] | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -165,8 +162,25 @@ class SchedulerOutput:
         return SchedulerOutput(
             scheduled=[self.scheduled[index]],
             new_requests=[d for d in self.new_requests if d.req_id == req_id],
-            cached_requests=[d for d in self.cached_requests if d.req_id == req_id],
-            grammar_bitmask=self.grammar_bitmask)
+            cached_requests=[d for d in self.cached_requests if d.req_id == req_id])
+
+
+@dataclass
+class GrammarOutput:
+    """Structured outputs' share of a step, beside its SchedulerOutput (vLLM's GrammarOutput):
+    req_id → (num_sample_positions, W) int32 token bitmask rows of the constrained requests,
+    being filled on a worker thread while the forward pass runs (structured_output/
+    manager.py), a Future until they are waited for (`resolved`)."""
+
+    bitmasks: Future[dict[str, torch.Tensor]] | dict[str, torch.Tensor]
+
+    def masks(self) -> dict[str, torch.Tensor]:
+        """The masks, waiting for them if they are still being filled."""
+        return self.bitmasks if isinstance(self.bitmasks, dict) else self.bitmasks.result()
+
+    def resolved(self) -> GrammarOutput:
+        """This output with its masks filled (a Future does not cross processes)."""
+        return self if isinstance(self.bitmasks, dict) else GrammarOutput(self.masks())
 
 
 @dataclass

@@ -32,7 +32,7 @@ from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.config_factory import resolve_device
-from tokenmill.core.interface import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.interface import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
@@ -84,7 +84,8 @@ class LLMEngine:
         self._all_failed_steps = 0  # consecutive steps in which every request failed
         # steps sent and not yet applied, oldest first, with their outputs' Futures (async
         # scheduling: the one the model is running; pipeline parallelism: one per stage)
-        self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        self._in_flight: deque[tuple[SchedulerOutput, GrammarOutput | None,
+                                     Future[ModelRunnerOutput]]] = deque()
 
     @property
     def runner(self) -> ModelRunner:
@@ -106,7 +107,7 @@ class LLMEngine:
         """Finish the steps in flight; stop the worker processes, if any (idempotent)."""
         while self._in_flight:
             with contextlib.suppress(Exception):  # their requests are being dropped anyway
-                self._in_flight.popleft()[1].result()
+                self._in_flight.popleft()[2].result()
         self.executor.shutdown()
 
     @classmethod
@@ -227,49 +228,54 @@ class LLMEngine:
             return self._step_async()
         if self._depth > 1:
             return self._step_pipelined()
-        sched_out = self._schedule()
-        return self._apply(sched_out, *self._run(sched_out))
+        sched_out, grammar = self._schedule()
+        return self._apply(sched_out, *self._run(sched_out, grammar))
 
     def _step_async(self) -> list[RequestOutput]:
         if not self._in_flight:
-            first = self._schedule()
-            self._in_flight.append((first, self.executor.execute_async(first)))
-        sched_out, future = self._in_flight.popleft()
-        next_out = self._schedule()  # meanwhile the model runs sched_out
-        runner_out, failed = self._run(sched_out, future)
+            self._in_flight.append(self._launch(*self._schedule()))
+        sched_out, grammar, future = self._in_flight.popleft()
+        next_out, next_grammar = self._schedule()  # meanwhile the model runs sched_out
+        runner_out, failed = self._run(sched_out, grammar, future)
         # NOTE: sent only now: if sched_out failed, its requests are re-executed first
         if not next_out.is_noop:
-            self._in_flight.append((next_out, self.executor.execute_async(next_out)))
+            self._in_flight.append(self._launch(next_out, next_grammar))
         return self._apply(sched_out, runner_out, failed)
+
+    def _launch(self, sched_out: SchedulerOutput, grammar: GrammarOutput | None
+                ) -> tuple[SchedulerOutput, GrammarOutput | None, Future[ModelRunnerOutput]]:
+        return sched_out, grammar, self.executor.execute_async(sched_out, grammar)
 
     def _step_pipelined(self) -> list[RequestOutput]:
         """Fill the pipeline (up to one step per stage, each of requests with no step in
         flight: the scheduler skips those), then apply the oldest step's outputs."""
         while len(self._in_flight) < self._depth:
-            sched_out = self._schedule()
+            sched_out, grammar = self._schedule()
             if sched_out.is_noop and self._in_flight:
                 break  # nothing new to start: wait for the oldest
-            self._in_flight.append((sched_out, self.executor.execute_async(sched_out)))
-        sched_out, future = self._in_flight.popleft()
-        return self._apply(sched_out, *self._run(sched_out, future))
+            self._in_flight.append(self._launch(sched_out, grammar))
+        sched_out, grammar, future = self._in_flight.popleft()
+        return self._apply(sched_out, *self._run(sched_out, grammar, future))
 
-    def _schedule(self) -> SchedulerOutput:
+    def _schedule(self) -> tuple[SchedulerOutput, GrammarOutput | None]:
+        """The next step, and its grammar bitmasks (being filled) beside it."""
         # profiler scopes name the parts of a step (benchmarks/profile_step.py)
         with scope("schedule"):
             sched_out = self.scheduler.schedule()
-            sched_out.grammar_bitmask = self.structured.submit(sched_out, {
+            grammar = self.structured.submit(sched_out, {
                 r.req_id: g for r in sched_out.scheduled
                 if (g := self.scheduler.requests[r.req_id].grammar) is not None})
-        return sched_out
+        return sched_out, grammar
 
-    def _run(self, sched_out: SchedulerOutput, future: Future[ModelRunnerOutput] | None = None
+    def _run(self, sched_out: SchedulerOutput, grammar: GrammarOutput | None,
+             future: Future[ModelRunnerOutput] | None = None
              ) -> tuple[ModelRunnerOutput, list[RequestOutput]]:
         """The step's output (executed now, or awaited from `future`) and the final outputs of
         the requests it failed: a failed step's requests are re-executed one by one (module
         doc)."""
         failed: list[RequestOutput] = []
         try:
-            runner_out = (self.executor.execute(sched_out) if future is None
+            runner_out = (self.executor.execute(sched_out, grammar) if future is None
                           else future.result())
             self._all_failed_steps = 0
         except KVBlockOpsError as e:
@@ -277,9 +283,9 @@ class LLMEngine:
         except WorkerDiedError as e:
             raise _worker_died(e) from e
         except Exception as e:
-            runner_out = self._isolate_failure(sched_out, e, failed)
+            runner_out = self._isolate_failure(sched_out, grammar, e, failed)
         finally:  # the matchers are the worker thread's until their masks are filled
-            self.structured.wait(sched_out.grammar_bitmask)
+            self.structured.wait(grammar)
         return runner_out, failed
 
     def _apply(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput,
@@ -295,8 +301,8 @@ class LLMEngine:
             self.kv.reset_prefix_cache()
         return outputs + failed
 
-    def _isolate_failure(self, sched_out: SchedulerOutput, error: Exception,
-                         failed: list[RequestOutput]) -> ModelRunnerOutput:
+    def _isolate_failure(self, sched_out: SchedulerOutput, grammar: GrammarOutput | None,
+                         error: Exception, failed: list[RequestOutput]) -> ModelRunnerOutput:
         """Execute each request of a failed step alone: keep what succeeds, end what fails
         (its final output goes to `failed`). The step's block copies and swaps were done."""
         logger.warning("a step of %d requests failed (%s: %s); executing them one by one",
@@ -310,7 +316,8 @@ class LLMEngine:
         for i in live:
             r = sched_out.scheduled[i]
             try:
-                out = self.executor.execute(sched_out.for_request(i), block_ops=False)
+                out = self.executor.execute(sched_out.for_request(i), grammar,
+                                            block_ops=False)
             except WorkerDiedError as e:
                 raise _worker_died(e) from e
             except Exception as e:

@@ -1,12 +1,13 @@
 """Executor: runs each step on the model runners of one engine, wherever they live.
 
-The engine talks only to this interface: `execute(sched)` returns the driver rank's
-`ModelRunnerOutput`; `num_kv_blocks` / `num_swap_blocks` / `spec_costs` are what the runners
-measured at start-up (the engine sizes its KV cache manager and scheduler by them);
-`check_health()` raises `WorkerDiedError` once a worker is gone; `shutdown()` leaves no process
-behind. `execute_async(sched)` starts a step and returns its output's Future (async scheduling
-and pipeline parallelism: the engine schedules the next step meanwhile; the model's kernels
-release the GIL); `_submit` runs work on the executor's one step thread.
+The engine talks only to this interface: `execute(sched, grammar)` returns the driver
+rank's `ModelRunnerOutput` (`grammar`: the step's GrammarOutput beside it, or None);
+`num_kv_blocks` / `num_swap_blocks` / `spec_costs` are what the runners measured at start-up
+(the engine sizes its KV cache manager and scheduler by them); `check_health()` raises
+`WorkerDiedError` once a worker is gone; `shutdown()` leaves no process behind.
+`execute_async(sched, grammar)` starts a step and returns its output's Future (async
+scheduling and pipeline parallelism: the engine schedules the next step meanwhile; the
+model's kernels release the GIL); `_submit` runs work on the executor's one step thread.
 
     uni        the runner in this process (executor/uniproc.py)
     mp         one spawned process per rank, torch.distributed between them
@@ -20,14 +21,13 @@ failed state.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar
 
-from tokenmill.core.interface import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.interface import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.spec_decode.policy import SpecCosts
 
 T = TypeVar("T")
@@ -75,11 +75,13 @@ class Executor(ABC):
     _step_thread: ThreadPoolExecutor | None = None
 
     @abstractmethod
-    def execute(self, sched: SchedulerOutput, block_ops: bool = True) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput, grammar: GrammarOutput | None = None,
+                block_ops: bool = True) -> ModelRunnerOutput:
         """Run one step (ModelRunner.execute's contract) on every rank; the driver's output."""
 
     @abstractmethod
-    def execute_async(self, sched: SchedulerOutput) -> Future[ModelRunnerOutput]:
+    def execute_async(self, sched: SchedulerOutput, grammar: GrammarOutput | None = None
+                      ) -> Future[ModelRunnerOutput]:
         """Start one step; its output's Future. Steps complete in the order started (one at a
         time on the runner's step thread in process; through the stages of a worker pool)."""
 
@@ -113,7 +115,8 @@ class WorkerPoolExecutor(Executor):
         """Stop every worker now (the others may wait in a collective for a dead one)."""
 
     @abstractmethod
-    def _send(self, sched: SchedulerOutput, block_ops: bool) -> Any:
+    def _send(self, sched: SchedulerOutput, grammar: GrammarOutput | None,
+              block_ops: bool) -> Any:
         """Send a step to every rank; a handle for `_gather`."""
 
     @abstractmethod
@@ -121,13 +124,15 @@ class WorkerPoolExecutor(Executor):
         """Every rank's reply to the step sent as `handle` (the oldest not yet gathered);
         WorkerDiedError when a rank dies first."""
 
-    def execute(self, sched: SchedulerOutput, block_ops: bool = True) -> ModelRunnerOutput:
-        return self.execute_async(sched, block_ops).result()
+    def execute(self, sched: SchedulerOutput, grammar: GrammarOutput | None = None,
+                block_ops: bool = True) -> ModelRunnerOutput:
+        return self.execute_async(sched, grammar, block_ops).result()
 
-    def execute_async(self, sched: SchedulerOutput, block_ops: bool = True
-                      ) -> Future[ModelRunnerOutput]:
+    def execute_async(self, sched: SchedulerOutput, grammar: GrammarOutput | None = None,
+                      block_ops: bool = True) -> Future[ModelRunnerOutput]:
         self._raise_if_dead()
-        handle = self._send(self._wire(sched), block_ops)
+        # a Future of grammar bitmasks does not cross processes: its masks are waited for
+        handle = self._send(sched, grammar and grammar.resolved(), block_ops)
         return self._submit(self._collect, handle)
 
     def _collect(self, handle: Any) -> ModelRunnerOutput:
@@ -138,14 +143,6 @@ class WorkerPoolExecutor(Executor):
         self.num_kv_blocks = min(f[0] for f in facts)
         self.num_swap_blocks = min(f[1] for f in facts)
         self.spec_costs = facts[0][2]
-
-    @staticmethod
-    def _wire(sched: SchedulerOutput) -> SchedulerOutput:
-        """sched as it crosses to the workers: a Future of grammar bitmasks does not cross
-        processes, so its masks are waited for (filled on the engine's worker thread)."""
-        if isinstance(sched.grammar_bitmask, Future):
-            return dataclasses.replace(sched, grammar_bitmask=sched.grammar_bitmask.result())
-        return sched
 
     def _output(self, replies: list[tuple[str, Any]]) -> ModelRunnerOutput:
         """The step's output (driver_output), every worker stopped when a rank failed alone."""

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.interface import SchedulerOutput
+from tokenmill.core.interface import GrammarOutput, SchedulerOutput
 from tokenmill.distributed import shm_all_reduce
 from tokenmill.executor.base import WorkerPoolExecutor
 from tokenmill.worker.worker_proc import worker_main
@@ -93,9 +93,11 @@ class MultiprocExecutor(WorkerPoolExecutor):
         raise RuntimeError(f"worker rank {rank} exited during {what} "
                            f"(exit code {proc.exitcode})")
 
-    def _send(self, sched: SchedulerOutput, block_ops: bool) -> None:
+    def _send(self, sched: SchedulerOutput, grammar: GrammarOutput | None,
+              block_ops: bool) -> None:
         self.check_health()
-        data = pickle.dumps(("execute", sched, block_ops), protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(("execute", sched, grammar, block_ops),
+                            protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for conn in self.conns:
                 conn.send_bytes(data)

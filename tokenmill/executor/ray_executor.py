@@ -37,7 +37,7 @@ import time
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.interface import SchedulerOutput
+from tokenmill.core.interface import GrammarOutput, SchedulerOutput
 from tokenmill.executor.base import WorkerPoolExecutor
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class RayWorker:
     def execute(self, data: bytes, block_ops: bool) -> tuple[str, Any]:
         from tokenmill.worker.worker_proc import execute_step
 
-        return execute_step(self.runner, pickle.loads(data), block_ops)
+        return execute_step(self.runner, *pickle.loads(data), block_ops)
 
     def ping(self) -> bool:
         return True
@@ -156,10 +156,11 @@ class RayExecutor(WorkerPoolExecutor):
                 raise
         return ray.get(refs)
 
-    def _send(self, sched: SchedulerOutput, block_ops: bool) -> list[Any]:
+    def _send(self, sched: SchedulerOutput, grammar: GrammarOutput | None,
+              block_ops: bool) -> list[Any]:
         import ray
 
-        data = ray.put(pickle.dumps(sched, protocol=pickle.HIGHEST_PROTOCOL))
+        data = ray.put(pickle.dumps((sched, grammar), protocol=pickle.HIGHEST_PROTOCOL))
         return [a.execute.remote(data, block_ops) for a in self.actors]  # run in call order
 
     def _gather(self, handle: list[Any]) -> list[tuple[str, Any]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.interface import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.interface import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.base import Executor
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -26,12 +26,14 @@ class UniProcExecutor(Executor):
         self.num_swap_blocks = self.runner.num_swap_blocks
         self.spec_costs = self.runner.spec_costs
 
-    def execute(self, sched: SchedulerOutput, block_ops: bool = True) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput, grammar: GrammarOutput | None = None,
+                block_ops: bool = True) -> ModelRunnerOutput:
         if self.on_step_thread:
-            return self._submit(self.runner.execute, sched, block_ops).result()
-        return self.runner.execute(sched, block_ops)
+            return self._submit(self.runner.execute, sched, block_ops, grammar).result()
+        return self.runner.execute(sched, block_ops, grammar)
 
-    def execute_async(self, sched: SchedulerOutput) -> Future[ModelRunnerOutput]:
+    def execute_async(self, sched: SchedulerOutput, grammar: GrammarOutput | None = None
+                      ) -> Future[ModelRunnerOutput]:
         # the runner's own execute: the base's would submit `execute`, which itself submits
         # to this same one thread and waits
-        return self._submit(self.runner.execute, sched)
+        return self._submit(self.runner.execute, sched, True, grammar)

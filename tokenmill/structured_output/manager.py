@@ -19,12 +19,12 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from tokenmill.core.interface import SchedulerOutput
+from tokenmill.core.interface import GrammarOutput, SchedulerOutput
 from tokenmill.structured_output.backend import (
     CompiledGrammar,
     GrammarMatcher,
@@ -94,23 +94,25 @@ class StructuredOutputManager:
             return grammar
 
     def submit(self, sched: SchedulerOutput, grammars: dict[str, GrammarMatcher]
-               ) -> Future | None:
+               ) -> GrammarOutput | None:
         """Start filling this step's bitmasks: for each scheduled request that samples and has
-        a matcher in `grammars`, (1 + drafts, W) int32 rows. None if no request needs one."""
+        a matcher in `grammars`, (1 + drafts, W) int32 rows, as the step's GrammarOutput.
+        None if no request needs one."""
         jobs = [(r.req_id, grammars[r.req_id], list(r.spec_token_ids))
                 for r in sched.scheduled if r.sample and r.req_id in grammars]
         if not jobs:
             return None
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
-        return self._worker.submit(fill_bitmasks, jobs, bitmask_width(self.vocab_size))
+        return GrammarOutput(self._worker.submit(fill_bitmasks, jobs,
+                                                 bitmask_width(self.vocab_size)))
 
     @staticmethod
-    def wait(future: Future | None) -> None:
+    def wait(grammar: GrammarOutput | None) -> None:
         """Block until a submitted fill is done (its errors surface where it is used)."""
-        if future is not None:
+        if grammar is not None:
             with contextlib.suppress(Exception):  # the runner already raised it
-                future.result()
+                grammar.masks()
 
 
 def fill_bitmasks(jobs: list[tuple[str, GrammarMatcher, list[int]]],

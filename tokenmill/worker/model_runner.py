@@ -33,6 +33,7 @@ from tokenmill.attention.kv_cache import (
 )
 from tokenmill.config import EngineConfig
 from tokenmill.core.interface import (
+    GrammarOutput,
     ModelRunnerOutput,
     PositionLogprobs,
     ScheduledRequest,
@@ -197,28 +198,32 @@ class ModelRunner:
             self.kv_cache[:, :, list(gpu)] = self.swap_cache[:, :, list(cpu)].to(self.device)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_ops: bool = True) -> ModelRunnerOutput:
-        """Run one step. `block_ops=False` skips the step's block copies and swaps (the engine
-        re-executes requests of a failed step alone, after those were done once).
+    def execute(self, sched: SchedulerOutput, block_ops: bool = True,
+                grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
+        """Run one step; `grammar`: the bitmasks of its constrained requests (beside it, being
+        filled while the forward pass runs). `block_ops=False` skips the step's block copies
+        and swaps (the engine re-executes requests of a failed step alone, after those were
+        done once).
 
         Under pipeline parallelism a stage first receives the previous stage's hidden states
         and, last, sends its own to the next stage, or a failure flag when it failed
         (distributed/pipeline.py: one message each way per step, whatever happens)."""
         if self.ps.pp_size == 1:
-            return self._execute(sched, block_ops)[0]
+            return self._execute(sched, grammar, block_ops)[0]
         ps, mc = self.ps, self.config.model
         shape = (sched.num_scheduled_tokens, mc.hf_config.hidden_size, mc.dtype, self.device)
         hidden_in = None if ps.is_first_stage else recv_from_prev_stage(ps, *shape)
         failed_upstream = not ps.is_first_stage and shape[0] > 0 and hidden_in is None
         out, hidden = None, None
         try:
-            out, hidden = self._execute(sched, block_ops, hidden_in, failed_upstream)
+            out, hidden = self._execute(sched, grammar, block_ops, hidden_in, failed_upstream)
         finally:
             if not ps.is_last_stage:  # hidden None: this stage failed the step
                 send_to_next_stage(ps, hidden, *shape)
         return out
 
-    def _execute(self, sched: SchedulerOutput, block_ops: bool = True,
+    def _execute(self, sched: SchedulerOutput, grammar: GrammarOutput | None,
+                 block_ops: bool = True,
                  hidden_in: torch.Tensor | None = None, failed_upstream: bool = False
                  ) -> tuple[ModelRunnerOutput, torch.Tensor | None]:
         """The step's output, and the hidden states for the next pipeline stage (None on the
@@ -260,9 +265,9 @@ class ModelRunner:
             with scope("logits"):
                 logits = self.model.compute_logits(hidden, batch.logits_indices)  # (S, V)
             if self.share_samples:
-                self._sample_and_share(sched, reqs, batch, logits, out)
+                self._sample_and_share(sched, grammar, reqs, batch, logits, out)
             elif self.is_driver:
-                self._sample(sched, reqs, batch, logits, out)
+                self._sample(sched, grammar, reqs, batch, logits, out)
         if self.drafter is not None:
             with scope("draft"):
                 out.draft_token_ids, out.draft_probs = self.drafter.propose(
@@ -270,13 +275,14 @@ class ModelRunner:
         self.states.append_sampled(req_ids, out.sampled_token_ids)
         return out, None
 
-    def _sample(self, sched: SchedulerOutput, reqs: list[ScheduledRequest], batch: InputBatch,
-                logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+    def _sample(self, sched: SchedulerOutput, grammar: GrammarOutput | None,
+                reqs: list[ScheduledRequest], batch: InputBatch, logits: torch.Tensor,
+                out: ModelRunnerOutput) -> None:
         """Tokens for the rows that sample (logits (S, V)): grammar masks, then sampling or
         the verification of drafts, and the logprobs asked for."""
-        if sched.grammar_bitmask is not None:
+        if grammar is not None:
             with scope("grammar_bitmask"):
-                _apply_grammar(sched, batch.sample_rows, logits)
+                _apply_grammar(sched, grammar, batch.sample_rows, logits)
         with scope("sample"):
             rows = [reqs[i] for i in batch.sample_rows]
             if any(r.spec_token_ids for r in rows):
@@ -290,9 +296,9 @@ class ModelRunner:
                 if logprobs is not None and k is not None:
                     out.logprobs[out.req_ids[i]] = _select(logprobs, j, 1 + k)
 
-    def _sample_and_share(self, sched: SchedulerOutput, reqs: list[ScheduledRequest],
-                          batch: InputBatch, logits: torch.Tensor,
-                          out: ModelRunnerOutput) -> None:
+    def _sample_and_share(self, sched: SchedulerOutput, grammar: GrammarOutput | None,
+                          reqs: list[ScheduledRequest], batch: InputBatch,
+                          logits: torch.Tensor, out: ModelRunnerOutput) -> None:
         """Async scheduling under TP: the next step is sent before this one's tokens are known,
         so every rank feeds them itself (as a single runner does) and the driver hands them to
         its group: -1s when its sampling failed, and the others then fail the step as
@@ -301,7 +307,7 @@ class ModelRunner:
         tokens = torch.full((len(rows),), -1, dtype=torch.int64)
         try:
             if self.is_driver:
-                self._sample(sched, reqs, batch, logits, out)
+                self._sample(sched, grammar, reqs, batch, logits, out)
                 tokens = torch.tensor([out.sampled_token_ids[i][0] for i in rows])
         finally:
             tokens = self.ps.broadcast_from_driver(tokens)
@@ -337,12 +343,11 @@ class ModelRunner:
                 logprobs, targets, r.sampling_params.prompt_logprobs))
 
 
-def _apply_grammar(sched: SchedulerOutput, sample_rows: list[int], logits: torch.Tensor) -> None:
+def _apply_grammar(sched: SchedulerOutput, grammar: GrammarOutput, sample_rows: list[int],
+                   logits: torch.Tensor) -> None:
     """Mask each constrained request's sampled positions with its grammar's bitmask (filled on
     the worker thread during the forward pass), before the sampler sees the logits (P, V)."""
-    masks = sched.grammar_bitmask  # req_id → (num_sample_positions, W), or its Future
-    if not isinstance(masks, dict):
-        masks = masks.result()
+    masks = grammar.masks()  # req_id → (num_sample_positions, W)
     rows: list[int] = []
     parts: list[torch.Tensor] = []
     first = 0

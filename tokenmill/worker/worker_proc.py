@@ -5,7 +5,8 @@ all-reduce segment (CPU), builds a ModelRunner over its tensor-parallel shard, r
 ("ready", facts) or ("error", traceback), then serves messages from the engine on its pipe,
 each a pickled tuple:
 
-    ("execute", SchedulerOutput, block_ops)  → ("ok", ModelRunnerOutput | None)  (driver: its
+    ("execute", SchedulerOutput, GrammarOutput | None, block_ops)
+                                             → ("ok", ModelRunnerOutput | None)  (driver: its
                                                 output; other ranks: None), ("kv_error", why),
                                                 ("error", why) or ("peer_failed", why)
                                                 (another rank failed the step first: an
@@ -75,13 +76,13 @@ def runner_facts(runner: Any) -> tuple[int, int, Any]:
     return runner.num_kv_blocks, runner.num_swap_blocks, runner.spec_costs
 
 
-def execute_step(runner: Any, sched: Any, block_ops: bool) -> tuple[str, Any]:
+def execute_step(runner: Any, sched: Any, grammar: Any, block_ops: bool) -> tuple[str, Any]:
     """One step's reply (see the module doc)."""
     from tokenmill.distributed import PeerFailed
     from tokenmill.worker.model_runner import KVBlockOpsError
 
     try:
-        out = runner.execute(sched, block_ops)
+        out = runner.execute(sched, block_ops, grammar)
         return ("ok", out if runner.is_driver else None)
     except KVBlockOpsError as e:
         return ("kv_error", str(e))
@@ -110,5 +111,5 @@ def worker_main(rank: int, world_size: int, config: Any, init_method: str, conn:
             os._exit(0)  # the engine is gone: nothing left to serve
         if msg[0] == "shutdown":
             break
-        conn.send(execute_step(runner, msg[1], msg[2]))
+        conn.send(execute_step(runner, *msg[1:]))
     torch.distributed.destroy_process_group()
