@@ -48,6 +48,34 @@ def test_grouped_experts_equal_hugging_face_s_block(tokens):
                        masked_experts(x, ours.up, ours.down, weights, ids, ours.act, 6))
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_the_cpp_expert_loop_is_the_python_loop_bitwise(quantization, monkeypatch):
+    """FusedMoE's one C++ call (cpu_ops.moe_experts) against grouped_experts in Python over
+    the same kernels: bitwise equal at every step size, float and quantized experts."""
+    from tokenmill.layers import cpu_ops
+    from tokenmill.quantization.load_time import Int4Config, Int8Config
+
+    torch.manual_seed(1)
+    config = {None: None, "int8": Int8Config(), "int4": Int4Config()}[quantization]
+    layer = FusedMoE(8, 3, 64, 96, renormalize=True, quant_config=config, prefix="m.experts")
+    for p in (layer.w13, layer.w2):
+        torch.nn.init.normal_(p, std=0.1)
+    if config is not None:
+        layer.quant_method.process_weights_after_loading(layer)
+    calls = []
+    real = cpu_ops.moe_experts
+    monkeypatch.setattr(cpu_ops, "moe_experts",
+                        lambda *a: (calls.append(len(a[0])), real(*a))[1])
+    for tokens in (1, 2, 5, 37):
+        x, logits = torch.randn(tokens, 64), torch.randn(tokens, 8)
+        got = layer(x, logits)
+        weights, ids = select_experts(logits, 3, True)
+        assert torch.equal(got, grouped_experts(x, layer.up, layer.down, weights, ids,
+                                                layer.act, 8))
+    assert calls == [8]  # the experts were bound once, then called at every step size
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_mixtral_greedy_is_identical_to_hf(tiny_model, tp):
     path, hf = tiny_model("mixtral")

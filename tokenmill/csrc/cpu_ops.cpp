@@ -5,6 +5,7 @@
 // milliseconds each, and a server's event loop (and its /health) must keep running meanwhile
 // (under a burst of requests it had waited seconds for the engine thread's kernels).
 #include "cpu_ops.h"
+#include "moe_cpu.h"
 
 namespace {
 using release = py::call_guard<py::gil_scoped_release>;
@@ -42,6 +43,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("apply_token_bitmask_", &apply_token_bitmask_,
         "-inf at the tokens a grammar bitmask disallows, in rows of logits", release());
+  py::class_<MoEExperts>(m, "MoEExperts", "an MoE layer's experts, bound once (moe_cpu.h)")
+      .def(py::init<std::vector<ExpertWeight>, std::vector<ExpertWeight>, int64_t>(),
+           py::arg("up"), py::arg("down"), py::arg("act"))
+      .def("forward", &MoEExperts::forward, "x (T, H), routing weights and ids (T, k)",
+           py::arg("x"), py::arg("weights"), py::arg("ids"), release());
   m.def("shm_all_reduce_", &shm_all_reduce_, "sum a float32 tensor over the ranks sharing a "
         "memory segment, in place; the last sequence number used", release());
 }

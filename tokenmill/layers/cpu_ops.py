@@ -94,6 +94,14 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(x)
 
 
+def moe_experts(up: list[Any], down: list[Any], act: str) -> Any:
+    """An MoE layer's experts bound once for `forward(x (T, H), weights (T, k), ids (T, k))`
+    → (T, H): layers/fused_moe.py grouped_experts in one C++ call, bitwise the same
+    (csrc/moe_cpu.h). up / down: each expert's CPULinearKernel; act: a GATED_ACTS name."""
+    return _ops().MoEExperts([k.as_args() for k in up], [k.as_args() for k in down],
+                             gated_act_code(act))
+
+
 def gated_act_code(act: str) -> int:
     """The C++ code of a gated activation's name (csrc/cpu_ops.h kGatedActs)."""
     return list(_ops().GATED_ACTS).index(act)

@@ -14,8 +14,12 @@ Grouped computation (`grouped_experts`): the T x k (token, expert) pairs are sor
 once, so each active expert's tokens are one contiguous slice: one gate_up GEMM, SiLU-and-mul,
 one down GEMM, scaled by the routing weights and added into the output rows with one
 index_add. The Python loop runs over the active experts (at most E), never over tokens, and the
-experts are added in ascending order, as Hugging Face's loop adds them. `masked_experts` is
-that loop (a one-hot mask and a `where` per expert), kept for benchmarks/moe.py.
+experts are added in ascending order, as Hugging Face's loop adds them. Where every product
+goes through the C++ linear op (CPU, float32: quantized experts, or batch-invariant float
+ones), the same loop runs in one C++ call (cpu_ops.moe_experts, csrc/moe_cpu.h: the same ops,
+bitwise the same result, without ~100 interpreted op calls a layer in a decode step).
+`masked_experts` is Hugging Face's loop (a one-hot mask and a `where` per expert), kept for
+benchmarks/moe.py.
 
 On CUDA the experts run as the Triton fused-MoE kernel's two grouped GEMM launches instead
 (layers/fused_moe_triton.py). Quantized experts (int8 / int4, quantization/moe.py): the same
@@ -129,6 +133,7 @@ class FusedMoE(nn.Module):
             self.quant_method.create_weights(self)
         self.batch_invariant = quant_config is None or quant_config.batch_invariant
         self._kernels: dict[tuple[str, int], tuple[int, CPULinearKernel]] = {}
+        self._experts_op: tuple[int, object] | None = None  # (where, cpu_ops.moe_experts)
 
     @torch.no_grad()
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor,
@@ -160,22 +165,37 @@ class FusedMoE(nn.Module):
         return self._product("w2", e, h)
 
     def _product(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
-        if self.quant_method is not None:
+        if self._cpu_kernels(x):
             return cpu_ops.linear(x, self._kernel(name, e))
-        w = getattr(self, name)[e]
-        if self.batch_invariant and cpu_ops.fused(x):
-            return cpu_ops.linear(x, CPULinearKernel(CPULinearKernel.DENSE, 0, (w,)))
-        return F.linear(x, w)
+        return F.linear(x, getattr(self, name)[e])
+
+    def _cpu_kernels(self, x: torch.Tensor) -> bool:
+        """Whether the experts' products take the C++ linear op: quantized ones always,
+        float ones when batch-invariant on CPU."""
+        return self.quant_method is not None or (self.batch_invariant and cpu_ops.fused(x))
 
     def _kernel(self, name: str, e: int) -> CPULinearKernel:
-        """The quantized experts' kernel of expert e's `name` (w13 | w2) matrix, built once (a
-        decode step asks for 2 top_k of them per layer) and again if the parameters moved
-        (huge pages, a device)."""
+        """The kernel of expert e's `name` (w13 | w2) matrix, built once (a decode step asks
+        for 2 top_k of them per layer) and again if the parameters moved (huge pages, a
+        device)."""
         where = next(self.parameters()).data_ptr()
         cached = self._kernels.get((name, e))
         if cached is None or cached[0] != where:
-            cached = self._kernels[name, e] = (where, self.quant_method.kernel(self, name, e))
+            kernel = (self.quant_method.kernel(self, name, e) if self.quant_method is not None
+                      else CPULinearKernel(CPULinearKernel.DENSE, 0, (getattr(self, name)[e],)))
+            cached = self._kernels[name, e] = (where, kernel)
         return cached[1]
+
+    def _experts(self) -> object:
+        """The experts bound once for the C++ grouped loop (cpu_ops.moe_experts), again if
+        the parameters moved."""
+        where = next(self.parameters()).data_ptr()
+        if self._experts_op is None or self._experts_op[0] != where:
+            kernels = {n: [self._kernel(n, e) for e in range(self.num_experts)]
+                       for n in ("w13", "w2")}
+            act = next(iter(self.act.op_spec().variants))
+            self._experts_op = (where, cpu_ops.moe_experts(kernels["w13"], kernels["w2"], act))
+        return self._experts_op[1]
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x (T, H), router_logits (T, E) → (T, H), summed over tensor-parallel ranks."""
@@ -184,6 +204,8 @@ class FusedMoE(nn.Module):
             from tokenmill.layers.fused_moe_triton import fused_experts
 
             return self.tp.all_reduce(fused_experts(x, self.w13, self.w2, weights, ids))
+        if self.grouped and cpu_ops.fused(x) and self._cpu_kernels(x):
+            return self.tp.all_reduce(self._experts().forward(x, weights, ids))
         run = grouped_experts if self.grouped else masked_experts
         return self.tp.all_reduce(run(x, self.up, self.down, weights, ids, self.act,
                                       self.num_experts))
