@@ -1,8 +1,9 @@
 """Mixture of experts (layers/fused_moe.py, models/mixtral.py): the grouped expert layer equals
 Hugging Face's sparse MoE block; a tiny random-weight Mixtral is greedy-identical to HF with
 chunked prefill, prefix hits and preemption, in one process and split over two (the experts'
-intermediate features sharded); the fused CPU decode call is provably not taken; quantized
-expert weights are refused, not silently left unquantized."""
+intermediate features sharded); the fused CPU decode call runs the MoE block
+(tests/models/test_cpu_decode.py: bitwise the modules' output); quantized expert weights are
+refused, not silently left unquantized."""
 
 from __future__ import annotations
 
@@ -86,8 +87,8 @@ def test_mixtral_greedy_is_identical_to_hf(tiny_model, tp):
         got = generate_greedy(llm, cases) + generate_greedy(llm, cases[-1:])
         engine = llm.engine
         assert engine.scheduler.num_preemptions > 0 and engine.kv.prefix_hits > 0
-        if tp == 1:  # the MoE block states no op the fused CPU decode call computes
-            assert engine.runner.model.model.small_batch_decode._plan is None
+        if tp == 1:  # the MoE block states its op: the fused CPU decode call runs it
+            assert engine.runner.model.model.small_batch_decode._plan is not None
     finally:
         llm.engine.shutdown()
     assert got == [hf_greedy(hf, p, m) for p, m in cases + cases[-1:]]

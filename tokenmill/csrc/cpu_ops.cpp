@@ -43,7 +43,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("apply_token_bitmask_", &apply_token_bitmask_,
         "-inf at the tokens a grammar bitmask disallows, in rows of logits", release());
-  py::class_<MoEExperts>(m, "MoEExperts", "an MoE layer's experts, bound once (moe_cpu.h)")
+  py::class_<MoEExperts>(m, "MoEExperts", py::module_local(),
+                         "an MoE layer's experts, bound once (moe_cpu.h)")
       .def(py::init<std::vector<ExpertWeight>, std::vector<ExpertWeight>, int64_t>(),
            py::arg("up"), py::arg("down"), py::arg("act"))
       .def("forward", &MoEExperts::forward, "x (T, H), routing weights and ids (T, k)",

@@ -21,11 +21,15 @@
 //   store k, v at slot_mapping; a = paged_attention(q)   (T, Hq * D)
 //   h, residual = add_rms_norm(all_reduce(linear(a, o)), residual, post_norm)
 //   hidden      = all_reduce(linear(gated_act(linear(h, gate_up), act), down))
+// or, for a layer with a mixture of experts in place of the MLP ("moe", moe_cpu.h):
+//   weights, ids = select_experts(linear(h, router), top_k, renormalize)
+//   hidden      = experts.forward(h, weights, ids)                 (not under TP)
 // all_reduce: under tensor parallelism (a shared-memory segment given: shm_all_reduce.h) the
 // row-parallel outputs are summed over the ranks, as RowParallelLinear does (which is why the
 // caller admits those layers only without a bias); without a segment it is the identity.
 // Returns (hidden, residual, the all-reduce's last sequence number) after the last layer.
 #include "cpu_ops.h"
+#include "moe_cpu.h"
 #include "paged_attention_cpu.h"
 
 namespace {
@@ -35,9 +39,14 @@ const std::vector<std::string> kOps = {
     "attention", "attention.window", "attention.key_rotation", "attention.kv_float32",
     "attention.kv_bfloat16", "attention.kv_int8", "attention.kv_fp8",
     "linear", "linear.bias", "linear.tp_all_reduce",
-    "gated_mlp", "gated_act", "gated_act.silu", "gated_act.gelu", "gated_act.gelu_tanh"};
-constexpr size_t kNormsPerLayer = 2;    // in_norm, post_norm
-constexpr size_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down (bias None where absent)
+    "gated_mlp", "gated_act", "gated_act.silu", "gated_act.gelu", "gated_act.gelu_tanh",
+    "moe", "moe_experts", "moe_experts.renormalize"};
+constexpr size_t kNormsPerLayer = 2;  // in_norm, post_norm
+// Linear layers per layer: qkv, o, then the MLP's gate_up, down, or an MoE block's router
+// (bias None where absent).
+// An MoE layer's block: its experts (bound once), top_k, renormalize; experts None for an
+// MLP layer.
+using MoEDesc = std::tuple<const MoEExperts*, int64_t, bool>;
 // kind, group, tensors, int8 activations, input scale, batch-invariant, bias (as
 // cpu_ops.linear takes them)
 using LinearDesc = std::tuple<int64_t, int64_t, std::vector<torch::Tensor>, bool,
@@ -67,10 +76,13 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> decode_layers(
     torch::Tensor ctx_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     double eps, double scale, const c10::optional<torch::Tensor>& shm_segment, int64_t rank,
     int64_t world, int64_t slot_bytes, int64_t seq, double timeout_s,
-    const std::vector<int64_t>& acts, int64_t split_keys) {
+    const std::vector<int64_t>& acts, int64_t split_keys, const std::vector<MoEDesc>& moe) {
   const size_t L = kv_caches.size();
-  TORCH_CHECK(norms.size() == L * kNormsPerLayer && linears.size() == L * kLinearsPerLayer,
-              "decode_layers: 2 norms and 4 linear layers per layer");
+  size_t num_linears = 0;
+  for (const auto& m : moe) num_linears += std::get<0>(m) ? 3 : 4;
+  TORCH_CHECK(moe.size() == L && norms.size() == L * kNormsPerLayer &&
+              linears.size() == num_linears,
+              "decode_layers: 2 norms and 4 linear layers per layer (3 for an MoE layer)");
   TORCH_CHECK(kv_scales.size() == L && acts.size() == L,
               "decode_layers: one kv_scales entry and one activation per layer");
   TORCH_CHECK(hidden.dim() == 2 && hidden.size(0) >= 1 && hidden.size(0) <= 4,
@@ -83,9 +95,10 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> decode_layers(
       seq = shm_all_reduce_(x, *shm_segment, rank, world, slot_bytes, seq, timeout_s);
     return x;
   };
+  const LinearDesc* lin = linears.data();
   for (size_t l = 0; l < L; ++l) {
     const torch::Tensor* w = &norms[l * kNormsPerLayer];
-    const LinearDesc* lin = &linears[l * kLinearsPerLayer];
+    const auto& [experts, top_k, renormalize] = moe[l];
     if (l == 0) {  // no residual yet: RMSNorm's plain path (torch's rms_norm, as the module)
       residual = hidden;
       hidden = at::rms_norm(hidden, {H}, w[0], eps);
@@ -109,7 +122,14 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> decode_layers(
                     .view({T, Hq * D});
     auto normed = add_rms_norm(all_reduce(run_linear(lin[1], attn)), residual, w[1], eps);
     residual = normed[1];
-    hidden = all_reduce(run_linear(lin[3], gated_act(run_linear(lin[2], normed[0]), acts[l])));
+    if (experts != nullptr) {
+      auto [weights, ids] = select_experts(run_linear(lin[2], normed[0]), top_k, renormalize);
+      hidden = experts->forward(normed[0], weights, ids);
+      lin += 3;
+    } else {
+      hidden = all_reduce(run_linear(lin[3], gated_act(run_linear(lin[2], normed[0]), acts[l])));
+      lin += 4;
+    }
   }
   return {hidden, residual, seq};
 }
@@ -119,4 +139,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers", &decode_layers, "all decoder layers of a 1-4 token decode step",
         py::call_guard<py::gil_scoped_release>());
   m.attr("OPS") = py::cast(kOps);
+  // An MoE layer's experts as the call takes them (the same class as cpu_ops'; this
+  // module's own objects, built by models/cpu_decode.py).
+  py::class_<MoEExperts>(m, "MoEExperts", py::module_local())
+      .def(py::init<std::vector<ExpertWeight>, std::vector<ExpertWeight>, int64_t>(),
+           py::arg("up"), py::arg("down"), py::arg("act"));
 }

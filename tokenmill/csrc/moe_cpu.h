@@ -7,7 +7,8 @@
 // made ~100 Python-level op calls a layer (7 ms of a 26 ms step on two cores).
 //
 // The experts' weights are bound once (`MoEExperts`, built when the layer's weights are in
-// place): a call passes only x and the routing.
+// place): a call passes only x and the routing. The fused decode call (decode_layers_cpu.cpp)
+// runs a whole MoE block: the router's product, `select_experts`, then the experts.
 #pragma once
 #include "cpu_ops.h"
 #include <tuple>
@@ -17,6 +18,17 @@
 // input scale, batch-invariant).
 using ExpertWeight = std::tuple<int64_t, int64_t, std::vector<torch::Tensor>, bool,
                                 c10::optional<torch::Tensor>, bool>;
+
+// layers/fused_moe.py select_experts, op for op: softmax over the router logits in float32,
+// top-k, renormalized to sum 1 where the model does. → (weights (T, k) float32, ids (T, k)).
+inline std::tuple<torch::Tensor, torch::Tensor> select_experts(const torch::Tensor& logits,
+                                                               int64_t top_k,
+                                                               bool renormalize) {
+  const torch::Tensor probs = at::softmax(logits.to(at::kFloat), -1);
+  auto [weights, ids] = at::topk(probs, top_k, -1);
+  if (renormalize) weights.div_(weights.sum(-1, /*keepdim=*/true));
+  return {weights, ids};
+}
 
 class MoEExperts {
  public:

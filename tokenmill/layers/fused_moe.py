@@ -40,6 +40,7 @@ from torch import nn
 from tokenmill.distributed import ParallelState
 from tokenmill.layers import cpu_ops
 from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.op_spec import OpSpec, spec_of
 from tokenmill.quantization.base import CPULinearKernel, QuantizationConfig
 from tokenmill.quantization.moe import moe_quant_method
 
@@ -101,6 +102,8 @@ def masked_experts(x: torch.Tensor, up: ExpertProduct, down: ExpertProduct,
 
 class FusedMoE(nn.Module):
     """E experts of intermediate size I over hidden size H, top_k of them per token."""
+
+    computes = ("forward", "up", "down", "_product")
 
     grouped = True  # False: masked_experts (benchmarks/moe.py compares the two)
     # the Triton kernel (layers/fused_moe_triton.py): None = on CUDA when triton is there;
@@ -191,11 +194,30 @@ class FusedMoE(nn.Module):
         the parameters moved."""
         where = next(self.parameters()).data_ptr()
         if self._experts_op is None or self._experts_op[0] != where:
-            kernels = {n: [self._kernel(n, e) for e in range(self.num_experts)]
-                       for n in ("w13", "w2")}
             act = next(iter(self.act.op_spec().variants))
-            self._experts_op = (where, cpu_ops.moe_experts(kernels["w13"], kernels["w2"], act))
+            up, down = self.expert_kernels()
+            self._experts_op = (where, cpu_ops.moe_experts(up, down, act))
         return self._experts_op[1]
+
+    def expert_kernels(self) -> tuple[list[CPULinearKernel], list[CPULinearKernel]]:
+        """Each expert's gate_up and down kernels (the C++ products' weights)."""
+        return ([self._kernel("w13", e) for e in range(self.num_experts)],
+                [self._kernel("w2", e) for e in range(self.num_experts)])
+
+    def op_spec(self) -> OpSpec | None:
+        """Routing (select_experts: `renormalize` where the model does) and the grouped
+        experts through their C++ kernels (csrc/moe_cpu.h), on CPU; None where the experts
+        take other products (float experts not batch-invariant, CUDA) or are split over
+        ranks (the call makes no all-reduce for them)."""
+        probe = next(self.parameters())
+        cpu = probe.is_cpu and cpu_ops.ops_available() and (
+            self.quant_method is not None or (self.batch_invariant
+                                              and probe.dtype is torch.float32))
+        act = spec_of(self.act)
+        if not (self.grouped and cpu and self.tp.tp_size == 1) or act is None:
+            return None
+        return OpSpec("moe_experts", frozenset({"renormalize"} if self.renormalize else ()),
+                      params={"layer": self, "top_k": self.top_k}, parts={"act_fn": act})
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x (T, H), router_logits (T, E) → (T, H), summed over tensor-parallel ranks."""

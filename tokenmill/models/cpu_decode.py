@@ -14,7 +14,8 @@ types suggest: the plan is built from each layer's `OpSpec` tree and the model's
 and the call runs only when the C++ side implements every op and variant they require (its
 `OPS`: a pre-norm block of RMSNorms, RoPE over whole heads, paged attention with or without
 one window, a key rotation and a float32 / bfloat16 / int8 / fp8 cache, linear layers with
-biases and the shared-memory all-reduce, a gated MLP with SiLU, GELU or GELU-tanh), for
+biases and the shared-memory all-reduce, a gated MLP with SiLU, GELU or GELU-tanh, or a
+mixture of experts: a router, then the experts' C++ loop of layers/fused_moe.py), for
 float32 activations on CPU, with all layers alike in what the call takes once (heads, eps,
 scale, window, backend) and a step whose every query goes to the CPU paged-attention kernel
 (the attention backend says so through `fused_decode_queries`). Anything else (another op,
@@ -72,8 +73,9 @@ class _Plan:
     """What decode_layers reads, gathered once (after the runner bound the KV caches)."""
 
     norms: list[torch.Tensor]  # in_norm, post_norm per layer
-    linears: list[LinearArgs]  # qkv, o, gate_up, down per layer
-    acts: list[int]  # each layer's gated activation (cpu_ops' code)
+    linears: list[LinearArgs]  # qkv, o, then gate_up, down (an MoE layer: its router) per layer
+    acts: list[int]  # each layer's gated activation (cpu_ops' code; 0 for an MoE layer)
+    moe: list[tuple[Any, int, bool]]  # per layer: (experts, top_k, renormalize), or None
     attns: list[Attention]
     heads: tuple[int, int, int]  # Hq, Hkv, D
     eps: float
@@ -130,7 +132,7 @@ class SmallBatchDecode:
                 meta.slot_mapping, p.block_tables, p.seq_rows, p.first_keys(plan.window),
                 p.ctx_lens,
                 *plan.heads, plan.eps, plan.scale, *shm[:4],
-                0 if comm is None else comm.seq, shm[4], plan.acts, p.split_keys)
+                0 if comm is None else comm.seq, shm[4], plan.acts, p.split_keys, plan.moe)
         if comm is not None:
             comm.seq = seq
         return hidden, residual
@@ -175,20 +177,35 @@ def _plan_of(specs: list[OpSpec]) -> _Plan | None:
                 or p["attn"].backend is not backend or p["attn"].key_rotation is not rotation
                 or s.params["rope_key"] != specs[0].params["rope_key"] or len(comms) != 1):
             return None
-    acts = []
+    acts, linears, moe = [], [], []
     for s in specs:
-        (act,) = s.parts["mlp"].parts["act_fn"].variants
+        mlp = s.parts["mlp"]
+        linears += [_linear_args(s.parts["self_attn"].parts[n]) for n in ("qkv_proj", "o_proj")]
+        if mlp.op == "moe":
+            linears.append(_linear_args(mlp.parts["gate"]))
+            moe.append(_experts_args(mlp.parts["experts"]))
+            acts.append(0)
+            continue
+        (act,) = mlp.parts["act_fn"].variants
         acts.append(cpu_ops.gated_act_code(act))
-    linears = [_linear_args(part) for s in specs
-               for part in (s.parts["self_attn"].parts["qkv_proj"],
-                            s.parts["self_attn"].parts["o_proj"],
-                            s.parts["mlp"].parts["gate_up_proj"],
-                            s.parts["mlp"].parts["down_proj"])]
+        linears += [_linear_args(mlp.parts[n]) for n in ("gate_up_proj", "down_proj")]
+        moe.append((None, 0, False))
     return _Plan(norms=[n.params["weight"] for pair in norms for n in pair], linears=linears,
-                 acts=acts, attns=[a.params["attn"] for a in attn], heads=first["heads"],
+                 acts=acts, moe=moe, attns=[a.params["attn"] for a in attn],
+                 heads=first["heads"],
                  eps=eps, scale=first["scale"],
                  comm=attn[0].parts["o_proj"].params["comm"] if _split(attn[0]) else None,
                  window=first["window"], rope_key=specs[0].params["rope_key"])
+
+
+def _experts_args(spec: OpSpec) -> tuple[Any, int, bool]:
+    """An MoE block's experts as the call takes them: bound once in this module's own class
+    (the same C++ as cpu_ops.moe_experts), top_k, renormalize."""
+    up, down = spec.params["layer"].expert_kernels()
+    (act,) = spec.parts["act_fn"].variants
+    experts = _module().MoEExperts([k.as_args() for k in up], [k.as_args() for k in down],
+                                   cpu_ops.gated_act_code(act))
+    return experts, spec.params["top_k"], "renormalize" in spec.variants
 
 
 def _split(attn: OpSpec) -> bool:

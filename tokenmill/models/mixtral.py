@@ -3,9 +3,9 @@
 Reads like transformers' modeling_mixtral.py: a router (`gate`, hidden → E logits) picks the
 top-k experts per token, their weights renormalized to sum 1, and the experts run grouped
 (layers/fused_moe.py). Checkpoints name the block `block_sparse_moe` with one w1 / w3 / w2 per
-expert; `map_weight_name` puts them into the block's stacked expert weights. The fused CPU
-decode call does not run it (the MoE block states no op it computes; tests/models/test_moe.py
-asserts it is not taken).
+expert; `map_weight_name` puts them into the block's stacked expert weights. The block states
+its op ("moe": the router's product, then the experts), so the fused CPU decode call runs it
+(tests/models/test_moe.py).
 """
 
 from __future__ import annotations
@@ -19,11 +19,14 @@ from tokenmill.distributed import ParallelState
 from tokenmill.layers.expert_weights import map_expert_weight
 from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.layers.linear import ColumnParallelLinear
+from tokenmill.layers.op_spec import OpSpec, specs_of
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.quantization import QuantizationConfig
 
 
 class MixtralMoE(nn.Module):
+    computes = ("forward",)
+
     def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
                  prefix: str, layer_idx: int) -> None:
         super().__init__()
@@ -38,6 +41,10 @@ class MixtralMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x))  # (T, hidden)
+
+    def op_spec(self) -> OpSpec | None:
+        parts = specs_of(gate=self.gate, experts=self.experts)
+        return None if parts is None else OpSpec("moe", parts=parts)
 
 
 def gguf_config(meta: Any, tensor: Any, names: set[str]) -> dict[str, Any]:
