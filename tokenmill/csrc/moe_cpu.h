@@ -7,7 +7,11 @@
 // made ~100 Python-level op calls a layer (7 ms of a 26 ms step on two cores).
 //
 // The experts' weights are bound once (`MoEExperts`, built when the layer's weights are in
-// place): a call passes only x and the routing. The fused decode call (decode_layers_cpu.cpp)
+// place): a call passes only x and the routing. A step of few (token, expert) pairs (decode)
+// computes its active experts side by side on the threads, each expert's products on one
+// thread (a product of one or two rows through a 2 MB expert is too small to split), then
+// adds them in ascending expert order as the loop does: a row's product does not depend on
+// the thread that computes it (linear_cpu.h), so the result is the same bitwise. The fused decode call (decode_layers_cpu.cpp)
 // runs a whole MoE block: the router's product, `select_experts`, then the experts.
 #pragma once
 #include "cpu_ops.h"
@@ -54,17 +58,32 @@ class MoEExperts {
     const torch::Tensor xs = x.index({tokens});  // (T k, H), gathered once
     torch::Tensor out = torch::zeros_like(x);
     const int64_t* count = counts.data_ptr<int64_t>();
-    int64_t start = 0;
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t n = count[e];
-      if (n == 0) continue;
-      const torch::Tensor h = gated_act(product(up_[e], xs.narrow(0, start, n)), act_);
-      const torch::Tensor y = product(down_[e], h) * pair_weights.narrow(0, start, n).unsqueeze(1);
-      out.index_add_(0, tokens.narrow(0, start, n), y.to(out.scalar_type()));
-      start += n;
+    std::vector<int64_t> active, starts;  // the active experts, ascending, and their pairs
+    for (int64_t e = 0, start = 0; e < E; start += count[e], ++e)
+      if (count[e] > 0) active.push_back(e), starts.push_back(start);
+    const int64_t A = static_cast<int64_t>(active.size());
+    std::vector<torch::Tensor> ys(A);
+    auto expert = [&](int64_t i) {  // active expert i's scaled outputs (n, H)
+      const int64_t e = active[i], n = count[e];
+      const torch::Tensor h = gated_act(product(up_[e], xs.narrow(0, starts[i], n)), act_);
+      ys[i] = product(down_[e], h) * pair_weights.narrow(0, starts[i], n).unsqueeze(1);
+    };
+    if (flat.numel() <= kExpertParallelPairs) {
+      at::parallel_for(0, A, 1, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) expert(i);
+      });
+    } else {
+      for (int64_t i = 0; i < A; ++i) expert(i);
     }
+    for (int64_t i = 0; i < A; ++i)  // in ascending expert order, as the loop adds them
+      out.index_add_(0, tokens.narrow(0, starts[i], count[active[i]]),
+                     ys[i].to(out.scalar_type()));
     return out;
   }
+
+  // Up to this many (token, expert) pairs the experts run side by side (a decode step of a
+  // few tokens); more, and each expert's products take the threads.
+  static constexpr int64_t kExpertParallelPairs = 32;
 
  private:
   static torch::Tensor product(const ExpertWeight& w, const torch::Tensor& x) {
