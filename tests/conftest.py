@@ -46,6 +46,10 @@ TINY_MODELS = {
     "mixtral-256": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
                                           hidden_size=256, intermediate_size=256,
                                           sliding_window=None, tie_word_embeddings=False)),
+    # experts of 512 x 256: each of two tensor-parallel ranks keeps whole super-blocks
+    "mixtral-512": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
+                                          hidden_size=256, intermediate_size=512,
+                                          sliding_window=None, tie_word_embeddings=False)),
     # dense layer 1 (mlp_only_layers), a shared expert, top-k not renormalized
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=48, mlp_only_layers=[1],

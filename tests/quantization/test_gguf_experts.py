@@ -70,6 +70,35 @@ def test_gguf_experts_serve_their_blocks_like_the_float32_expansion(expert_files
                 assert abs(lp.logprob - lp_want[token].logprob) < 5e-3
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("types", [KQUANT_EXPERTS, SPLIT_EXPERTS], ids=["kquants", "split"])
+def test_gguf_experts_split_over_two_ranks(types, tiny_model, smollm2_path, tmp_path):
+    """Tensor parallelism: each rank keeps its rows of w1 / w3 and its columns of w2 (whole
+    blocks), and the two ranks' sum decodes the one-process greedy tokens; a share that is
+    not whole blocks is refused naming the split."""
+    from tests.conftest import no_workers_left
+
+    folder, hf = tiny_model("mixtral-512")
+    path = str(tmp_path / "tiny-moe.gguf")
+    write_gguf("mixtral", folder, hf, smollm2_path, tmp_path / "tiny-moe.gguf", types)
+    prompts = [[1, 504, 3458, 282, 4649, 314], list(range(2000, 2040))]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    one = LLM(path, max_model_len=256, num_kv_blocks=64)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    one.engine.shutdown()
+    two = LLM(path, tensor_parallel_size=2, max_model_len=256, num_kv_blocks=64)
+    try:
+        assert two.engine.config.model.quantization == "gguf"
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
+    finally:
+        two.engine.shutdown()
+    assert got == want and no_workers_left()
+    if types is KQUANT_EXPERTS:  # 512 / 4 ranks = 128 columns of a 256-weight Q6_K block
+        with pytest.raises(Exception, match="tensor-parallel shares"):
+            LLM(path, tensor_parallel_size=4, max_model_len=256, num_kv_blocks=64)
+    assert no_workers_left()
+
+
 def test_expert_products_are_the_dense_kernels_of_the_same_bytes(expert_files):
     """Expert e's up product is the raw rows' own dense kernel, side by side, bitwise."""
     native = LLM(expert_files["kquants"], max_model_len=64, num_kv_blocks=16)

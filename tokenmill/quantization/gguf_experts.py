@@ -10,12 +10,15 @@ The FusedMoE layer's `w13` (E, 2I, row bytes) and `w2` (E, H, row bytes) are uin
 rows here: the loader hands each expert's raw rows over (gguf_loader.iterate_gguf, one tensor
 per expert, `<...>.experts.<e>.<matrix>.qweight`); gate and up of different types are kept
 side by side, each padded to the wider row and cut back after loading, and multiplied as one
-merged kernel (CPULinearKernel.PARTS). Invariant: an expert's kernels read exactly the bytes
-of its rows in the file.
+merged kernel (CPULinearKernel.PARTS). Under tensor parallelism each rank keeps its share of
+every expert as FusedMoE splits float experts: w1 / w3 by rows (whole rows of blocks), w2 by
+columns (whole blocks of each row: the share must be whole blocks of w2's type). Invariant: an
+expert's kernels read exactly the bytes of its rows (its rank's columns) in the file.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -52,17 +55,17 @@ class GGUFExpertsMethod:
         self.types, self.batch_invariant = types, batch_invariant
 
     def create_weights(self, layer: nn.Module) -> None:
-        """Replace the layer's float w13 / w2 by raw block rows (uint8), loaded expert by
-        expert through `weight_loader`."""
-        if layer.tp.tp_size > 1:
-            raise ValueError("GGUF expert blocks are not split for tensor parallelism yet; "
-                             "pass quantization='none' or tensor_parallel_size=1")
+        """Replace the layer's float w13 / w2 by raw block rows (uint8), this rank's share,
+        loaded expert by expert through `weight_loader`."""
         E, hidden, inter = layer.num_experts, layer.w2.shape[1], layer.shard
         for shard, k in (("w1", hidden), ("w3", hidden), ("w2", inter)):
             t = GGUF_TYPES[self.types[shard]]
             if k % t.weights:
-                raise ValueError(f"GGUF {t.name} expert rows of {k} weights are not whole "
-                                 f"blocks of {t.weights}")
+                split = (f" (its {layer.tp.tp_size} tensor-parallel shares of "
+                         f"{k * layer.tp.tp_size})" if shard == "w2" and layer.tp.tp_size > 1
+                         else "")
+                raise ValueError(f"GGUF {t.name} expert rows of {k} weights{split} are not "
+                                 f"whole blocks of {t.weights}")
         gate_up = max(GGUF_TYPES[self.types[s]].row_bytes(hidden) for s in ("w1", "w3"))
         shapes = {"w13": (E, 2 * inter, gate_up),
                   "w2": (E, hidden, GGUF_TYPES[self.types["w2"]].row_bytes(inter))}
@@ -70,18 +73,32 @@ class GGUFExpertsMethod:
             shards = getattr(layer, name).expected_shards
             # (empty: a narrower part's padding is never read)
             param = nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
-            param.weight_loader, param.expected_shards = self.weight_loader, shards
+            param.weight_loader = functools.partial(self.weight_loader, self._share(layer))
+            param.expected_shards = shards
             replace_param(layer, name, None)
             layer.register_parameter(name, param)
         layer.gguf_sizes = (hidden, inter)
 
+    def _share(self, layer: nn.Module) -> dict[str, tuple[slice, slice]]:
+        """This rank's (rows, bytes of each row) of an expert's w1 / w3 (I, bytes) and w2
+        (H, bytes): its I / tp rows, its I / tp columns."""
+        inter, lo = layer.shard, layer.tp.tp_rank * layer.shard
+        w2 = GGUF_TYPES[self.types["w2"]]
+        everything = slice(None)
+        return {"w1": (slice(lo, lo + inter), everything),
+                "w3": (slice(lo, lo + inter), everything),
+                "w2": (everything, slice(w2.row_bytes(lo), w2.row_bytes(lo + inter)))}
+
     @staticmethod
     @torch.no_grad()
-    def weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard: tuple[int, str]) -> None:
-        """One expert's raw rows: w1 / w3 (I, bytes) into its half of w13, w2 (H, bytes)."""
+    def weight_loader(share: dict[str, tuple[slice, slice]], param: nn.Parameter,
+                      tensor: torch.Tensor, shard: tuple[int, str]) -> None:
+        """One expert's raw rows, this rank's share (`share`): w1 / w3 (I, bytes) into its
+        half of w13, w2 (H, bytes)."""
         e, name = shard
         if tensor.dtype != torch.uint8:
             raise ValueError(f"expert {e} {name}: expected GGUF block rows, got {tensor.dtype}")
+        tensor = tensor[share[name]]
         rows = tensor.shape[0]
         first = rows if name == "w3" else 0
         expected = param.shape[1] // (1 if name == "w2" else 2)
