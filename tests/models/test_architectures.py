@@ -17,9 +17,9 @@ from tokenmill import LLM, SamplingParams
 ARCHITECTURES = {"qwen2_moe": "cpu", "qwen3_moe": "cpu", "olmoe": "cpu",
                  "mistral-window": "cpu", "gemma2": "cpu", "gemma3": "cpu",
                  "phi3": "cpu", "phi3-partial": "cpu", "granite": "cpu"}
-# whose layers are exactly Llama's (Mistral's with one window for all): the fused CPU decode
-# call takes their decode steps
-FUSED_DECODE = {"phi3", "mistral-window"}
+# whose layers are exactly Llama's (Mistral's with one window for all), or Llama's attention
+# with Qwen2-MoE's blocks: the fused CPU decode call takes their decode steps
+FUSED_DECODE = {"phi3", "mistral-window", "qwen2_moe"}
 
 
 @pytest.mark.parametrize("kind", list(ARCHITECTURES))
@@ -33,8 +33,8 @@ def test_greedy_matches_hf_under_chunking_prefix_hits_and_preemption(tiny_model,
         got = generate_greedy(llm, cases) + generate_greedy(llm, cases[-1:])
         assert engine.scheduler.num_preemptions > 0 and engine.kv.prefix_hits > 0
         assert type(engine.runner.backend).__name__.lower().startswith(ARCHITECTURES[kind])
-        # the others' layers are not the fused call's (MoE blocks, q/k norms, partial
-        # rotary, Gemma's norms and mixed windows, Granite's multipliers)
+        # the others' layers are not the fused call's (q/k norms, partial rotary, Gemma's
+        # norms and mixed windows, Granite's multipliers)
         plan = engine.runner.model.model.small_batch_decode._plan
         assert (plan is not None) == (kind in FUSED_DECODE)
         assert_kv_all_free(engine)

@@ -47,7 +47,8 @@ def with_random_norms_and_biases(folder: str, out) -> str:
 
 # qwen2: q/k/v biases; qwen3: per-head q/k norm (Qwen3Attention redefines its forward: no
 # spec, the modules run).
-# mixtral: an MoE block (router, experts) in place of the MLP.
+# mixtral: an MoE block (router, experts) in place of the MLP; qwen2_moe: with a shared
+# expert, top-k not renormalized, and a dense layer among them.
 # int8 / int4: quantized weights take the same fused call through their method objects;
 # bfloat16 / int8 / fp8 KV caches: the call stores and reads them with the same kernels as
 # the modules.
@@ -55,7 +56,7 @@ def with_random_norms_and_biases(folder: str, out) -> str:
     ("llama", None, "auto"), ("qwen2", None, "auto"), ("qwen3", None, "auto"),
     ("llama", "int8", "auto"), ("qwen2", "int4", "auto"), ("llama", "int4+int8acts", "auto"),
     ("llama", None, "int8"), ("qwen2", "int8", "fp8"), ("llama", None, "bfloat16"),
-    ("mixtral", None, "auto"), ("mixtral", "int8", "auto")])
+    ("mixtral", None, "auto"), ("mixtral", "int8", "auto"), ("qwen2_moe", None, "auto")])
 def test_same_outputs_as_module_path(kind, quantization, kv, tiny_model, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 

@@ -24,6 +24,8 @@
 // or, for a layer with a mixture of experts in place of the MLP ("moe", moe_cpu.h):
 //   weights, ids = select_experts(linear(h, router), top_k, renormalize)
 //   hidden      = experts.forward(h, weights, ids)                 (not under TP)
+//   (+ sigmoid(linear(h, shared_gate)) * linear(gated_act(linear(h, gate_up), act), down):
+//   Qwen2-MoE's shared expert, "moe.shared_expert")
 // all_reduce: under tensor parallelism (a shared-memory segment given: shm_all_reduce.h) the
 // row-parallel outputs are summed over the ranks, as RowParallelLinear does (which is why the
 // caller admits those layers only without a bias); without a segment it is the identity.
@@ -40,13 +42,16 @@ const std::vector<std::string> kOps = {
     "attention.kv_bfloat16", "attention.kv_int8", "attention.kv_fp8",
     "linear", "linear.bias", "linear.tp_all_reduce",
     "gated_mlp", "gated_act", "gated_act.silu", "gated_act.gelu", "gated_act.gelu_tanh",
-    "moe", "moe_experts", "moe_experts.renormalize"};
+    "moe", "moe.shared_expert", "moe_experts", "moe_experts.renormalize"};
 constexpr size_t kNormsPerLayer = 2;  // in_norm, post_norm
 // Linear layers per layer: qkv, o, then the MLP's gate_up, down, or an MoE block's router
-// (bias None where absent).
-// An MoE layer's block: its experts (bound once), top_k, renormalize; experts None for an
-// MLP layer.
-using MoEDesc = std::tuple<const MoEExperts*, int64_t, bool>;
+// (and its shared expert's gate, gate_up, down) (bias None where absent).
+// An MoE layer's block: its experts (bound once), top_k, renormalize, whether it has a shared
+// expert; experts None for an MLP layer.
+using MoEDesc = std::tuple<const MoEExperts*, int64_t, bool, bool>;
+size_t linears_of(const MoEDesc& m) {
+  return std::get<0>(m) == nullptr ? 4 : std::get<3>(m) ? 6 : 3;
+}
 // kind, group, tensors, int8 activations, input scale, batch-invariant, bias (as
 // cpu_ops.linear takes them)
 using LinearDesc = std::tuple<int64_t, int64_t, std::vector<torch::Tensor>, bool,
@@ -79,10 +84,11 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> decode_layers(
     const std::vector<int64_t>& acts, int64_t split_keys, const std::vector<MoEDesc>& moe) {
   const size_t L = kv_caches.size();
   size_t num_linears = 0;
-  for (const auto& m : moe) num_linears += std::get<0>(m) ? 3 : 4;
+  for (const auto& m : moe) num_linears += linears_of(m);
   TORCH_CHECK(moe.size() == L && norms.size() == L * kNormsPerLayer &&
               linears.size() == num_linears,
-              "decode_layers: 2 norms and 4 linear layers per layer (3 for an MoE layer)");
+              "decode_layers: 2 norms and 4 linear layers per layer (an MoE layer: 3, or 6 "
+              "with a shared expert)");
   TORCH_CHECK(kv_scales.size() == L && acts.size() == L,
               "decode_layers: one kv_scales entry and one activation per layer");
   TORCH_CHECK(hidden.dim() == 2 && hidden.size(0) >= 1 && hidden.size(0) <= 4,
@@ -98,7 +104,7 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> decode_layers(
   const LinearDesc* lin = linears.data();
   for (size_t l = 0; l < L; ++l) {
     const torch::Tensor* w = &norms[l * kNormsPerLayer];
-    const auto& [experts, top_k, renormalize] = moe[l];
+    const auto& [experts, top_k, renormalize, shared] = moe[l];
     if (l == 0) {  // no residual yet: RMSNorm's plain path (torch's rms_norm, as the module)
       residual = hidden;
       hidden = at::rms_norm(hidden, {H}, w[0], eps);
@@ -125,11 +131,14 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> decode_layers(
     if (experts != nullptr) {
       auto [weights, ids] = select_experts(run_linear(lin[2], normed[0]), top_k, renormalize);
       hidden = experts->forward(normed[0], weights, ids);
-      lin += 3;
+      if (shared)
+        hidden = hidden + ::sigmoid(run_linear(lin[3], normed[0])) *
+                              run_linear(lin[5], gated_act(run_linear(lin[4], normed[0]),
+                                                           acts[l]));
     } else {
       hidden = all_reduce(run_linear(lin[3], gated_act(run_linear(lin[2], normed[0]), acts[l])));
-      lin += 4;
     }
+    lin += linears_of(moe[l]);
   }
   return {hidden, residual, seq};
 }

@@ -15,7 +15,8 @@ and the call runs only when the C++ side implements every op and variant they re
 `OPS`: a pre-norm block of RMSNorms, RoPE over whole heads, paged attention with or without
 one window, a key rotation and a float32 / bfloat16 / int8 / fp8 cache, linear layers with
 biases and the shared-memory all-reduce, a gated MLP with SiLU, GELU or GELU-tanh, or a
-mixture of experts: a router, then the experts' C++ loop of layers/fused_moe.py), for
+mixture of experts: a router, then the experts' C++ loop of layers/fused_moe.py, and a
+shared expert where the block has one), for
 float32 activations on CPU, with all layers alike in what the call takes once (heads, eps,
 scale, window, backend) and a step whose every query goes to the CPU paged-attention kernel
 (the attention backend says so through `fused_decode_queries`). Anything else (another op,
@@ -73,9 +74,12 @@ class _Plan:
     """What decode_layers reads, gathered once (after the runner bound the KV caches)."""
 
     norms: list[torch.Tensor]  # in_norm, post_norm per layer
-    linears: list[LinearArgs]  # qkv, o, then gate_up, down (an MoE layer: its router) per layer
-    acts: list[int]  # each layer's gated activation (cpu_ops' code; 0 for an MoE layer)
-    moe: list[tuple[Any, int, bool]]  # per layer: (experts, top_k, renormalize), or None
+    # per layer: qkv, o, then gate_up, down (an MoE layer: its router, then its shared
+    # expert's gate, gate_up, down where it has one)
+    linears: list[LinearArgs]
+    acts: list[int]  # each layer's (or its shared expert's) gated activation, cpu_ops' code
+    # per layer: (experts, top_k, renormalize, shared expert) or (None, 0, False, False)
+    moe: list[tuple[Any, int, bool, bool]]
     attns: list[Attention]
     heads: tuple[int, int, int]  # Hq, Hkv, D
     eps: float
@@ -183,13 +187,18 @@ def _plan_of(specs: list[OpSpec]) -> _Plan | None:
         linears += [_linear_args(s.parts["self_attn"].parts[n]) for n in ("qkv_proj", "o_proj")]
         if mlp.op == "moe":
             linears.append(_linear_args(mlp.parts["gate"]))
-            moe.append(_experts_args(mlp.parts["experts"]))
-            acts.append(0)
-            continue
+            shared = "shared_expert" in mlp.variants
+            moe.append((*_experts_args(mlp.parts["experts"]), shared))
+            if not shared:
+                acts.append(0)
+                continue
+            linears.append(_linear_args(mlp.parts["shared_expert_gate"]))
+            mlp = mlp.parts["shared_expert"]  # a gated MLP
+        else:
+            moe.append((None, 0, False, False))
         (act,) = mlp.parts["act_fn"].variants
         acts.append(cpu_ops.gated_act_code(act))
         linears += [_linear_args(mlp.parts[n]) for n in ("gate_up_proj", "down_proj")]
-        moe.append((None, 0, False))
     return _Plan(norms=[n.params["weight"] for pair in norms for n in pair], linears=linears,
                  acts=acts, moe=moe, attns=[a.params["attn"] for a in attn],
                  heads=first["heads"],

@@ -6,7 +6,8 @@ hidden → E logits) picks the top-k experts per token (softmax, top-k, renormal
 shared expert (a gated MLP every token goes through) scaled by sigmoid(shared_expert_gate(x)).
 Layers listed in `mlp_only_layers`, or off the `decoder_sparse_step` stride, keep a dense MLP
 of `intermediate_size`. Checkpoint experts are `mlp.experts.{e}.gate_proj|up_proj|down_proj`.
-The fused CPU decode call does not run these models (the MoE block states no op it computes).
+The MoE block states its op ("moe", with "shared_expert" where it has one): the fused CPU
+decode call runs Qwen2-MoE's layers (Qwen3-MoE's attention, with its q / k norms, states none).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tokenmill.layers import cpu_ops
 from tokenmill.layers.expert_weights import map_expert_weight
 from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.layers.linear import ColumnParallelLinear
+from tokenmill.layers.op_spec import OpSpec, specs_of
 from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP
 from tokenmill.models.qwen3 import Qwen3Attention
 from tokenmill.quantization import QuantizationConfig
@@ -39,6 +41,8 @@ def _router(config: Any, out_features: int, prefix: str) -> ColumnParallelLinear
 
 
 class QwenSparseMoeBlock(nn.Module):
+    computes = ("forward",)
+
     def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
                  prefix: str) -> None:
         super().__init__()
@@ -61,6 +65,16 @@ class QwenSparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + cpu_ops.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+    def op_spec(self) -> OpSpec | None:
+        """The router's product, the experts, and the shared expert (a gated MLP) scaled by
+        its sigmoid gate ("shared_expert") where the model has one."""
+        shared = self.shared_expert is not None
+        parts = specs_of(gate=self.gate, experts=self.experts,
+                         **({"shared_expert": self.shared_expert,
+                             "shared_expert_gate": self.shared_expert_gate} if shared else {}))
+        return None if parts is None else OpSpec(
+            "moe", frozenset({"shared_expert"} if shared else ()), parts=parts)
 
 
 def qwen_moe_mlp(config: Any, tp: ParallelState, quant: QuantizationConfig | None,
