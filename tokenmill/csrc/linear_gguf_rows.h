@@ -164,11 +164,14 @@ static TM_GGUF_INLINE __m256 low_floats(__m256i v) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(v)));
 }
 
-// The 16 int8 scales of a per16 kind as SuperScales' lo / hi, and their offsets' factors
-// (times `by`, -zero d).
-static TM_GGUF_INLINE void scales16(__m128i sc, float by, SuperScales& r) {
+// The 16 int8 scales of a per16 kind as SuperScales' lo / hi.
+static TM_GGUF_INLINE void scales16(__m128i sc, SuperScales& r) {
   r.lo = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
   r.hi = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_unpackhi_epi64(sc, sc)));
+}
+
+// A zero point's part of each 16 weights' offset: the scales times `by` (-zero d).
+static TM_GGUF_INLINE void zero_point_offsets(float by, SuperScales& r) {
   r.off16[0] = _mm256_mul_ps(low_floats(r.lo), _mm256_set1_ps(by));
   r.off16[1] = _mm256_mul_ps(low_floats(r.hi), _mm256_set1_ps(by));
 }
@@ -180,8 +183,8 @@ template <int64_t KIND>
 static TM_GGUF_INLINE SuperScales superblock_scales(const uint8_t* p) {
   SuperScales r{};
   if constexpr (KIND == kQ6_K) {
-    scales16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)), -32.f * half_at(p + 208),
-             r);
+    scales16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)), r);
+    zero_point_offsets(-32.f * half_at(p + 208), r);
     return r;
   } else if constexpr (KIND == kQ3_K) {
     // q3_k_scales in registers (through memory, its 16 bytes stalled the load that read
@@ -196,12 +199,13 @@ static TM_GGUF_INLINE SuperScales superblock_scales(const uint8_t* p) {
     const __m128i high = _mm_srlv_epi32(_mm_set1_epi32(static_cast<int>(h)),
                                         _mm_setr_epi32(0, 2, 4, 6));
     const __m128i sc = _mm_or_si128(low, _mm_slli_epi16(_mm_and_si128(high, _mm_set1_epi8(3)), 4));
-    scales16(_mm_sub_epi8(sc, _mm_set1_epi8(32)), -4.f * half_at(p + 108), r);
+    scales16(_mm_sub_epi8(sc, _mm_set1_epi8(32)), r);
+    zero_point_offsets(-4.f * half_at(p + 108), r);
     return r;
   } else if constexpr (KIND == kQ2_K) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m128i nib = _mm_set1_epi8(0x0F);
-    scales16(_mm_and_si128(b, nib), 0.f, r);
+    scales16(_mm_and_si128(b, nib), r);  // its offsets: the mins times -dmin
     const __m128i mn = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
     const __m256 by = _mm256_set1_ps(-half_at(p + 82));
     r.off16[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)), by);
@@ -354,6 +358,45 @@ static TM_GGUF_INLINE void iq4_xs_superblock(const uint8_t* p, const RowsX& x, i
     acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(f[m], dv), _mm256_set1_ps(x.d[m * nsb + sb]), acc[m]);
 }
 
+// K-quant super-block sb at p (Q2_K .. Q6_K: unsigned values, vpmaddubsw) times M rows of
+// x, into acc.
+template <int64_t KIND, int M>
+static TM_GGUF_INLINE void kquant_superblock(const uint8_t* p, const RowsX& x, int64_t sb,
+                                             __m256 (&acc)[M]) {
+  const int64_t nsb = x.K / 256;
+  const SuperScales sc = superblock_scales<KIND>(p);
+  __m256i ih[M], il[M];
+  TM_ROWS_UNROLL
+  for (int m = 0; m < M; ++m) ih[m] = il[m] = _mm256_setzero_si256();
+  TM_ROWS_UNROLL
+  for (int s = 0; s < 8; ++s) {
+    const __m256i q = block_values<KIND>(p, s);
+    const __m256i scale = pair_scale<KIND>(sc, s);
+    const int64_t k = sb * 256 + s * kBlock;
+    TM_ROWS_UNROLL
+    for (int m = 0; m < M; ++m) {
+      block_madd(q, x.hi + m * x.K + k, x.lo + m * x.K + k, scale, scale, ih[m], il[m]);
+      // Integer sums may be reassociated: GCC computed all eight sub-blocks' products
+      // first, spilled them, and summed them as a tree (2x slower at four rows of x). This
+      // empty statement keeps each accumulator a running sum in its register.
+      __asm__("" : "+x"(ih[m]), "+x"(il[m]));
+    }
+  }
+  const __m256 dv = _mm256_set1_ps(half_at(p + d_offset(KIND)));
+  TM_ROWS_UNROLL
+  for (int m = 0; m < M; ++m) {
+    __m256 f = _mm256_mul_ps(joined(ih[m], il[m]), dv);
+    if constexpr (per16(KIND)) {  // + sum_h off16_h S16_h
+      const float* s16 = x.s16 + m * (x.K / 16) + sb * 16;
+      f = _mm256_fmadd_ps(sc.off16[0], _mm256_loadu_ps(s16), f);
+      f = _mm256_fmadd_ps(sc.off16[1], _mm256_loadu_ps(s16 + 8), f);
+    } else {  // - dmin sum_s mn_s S32_s
+      f = _mm256_fmadd_ps(sc.mins, _mm256_loadu_ps(x.s32 + m * (x.K / kBlock) + sb * 8), f);
+    }
+    acc[m] = _mm256_fmadd_ps(f, _mm256_set1_ps(x.d[m * nsb + sb]), acc[m]);
+  }
+}
+
 // Row `row` of a 256-weight kind times M rows of x (XB = 256: one dx a super-block),
 // super-block by super-block.
 template <int64_t KIND, int M>
@@ -362,45 +405,11 @@ static TM_GGUF_INLINE void super_block_row(const uint8_t* row, const RowsX& x, f
   __m256 acc[M];
   TM_ROWS_UNROLL
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-  const int64_t nsb = x.K / 256;
-  for (int64_t sb = 0; sb < nsb; ++sb) {
+  for (int64_t sb = 0; sb < x.K / 256; ++sb) {
     const uint8_t* p = row + sb * block_bytes(KIND);
     if (stream) prefetch_ahead(p, block_bytes(KIND));
-    if constexpr (is_iq4(KIND)) {
-      iq4_xs_superblock<M>(p, x, sb, acc);
-      continue;
-    }
-    const SuperScales sc = superblock_scales<KIND>(p);
-    __m256i ih[M], il[M];
-    TM_ROWS_UNROLL
-    for (int m = 0; m < M; ++m) ih[m] = il[m] = _mm256_setzero_si256();
-    TM_ROWS_UNROLL
-    for (int s = 0; s < 8; ++s) {
-      const __m256i q = block_values<KIND>(p, s);
-      const __m256i scale = pair_scale<KIND>(sc, s);
-      const int64_t k = sb * 256 + s * kBlock;
-      TM_ROWS_UNROLL
-      for (int m = 0; m < M; ++m) {
-        block_madd(q, x.hi + m * x.K + k, x.lo + m * x.K + k, scale, scale, ih[m], il[m]);
-        // Integer sums may be reassociated: GCC computed all eight sub-blocks' products
-        // first, spilled them, and summed them as a tree (2x slower at four rows of x). This
-        // empty statement keeps each accumulator a running sum in its register.
-        __asm__("" : "+x"(ih[m]), "+x"(il[m]));
-      }
-    }
-    const __m256 dv = _mm256_set1_ps(half_at(p + d_offset(KIND)));
-    TM_ROWS_UNROLL
-    for (int m = 0; m < M; ++m) {
-      __m256 f = _mm256_mul_ps(joined(ih[m], il[m]), dv);
-      if constexpr (per16(KIND)) {  // + sum_h off16_h S16_h
-        const float* s16 = x.s16 + m * (x.K / 16) + sb * 16;
-        f = _mm256_fmadd_ps(sc.off16[0], _mm256_loadu_ps(s16), f);
-        f = _mm256_fmadd_ps(sc.off16[1], _mm256_loadu_ps(s16 + 8), f);
-      } else {  // - dmin sum_s mn_s S32_s
-        f = _mm256_fmadd_ps(sc.mins, _mm256_loadu_ps(x.s32 + m * (x.K / kBlock) + sb * 8), f);
-      }
-      acc[m] = _mm256_fmadd_ps(f, _mm256_set1_ps(x.d[m * nsb + sb]), acc[m]);
-    }
+    if constexpr (is_iq4(KIND)) iq4_xs_superblock<M>(p, x, sb, acc);
+    else kquant_superblock<KIND, M>(p, x, sb, acc);
   }
   TM_ROWS_UNROLL
   for (int m = 0; m < M; ++m) out[m] = hsum8(acc[m]);
