@@ -11,8 +11,9 @@
 // computes its active experts side by side on the threads, each expert's products on one
 // thread (a product of one or two rows through a 2 MB expert is too small to split), then
 // adds them in ascending expert order as the loop does: a row's product does not depend on
-// the thread that computes it (linear_cpu.h), so the result is the same bitwise. The fused decode call (decode_layers_cpu.cpp)
-// runs a whole MoE block: the router's product, `select_experts`, then the experts.
+// the thread that computes it (linear_cpu.h), so the result is the same bitwise. The fused
+// decode call (decode_layers_cpu.cpp) runs a whole MoE block: the router's product,
+// `select_experts`, then the experts.
 #pragma once
 #include "cpu_ops.h"
 #include <tuple>

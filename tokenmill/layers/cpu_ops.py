@@ -94,12 +94,14 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(x)
 
 
-def moe_experts(up: list[Any], down: list[Any], act: str) -> Any:
+def moe_experts(up: list[Any], down: list[Any], act: str, build: Any = None) -> Any:
     """An MoE layer's experts bound once for `forward(x (T, H), weights (T, k), ids (T, k))`
     → (T, H): layers/fused_moe.py grouped_experts in one C++ call, bitwise the same
-    (csrc/moe_cpu.h). up / down: each expert's CPULinearKernel; act: a GATED_ACTS name."""
-    return _ops().MoEExperts([k.as_args() for k in up], [k.as_args() for k in down],
-                             gated_act_code(act))
+    (csrc/moe_cpu.h). up / down: each expert's CPULinearKernel; act: a GATED_ACTS name.
+    `build`: another extension module binding the same class (the fused decode call's, which
+    takes only its own objects) instead of this one."""
+    return (build or _ops()).MoEExperts([k.as_args() for k in up], [k.as_args() for k in down],
+                                        gated_act_code(act))
 
 
 def gated_act_code(act: str) -> int:

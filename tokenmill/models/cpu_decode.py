@@ -210,10 +210,8 @@ def _plan_of(specs: list[OpSpec]) -> _Plan | None:
 def _experts_args(spec: OpSpec) -> tuple[Any, int, bool]:
     """An MoE block's experts as the call takes them: bound once in this module's own class
     (the same C++ as cpu_ops.moe_experts), top_k, renormalize."""
-    up, down = spec.params["layer"].expert_kernels()
     (act,) = spec.parts["act_fn"].variants
-    experts = _module().MoEExperts([k.as_args() for k in up], [k.as_args() for k in down],
-                                   cpu_ops.gated_act_code(act))
+    experts = cpu_ops.moe_experts(*spec.params["layer"].expert_kernels(), act, build=_module())
     return experts, spec.params["top_k"], "renormalize" in spec.variants
 
 
