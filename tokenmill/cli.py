@@ -22,7 +22,10 @@ import argparse
 import logging
 import sys
 
+from tokenmill.bench import latency, serve_command, throughput
+from tokenmill.engine.dp_router import ROUTERS
 from tokenmill.engine_args import EngineArgs
+from tokenmill.server.tool_parsers import TOOL_PARSERS
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -67,12 +70,16 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tokenmill.engine.dp_router import ROUTERS
-    from tokenmill.server.tool_parsers import TOOL_PARSERS
-
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_bench(sub)
+    _add_serve(sub)
+    return parser
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("--prompt", action="append", required=True,
                      help="prompt text (repeat for a batch)")
@@ -86,11 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(gen)
     gen.set_defaults(func=_generate)
 
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bench_serve = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server")
-    from tokenmill.bench import latency, serve_command, throughput
-
     serve_command.add_arguments(bench_serve)
     bench_serve.set_defaults(func=serve_command.run)
     bench_tp = bench_sub.add_parser("throughput", help="offline throughput on a standard "
@@ -102,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     latency.add_arguments(bench_lat)
     bench_lat.set_defaults(func=latency.run)
 
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
                        help="a Hugging Face folder, a .gguf file or a Hub id (ORG/NAME, "
@@ -134,7 +143,6 @@ def build_parser() -> argparse.ArgumentParser:
                             "overloaded (cache_aware, SGLang's policy), or in turn")
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=_serve)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

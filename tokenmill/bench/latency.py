@@ -148,7 +148,18 @@ def run(args: argparse.Namespace) -> int:
         for name, once in engines.items():
             runs[name].append(once())
     results = {name: _aggregate(r) for name, r in runs.items()}
+    _print_results(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    if args.png:
+        _plot(results, args.png)
+    return 0
 
+
+def _print_results(results: dict[str, dict]) -> None:
+    """The table, then each tokenmill engine's ratios to the peers and to the tokenmill engines
+    listed before it."""
     print(f"\n{'engine':<36}{'TTFT s':>8}{'decode tok/s':>14}{'ITL p50/p90/p99 ms':>22}"
           f"{'E2E s':>8}")
     for name, r in results.items():
@@ -163,12 +174,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"{ours} / {name}: decode "
                   f"{results[ours]['decode_tokens_per_s'] / r['decode_tokens_per_s']:.2f}x, "
                   f"TTFT {r['ttft_s'] / results[ours]['ttft_s']:.2f}x faster")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    if args.png:
-        _plot(results, args.png)
-    return 0
 
 
 def load_llama_cpp(model: str, threads: int, f32: bool):

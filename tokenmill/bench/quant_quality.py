@@ -85,9 +85,7 @@ def compare(ref: list[torch.Tensor], got: list[torch.Tensor],
     return {"kl": kl / n, "top1": agree / n, "ppl": math.exp(nll / n), "tokens": n}
 
 
-def main(argv: list[str] | None = None) -> int:
-    from tokenmill import LLM
-
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF Q4_1)")
     p.add_argument("--methods", default=None,
@@ -109,7 +107,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.methods is None:
         args.methods = ("" if args.kv_cache_dtype or args.matmul_dtype else
                         "gguf,gguf+int8acts,int8,int8+int8acts,int4,int4/64,int4/64+rtn")
+    return args
 
+
+def _candidates(args: argparse.Namespace, opts: dict):
+    """(label, engine options) for every variant compared with float32, in the table's order;
+    build each engine before asking for the next (int4's load-time settings hold meanwhile)."""
+    for spec in [m for m in args.methods.split(",") if m]:  # weight_specs.py
+        with weights_as(spec) as weights:
+            yield spec, weights | opts
+    for kv in [k for k in args.kv_cache_dtype.split(",") if k]:
+        yield f"f32, KV {kv}", dict(quantization="none", kv_cache_dtype=kv,
+                                    matmul_dtype="float32") | opts
+    for dtype in [d for d in args.matmul_dtype.split(",") if d]:
+        # the KV format this dtype resolves to, filled in once the engine is built
+        yield f"{dtype} products, KV {{kv}}", dict(quantization="none",
+                                                   matmul_dtype=dtype) | opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tokenmill import LLM
+
+    args = _parse_args(argv)
     print(describe_machine())
     opts = dict(enable_prefix_caching=False, max_model_len=args.window + 8,
                 max_num_batched_tokens=args.step_tokens)
@@ -129,21 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     base = compare(ref, ref, windows)
     del ref_llm
     rows = [("float32", base)]
-    for spec in [m for m in args.methods.split(",") if m]:  # weight_specs.py
-        with weights_as(spec) as weights:
-            llm = LLM(args.model, **weights, **opts)
-        rows.append((spec, compare(ref, score_windows(llm, windows), windows)))
-        del llm
-    for kv in [k for k in args.kv_cache_dtype.split(",") if k]:
-        llm = LLM(args.model, quantization="none", kv_cache_dtype=kv, matmul_dtype="float32",
-                  **opts)
-        rows.append((f"f32, KV {kv}", compare(ref, score_windows(llm, windows), windows)))
-        del llm
-    for dtype in [d for d in args.matmul_dtype.split(",") if d]:
-        llm = LLM(args.model, quantization="none", matmul_dtype=dtype, **opts)
-        kv = llm.engine.config.cache.kv_cache_dtype
-        rows.append((f"{dtype} products, KV {kv}",
-                     compare(ref, score_windows(llm, windows), windows)))
+    for label, options in _candidates(args, opts):
+        llm = LLM(args.model, **options)
+        label = label.format(kv=llm.engine.config.cache.kv_cache_dtype)
+        rows.append((label, compare(ref, score_windows(llm, windows), windows)))
         del llm
     print(f"\n{'weights':<30} {'mean KL':>10} {'top-1 agree':>12} {'perplexity':>11} "
           f"{'ppl vs f32':>11}")

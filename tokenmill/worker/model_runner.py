@@ -74,9 +74,26 @@ class ModelRunner:
         self.share_samples = config.scheduler.async_scheduling and tp.tp_size > 1
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
-        mc = config.model
+        self._load_model()
+        self._allocate_kv()
+        self._bind_attention()
+        self.sampler = Sampler(config.seed, self.device)
+        self.states = RequestStates()  # the requests' tokens and block tables
+        self._load_speculative()
+        self.decode_graphs: DecodeGraphs | None = None
+        # NOTE: not under TP / PP: a captured step would hold the ranks' collectives (untested)
+        if (self.device.type == "cuda" and not config.enforce_eager
+                and config.parallel.world_size == 1):
+            self.decode_graphs = self._decode_graphs(capture=True)
+            if self.decode_graphs is not None:
+                self.decode_graphs.capture_all()
+
+    def _load_model(self) -> None:
+        """This rank's share of the model's weights, on the device, wrapped in the fused CPU
+        decode call where it applies."""
+        config, mc = self.config, self.config.model
         t0 = time.perf_counter()
-        self.model = load_model(mc, self.device, tp, prepack=config.prepack_weights,
+        self.model = load_model(mc, self.device, self.ps, prepack=config.prepack_weights,
                                 batch_invariant=config.batch_invariant)
         attach_fused_decode(self.model, self.device)
         # this rank's share of the KV heads (all of them at tp 1), for its stage's layers
@@ -88,6 +105,11 @@ class ModelRunner:
         logger.info("model weights loaded (%s, %s, weights %s on %s) in %.1f s", mc.path,
                     mc.dtype, mc.quantization or "dense", self.device,
                     time.perf_counter() - t0)
+
+    def _allocate_kv(self) -> None:
+        """The KV cache (and its swap space and fp8 scales), sized from the memory budget less
+        the draft model's share."""
+        config, mc = self.config, self.config.model
         t0 = time.perf_counter()
         draft = config.draft_model
         self._draft_block_bytes = (0 if draft is None else
@@ -107,6 +129,11 @@ class ModelRunner:
         self.kv_scales = allocate_kv_scales(self.num_layers, self.num_kv_heads, self.device,
                                             kv_dtype)
         self.key_rotation = key_rotation(mc.head_dim, kv_dtype, self.device)  # quantized
+
+    def _bind_attention(self) -> None:
+        """One attention backend for every layer's variant, bound to each layer with its KV
+        cache slice."""
+        config, mc = self.config, self.config.model
         features = attention_features(self.model.attention_layers())
         if config.batch_invariant:
             features |= {"batch_invariant"}
@@ -115,8 +142,11 @@ class ModelRunner:
         for i, attn in enumerate(self.model.attention_layers()):
             attn.bind(self.kv_cache[i], self.backend,
                       None if self.kv_scales is None else self.kv_scales[i], self.key_rotation)
-        self.sampler = Sampler(config.seed, self.device)
-        self.states = RequestStates()  # the requests' tokens and block tables
+
+    def _load_speculative(self) -> None:
+        """The draft model (if one is configured) and the measured costs the speculative
+        policy weighs."""
+        config, draft = self.config, self.config.draft_model
         self.drafter: DraftModelProposer | None = None
         if draft is not None:
             t0 = time.perf_counter()
@@ -136,13 +166,6 @@ class ModelRunner:
                         "%s, %.2f per draft-model forward",
                         " ".join(f"{c:.2f}" for c in self.spec_costs.verify_curve[1:]),
                         self.spec_costs.draft_forward)
-        self.decode_graphs: DecodeGraphs | None = None
-        # NOTE: not under TP / PP: a captured step would hold the ranks' collectives (untested)
-        if (self.device.type == "cuda" and not config.enforce_eager
-                and config.parallel.world_size == 1):
-            self.decode_graphs = self._decode_graphs(capture=True)
-            if self.decode_graphs is not None:
-                self.decode_graphs.capture_all()
 
     def _decode_graphs(self, capture: bool) -> DecodeGraphs | None:
         """Decode steps as CUDA graph replays, where the attention backend provides the static
