@@ -67,6 +67,12 @@ CASES = [
     Case("data_parallel_size", ("-dp", "2"), 2, "parallel.data_parallel_size", 2),
     Case("distributed_executor_backend", ("--distributed-executor-backend", "mp"), "mp",
          "parallel.distributed_executor_backend", "mp"),
+    Case("enable_lora", ("--enable-lora",), True, "lora.max_loras", 1),
+    Case("max_loras", ("--max-loras", "3"), 3, "lora.max_loras", 3, (("enable_lora", True),)),
+    Case("max_lora_rank", ("--max-lora-rank", "64"), 64, "lora.max_lora_rank", 64,
+         (("enable_lora", True),)),
+    Case("max_cpu_loras", ("--max-cpu-loras", "4"), 4, "lora.max_cpu_loras", 4,
+         (("enable_lora", True),)),
     Case("device", ("--device", "cpu:0"), "cpu:0", "device", "cpu:0"),
     Case("seed", ("--seed", "7"), 7, "seed", 7),
     Case("prepack_weights", ("--no-prepack-weights",), False, "prepack_weights", False),
@@ -125,7 +131,8 @@ def test_each_field_is_a_flag_and_a_keyword_that_reaches_the_config(case, tiny_m
     if case.field == "revision":  # a Hub id's revision: the dev branch's config
         model, extra = "org/tiny-llama", {"download_dir": str(hub_cache)}
     extra_argv = [a for name, v in extra.items()
-                  for a in (f"--{name.replace('_', '-')}", str(v))]
+                  for a in ((f"--{name.replace('_', '-')}",) if v is True
+                            else (f"--{name.replace('_', '-')}", str(v)))]
     args = _engine_parser().parse_args(["--model", model, *case.argv, *extra_argv])
     from_cli = EngineArgs.from_cli_args(args)
     from_kwargs = EngineArgs.from_options(model, **{case.field: case.value}, **extra)

@@ -8,6 +8,7 @@ from tokenmill.engine.beam_search import BeamSearchOutput, BeamSearchSequence
 from tokenmill.engine.llm import LLM
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine_args import EngineArgs
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -23,5 +24,5 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
            "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "EngineArgs",
            "EngineConfig",
-           "LLMEngine", "Logprob", "PoolerConfig", "PoolingParams", "RequestOutput",
+           "LLMEngine", "LoRARequest", "Logprob", "PoolerConfig", "PoolingParams", "RequestOutput",
            "SamplingParams", "StructuredOutputsParams", "__version__"]

@@ -49,6 +49,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from tokenmill.engine.data_parallel import make_replicas
     from tokenmill.server.api_server import ServerLimits, run_server
+    from tokenmill.server.lora_modules import parse_lora_modules
     from tokenmill.server.tools import ToolOptions
     from tokenmill.utils.request_context import RequestIdFilter
     from tokenmill.utils.sizes import parse_size
@@ -63,10 +64,13 @@ def _serve(args: argparse.Namespace) -> int:
                           max_request_body_bytes=parse_size(args.max_request_body_bytes),
                           request_timeout=args.request_timeout, drain_timeout=args.drain_timeout)
     tools = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)
+    lora_modules = parse_lora_modules(args.lora_modules)  # refused before the model loads
+    if lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     engine_args = EngineArgs.from_cli_args(args, model=args.model_pos)
     return run_server(make_replicas(engine_args), args.host, args.port,
                       args.api_key, args.served_model_name, limits, tools,
-                      args.data_parallel_router)
+                      args.data_parallel_router, lora_modules)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,6 +145,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                        help="with --data-parallel-size: send each request to the replica "
                             "likely to hold its prompt's prefix in cache unless it is "
                             "overloaded (cache_aware, SGLang's policy), or in turn")
+    serve.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                       help="LoRA adapters served by name (with --enable-lora): name=path or "
+                            'JSON \'{"name": ..., "path": ..., "base_model_name": ...}\'; a '
+                            "request's `model` picks one")
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=_serve)
 

@@ -22,6 +22,7 @@ import torch
 from tokenmill.attention.kv_formats import kv_format
 from tokenmill.attention.registry import BACKEND_NAMES
 from tokenmill.distributed.config import ParallelConfig
+from tokenmill.lora.config import LoRAConfig
 from tokenmill.pooling_params import PoolerConfig
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.structured_output.config import StructuredOutputsConfig
@@ -234,6 +235,8 @@ class EngineConfig:
     runner: str = "auto"
     # how an embedding request pools the hidden states (vLLM's --pooler-config)
     pooler_config: PoolerConfig = PoolerConfig()
+    # multi-LoRA serving (vLLM's --enable-lora, lora/); None: no adapters
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.prepack_weights not in (True, False, "auto"):

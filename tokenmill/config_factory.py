@@ -44,6 +44,8 @@ from tokenmill.config_weights import (
 from tokenmill.distributed.config import ParallelConfig
 from tokenmill.layers.linear import check_heads_split
 from tokenmill.layers.rotary import rope_parameter_sets
+from tokenmill.lora.config import LoRAConfig
+from tokenmill.lora.targets import check_architecture as check_lora_architecture
 from tokenmill.model_loader import gguf_loader
 from tokenmill.model_loader.default_model import default_model_path
 from tokenmill.model_loader.gguf_cache import load_full_config
@@ -104,7 +106,16 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         enforce_eager=bool(args.enforce_eager), speculative=speculative, draft_model=draft,
         structured_outputs=StructuredOutputsConfig.parse(args.structured_outputs_config),
         runner=_runner(args.runner, model),
-        pooler_config=PoolerConfig.parse(args.pooler_config))
+        pooler_config=PoolerConfig.parse(args.pooler_config),
+        lora=_lora_config(args, model))
+
+
+def _lora_config(args: EngineArgs, model: ModelConfig) -> LoRAConfig | None:
+    options = args.group("lora")
+    if not options.pop("enable_lora"):
+        return None
+    check_lora_architecture(model.architecture)
+    return LoRAConfig(**options)
 
 
 def _scheduler_config(args: EngineArgs, model: ModelConfig) -> SchedulerConfig:

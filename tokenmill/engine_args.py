@@ -37,9 +37,10 @@ from tokenmill.config import (
 )
 from tokenmill.config_factory import create_engine_config
 from tokenmill.distributed.config import EXECUTOR_BACKENDS, ParallelConfig
+from tokenmill.lora.config import LoRAConfig
 from tokenmill.quantization import QUANTIZATION_METHODS
 
-GROUPS = ("model", "cache", "scheduler", "parallel", "engine")
+GROUPS = ("model", "cache", "scheduler", "parallel", "lora", "engine")
 
 
 def option(default: Any, help: str, group: str, *, flags: tuple[str, ...] = (),
@@ -146,6 +147,16 @@ class EngineArgs:
         ParallelConfig.distributed_executor_backend, "where the ranks run: uni (this process, "
         "size 1), mp (one process per rank; the default above size 1), ray (Ray actors on a "
         "Ray cluster's machines: docs/parallel.md)", "parallel", choices=EXECUTOR_BACKENDS)
+    # ---- LoRA adapters ---------------------------------------------------------------------
+    enable_lora: bool = option(
+        False, "serve LoRA adapters (peft folders) over the model: per request "
+        "(lora_request) or, on the server, by --lora-modules names", "lora")
+    max_loras: int = option(LoRAConfig.max_loras, "adapters one step may use at once",
+                            "lora")
+    max_lora_rank: int = option(LoRAConfig.max_lora_rank, "the largest adapter rank served",
+                                "lora")
+    max_cpu_loras: int | None = option(
+        None, "adapters kept in memory, least recently used out (default: max_loras)", "lora")
     # ---- the engine ------------------------------------------------------------------------
     device: str | None = option(None, "cpu or cuda (default: cuda when present)", "engine")
     seed: int = option(EngineConfig.seed, "the seed of dummy weights and of requests "

@@ -6,7 +6,7 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import openai
@@ -14,6 +14,7 @@ import pytest
 import uvicorn
 
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.lora.request import LoRARequest
 from tokenmill.server.api_server import ServerLimits, build_app
 from tokenmill.server.lifecycle import DrainingServer
 from tokenmill.server.tools import ToolOptions
@@ -50,11 +51,13 @@ def free_port() -> int:
 
 def start_server(engine: LLMEngine | list[LLMEngine], model: str, api_key: str | None = None,
                  limits: ServerLimits | None = None, tool_options: ToolOptions | None = None,
-                 data_parallel_router: str = "cache_aware") -> Iterator[RunningServer]:
+                 data_parallel_router: str = "cache_aware",
+                 lora_modules: Sequence[LoRARequest] = ()) -> Iterator[RunningServer]:
     """The server `tokenmill serve` runs (DrainingServer), on a thread of this process; over
     data-parallel replicas when `engine` is a list."""
     port = free_port()
-    app = build_app(engine, model, api_key, limits, tool_options, data_parallel_router)
+    app = build_app(engine, model, api_key, limits, tool_options, data_parallel_router,
+                    lora_modules)
     engines = engine if isinstance(engine, list) else [engine]
     server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning", timeout_graceful_shutdown=5),

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
     import torch
 
+    from tokenmill.lora.request import AdapterRef
+
 
 @dataclass(kw_only=True)
 class _DraftWork:
@@ -65,6 +67,7 @@ class NewRequestData:
     output_token_ids: list[int]  # non-empty for a request resumed after preemption
     sampling_params: SamplingParams
     block_ids: list[int]
+    lora: AdapterRef | None = None  # the adapter it runs with
 
 
 @dataclass
@@ -114,6 +117,7 @@ class ScheduledRequest(_DraftWork):
     output_token_ids: list[int] = field(default_factory=list)
     banned_token_ids: list[int] = field(default_factory=list)  # min_tokens: EOS/stop ids
     pooling: str | None = None  # as RequestStep.pooling
+    lora: AdapterRef | None = None  # the adapter it runs with
     # token_ids ends with the drafts (_DraftWork)
 
     @property

@@ -11,6 +11,9 @@ node path covering a request's cached blocks is locked while the request lives, 
 (unlocked) tree blocks are exactly those no request holds: they count as free, and
 `allocate_slots` evicts them LRU when the pool runs dry.
 
+A request's blocks are cached under its LoRA adapter's key (`Request.lora_key`; None for the
+base model): the same tokens under another adapter are other K/V and never a hit.
+
 Copy-on-write: before a request writes into a shared, partly filled block (after `fork`) it
 gets a private copy; the (src, dst) pair is queued for the runner to copy before the forward.
 
@@ -100,13 +103,14 @@ class KVCacheManager:
                 or request.request_id in self.req_to_blocks
                 or request.needs_every_prompt_position):
             return ComputedBlocks()
-        match = self.tree.match_prefix(request.all_token_ids[:request.num_tokens - 1])
+        match = self.tree.match_prefix(request.all_token_ids[:request.num_tokens - 1],
+                                       request.lora_key)
         blocks = [self.pool.blocks[b] for b in match.block_ids]
         return ComputedBlocks(blocks, len(blocks) * self.block_size, match.handle)
 
     def _offer_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Insert the request's blocks that are full once `num_tokens` are computed."""
-        rid, bs = request.request_id, self.block_size
+        rid, bs, ns = request.request_id, self.block_size, request.lora_key
         num_full = num_tokens // bs
         if self.tree is None or num_full <= self._num_offered.get(rid, 0):
             return
@@ -116,21 +120,22 @@ class KVCacheManager:
         null = self.pool.null_block.block_id
         if null in ids:  # blocks dropped out of the window: offer on only where the tree
             last = len(ids) - 1 - ids[::-1].index(null)  # holds their tokens already
-            if len(self.tree.match_prefix(tokens[:(last + 1) * bs]).block_ids) <= last:
+            if len(self.tree.match_prefix(tokens[:(last + 1) * bs], ns).block_ids) <= last:
                 self._num_offered[rid] = num_full  # (the tree lost them: stop offering)
                 return
-        result = self.tree.insert_prefix(tokens, ids)
+        result = self.tree.insert_prefix(tokens, ids, ns)
         self.pool.incr_ref(blocks[result.cached_len // bs:num_full])  # the tree's references
         handle = result.handle
         if result.cached_len == len(tokens):
             # NOTE: nothing adopted. If the tree held some of these tokens under other blocks
             # (computed by another request), lock only as deep as the blocks we really share,
             # so we do not pin cached blocks we never use.
-            tree_ids = self.tree.match_prefix(tokens).block_ids
+            tree_ids = self.tree.match_prefix(tokens, ns).block_ids
             shared = next((i for i, (a, b) in enumerate(zip(tree_ids, ids, strict=True))
                            if a != b and b != null), len(ids))
             if shared < len(ids):
-                handle = self.tree.match_prefix(tokens[:shared * bs]).handle if shared else None
+                handle = (self.tree.match_prefix(tokens[:shared * bs], ns).handle if shared
+                          else None)
         self._lock(rid, handle)
         self._num_offered[rid] = num_full
 

@@ -5,16 +5,19 @@ KV blocks that hold them. It knows nothing of the block pool: values are opaque 
                                           └─ [user B: 11]
 
 Each edge holds a whole number of blocks (len(key) == len(value) * block_size), and a node's
-children are keyed by the tokens of their first block, so two children never share a first
-block. Contract:
+children are keyed by their namespace and the tokens of their first block, so two children never
+share a first block. A namespace (a LoRA adapter's key; None for the base model) is a separate
+tree under the same root: the same tokens under two namespaces never share a node, and every
+node below the root keeps its parent's namespace. Contract:
 
-- `match_prefix(ids)` → MatchResult: the longest cached prefix of `ids` in whole blocks, its
-  block ids, and a handle (the deepest node, split at the match end if needed).
+- `match_prefix(ids, namespace)` → MatchResult: the longest cached prefix of `ids` in whole
+  blocks, its block ids, and a handle (the deepest node, split at the match end if needed).
 - `lock_handle(h)` / `lock_handle(h, unlock=True)`: +1 / -1 on every node from h up to the root.
   Locked nodes are never evicted; the caller locks what its requests are using.
-- `insert_prefix(ids, block_ids)` → InsertResult(cached_len, handle): adds the blocks of a
-  prefix; the leading `cached_len` tokens were already cached, and for those the tree keeps its
-  own blocks (the caller's are not adopted). The blocks after `cached_len` now belong to the tree.
+- `insert_prefix(ids, block_ids, namespace)` → InsertResult(cached_len, handle): adds the
+  blocks of a prefix; the leading `cached_len` tokens were already cached, and for those the
+  tree keeps its own blocks (the caller's are not adopted). The blocks after `cached_len` now
+  belong to the tree.
 - `evict(n)` → freed block ids (at least n if possible): whole unlocked leaves, least recently
   used first; a parent left childless and unlocked becomes a candidate in turn.
 
@@ -39,6 +42,7 @@ class RadixNode:
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
+    namespace: str | None = None  # whose KV the blocks hold (a LoRA adapter's key, or None)
 
     def __lt__(self, other: RadixNode) -> bool:  # heap order: least recently used first
         return self.last_access < other.last_access
@@ -67,18 +71,23 @@ class RadixCache:
         self.num_cached_blocks = 0
         self.num_evictable_blocks = 0  # blocks in nodes with lock_ref == 0
 
-    def _first_block(self, key: tuple[int, ...] | list[int], start: int = 0) -> tuple[int, ...]:
-        return tuple(key[start:start + self.block_size])
+    def _child_key(self, namespace: str | None, key: tuple[int, ...] | list[int],
+                   start: int = 0) -> tuple[str | None, tuple[int, ...]]:
+        """How a parent files a child: its namespace and its first block's tokens."""
+        return namespace, tuple(key[start:start + self.block_size])
+
+    def _filed(self, node: RadixNode) -> tuple[str | None, tuple[int, ...]]:
+        return self._child_key(node.namespace, node.key)
 
     # ---- lookup -----------------------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int]) -> MatchResult:
+    def match_prefix(self, token_ids: list[int], namespace: str | None = None) -> MatchResult:
         bs = self.block_size
         usable = len(token_ids) - len(token_ids) % bs
         node, pos, blocks = self.root, 0, []
         now = next(_clock)
         node.last_access = now
         while pos < usable:
-            child = node.children.get(self._first_block(token_ids, pos))
+            child = node.children.get(self._child_key(namespace, token_ids, pos))
             if child is None:
                 break
             n = self._common_blocks(child.key, token_ids, pos, usable)
@@ -103,10 +112,11 @@ class RadixCache:
         cut = n_blocks * self.block_size
         parent = node.parent
         upper = RadixNode(key=node.key[:cut], value=node.value[:n_blocks], parent=parent,
-                          lock_ref=node.lock_ref, last_access=node.last_access)
-        parent.children[self._first_block(upper.key)] = upper
+                          lock_ref=node.lock_ref, last_access=node.last_access,
+                          namespace=node.namespace)
+        parent.children[self._filed(upper)] = upper
         node.key, node.value, node.parent = node.key[cut:], node.value[n_blocks:], upper
-        upper.children[self._first_block(node.key)] = node
+        upper.children[self._filed(node)] = node
         return upper
 
     # ---- locking ----------------------------------------------------------------------------
@@ -126,17 +136,19 @@ class RadixCache:
             node = node.parent
 
     # ---- insertion --------------------------------------------------------------------------
-    def insert_prefix(self, token_ids: list[int], block_ids: list[int]) -> InsertResult:
+    def insert_prefix(self, token_ids: list[int], block_ids: list[int],
+                      namespace: str | None = None) -> InsertResult:
         bs = self.block_size
         if len(token_ids) != len(block_ids) * bs:
             raise ValueError(f"{len(token_ids)} tokens do not fill {len(block_ids)} blocks")
-        match = self.match_prefix(token_ids)
+        match = self.match_prefix(token_ids, namespace)
         cached = len(match.block_ids)
         node = match.handle
         if cached < len(block_ids):
             node = RadixNode(key=tuple(token_ids[cached * bs:]), value=list(block_ids[cached:]),
-                             parent=match.handle, last_access=next(_clock))
-            match.handle.children[self._first_block(node.key)] = node
+                             parent=match.handle, last_access=next(_clock),
+                             namespace=namespace)
+            match.handle.children[self._filed(node)] = node
             self.num_cached_blocks += len(node.value)
             self.num_evictable_blocks += len(node.value)
         return InsertResult(cached * bs, node)
@@ -150,7 +162,7 @@ class RadixCache:
             node = heapq.heappop(leaves)
             freed += node.value
             parent = node.parent
-            del parent.children[self._first_block(node.key)]
+            del parent.children[self._filed(node)]
             self.num_cached_blocks -= len(node.value)
             self.num_evictable_blocks -= len(node.value)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
@@ -177,7 +189,8 @@ class RadixCache:
             if node.lock_ref < 0 or node.lock_ref > node.parent.lock_ref and \
                     node.parent is not self.root:
                 raise AssertionError("a child is locked more than its parent")
-            if node.parent.children.get(self._first_block(node.key)) is not node:
+            if node.parent.children.get(self._filed(node)) is not node or (
+                    node.parent is not self.root and node.namespace != node.parent.namespace):
                 raise AssertionError("a node is filed under the wrong key")
             cached += len(node.value)
             evictable += len(node.value) if node.lock_ref == 0 else 0

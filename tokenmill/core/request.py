@@ -9,6 +9,8 @@ Invariants:
   `schedule()` and `update_from_output()` they are counted in `num_computed_tokens` (their
   K/V is being written), which may then exceed `num_tokens` by their number; verification
   rolls it back to the accepted ones. They never enter `all_token_ids` unverified.
+- `lora`: the adapter the request runs with, fixed for its life; its KV blocks are cached
+  under the adapter's key and shared only with requests of the same adapter.
 - `grammar` (structured outputs): a matcher whose state is `output_token_ids`; the scheduler
   advances it on every token it appends.
 """
@@ -17,10 +19,14 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.policy import INITIAL_ACCEPTANCE
+
+if TYPE_CHECKING:
+    from tokenmill.lora.request import AdapterRef
 
 
 class RequestStatus(enum.IntEnum):
@@ -55,8 +61,11 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_ids: list[int], max_tokens: int,
                  arrival_time: float | None = None,
-                 pooling_params: PoolingParams | None = None) -> None:
+                 pooling_params: PoolingParams | None = None,
+                 lora: AdapterRef | None = None) -> None:
         self.request_id = request_id
+        # the LoRA adapter it runs with (None: the base model); its KV is its adapter's
+        self.lora = lora
         # an embedding request: computes its prompt, samples nothing, finishes when the
         # prompt is computed (its sampling_params are unused)
         self.pooling_params = pooling_params
@@ -82,6 +91,11 @@ class Request:
         self.spec_acceptance = INITIAL_ACCEPTANCE  # running, per draft token (spec_decode/policy)
         # structured outputs: a GrammarMatcher (structured_output/backend.py), or None
         self.grammar = None
+
+    @property
+    def lora_key(self) -> str | None:
+        """The adapter's identity (a hash of its weights), None for the base model."""
+        return None if self.lora is None else self.lora.key
 
     @property
     def num_tokens(self) -> int:

@@ -38,7 +38,7 @@ class RunnerView:
             self._sent[rid] = _Sent(request.num_tokens, block_ids)
             return NewRequestData(rid, list(request.prompt_token_ids),
                                   list(request.output_token_ids), request.sampling_params,
-                                  list(block_ids))
+                                  list(block_ids), request.lora)
         token_start = sent.num_tokens
         block_start = _first_difference(sent.block_ids, block_ids)
         if token_start == request.num_tokens and block_start == len(block_ids) == \

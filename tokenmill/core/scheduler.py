@@ -1,7 +1,8 @@
 """Scheduler: iteration-level continuous batching under a per-step token budget.
 
 Each step, running requests go first (in admission order), then waiting requests (FCFS) while
-budget, sequence slots and KV blocks last. A request is given
+budget, sequence slots and KV blocks last (a request whose LoRA adapter has no place is passed
+over: core/lora_policy.py). A request is given
 `min(num_tokens - num_computed_tokens, budget left)` tokens, so prefill chunks, decodes and
 resumed requests are one case. When `allocate_slots` returns None the most recently admitted
 running request is preempted: its blocks are freed, `num_computed_tokens` drops to 0 and it
@@ -14,7 +15,9 @@ Parallel sampling (n > 1): the first sample (the leader) is queued alone; the ot
 `SampleGroups` (core/sample_groups.py) until they fork the leader's prompt blocks.
 
 The policies are objects of their own, each with its state and tests: admission of waiting
-requests (core/admission.py: cache hits, swap-ins, prefill budgeting), speculative drafts
+requests (core/admission.py: cache hits, swap-ins, prefill budgeting), LoRA adapters
+(core/lora_policy.py: at most max_loras per step, a waiting adapter passed over only by work
+queued before it), speculative drafts
 (core/spec_policy.py: drafts, a draft model's lookahead, acceptance and its counters) and
 structured outputs (core/grammar_policy.py: grammar checks of appended tokens, drafts cut at
 the first refused one, jump-forward). An embedding request (pooling) ends when its prompt is
@@ -50,6 +53,7 @@ from tokenmill.core.interface import (
     SchedulerOutput,
 )
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.lora_policy import LoRAPolicy
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.runner_view import RunnerView
 from tokenmill.core.sample_groups import SampleGroups
@@ -67,7 +71,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  speculative: SpeculativeConfig | None = None,
                  spec_costs: SpecCosts | None = None, jump_forward: bool = True,
-                 pipeline_depth: int = 1) -> None:
+                 pipeline_depth: int = 1, max_loras: int | None = None) -> None:
         self.config = config
         # pipeline parallelism: requests whose step is in flight are not scheduled again until
         # its output is applied (the stages hold no sampled token the scheduler has not seen)
@@ -76,6 +80,7 @@ class Scheduler:
         self.spec = SpecPolicy(speculative, spec_costs)
         self.grammar = GrammarPolicy(jump_forward)
         self.admission = Admission(kv, config.enable_chunked_prefill)
+        self.lora = LoRAPolicy(max_loras)
         self.kv = kv
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -94,6 +99,8 @@ class Scheduler:
         for r in [request, *(followers or [])]:
             if r.request_id in self.requests:
                 raise ValueError(f"request id {r.request_id!r} is already in use")
+        for r in [request, *(followers or [])]:
+            self.lora.on_add(r)
         for r in [request, *(followers or [])]:
             self.spec.on_add(r)
         self.requests[request.request_id] = request
@@ -166,13 +173,19 @@ class Scheduler:
             budget -= n + len(drafts)
             i += 1
 
-        while (not preempted and self.waiting and budget > 0 and len(scheduled) < cap
+        self.lora.new_scan()
+        w = 0  # the first waiting request not passed over for its LoRA adapter
+        while (not preempted and w < len(self.waiting) and budget > 0 and len(scheduled) < cap
                and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
+            request = self.waiting[w]
+            if not self.lora.may_start(request, self.running):
+                w += 1
+                continue
             n = self._admit(request, budget)
             if n is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[w]
+            self.lora.on_start(request)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
@@ -306,6 +319,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self._groups.release(request, self.waiting)
         self.spec.on_finish(request)
+        self.lora.on_finish(request)
         request.status = status
         self.kv.free(request)
         self.runner_view.forget(request.request_id)

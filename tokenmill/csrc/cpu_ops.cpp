@@ -5,6 +5,7 @@
 // milliseconds each, and a server's event loop (and its /health) must keep running meanwhile
 // (under a burst of requests it had waited seconds for the engine thread's kernels).
 #include "cpu_ops.h"
+#include "lora_cpu.h"
 #include "moe_cpu.h"
 
 namespace {
@@ -49,6 +50,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("up"), py::arg("down"), py::arg("act"))
       .def("forward", &MoEExperts::forward, "x (T, H), routing weights and ids (T, k)",
            py::arg("x"), py::arg("weights"), py::arg("ids"), release());
+  m.def("lora_add_", &lora_cpu::add_, "y += each row's LoRA delta, every adapter of the step "
+        "in one call (lora_cpu.h)", py::arg("x"), py::arg("y"), py::arg("a"), py::arg("b"),
+        py::arg("ranks"), py::arg("present"), py::arg("row_slot"), release());
   m.def("shm_all_reduce_", &shm_all_reduce_, "sum a float32 tensor over the ranks sharing a "
         "memory segment, in place; the last sequence number used", release());
 }

@@ -29,8 +29,11 @@
 // all_reduce: under tensor parallelism (a shared-memory segment given: shm_all_reduce.h) the
 // row-parallel outputs are summed over the ranks, as RowParallelLinear does (which is why the
 // caller admits those layers only without a bias); without a segment it is the identity.
+// A linear layer with LoRA slots adds its rows' adapter deltas after its product (loras,
+// beside the linears; row_slot: each row's slot this step, None when no row has an adapter).
 // Returns (hidden, residual, the all-reduce's last sequence number) after the last layer.
 #include "cpu_ops.h"
+#include "lora_cpu.h"
 #include "moe_cpu.h"
 #include "paged_attention_cpu.h"
 
@@ -40,7 +43,7 @@ const std::vector<std::string> kOps = {
     "pre_norm_block", "rms_norm", "rope",
     "attention", "attention.window", "attention.key_rotation", "attention.kv_float32",
     "attention.kv_bfloat16", "attention.kv_int8", "attention.kv_fp8",
-    "linear", "linear.bias", "linear.tp_all_reduce",
+    "linear", "linear.bias", "linear.tp_all_reduce", "linear.lora",
     "gated_mlp", "gated_act", "gated_act.silu", "gated_act.gelu", "gated_act.gelu_tanh",
     "moe", "moe.shared_expert", "moe_experts", "moe_experts.renormalize"};
 constexpr size_t kNormsPerLayer = 2;  // in_norm, post_norm
@@ -65,9 +68,22 @@ torch::Tensor rotate(const torch::Tensor& x, const torch::Tensor& rotation_t) {
                 true).view({T, H, D});
 }
 
-torch::Tensor run_linear(const LinearDesc& d, const torch::Tensor& x) {
-  return linear(x, std::get<0>(d), std::get<1>(d), std::get<2>(d), std::get<6>(d),
-                std::get<3>(d), std::get<4>(d), std::get<5>(d));
+// A linear layer's LoRA slots as lora_cpu::add_ reads them: a, b, ranks, present.
+using LoRADesc = std::tuple<torch::Tensor, std::vector<torch::Tensor>, torch::Tensor,
+                            torch::Tensor>;
+using OptLoRA = c10::optional<LoRADesc>;
+
+// The layer's product, then (a step with adapters: row_slot given) its rows' LoRA deltas,
+// before any all-reduce, as LinearBase.forward adds them (lora/layers.py).
+torch::Tensor run_linear(const LinearDesc& d, const OptLoRA& lora,
+                         const c10::optional<torch::Tensor>& row_slot, const torch::Tensor& x) {
+  auto y = linear(x, std::get<0>(d), std::get<1>(d), std::get<2>(d), std::get<6>(d),
+                  std::get<3>(d), std::get<4>(d), std::get<5>(d));
+  if (lora.has_value() && row_slot.has_value()) {
+    const auto& [a, b, ranks, present] = *lora;
+    lora_cpu::add_(x.contiguous(), y, a, b, ranks, present, *row_slot);
+  }
+  return y;
 }
 }  // namespace
 
@@ -81,12 +97,13 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> decode_layers(
     torch::Tensor ctx_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     double eps, double scale, const c10::optional<torch::Tensor>& shm_segment, int64_t rank,
     int64_t world, int64_t slot_bytes, int64_t seq, double timeout_s,
-    const std::vector<int64_t>& acts, int64_t split_keys, const std::vector<MoEDesc>& moe) {
+    const std::vector<int64_t>& acts, int64_t split_keys, const std::vector<MoEDesc>& moe,
+    const std::vector<OptLoRA>& loras, const c10::optional<torch::Tensor>& row_slot) {
   const size_t L = kv_caches.size();
   size_t num_linears = 0;
   for (const auto& m : moe) num_linears += linears_of(m);
   TORCH_CHECK(moe.size() == L && norms.size() == L * kNormsPerLayer &&
-              linears.size() == num_linears,
+              linears.size() == num_linears && loras.size() == num_linears,
               "decode_layers: 2 norms and 4 linear layers per layer (an MoE layer: 3, or 6 "
               "with a shared expert)");
   TORCH_CHECK(kv_scales.size() == L && acts.size() == L,
@@ -102,6 +119,10 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> decode_layers(
     return x;
   };
   const LinearDesc* lin = linears.data();
+  const OptLoRA* lo = loras.data();  // each linear layer's LoRA slots, beside it
+  auto run = [&](int64_t i, const torch::Tensor& x) {
+    return run_linear(lin[i], lo[i], row_slot, x);
+  };
   for (size_t l = 0; l < L; ++l) {
     const torch::Tensor* w = &norms[l * kNormsPerLayer];
     const auto& [experts, top_k, renormalize, shared] = moe[l];
@@ -113,7 +134,7 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> decode_layers(
       hidden = normed[0];
       residual = normed[1];
     }
-    auto qkv = run_linear(lin[0], hidden).view({T, Hq + 2 * Hkv, D});
+    auto qkv = run(0, hidden).view({T, Hq + 2 * Hkv, D});
     auto q = qkv.narrow(1, 0, Hq), k = qkv.narrow(1, Hq, Hkv), v = qkv.narrow(1, Hq + Hkv, Hkv);
     rotary_(q, k, cos, sin);
     if (key_rotation.has_value()) {  // a quantized cache's keys are stored rotated (and q)
@@ -126,19 +147,19 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> decode_layers(
     auto attn = paged_attention(q, k_cache, v_cache, block_tables, seq_rows, start_lens,
                                 ctx_lens, scale, kv_scales[l], 0.0, split_keys)[0]
                     .view({T, Hq * D});
-    auto normed = add_rms_norm(all_reduce(run_linear(lin[1], attn)), residual, w[1], eps);
+    auto normed = add_rms_norm(all_reduce(run(1, attn)), residual, w[1], eps);
     residual = normed[1];
     if (experts != nullptr) {
-      auto [weights, ids] = select_experts(run_linear(lin[2], normed[0]), top_k, renormalize);
+      auto [weights, ids] = select_experts(run(2, normed[0]), top_k, renormalize);
       hidden = experts->forward(normed[0], weights, ids);
       if (shared)
-        hidden = hidden + ::sigmoid(run_linear(lin[3], normed[0])) *
-                              run_linear(lin[5], gated_act(run_linear(lin[4], normed[0]),
-                                                           acts[l]));
+        hidden = hidden + ::sigmoid(run(3, normed[0])) *
+                              run(5, gated_act(run(4, normed[0]), acts[l]));
     } else {
-      hidden = all_reduce(run_linear(lin[3], gated_act(run_linear(lin[2], normed[0]), acts[l])));
+      hidden = all_reduce(run(3, gated_act(run(2, normed[0]), acts[l])));
     }
     lin += linears_of(moe[l]);
+    lo += linears_of(moe[l]);
   }
   return {hidden, residual, seq};
 }

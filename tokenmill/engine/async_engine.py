@@ -23,6 +23,7 @@ batch of commands (aborts, deadlines), so an idle or failed engine reports zero 
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import logging
 import queue
@@ -33,6 +34,7 @@ from typing import Any
 
 from tokenmill.engine.llm_engine import EngineDeadError, LLMEngine
 from tokenmill.engine.request_intake import PreparedRequest
+from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import RequestTimings, SchedulerStats, StepTimings
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -122,22 +124,26 @@ class AsyncLLM:
 
     # ---- requests ---------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                          deadline: float | None = None) -> RequestStream:
-        """Validate and queue a request (ValueError for a bad one); return its output stream.
+                          deadline: float | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
+        """Validate and queue a request (ValueError for a bad one), with the LoRA adapter
+        `lora_request` names if any; return its output stream.
 
         Iterating the stream to the end, closing it, cancelling its consumer or dropping it
         unfinished ends the request. At `deadline` (time.monotonic()) it is aborted and its
         stream ends with finish_reason "abort".
         """
-        return self.submit(await self.prepare(request_id, prompt, params), deadline)
+        return self.submit(await self.prepare(request_id, prompt, params, lora_request),
+                           deadline)
 
-    async def prepare(self, request_id: str, prompt: Any, params: SamplingParams
-                      ) -> PreparedRequest:
+    async def prepare(self, request_id: str, prompt: Any, params: SamplingParams,
+                      lora_request: LoRARequest | None = None) -> PreparedRequest:
         """Tokenize and validate (ValueError for a bad request), off the event loop."""
         self._check_running()
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self.engine.prepare_request, request_id,
-                                          prompt, params)
+        return await loop.run_in_executor(None, functools.partial(
+            self.engine.prepare_request, request_id, prompt, params,
+            lora_request=lora_request))
 
     def submit(self, prepared: PreparedRequest, deadline: float | None = None
                ) -> RequestStream:

@@ -25,6 +25,7 @@ from tokenmill.engine.async_engine import AsyncLLM, RequestStream
 from tokenmill.engine.dp_router import make_router
 from tokenmill.engine.llm_engine import EngineDeadError, LLMEngine
 from tokenmill.engine_args import EngineArgs
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -84,11 +85,12 @@ class DataParallelLLM:
 
     # ---- requests ---------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                          deadline: float | None = None) -> RequestStream:
+                          deadline: float | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """AsyncLLM.add_request on the replica the router picks for the tokenized prompt."""
         if (error := self.dead_error) is not None:
             raise EngineDeadError(f"the engine is dead: {error}")
-        prepared = await self.replicas[0].prepare(request_id, prompt, params)
+        prepared = await self.replicas[0].prepare(request_id, prompt, params, lora_request)
         replica = self.router.route(prepared.token_ids,
                                     [r.num_requests for r in self.replicas])
         return self.replicas[replica].submit(prepared, deadline)

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from tokenmill.engine.beam_search import BeamSearchOutput, beam_search
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine_args import EngineArgs
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import BeamSearchParams, SamplingParams
@@ -46,9 +47,13 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
-        return self._run(self._submit(prompts, sampling_params, SamplingParams), use_tqdm)
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order. `lora_request`:
+        one adapter for every prompt, or one (or None) per prompt (enable_lora engines)."""
+        return self._run(self._submit(prompts, sampling_params, SamplingParams, lora_request),
+                         use_tqdm)
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
@@ -59,16 +64,20 @@ class LLM:
         return self._run(self._submit(prompts, pooling_params, PoolingParams), use_tqdm)
 
     def _submit(self, prompts: PromptType | Sequence[PromptType], params: Any,
-                kind: type) -> list[str]:
-        """Add every prompt with its params (one for all, one each, or None: kind()); the
-        request ids. A prompt refused aborts those added before it."""
+                kind: type, lora_request: Any = None) -> list[str]:
+        """Add every prompt with its params (one for all, one each, or None: kind()) and
+        adapter (likewise); the request ids. A prompt refused aborts those added before it."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(params, len(prompts), kind)
+        loras = _as_lora_list(lora_request, len(prompts))
         request_ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, lora in zip(prompts, params, loras, strict=True):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, p)
+                if lora is None:
+                    self.engine.add_request(rid, prompt, p)
+                else:
+                    self.engine.add_request(rid, prompt, p, lora_request=lora)
                 request_ids.append(rid)
         except Exception:
             for rid in request_ids:  # leave the engine as we found it
@@ -79,7 +88,9 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
@@ -93,7 +104,7 @@ class LLM:
         token_prompts = [{"prompt": text,
                           "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
                          for text in prompts]
-        return self.generate(token_prompts, sampling_params, use_tqdm)
+        return self.generate(token_prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -140,6 +151,19 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # a single prompt given as token ids
     return prompts
+
+
+def _as_lora_list(lora_request: Any, n: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"got {len(loras)} lora_request entries for {n} prompts; pass one, "
+                         "or one per prompt")
+    if not all(x is None or isinstance(x, LoRARequest) for x in loras):
+        raise ValueError("lora_request entries must be LoRARequest objects or None")
+    return loras
 
 
 def _as_params_list(params: Any, n: int, kind: type = SamplingParams) -> list[Any]:

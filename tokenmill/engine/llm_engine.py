@@ -41,6 +41,8 @@ from tokenmill.engine.request_intake import PreparedRequest, RequestIntake
 from tokenmill.engine.tokenizer import load_tokenizer
 from tokenmill.engine_args import EngineArgs
 from tokenmill.executor import Executor, WorkerDiedError, make_executor
+from tokenmill.lora.registry import AdapterRegistry
+from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SEED_MIN, SamplingParams
@@ -71,7 +73,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len,
                                    config.speculative, self.executor.spec_costs,
                                    jump_forward=config.structured_outputs.jump_forward,
-                                   pipeline_depth=self._depth)
+                                   pipeline_depth=self._depth,
+                                   max_loras=None if config.lora is None
+                                   else config.lora.max_loras)
         eos = set(config.model.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -79,8 +83,9 @@ class LLMEngine:
         self.structured = StructuredOutputManager(config.structured_outputs, self.tokenizer,
                                                   config.model.vocab_size, self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.adapters = AdapterRegistry(config.model.hf_config, config.lora)
         self.intake = RequestIntake(config.model, self.tokenizer, self.kv, self.structured,
-                                    config.runner, config.pooler_config)
+                                    config.runner, config.pooler_config, self.adapters)
         self._all_failed_steps = 0  # consecutive steps in which every request failed
         # steps sent and not yet applied, oldest first, with their outputs' Futures (async
         # scheduling: the one the model is running; pipeline parallelism: one per stage)
@@ -128,19 +133,23 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | dict[str, Any],
                     params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queue a prompt given as text, token ids, or {"prompt": …, "prompt_token_ids": …}.
+                    arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Queue a prompt given as text, token ids, or {"prompt": …, "prompt_token_ids": …},
+        with a LoRA adapter when `lora_request` names one.
 
         With n > 1 the request runs as n samples that share the prompt's KV blocks; sample i
         has seed `seed + i` when a seed is set (as in vLLM).
         """
-        self.add_prepared(self.prepare_request(request_id, prompt, params, arrival_time))
+        self.add_prepared(self.prepare_request(request_id, prompt, params, arrival_time,
+                                               lora_request))
 
     def prepare_request(self, request_id: str, prompt: str | list[int] | dict[str, Any],
                         params: SamplingParams | None = None,
-                        arrival_time: float | None = None) -> PreparedRequest:
+                        arrival_time: float | None = None,
+                        lora_request: LoRARequest | None = None) -> PreparedRequest:
         """Tokenize and validate without touching the scheduler (safe off the engine thread)."""
-        return self.intake.prepare(request_id, prompt, params, arrival_time)
+        return self.intake.prepare(request_id, prompt, params, arrival_time, lora_request)
 
     def encode(self, text: str) -> list[int]:
         return self.intake.encode(text)
@@ -159,7 +168,7 @@ class LLMEngine:
             return
         children = [Request(self._child_id(p.request_id, i, p.params.n), p.token_ids,
                             self._child_params(p.params, i), self.eos_token_ids, p.max_tokens,
-                            p.arrival_time) for i in range(p.params.n)]
+                            p.arrival_time, lora=p.lora) for i in range(p.params.n)]
         if p.grammar is not None:
             for child in children:
                 child.grammar = p.grammar.matcher()
@@ -215,7 +224,11 @@ class LLMEngine:
                               spec_decode_num_accepted_tokens_per_pos=tuple(
                                   spec.num_accepted_per_pos),
                               structured_output_jump_forward_tokens=(
-                                  sched.grammar.num_jump_forward_tokens))
+                                  sched.grammar.num_jump_forward_tokens),
+                              running_lora_adapters=frozenset(
+                                  sched.lora.active_adapters(sched.running)),
+                              waiting_lora_adapters=frozenset(
+                                  sched.lora.active_adapters(list(sched.waiting))))
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

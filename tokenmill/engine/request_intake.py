@@ -18,6 +18,8 @@ from typing import Any
 
 from tokenmill.config import ModelConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.lora.registry import AdapterRegistry
+from tokenmill.lora.request import AdapterRef, LoRARequest
 from tokenmill.pooling_params import PoolerConfig, PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output.backend import CompiledGrammar
@@ -37,20 +39,26 @@ class PreparedRequest:
     arrival_time: float
     grammar: CompiledGrammar | None = None  # structured outputs: each sample gets a matcher
     pooling: PoolingParams | None = None  # an embedding request (params then unused), resolved
+    lora: AdapterRef | None = None  # the LoRA adapter it runs with, checked
 
 
 class RequestIntake:
     def __init__(self, model: ModelConfig, tokenizer: Any, kv: KVCacheManager,
                  structured: StructuredOutputManager, runner: str = "auto",
-                 pooler: PoolerConfig | None = None) -> None:
+                 pooler: PoolerConfig | None = None, adapters: AdapterRegistry | None = None
+                 ) -> None:
         self.model, self.tokenizer, self.kv, self.structured = model, tokenizer, kv, structured
         self.runner, self.pooler = runner, pooler or PoolerConfig()
+        self.adapters = adapters or AdapterRegistry(model.hf_config, None)
 
     def prepare(self, request_id: str, prompt: str | list[int] | dict[str, Any],
                 params: SamplingParams | PoolingParams | None = None,
-                arrival_time: float | None = None) -> PreparedRequest:
+                arrival_time: float | None = None,
+                lora_request: LoRARequest | None = None) -> PreparedRequest:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("lora_request: embeddings are computed by the base model")
             return self._prepare_embedding(request_id, prompt, params, arrival)
         if self.runner == "pooling":
             raise ValueError("this engine runs embedding models (runner='pooling'): it "
@@ -61,10 +69,11 @@ class RequestIntake:
         max_tokens = self._validate(token_ids, params)
         if params.top_k >= self.model.vocab_size:  # the same draw, in the range of ops
             params = dataclasses.replace(params, top_k=0)
+        lora = self.adapters.resolve(lora_request)
         grammar = (self.structured.compile(params.structured_outputs)
                    if params.structured_outputs is not None else None)
         return PreparedRequest(request_id, prompt_text, token_ids, params, max_tokens, arrival,
-                               grammar)
+                               grammar, lora=lora)
 
     def _prepare_embedding(self, request_id: str, prompt: str | list[int] | dict[str, Any],
                            params: PoolingParams, arrival: float) -> PreparedRequest:

@@ -51,6 +51,14 @@ def linear(x: torch.Tensor, kernel: Any, bias: torch.Tensor | None = None,
                                         invariant)
 
 
+def lora_add_(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: list[torch.Tensor],
+              ranks: torch.Tensor, present: torch.Tensor, row_slot: torch.Tensor) -> None:
+    """y (T, N) += each row's LoRA delta, every adapter slot of the step in one call
+    (csrc/lora_cpu.h; the slots' layout: lora/layers.py LinearLoRA)."""
+    with scope("tokenmill::lora"):
+        _ops().lora_add_(x, y, a, b, ranks, present, row_slot)
+
+
 def gguf_activation_block(k: int, build: Any = None) -> int | None:
     """How the GGUF block kinds (Q5_0 .. Q6_K) take float activations with K inputs: rounded
     to int16 per this many values (256 where K allows, else 32; csrc/linear_gguf_rows.h, the

@@ -18,6 +18,7 @@ Parameters are created with torch.empty: the loader fills every one of them or f
 from __future__ import annotations
 
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,6 +27,9 @@ from tokenmill.distributed import ParallelState
 from tokenmill.layers.op_spec import OpSpec
 from tokenmill.quantization.base import QuantizationConfig
 from tokenmill.quantization.unquantized import UnquantizedConfig
+
+if TYPE_CHECKING:
+    from tokenmill.lora.layers import LinearLoRA
 
 
 def _span(param: nn.Parameter, dim_attr: str, ratio_attr: str, offset: int,
@@ -61,6 +65,9 @@ class LinearBase(nn.Module):
         self.tp = tp
         self.input_size, self.output_size = input_size, sum(output_sizes)
         self.prefix = prefix
+        # LoRA adapters' deltas on this layer's output (lora/layers.py), set by the runner's
+        # LoRAManager when the engine serves adapters; None: the weight alone
+        self.lora: LinearLoRA | None = None
         self.quant_method = (quant_config or UnquantizedConfig()).linear_method(prefix)
         self.quant_method.create_weights(self, input_size, output_sizes,
                                          torch.get_default_dtype())
@@ -96,16 +103,22 @@ class LinearBase(nn.Module):
         _copy_checked(param.data.narrow(dim, start, length), src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        y = self.quant_method.apply(self, x, self.bias)
+        return y if self.lora is None else self.lora.add(x, y)
 
     def op_spec(self) -> OpSpec | None:
-        """The product through the method's CPU kernel (None where it has none). A column
-        split needs no communication: each rank's rows are its own outputs."""
+        """The product through the method's CPU kernel (None where it has none), then its
+        rows' LoRA deltas where the layer has adapter slots ("lora"). A column split needs no
+        communication: each rank's rows are its own outputs."""
         kernel = self.quant_method.cpu_kernel(self)
         if kernel is None:
             return None
-        return OpSpec("linear", frozenset({"bias"} if self.bias is not None else ()),
-                      params={"kernel": kernel, "bias": self.bias})
+        variants = {"bias"} if self.bias is not None else set()
+        return OpSpec("linear", frozenset(variants | self._lora_variant()),
+                      params={"kernel": kernel, "bias": self.bias, "lora": self.lora})
+
+    def _lora_variant(self) -> set[str]:
+        return set() if self.lora is None else {"lora"}
 
 
 class ColumnParallelLinear(LinearBase):
@@ -198,7 +211,10 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param.data, loaded.narrow(dim, self.tp.tp_rank * length, length))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self.quant_method.apply(self, x, None))
+        y = self.quant_method.apply(self, x, None)
+        if self.lora is not None:  # into the partial sum: the ranks' deltas add up
+            y = self.lora.add(x, y)
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
     def op_spec(self) -> OpSpec | None:
@@ -208,7 +224,7 @@ class RowParallelLinear(LinearBase):
         kernel = self.quant_method.cpu_kernel(self)
         if kernel is None:
             return None
-        variants = set()
+        variants = self._lora_variant()
         if self.tp.tp_size > 1:
             comm = self.tp.comm
             shared = comm is not None and comm.world_size == self.tp.tp_size
@@ -218,4 +234,5 @@ class RowParallelLinear(LinearBase):
         elif self.bias is not None:
             variants.add("bias")
         return OpSpec("linear", frozenset(variants),
-                      params={"kernel": kernel, "bias": self.bias, "comm": self.tp.comm})
+                      params={"kernel": kernel, "bias": self.bias, "comm": self.tp.comm,
+                              "lora": self.lora})

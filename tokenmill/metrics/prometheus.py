@@ -18,7 +18,7 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 
 class PrometheusMetrics:
     def __init__(self, model_name: str, kv_capacity_tokens: int | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", max_loras: int | None = None) -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
 
@@ -61,6 +61,12 @@ class PrometheusMetrics:
             registry=r)
         self.jump_forward = counter("structured_output_jump_forward_tokens",
                                     "Tokens a grammar forced, appended without a model step")
+        # vLLM's lora_requests_info: the series labelled with the adapters now, set to the
+        # time it was last true (the newest series is the current state)
+        self.lora_info = (None if max_loras is None else Gauge(
+            "tokenmill:lora_requests_info", "Running stats on LoRA requests",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r))
+        self._max_loras = max_loras
         self._jump_forward_seen = 0
         self._model_name = model_name
         self._per_pos_seen: tuple[int, ...] = ()
@@ -110,6 +116,10 @@ class PrometheusMetrics:
         self.prompt_tokens.inc(step.prompt_tokens)
         self.generation_tokens.inc(step.generation_tokens)
         self.finished.inc(step.finished)
+        if self.lora_info is not None:
+            self.lora_info.labels(
+                str(self._max_loras), ",".join(sorted(stats.waiting_lora_adapters)),
+                ",".join(sorted(stats.running_lora_adapters))).set_to_current_time()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -29,6 +29,9 @@ class SchedulerStats:
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # by draft position
     # structured outputs: tokens a grammar forced, appended without a model step each, total
     structured_output_jump_forward_tokens: int = 0
+    # LoRA: the names of the adapters of running and of waiting requests
+    running_lora_adapters: frozenset[str] = frozenset()
+    waiting_lora_adapters: frozenset[str] = frozenset()
 
     @property
     def spec_decode_mean_accepted_length(self) -> float:
@@ -52,14 +55,19 @@ class SchedulerStats:
         averaged (the replicas' caches are the same size)."""
         if len(replicas) == 1:
             return replicas[0]
+        special = ("kv_cache_usage", "spec_decode_num_accepted_tokens_per_pos",
+                   "running_lora_adapters", "waiting_lora_adapters")
         summed = {f.name: sum(getattr(r, f.name) for r in replicas)
-                  for f in dataclasses.fields(SchedulerStats)
-                  if f.name not in ("kv_cache_usage", "spec_decode_num_accepted_tokens_per_pos")}
+                  for f in dataclasses.fields(SchedulerStats) if f.name not in special}
         per_pos = [r.spec_decode_num_accepted_tokens_per_pos for r in replicas]
         return SchedulerStats(
             **summed, kv_cache_usage=sum(r.kv_cache_usage for r in replicas) / len(replicas),
             spec_decode_num_accepted_tokens_per_pos=tuple(
-                map(sum, itertools.zip_longest(*per_pos, fillvalue=0))))
+                map(sum, itertools.zip_longest(*per_pos, fillvalue=0))),
+            running_lora_adapters=frozenset().union(*(r.running_lora_adapters
+                                                      for r in replicas)),
+            waiting_lora_adapters=frozenset().union(*(r.waiting_lora_adapters
+                                                      for r in replicas)))
 
 
 @dataclass

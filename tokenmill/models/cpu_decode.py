@@ -14,7 +14,8 @@ types suggest: the plan is built from each layer's `OpSpec` tree and the model's
 and the call runs only when the C++ side implements every op and variant they require (its
 `OPS`: a pre-norm block of RMSNorms, RoPE over whole heads, paged attention with or without
 one window, a key rotation and a float32 / bfloat16 / int8 / fp8 cache, linear layers with
-biases and the shared-memory all-reduce, a gated MLP with SiLU, GELU or GELU-tanh, or a
+biases, LoRA adapter slots (a step's rows' deltas: csrc/lora_cpu.h, as lora/layers.py adds
+them) and the shared-memory all-reduce, a gated MLP with SiLU, GELU or GELU-tanh, or a
 mixture of experts: a router, then the experts' C++ loop of layers/fused_moe.py, and a
 shared expert where the block has one), for
 float32 activations on CPU, with all layers alike in what the call takes once (heads, eps,
@@ -77,6 +78,8 @@ class _Plan:
     # per layer: qkv, o, then gate_up, down (an MoE layer: its router, then its shared
     # expert's gate, gate_up, down where it has one)
     linears: list[LinearArgs]
+    # beside each linear layer: its LoRA slots (a, b, ranks, present) or None
+    loras: list[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor] | None]
     acts: list[int]  # each layer's (or its shared expert's) gated activation, cpu_ops' code
     # per layer: (experts, top_k, renormalize, shared expert) or (None, 0, False, False)
     moe: list[tuple[Any, int, bool, bool]]
@@ -87,6 +90,7 @@ class _Plan:
     comm: ShmAllReduce | None  # tensor parallelism: the all-reduce the call makes itself
     window: int | None  # every layer's sliding window (Mistral), or None
     rope_key: str  # the one RoPE table all layers read
+    lora_step: Any  # the step's rows by adapter (lora/layers.py LoRAStep), or None
 
 
 def attach_fused_decode(model: nn.Module, device: torch.device) -> None:
@@ -136,7 +140,8 @@ class SmallBatchDecode:
                 meta.slot_mapping, p.block_tables, p.seq_rows, p.first_keys(plan.window),
                 p.ctx_lens,
                 *plan.heads, plan.eps, plan.scale, *shm[:4],
-                0 if comm is None else comm.seq, shm[4], plan.acts, p.split_keys, plan.moe)
+                0 if comm is None else comm.seq, shm[4], plan.acts, p.split_keys, plan.moe,
+                plan.loras, _row_slots(plan.lora_step))
         if comm is not None:
             comm.seq = seq
         return hidden, residual
@@ -164,6 +169,16 @@ def _linear_args(spec: OpSpec) -> LinearArgs:
     return (*spec.params["kernel"].as_args(), spec.params["bias"])
 
 
+def _lora_args(spec: OpSpec) -> tuple | None:
+    lora = spec.params.get("lora")
+    return None if lora is None else (lora.a, lora.b, lora.ranks, lora.present)
+
+
+def _row_slots(step: Any) -> torch.Tensor | None:
+    """Each row's adapter slot this step, or None when no row has an adapter."""
+    return None if step is None or not step.groups else step.row_slot
+
+
 def _plan_of(specs: list[OpSpec]) -> _Plan | None:
     """The call's arguments from the layers' specs; None where the layers differ in what the
     call takes once for all of them."""
@@ -181,30 +196,37 @@ def _plan_of(specs: list[OpSpec]) -> _Plan | None:
                 or p["attn"].backend is not backend or p["attn"].key_rotation is not rotation
                 or s.params["rope_key"] != specs[0].params["rope_key"] or len(comms) != 1):
             return None
-    acts, linears, moe = [], [], []
+    acts, linear_specs, moe = [], [], []
     for s in specs:
         mlp = s.parts["mlp"]
-        linears += [_linear_args(s.parts["self_attn"].parts[n]) for n in ("qkv_proj", "o_proj")]
+        linear_specs += [s.parts["self_attn"].parts[n] for n in ("qkv_proj", "o_proj")]
         if mlp.op == "moe":
-            linears.append(_linear_args(mlp.parts["gate"]))
+            linear_specs.append(mlp.parts["gate"])
             shared = "shared_expert" in mlp.variants
             moe.append((*_experts_args(mlp.parts["experts"]), shared))
             if not shared:
                 acts.append(0)
                 continue
-            linears.append(_linear_args(mlp.parts["shared_expert_gate"]))
+            linear_specs.append(mlp.parts["shared_expert_gate"])
             mlp = mlp.parts["shared_expert"]  # a gated MLP
         else:
             moe.append((None, 0, False, False))
         (act,) = mlp.parts["act_fn"].variants
         acts.append(cpu_ops.gated_act_code(act))
-        linears += [_linear_args(mlp.parts[n]) for n in ("gate_up_proj", "down_proj")]
-    return _Plan(norms=[n.params["weight"] for pair in norms for n in pair], linears=linears,
+        linear_specs += [mlp.parts[n] for n in ("gate_up_proj", "down_proj")]
+    loras = [_lora_args(s) for s in linear_specs]
+    steps = {id(lin.step): lin.step for s in linear_specs
+             if (lin := s.params.get("lora")) is not None}
+    if len(steps) > 1:  # one manager's step for every layer, or no call
+        return None
+    return _Plan(norms=[n.params["weight"] for pair in norms for n in pair],
+                 linears=[_linear_args(s) for s in linear_specs], loras=loras,
                  acts=acts, moe=moe, attns=[a.params["attn"] for a in attn],
                  heads=first["heads"],
                  eps=eps, scale=first["scale"],
                  comm=attn[0].parts["o_proj"].params["comm"] if _split(attn[0]) else None,
-                 window=first["window"], rope_key=specs[0].params["rope_key"])
+                 window=first["window"], rope_key=specs[0].params["rope_key"],
+                 lora_step=next(iter(steps.values()), None))
 
 
 def _experts_args(spec: OpSpec) -> tuple[Any, int, bool]:

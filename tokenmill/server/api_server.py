@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +26,12 @@ from tokenmill import __version__
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.engine.data_parallel import DataParallelLLM
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.prometheus import PrometheusMetrics
+from tokenmill.server import lora_routes
 from tokenmill.server.admission import RETRY_AFTER_S, AdmissionControl
 from tokenmill.server.lifecycle import ServerLifecycle
+from tokenmill.server.lora_modules import ServedAdapters, runtime_updates_allowed
 from tokenmill.server.middleware import EdgeMiddleware
 from tokenmill.server.protocol import (
     ErrorResponse,
@@ -61,15 +64,19 @@ _ERROR_STATUSES = {400: "Invalid request", 401: "Invalid API key", 404: "Unknown
 def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str,
               api_key: str | None = None, limits: ServerLimits | None = None,
               tool_options: ToolOptions | None = None,
-              data_parallel_router: str = "cache_aware") -> FastAPI:
+              data_parallel_router: str = "cache_aware",
+              lora_modules: Sequence[LoRARequest] = ()) -> FastAPI:
     """The app over one engine, or over data-parallel replicas (a list of engines, one
-    request routed to one of them: engine/data_parallel.py); its routes: routes.py."""
+    request routed to one of them: engine/data_parallel.py); its routes: routes.py (and
+    lora_routes.py where runtime LoRA updates are allowed). `lora_modules`: the adapters served
+    by name (ValueError for one that cannot be served)."""
     limits = limits or ServerLimits()
     engines = engine if isinstance(engine, list) else [engine]
     engine = engines[0]  # the replicas share tokenizer and config
     metrics = PrometheusMetrics(served_model_name, kv_capacity_tokens=sum(
         e.kv.num_usable_blocks * e.kv.block_size for e in engines),
-        kv_cache_dtype=engine.config.cache.kv_cache_dtype)
+        kv_cache_dtype=engine.config.cache.kv_cache_dtype,
+        max_loras=None if engine.config.lora is None else engine.config.lora.max_loras)
     admission = AdmissionControl(engine.config.scheduler.max_num_seqs * len(engines),
                                  limits.max_waiting_requests)
 
@@ -93,16 +100,20 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str,
     app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan,
                   responses={code: {"model": ErrorResponse, "description": text}
                              for code, text in _ERROR_STATUSES.items()})
+    adapters = ServedAdapters(served_model_name, engine.adapters.resolve,
+                              enabled=engine.config.lora is not None)
+    for lora in lora_modules:
+        adapters.add(lora)
     app.state.server = ServerState(
         engine, async_llm, lifecycle, metrics, served_model_name, api_key,
         OpenAIServingCompletion(*serving), OpenAIServingChat(*serving, tool_options=tool_options),
-        OpenAIServingEmbedding(*serving))
+        OpenAIServingEmbedding(*serving), adapters)
     app.add_middleware(EdgeMiddleware, max_body_bytes=limits.max_request_body_bytes,
                        is_draining=lambda: lifecycle.draining, overloaded=admission.full,
                        retry_after_s=RETRY_AFTER_S)
     for exc_class, handler in EXCEPTION_HANDLERS.items():
         app.add_exception_handler(exc_class, handler)
-    for router in ROUTERS:
+    for router in (*ROUTERS, *([lora_routes.router] if runtime_updates_allowed() else [])):
         app.include_router(router)
     _document_400_not_422(app)
     return app
@@ -130,7 +141,8 @@ def default_served_name(engine: LLMEngine) -> str:
 def run_server(engine: LLMEngine | list[LLMEngine], host: str, port: int,
                api_key: str | None, served_model_name: str | None,
                limits: ServerLimits | None = None, tool_options: ToolOptions | None = None,
-               data_parallel_router: str = "cache_aware") -> int:
+               data_parallel_router: str = "cache_aware",
+               lora_modules: Sequence[LoRARequest] = ()) -> int:
     """Serve until SIGINT/SIGTERM (drained: exit 0) or the engine's death (exit 1)."""
     import uvicorn
 
@@ -138,7 +150,8 @@ def run_server(engine: LLMEngine | list[LLMEngine], host: str, port: int,
 
     first = engine[0] if isinstance(engine, list) else engine
     name = served_model_name or default_served_name(first)
-    app = build_app(engine, name, api_key, limits, tool_options, data_parallel_router)
+    app = build_app(engine, name, api_key, limits, tool_options, data_parallel_router,
+                    lora_modules)
     # uvicorn's access log is off: ours (middleware.py) carries the request id.
     config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
                             log_config=None, timeout_graceful_shutdown=5)

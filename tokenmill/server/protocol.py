@@ -346,6 +346,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tokenmill"
+    root: str | None = None  # the model's path, or an adapter's folder
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's)
     max_model_len: int | None = None
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -28,6 +28,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.server.admission import RETRY_AFTER_S, Overloaded
 from tokenmill.server.lifecycle import ServerLifecycle
+from tokenmill.server.lora_modules import ServedAdapters, UnknownModel
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,11 +57,7 @@ class ServerState:
     completions: OpenAIServingCompletion
     chat: OpenAIServingChat
     embeddings: OpenAIServingEmbedding
-
-    def unknown_model(self, name: str | None) -> JSONResponse | None:
-        if name is None or name == self.served_model_name:
-            return None
-        return error_response(404, f"The model `{name}` does not exist.", param="model")
+    adapters: ServedAdapters  # the LoRA adapters served by name (a request's `model`)
 
 
 def _state(request: Request) -> ServerState:
@@ -108,27 +105,34 @@ async def prometheus_metrics(raw: Request) -> Response:
 
 @v1.get("/models")
 async def models(raw: Request) -> dict[str, Any]:
+    """The served model, then each LoRA adapter with the model as its parent (vLLM's)."""
     s = _state(raw)
-    card = ModelCard(id=s.served_model_name, max_model_len=s.engine.config.model.max_model_len)
-    return {"object": "list", "data": [card.model_dump()]}
+    max_len = s.engine.config.model.max_model_len
+    cards = [ModelCard(id=s.served_model_name, root=s.served_model_name, max_model_len=max_len)]
+    cards += [ModelCard(id=a.lora_name, root=a.lora_path, parent=s.served_model_name,
+                        max_model_len=max_len) for a in s.adapters.all()]
+    return {"object": "list", "data": [c.model_dump() for c in cards]}
 
 
 @v1.post("/completions")
 async def create_completion(req: CompletionRequest, raw: Request) -> Any:
     s = _state(raw)
-    return s.unknown_model(req.model) or await s.completions.create(req, raw)
+    return await s.completions.create(req, raw, s.adapters.resolve(req.model))
 
 
 @v1.post("/chat/completions")
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Any:
     s = _state(raw)
-    return s.unknown_model(req.model) or await s.chat.create(req, raw)
+    return await s.chat.create(req, raw, s.adapters.resolve(req.model))
 
 
 @v1.post("/embeddings")
 async def create_embedding(req: EmbeddingRequest, raw: Request) -> Any:
     s = _state(raw)
-    return s.unknown_model(req.model) or await s.embeddings.create(req, raw)
+    if s.adapters.resolve(req.model) is not None:
+        raise ValueError(f"model: embeddings are computed by the base model "
+                         f"({s.served_model_name}), not by a LoRA adapter")
+    return await s.embeddings.create(req, raw)
 
 
 def _token_ids(engine: LLMEngine, req: TokenizeRequest) -> list[int]:
@@ -143,8 +147,7 @@ def _token_ids(engine: LLMEngine, req: TokenizeRequest) -> list[int]:
 @keyed.post("/tokenize")
 async def tokenize(req: TokenizeRequest, raw: Request) -> Any:
     s = _state(raw)
-    if (err := s.unknown_model(req.model)) is not None:
-        return err
+    s.adapters.resolve(req.model)  # an adapter's tokenizer is the model's
     ids = await asyncio.get_running_loop().run_in_executor(None, _token_ids, s.engine, req)
     return {"count": len(ids), "max_model_len": s.engine.config.model.max_model_len,
             "tokens": ids}
@@ -153,8 +156,7 @@ async def tokenize(req: TokenizeRequest, raw: Request) -> Any:
 @keyed.post("/detokenize")
 async def detokenize(req: DetokenizeRequest, raw: Request) -> Any:
     s = _state(raw)
-    if (err := s.unknown_model(req.model)) is not None:
-        return err
+    s.adapters.resolve(req.model)
     vocab = s.engine.config.model.vocab_size
     if any(not 0 <= t < vocab for t in req.tokens):
         raise ValueError(f"tokens must be ids in [0, {vocab})")
@@ -183,6 +185,7 @@ def _unexpected(exc: Exception) -> Response:
 EXCEPTION_HANDLERS: dict[type[Exception], Callable[[Request, Any], Awaitable[Response]]] = {
     exc_class: _respond(make) for exc_class, make in [
         (Unauthorized, lambda exc: error_response(401, "invalid or missing API key")),
+        (UnknownModel, lambda exc: error_response(404, str(exc), param="model")),
         (RequestValidationError, lambda exc: error_response(400, *_describe(exc.errors()))),
         (StarletteHTTPException, lambda exc: error_response(exc.status_code, str(exc.detail),
                                                             headers=exc.headers)),

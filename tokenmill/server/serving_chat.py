@@ -22,6 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admission import Ticket
@@ -123,7 +124,8 @@ class OpenAIServingChat(OpenAIServing):
                              req.chat_template_kwargs, plan.tools)
         return plan, prompt
 
-    async def create(self, req: ChatCompletionRequest, raw: Request) -> Any:
+    async def create(self, req: ChatCompletionRequest, raw: Request,
+                     lora: LoRARequest | None = None) -> Any:
         params = req.to_sampling_params()
         ticket = self.admit(1, params)
         try:
@@ -131,12 +133,12 @@ class OpenAIServingChat(OpenAIServing):
                 None, self._prepare, req)
             params = with_tool_constraint(params, plan)
             request_id = self.response_id("chatcmpl")
-            (gen,) = await self.add_all([prompt], params, req.timeout)
+            (gen,) = await self.add_all([prompt], params, req.timeout, lora)
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 return StreamingResponse(self._stream(request_id, gen, params.n,
                                                       params.logprobs or 0, include_usage,
-                                                      ticket, plan),
+                                                      ticket, plan, self.served_name(lora)),
                                          media_type="text/event-stream")
             (final,) = await collect([gen], raw)
         except BaseException:
@@ -151,7 +153,7 @@ class OpenAIServingChat(OpenAIServing):
                             "logprobs": chat_logprobs(c, params.logprobs or 0),
                             "finish_reason": finish, "stop_reason": c.stop_reason})
         body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices,
+                "model": self.served_name(lora), "choices": choices,
                 "usage": usage([final]).model_dump()}
         if final.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(final)
@@ -159,12 +161,12 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request_id: str, gen: AsyncIterator[RequestOutput], n: int,
                       top_k: int, include_usage: bool, ticket: Ticket,
-                      plan: ToolPlan) -> AsyncIterator[str]:
+                      plan: ToolPlan, model: str) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
             return sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                        "model": self.model_name, "choices": choices, **extra})
+                        "model": model, "choices": choices, **extra})
 
         try:  # the ticket is released however the stream ends
             try:

@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admission import AdmissionControl, Ticket
@@ -122,16 +123,22 @@ class OpenAIServing:
         limits = [t for t in (timeout, self.request_timeout) if t is not None]
         return time.monotonic() + min(limits) if limits else None
 
+    def served_name(self, lora: LoRARequest | None) -> str:
+        """The `model` the response names: the adapter's, or the served model's."""
+        return self.model_name if lora is None else lora.lora_name
+
     async def add_all(self, prompts: list[Any], params: SamplingParams,
-                      timeout: float | None) -> list[AsyncIterator[RequestOutput]]:
-        """Queue one request per prompt; if any is refused, abort those already queued."""
+                      timeout: float | None, lora: LoRARequest | None = None
+                      ) -> list[AsyncIterator[RequestOutput]]:
+        """Queue one request per prompt (with the adapter `model` named); if any is refused,
+        abort those already queued."""
         base = f"{request_context.request_id.get()}-{next(_engine_ids)}"
         deadline = self.deadline(timeout)
         streams = []
         try:
             for i, prompt in enumerate(prompts):
                 streams.append(await self.engine.add_request(f"{base}-{i}", prompt, params,
-                                                             deadline))
+                                                             deadline, lora))
         except BaseException:
             for i in range(len(streams)):
                 self.engine.abort(f"{base}-{i}")

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.server.admission import Ticket
 from tokenmill.server.protocol import CompletionRequest
@@ -48,7 +49,8 @@ def completion_logprobs(c: CompletionOutput, start: int = 0,
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    async def create(self, req: CompletionRequest, raw: Request) -> Any:
+    async def create(self, req: CompletionRequest, raw: Request,
+                     lora: LoRARequest | None = None) -> Any:
         if req.suffix:
             raise ValueError("suffix is not supported by tokenmill yet")
         if req.echo:
@@ -58,11 +60,12 @@ class OpenAIServingCompletion(OpenAIServing):
         ticket = self.admit(len(prompts), params)
         try:
             request_id = self.response_id("cmpl")
-            gens = await self.add_all(prompts, params, req.timeout)
+            gens = await self.add_all(prompts, params, req.timeout, lora)
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 return StreamingResponse(self._stream(request_id, gens, params.n, include_usage,
-                                                      ticket), media_type="text/event-stream")
+                                                      ticket, self.served_name(lora)),
+                                         media_type="text/event-stream")
             finals = await collect(gens, raw)
         except BaseException:
             ticket.release()
@@ -79,11 +82,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     choice["prompt_logprobs"] = prompt_logprobs_json(out)
                 choices.append(choice)
         return JSONResponse({"id": request_id, "object": "text_completion",
-                             "created": int(time.time()), "model": self.model_name,
+                             "created": int(time.time()), "model": self.served_name(lora),
                              "choices": choices, "usage": usage(finals).model_dump()})
 
     async def _stream(self, request_id: str, gens: list[AsyncIterator[RequestOutput]], n: int,
-                      include_usage: bool, ticket: Ticket) -> AsyncIterator[str]:
+                      include_usage: bool, ticket: Ticket, model: str) -> AsyncIterator[str]:
         created = int(time.time())
         sent = DeltaTracker()
         finals: dict[int, RequestOutput] = {}
@@ -98,14 +101,14 @@ class OpenAIServingCompletion(OpenAIServing):
                             continue
                         t0, k0 = before
                         yield sse({"id": request_id, "object": "text_completion",
-                                   "created": created, "model": self.model_name,
+                                   "created": created, "model": model,
                                    "choices": [{"index": idx, "text": c.text[t0:],
                                                 "logprobs": completion_logprobs(c, k0, t0),
                                                 "finish_reason": c.finish_reason,
                                                 "stop_reason": c.stop_reason}]})
                 if include_usage:
                     yield sse({"id": request_id, "object": "text_completion", "created": created,
-                               "model": self.model_name, "choices": [],
+                               "model": model, "choices": [],
                                "usage": usage([finals[i] for i in sorted(finals)]).model_dump()})
             except Exception as e:  # the engine failed it, or died: say so, then end cleanly
                 yield sse_error(e)

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from tokenmill.attention import get_attention_backend
+from tokenmill.attention import AttentionMetadata, get_attention_backend
 from tokenmill.attention.input_batch import InputBatch
 from tokenmill.attention.kv_cache import (
     allocate_kv_cache,
@@ -45,6 +45,7 @@ from tokenmill.layers.attention import attention_features
 from tokenmill.layers.rejection_sampler import verify
 from tokenmill.layers.sampler import Sampler, gather_logprobs
 from tokenmill.layers.token_bitmask import apply_token_bitmask_
+from tokenmill.lora.manager import LoRAManager
 from tokenmill.model_loader.loader import load_model
 from tokenmill.models.cpu_decode import attach_fused_decode
 from tokenmill.spec_decode.cost_model import measure_spec_costs
@@ -75,6 +76,10 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         self._load_model()
+        # LoRA adapters' slots in the targeted layers (the fused CPU call and CUDA graphs
+        # then decline: they do not add the adapters' deltas)
+        self.lora = (None if config.lora is None else
+                     LoRAManager(self.model, config.lora, config.model.dtype, self.device))
         self._allocate_kv()
         self._bind_attention()
         self.sampler = Sampler(config.seed, self.device)
@@ -83,7 +88,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         # NOTE: not under TP / PP: a captured step would hold the ranks' collectives (untested)
         if (self.device.type == "cuda" and not config.enforce_eager
-                and config.parallel.world_size == 1):
+                and config.parallel.world_size == 1 and self.lora is None):
             self.decode_graphs = self._decode_graphs(capture=True)
             if self.decode_graphs is not None:
                 self.decode_graphs.capture_all()
@@ -166,6 +171,17 @@ class ModelRunner:
                         "%s, %.2f per draft-model forward",
                         " ".join(f"{c:.2f}" for c in self.spec_costs.verify_curve[1:]),
                         self.spec_costs.draft_forward)
+
+    def _forward(self, reqs: list[ScheduledRequest], batch: InputBatch,
+                 meta: AttentionMetadata, hidden_in: torch.Tensor | None) -> torch.Tensor:
+        """The model over the step's flat batch, each request's rows with its LoRA adapter."""
+        if self.lora is None:
+            return self.model(batch.input_ids, batch.positions, meta, hidden_in)
+        self.lora.begin_step(reqs)
+        try:
+            return self.model(batch.input_ids, batch.positions, meta, hidden_in)
+        finally:
+            self.lora.end_step()
 
     def _decode_graphs(self, capture: bool) -> DecodeGraphs | None:
         """Decode steps as CUDA graph replays, where the attention backend provides the static
@@ -277,7 +293,7 @@ class ModelRunner:
         with scope("forward"):
             hidden = self.decode_graphs.run(batch, meta) if self.decode_graphs else None
             if hidden is None:  # (T, hidden)
-                hidden = self.model(batch.input_ids, batch.positions, meta, hidden_in)
+                hidden = self._forward(reqs, batch, meta, hidden_in)
         if not self.ps.is_last_stage:
             return out, hidden
         # NOTE: every collective of the step (the LM head's gathers) before the driver's

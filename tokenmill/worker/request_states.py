@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenmill.core.interface import RequestStep, ScheduledRequest, SchedulerOutput
+from tokenmill.lora.request import AdapterRef
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -33,6 +34,7 @@ class CachedRequestState:
     output_token_ids: list[int]
     sampling_params: SamplingParams
     block_ids: list[int]
+    lora: AdapterRef | None = None
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of prompt + outputs, without joining the two lists."""
@@ -54,7 +56,7 @@ class RequestStates:
         for d in sched.new_requests:
             self.requests[d.req_id] = CachedRequestState(
                 d.req_id, list(d.prompt_token_ids), list(d.output_token_ids),
-                d.sampling_params, list(d.block_ids))
+                d.sampling_params, list(d.block_ids), d.lora)
         for d in sched.cached_requests:
             state = self.requests[d.req_id]
             num_prompt = len(state.prompt_token_ids)
@@ -87,4 +89,5 @@ class RequestStates:
             spec_token_ids=step.spec_token_ids,
             spec_banned_token_ids=step.spec_banned_token_ids,
             spec_draft_probs=step.spec_draft_probs,
-            num_lookahead_tokens=step.num_lookahead_tokens, pooling=step.pooling)
+            num_lookahead_tokens=step.num_lookahead_tokens, pooling=step.pooling,
+            lora=state.lora)

@@ -1,0 +1,131 @@
+"""Multi-LoRA serving: decode tokens/s of a batch spread over 1, 4 and 16 adapters against the
+same batch on the base model, and single-stream decode with and without an adapter.
+
+    python benchmarks/lora.py [--model PATH] [--ranks 8,64] [--adapters 1,4,16]
+                              [--batch 32] [--prompt-len 32] [--tokens 64] [--rounds 2]
+
+The model is SmolLM2-135M-Instruct (the default GGUF file, its Q4_1 weights) unless --model
+names another. Adapters are written as peft folders (adapter_config.json and
+adapter_model.safetensors) with random A and B of the model's shapes on all seven projections
+(q, k, v, o, gate, up, down), `--adapters` max of each rank. Two engines: the base model, and
+the model with enable_lora (max_loras = the largest adapter count, max_lora_rank = the largest
+rank). Rounds alternate every case, so that drift hits them alike; each case generates
+`--tokens` tokens per request, greedy, ignoring EOS, after a `--prompt-len`-token prompt, and
+tokens/s counts the generated tokens over the wall time of the generate call. "base, LoRA
+engine" is base requests on the LoRA engine: what enabling adapters costs a request that uses
+none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def write_adapter(folder: str, hf_config, rank: int, seed: int) -> None:
+    """A peft LoRA folder of random A (rank, in) and B (out, rank) on every projection."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tokenmill.lora.targets import target_shapes
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = target_shapes(hf_config)
+    tensors = {}
+    for layer in range(hf_config.num_hidden_layers):
+        for target in TARGETS:
+            n_in, n_out = shapes[target]
+            name = f"base_model.model.model.layers.{layer}.{target}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) / n_in ** .5
+            tensors[f"{name}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.01
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": rank,
+                   "target_modules": [t.split(".")[-1] for t in TARGETS]}, f)
+
+
+def run_case(llm, prompts, loras, tokens: int) -> float:
+    from tokenmill import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--ranks", default="8,64")
+    p.add_argument("--adapters", default="1,4,16")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+
+    from tokenmill import LLM, LoRARequest
+    from tokenmill.bench.machine import describe_machine
+    from tokenmill.model_loader.default_model import default_model_path
+
+    print(describe_machine())
+    model = args.model or default_model_path()
+    ranks = [int(r) for r in args.ranks.split(",")]
+    counts = [int(c) for c in args.adapters.split(",")]
+    base = LLM(model)
+    lora_llm = LLM(model, enable_lora=True, max_loras=max(counts), max_lora_rank=max(ranks),
+                   max_cpu_loras=max(counts) * len(ranks))
+    hf_config = base.engine.config.model.hf_config
+    root = tempfile.mkdtemp(prefix="tm-lora-bench-")
+    adapters = {}
+    for rank in ranks:
+        for i in range(max(counts)):
+            folder = os.path.join(root, f"r{rank}-{i}")
+            write_adapter(folder, hf_config, rank, seed=1000 * rank + i)
+            adapters[rank, i] = LoRARequest(f"r{rank}-{i}", len(adapters) + 1, folder)
+    vocab = hf_config.vocab_size
+    prompts = [[(97 * r + 13 * j) % (vocab - 200) + 100 for j in range(args.prompt_len)]
+               for r in range(args.batch)]
+    print(f"model {model}: {hf_config.num_hidden_layers} layers, hidden "
+          f"{hf_config.hidden_size}; batch {args.batch}, prompt {args.prompt_len}, "
+          f"{args.tokens} tokens each; adapters on all 7 projections")
+    cases = {f"batch {args.batch}, base": (base, prompts, None),
+             f"batch {args.batch}, base, LoRA engine": (lora_llm, prompts, None)}
+    for rank in ranks:
+        for n in counts:
+            loras = [adapters[rank, i % n] for i in range(args.batch)]
+            cases[f"batch {args.batch}, {n} adapters, rank {rank}"] = (lora_llm, prompts, loras)
+    cases["single stream, base"] = (base, prompts[:1], None)
+    cases["single stream, base, LoRA engine"] = (lora_llm, prompts[:1], None)
+    for rank in ranks:
+        cases[f"single stream, 1 adapter, rank {rank}"] = (lora_llm, prompts[:1],
+                                                           [adapters[rank, 0]])
+    for llm, ps, loras in cases.values():  # warm-up: adapters read, kernels built
+        run_case(llm, ps, loras, 4)
+    results: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(args.rounds):
+        for name, (llm, ps, loras) in cases.items():
+            results[name].append(run_case(llm, ps, loras, args.tokens))
+    print(f"\n{'case':<44}{'tok/s':>10}{'vs base':>10}")
+    for name, values in results.items():
+        tps = statistics.median(values)
+        ref = statistics.median(results["single stream, base" if name.startswith("single")
+                                        else f"batch {args.batch}, base"])
+        print(f"{name:<44}{tps:>10.1f}{tps / ref:>9.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

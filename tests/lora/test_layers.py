@@ -1,0 +1,105 @@
+"""LoRA deltas on the layers (lora/layers.py, csrc/lora_cpu.h): the C++ call against the torch
+ops it replaces, a row's delta independent of its neighbours, and the fused CPU decode call
+adding them exactly as the modules do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.lora.test_lora_generate import _prompts, _requests
+from tests.models.test_cpu_decode import _counting_fused_calls
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers import cpu_ops
+from tokenmill.lora.layers import LinearLoRA, LoRAStep
+from tokenmill.models.cpu_decode import SmallBatchDecode
+
+pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ kernels not built")
+
+
+def _layer(step: LoRAStep) -> LinearLoRA:
+    """A qkv-like layer (parts of 48, 16, 16 outputs, 40 inputs) with three slots filled:
+    rank 4 on all parts, rank 8 on q and v only, rank 2 on k."""
+    torch.manual_seed(0)
+    lora = LinearLoRA(40, [48, 16, 16], max_loras=4, max_rank=8, step=step,
+                      dtype=torch.float32, device=torch.device("cpu"))
+    for slot, (rank, parts) in enumerate([(4, [0, 1, 2]), (8, [0, 2]), (2, [1])]):
+        lora.set_slot(slot, rank, [(torch.randn(rank, 40), torch.randn(n, rank))
+                                   if p in parts else None
+                                   for p, n in enumerate([48, 16, 16])])
+    return lora
+
+
+def _set_rows(step: LoRAStep, slots: list[int]) -> None:
+    step.row_slot = torch.tensor(slots, dtype=torch.int64)
+    step.groups = [(s, torch.tensor([i for i, x in enumerate(slots) if x == s]))
+                   for s in sorted(set(slots) - {-1})]
+
+
+def test_the_cpp_call_is_the_torch_ops_and_each_row_its_own():
+    step = LoRAStep()
+    lora = _layer(step)
+    slots = [0, -1, 1, 2, 0, 1, 1, -1, 3]  # slot 3 is empty: adds nothing
+    x, base = torch.randn(len(slots), 40), torch.randn(len(slots), 80)
+    _set_rows(step, slots)
+    fused = lora.add(x, base.clone())
+    by_torch = base.clone()
+    for slot, rows in step.groups:
+        lora._add_slot(x, by_torch, slot, rows)
+    torch.testing.assert_close(fused, by_torch, rtol=1e-5, atol=1e-5)
+    for i, s in enumerate(slots):
+        if s in (-1, 3):
+            assert torch.equal(fused[i], base[i])
+    assert not torch.equal(fused[0], base[0])
+    # row i alone: the same bits as in the batch
+    for i, s in enumerate(slots):
+        _set_rows(step, [s])
+        assert torch.equal(lora.add(x[i:i + 1], base[i:i + 1].clone())[0], fused[i])
+
+
+def test_a_cleared_slot_adds_nothing():
+    step = LoRAStep()
+    lora = _layer(step)
+    lora.clear_slot(0)
+    x, base = torch.randn(2, 40), torch.randn(2, 80)
+    _set_rows(step, [0, 0])
+    assert torch.equal(lora.add(x, base.clone()), base)
+
+
+def test_the_fused_decode_call_adds_the_adapters_as_the_modules(adapters, monkeypatch):
+    names = ["all4", None, "qv8"]
+    prompts = _prompts(3) + _prompts(4)[3:]
+    loras = _requests(adapters, names) + _requests(adapters, ["mlp16"])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+
+    def run() -> list:
+        llm = LLM(adapters.base_path, dtype="float32", enable_lora=True, max_loras=3,
+                  max_lora_rank=16)
+        outs = llm.generate(prompts[:3], params, use_tqdm=False, lora_request=loras[:3])
+        outs += llm.generate(prompts[3:], params, use_tqdm=False, lora_request=loras[3:])
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    calls = _counting_fused_calls(monkeypatch)
+    fast = run()
+    assert {1, 3} <= set(calls)  # batch-3 and batch-1 decode steps with adapters took it
+    monkeypatch.setattr(SmallBatchDecode, "applies", lambda self, hidden, meta: False)
+    assert run() == fast
+    assert [t for t, _ in fast] == [adapters.reference(n, p, 8)
+                                    for n, p in zip(names + ["mlp16"], prompts, strict=True)]
+
+
+def test_the_torch_ops_path_end_to_end(adapters, monkeypatch):
+    """What CUDA runs (no C++ call, no fused decode call): peft's tokens too."""
+    from tokenmill.lora import layers
+
+    monkeypatch.setattr(layers.cpu_ops, "fused", lambda x: False)
+    monkeypatch.setattr(SmallBatchDecode, "applies", lambda self, hidden, meta: False)
+    names = ["all4", None, "qv8", "all4", "ko2"]
+    prompts = _prompts(len(names))
+    llm = LLM(adapters.base_path, dtype="float32", enable_lora=True, max_loras=3,
+              max_lora_rank=16)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False,
+                        lora_request=_requests(adapters, names))
+    assert [o.outputs[0].token_ids for o in outs] == [
+        adapters.reference(n, p, 8) for n, p in zip(names, prompts, strict=True)]
