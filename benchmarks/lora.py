@@ -2,16 +2,19 @@
 same batch on the base model, and single-stream decode with and without an adapter.
 
     python benchmarks/lora.py [--model PATH] [--ranks 8,64] [--adapters 1,4,16]
-                              [--batch 32] [--prompt-len 32] [--tokens 64] [--rounds 2]
+                              [--lora-dtypes float32,bfloat16] [--batch 32]
+                              [--prompt-len 32] [--tokens 64] [--rounds 2]
 
 The model is SmolLM2-135M-Instruct (the default GGUF file, its Q4_1 weights) unless --model
 names another. Adapters are written as peft folders (adapter_config.json and
 adapter_model.safetensors) with random A and B of the model's shapes on all seven projections
-(q, k, v, o, gate, up, down), `--adapters` max of each rank. Two engines: the base model, and
-the model with enable_lora (max_loras = the largest adapter count, max_lora_rank = the largest
-rank). Rounds alternate every case, so that drift hits them alike; each case generates
-`--tokens` tokens per request, greedy, ignoring EOS, after a `--prompt-len`-token prompt, and
-tokens/s counts the generated tokens over the wall time of the generate call. "base, LoRA
+(q, k, v, o, gate, up, down), `--adapters` max of each rank, saved in float32. Engines: the
+base model, and the model with enable_lora (max_loras = the largest adapter count,
+max_lora_rank = the largest rank) for each `--lora-dtypes` entry (the slots' dtype: bfloat16
+rounds the adapters, half the bytes each step reads). Rounds alternate every case, so that
+drift hits them alike; each case generates `--tokens` tokens per request, greedy, ignoring
+EOS, after a `--prompt-len`-token prompt, and tokens/s counts the generated tokens over the
+wall time of the generate call. "base, LoRA
 engine" is base requests on the LoRA engine: what enabling adapters costs a request that uses
 none.
 """
@@ -70,6 +73,7 @@ def main() -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--ranks", default="8,64")
     p.add_argument("--adapters", default="1,4,16")
+    p.add_argument("--lora-dtypes", default="float32,bfloat16")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--tokens", type=int, default=64)
@@ -85,8 +89,9 @@ def main() -> int:
     ranks = [int(r) for r in args.ranks.split(",")]
     counts = [int(c) for c in args.adapters.split(",")]
     base = LLM(model)
-    lora_llm = LLM(model, enable_lora=True, max_loras=max(counts), max_lora_rank=max(ranks),
-                   max_cpu_loras=max(counts) * len(ranks))
+    lora_llms = {dt: LLM(model, enable_lora=True, max_loras=max(counts),
+                         max_lora_rank=max(ranks), max_cpu_loras=max(counts) * len(ranks),
+                         lora_dtype=dt) for dt in args.lora_dtypes.split(",")}
     hf_config = base.engine.config.model.hf_config
     root = tempfile.mkdtemp(prefix="tm-lora-bench-")
     adapters = {}
@@ -102,28 +107,30 @@ def main() -> int:
           f"{hf_config.hidden_size}; batch {args.batch}, prompt {args.prompt_len}, "
           f"{args.tokens} tokens each; adapters on all 7 projections")
     cases = {f"batch {args.batch}, base": (base, prompts, None),
-             f"batch {args.batch}, base, LoRA engine": (lora_llm, prompts, None)}
-    for rank in ranks:
-        for n in counts:
-            loras = [adapters[rank, i % n] for i in range(args.batch)]
-            cases[f"batch {args.batch}, {n} adapters, rank {rank}"] = (lora_llm, prompts, loras)
-    cases["single stream, base"] = (base, prompts[:1], None)
-    cases["single stream, base, LoRA engine"] = (lora_llm, prompts[:1], None)
-    for rank in ranks:
-        cases[f"single stream, 1 adapter, rank {rank}"] = (lora_llm, prompts[:1],
-                                                           [adapters[rank, 0]])
+             "single stream, base": (base, prompts[:1], None)}
+    for dt, lora_llm in lora_llms.items():
+        cases[f"batch {args.batch}, base, LoRA engine ({dt})"] = (lora_llm, prompts, None)
+        for rank in ranks:
+            for n in counts:
+                loras = [adapters[rank, i % n] for i in range(args.batch)]
+                cases[f"batch {args.batch}, {n} adapters, rank {rank} ({dt})"] = (
+                    lora_llm, prompts, loras)
+        cases[f"single stream, base, LoRA engine ({dt})"] = (lora_llm, prompts[:1], None)
+        for rank in ranks:
+            cases[f"single stream, 1 adapter, rank {rank} ({dt})"] = (
+                lora_llm, prompts[:1], [adapters[rank, 0]])
     for llm, ps, loras in cases.values():  # warm-up: adapters read, kernels built
         run_case(llm, ps, loras, 4)
     results: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.rounds):
         for name, (llm, ps, loras) in cases.items():
             results[name].append(run_case(llm, ps, loras, args.tokens))
-    print(f"\n{'case':<44}{'tok/s':>10}{'vs base':>10}")
-    for name, values in results.items():
+    print(f"\n{'case':<56}{'tok/s':>10}{'vs base':>10}")
+    for name, values in sorted(results.items(), key=lambda kv: kv[0].startswith("single")):
         tps = statistics.median(values)
         ref = statistics.median(results["single stream, base" if name.startswith("single")
                                         else f"batch {args.batch}, base"])
-        print(f"{name:<44}{tps:>10.1f}{tps / ref:>9.2f}x")
+        print(f"{name:<56}{tps:>10.1f}{tps / ref:>9.2f}x")
     return 0
 
 

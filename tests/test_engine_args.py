@@ -73,6 +73,8 @@ CASES = [
          (("enable_lora", True),)),
     Case("max_cpu_loras", ("--max-cpu-loras", "4"), 4, "lora.max_cpu_loras", 4,
          (("enable_lora", True),)),
+    Case("lora_dtype", ("--lora-dtype", "bfloat16"), "bfloat16", "lora.lora_dtype", "bfloat16",
+         (("enable_lora", True),)),
     Case("device", ("--device", "cpu:0"), "cpu:0", "device", "cpu:0"),
     Case("seed", ("--seed", "7"), 7, "seed", 7),
     Case("prepack_weights", ("--no-prepack-weights",), False, "prepack_weights", False),

@@ -115,6 +115,9 @@ def _lora_config(args: EngineArgs, model: ModelConfig) -> LoRAConfig | None:
     if not options.pop("enable_lora"):
         return None
     check_lora_architecture(model.architecture)
+    if options["lora_dtype"] == "auto":  # the base weights' dtype
+        dtype = model.weight_dtype or model.dtype
+        options["lora_dtype"] = str(dtype).removeprefix("torch.")
     return LoRAConfig(**options)
 
 

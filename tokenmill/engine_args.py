@@ -37,7 +37,7 @@ from tokenmill.config import (
 )
 from tokenmill.config_factory import create_engine_config
 from tokenmill.distributed.config import EXECUTOR_BACKENDS, ParallelConfig
-from tokenmill.lora.config import LoRAConfig
+from tokenmill.lora.config import LORA_DTYPES, LoRAConfig
 from tokenmill.quantization import QUANTIZATION_METHODS
 
 GROUPS = ("model", "cache", "scheduler", "parallel", "lora", "engine")
@@ -157,6 +157,11 @@ class EngineArgs:
                                 "lora")
     max_cpu_loras: int | None = option(
         None, "adapters kept in memory, least recently used out (default: max_loras)", "lora")
+    lora_dtype: str = option(
+        LoRAConfig.lora_dtype, "the dtype adapters are held in; auto: the base weights' "
+        "(bfloat16 for a bf16 checkpoint, float32 for float32 and quantized bases); a "
+        "half dtype halves the adapters' memory and reads, exact for adapters saved in it",
+        "lora", choices=LORA_DTYPES)
     # ---- the engine ------------------------------------------------------------------------
     device: str | None = option(None, "cpu or cuda (default: cuda when present)", "engine")
     seed: int = option(EngineConfig.seed, "the seed of dummy weights and of requests "

@@ -52,7 +52,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("x"), py::arg("weights"), py::arg("ids"), release());
   m.def("lora_add_", &lora_cpu::add_, "y += each row's LoRA delta, every adapter of the step "
         "in one call (lora_cpu.h)", py::arg("x"), py::arg("y"), py::arg("a"), py::arg("b"),
-        py::arg("ranks"), py::arg("present"), py::arg("row_slot"), release());
+        py::arg("ranks"), py::arg("scales"), py::arg("present"), py::arg("row_slot"), release());
   m.def("shm_all_reduce_", &shm_all_reduce_, "sum a float32 tensor over the ranks sharing a "
         "memory segment, in place; the last sequence number used", release());
 }

@@ -68,9 +68,9 @@ torch::Tensor rotate(const torch::Tensor& x, const torch::Tensor& rotation_t) {
                 true).view({T, H, D});
 }
 
-// A linear layer's LoRA slots as lora_cpu::add_ reads them: a, b, ranks, present.
+// A linear layer's LoRA slots as lora_cpu::add_ reads them: a, b, ranks, scales, present.
 using LoRADesc = std::tuple<torch::Tensor, std::vector<torch::Tensor>, torch::Tensor,
-                            torch::Tensor>;
+                            torch::Tensor, torch::Tensor>;
 using OptLoRA = c10::optional<LoRADesc>;
 
 // The layer's product, then (a step with adapters: row_slot given) its rows' LoRA deltas,
@@ -80,8 +80,8 @@ torch::Tensor run_linear(const LinearDesc& d, const OptLoRA& lora,
   auto y = linear(x, std::get<0>(d), std::get<1>(d), std::get<2>(d), std::get<6>(d),
                   std::get<3>(d), std::get<4>(d), std::get<5>(d));
   if (lora.has_value() && row_slot.has_value()) {
-    const auto& [a, b, ranks, present] = *lora;
-    lora_cpu::add_(x.contiguous(), y, a, b, ranks, present, *row_slot);
+    const auto& [a, b, ranks, scales, present] = *lora;
+    lora_cpu::add_(x.contiguous(), y, a, b, ranks, scales, present, *row_slot);
   }
   return y;
 }
@@ -103,7 +103,8 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> decode_layers(
   size_t num_linears = 0;
   for (const auto& m : moe) num_linears += linears_of(m);
   TORCH_CHECK(moe.size() == L && norms.size() == L * kNormsPerLayer &&
-              linears.size() == num_linears && loras.size() == num_linears,
+              linears.size() == num_linears &&
+              (loras.empty() || loras.size() == num_linears),
               "decode_layers: 2 norms and 4 linear layers per layer (an MoE layer: 3, or 6 "
               "with a shared expert)");
   TORCH_CHECK(kv_scales.size() == L && acts.size() == L,
@@ -119,7 +120,9 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> decode_layers(
     return x;
   };
   const LinearDesc* lin = linears.data();
-  const OptLoRA* lo = loras.data();  // each linear layer's LoRA slots, beside it
+  // each linear layer's LoRA slots, beside it (none passed: no row has an adapter)
+  const std::vector<OptLoRA> no_loras(loras.empty() ? num_linears : 0);
+  const OptLoRA* lo = loras.empty() ? no_loras.data() : loras.data();
   auto run = [&](int64_t i, const torch::Tensor& x) {
     return run_linear(lin[i], lo[i], row_slot, x);
   };

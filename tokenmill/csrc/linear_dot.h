@@ -349,48 +349,55 @@ static void panel_rows(const float* x, const WeightRows& w, const float* rows, i
 }
 
 // ---- the product ----------------------------------------------------------------------------
+// Rows [n_begin, n_end) of y = x @ W^T (+ bias), on the calling thread (`linear` below); an
+// output's sum does not depend on the range it is computed in.
+inline void linear_range(const WeightRows& w, const float* x, int64_t M, int64_t N,
+                         const float* bias, float* y, int64_t n_begin, int64_t n_end) {
+  const int64_t K = w.K;
+  switch (M <= kMR ? M : 0) {
+    case 1: return stream_rows<1>(x, w, n_begin, n_end, bias, y, N);
+    case 2: return stream_rows<2>(x, w, n_begin, n_end, bias, y, N);
+    case 3: return stream_rows<3>(x, w, n_begin, n_end, bias, y, N);
+    case 4: return stream_rows<4>(x, w, n_begin, n_end, bias, y, N);
+    default: break;
+  }
+  std::unique_ptr<float[]> panel(w.kind == 0 ? nullptr : new float[kPanel * K]);
+  for (int64_t m0 = 0; m0 < M; m0 += kMBlock) {
+    const int64_t m1 = std::min(M, m0 + kMBlock);
+    for (int64_t p0 = n_begin; p0 < n_end; p0 += kPanel) {
+      const int64_t p1 = std::min(n_end, p0 + kPanel);
+      const float* rows = w.dense;
+      int64_t first = 0;
+      if (w.kind != 0) {
+        expand_rows_any(w, p0, p1 - p0, panel.get());
+        rows = panel.get(), first = p0;
+      }
+      for (int64_t m = m0; m < m1; m += kMR) {
+        const float* xm = x + m * K;
+        float* ym = y + m * N;
+        switch (std::min<int64_t>(kMR, m1 - m)) {
+          case 1: panel_rows<1>(xm, w, rows, first, p0, p1, bias, ym, N); break;
+          case 2: panel_rows<2>(xm, w, rows, first, p0, p1, bias, ym, N); break;
+          case 3: panel_rows<3>(xm, w, rows, first, p0, p1, bias, ym, N); break;
+          default: panel_rows<4>(xm, w, rows, first, p0, p1, bias, ym, N); break;
+        }
+      }
+    }
+  }
+}
+
 // y (M, N) = x (M, K) @ W^T (+ bias) in the order above. Threads take contiguous ranges of W's
 // rows (each output is one thread's, whole); within a range, steps of at most kMR rows stream
 // each weight row once for all of them (quantized blocks expanded in registers), larger steps
 // go block by block of x, a panel of W (expanded once per block when quantized) at a time.
 inline void linear(const WeightRows& w, const float* x, int64_t M, int64_t N,
                    const float* bias, float* y) {
-  const int64_t K = w.K, threads = at::get_num_threads();
+  const int64_t threads = at::get_num_threads();
   const int64_t unit = M <= kMR ? 8 : kPanel;  // rows of W a thread's range is made of
   const int64_t units = (N + unit - 1) / unit;
   const int64_t grain = std::max<int64_t>(1, units / std::max<int64_t>(1, threads));
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
-    const int64_t n_begin = u0 * unit, n_end = std::min(N, u1 * unit);
-    switch (M <= kMR ? M : 0) {
-      case 1: return stream_rows<1>(x, w, n_begin, n_end, bias, y, N);
-      case 2: return stream_rows<2>(x, w, n_begin, n_end, bias, y, N);
-      case 3: return stream_rows<3>(x, w, n_begin, n_end, bias, y, N);
-      case 4: return stream_rows<4>(x, w, n_begin, n_end, bias, y, N);
-      default: break;
-    }
-    std::unique_ptr<float[]> panel(w.kind == 0 ? nullptr : new float[kPanel * K]);
-    for (int64_t m0 = 0; m0 < M; m0 += kMBlock) {
-      const int64_t m1 = std::min(M, m0 + kMBlock);
-      for (int64_t p0 = n_begin; p0 < n_end; p0 += kPanel) {
-        const int64_t p1 = std::min(n_end, p0 + kPanel);
-        const float* rows = w.dense;
-        int64_t first = 0;
-        if (w.kind != 0) {
-          expand_rows_any(w, p0, p1 - p0, panel.get());
-          rows = panel.get(), first = p0;
-        }
-        for (int64_t m = m0; m < m1; m += kMR) {
-          const float* xm = x + m * K;
-          float* ym = y + m * N;
-          switch (std::min<int64_t>(kMR, m1 - m)) {
-            case 1: panel_rows<1>(xm, w, rows, first, p0, p1, bias, ym, N); break;
-            case 2: panel_rows<2>(xm, w, rows, first, p0, p1, bias, ym, N); break;
-            case 3: panel_rows<3>(xm, w, rows, first, p0, p1, bias, ym, N); break;
-            default: panel_rows<4>(xm, w, rows, first, p0, p1, bias, ym, N); break;
-          }
-        }
-      }
-    }
+    linear_range(w, x, M, N, bias, y, u0 * unit, std::min(N, u1 * unit));
   });
 }
 

@@ -2,37 +2,171 @@
 // LinearLoRA; Punica's shrink / expand, gathered per adapter).
 //
 // The layer holds max_loras slots: slot s's A for all P parts of the layer stacked, rank r
-// leading rows first (a (L, P R K), flat per slot: A_s = (P r, K)), and each part's B with the
-// adapter's scaling folded in (b[p] (L, n_p R), flat: B_sp = (n_p, r)). For the rows of each
-// slot, in ascending row order:
+// leading rows first (a (L, P R K), flat per slot: A_s = (P r, K)), each part's B transposed
+// (b[p] (L, R n_p), flat: B_sp^T = (r, n_p)), both as the adapter's file holds them, and its
+// scaling (alpha / r, or alpha / sqrt(r)). For the rows of each slot, in ascending row order:
 //
-//     h = x[rows] @ A_s^T                      (n, P r)
-//     y[rows, part p] += h[:, p r:(p+1) r] @ B_sp^T   for each part the adapter has
+//     h = (x[rows] @ A_s^T) * scaling_s        (n, P r)     shrink: the dot kernels
+//     y[rows, part p] += h[:, p r:(p+1) r] @ B_sp^T        expand: r fused multiply-adds
+//                                                          per output, k ascending
 //
-// Products go through the batch-invariant dot kernels (linear_dot.h), which sum each row in one
-// order at every number of rows: a row's delta depends on that row and its adapter only, and
-// is the same whichever rows share its step. Slots side by side on the threads when a step has
-// at least as many adapters as threads (each slot's products then on one thread), else each
-// product split over the threads; a row's sums do not depend on the thread either way.
+// The shrink goes through the batch-invariant dot kernels (linear_dot.h), which sum each row
+// in one order at every number of rows; the expand's inner dimension is the rank (8-64: too
+// short for a dot product's vectors), so it runs along the outputs instead, each output's r
+// products summed in one order whatever its place. A row's delta depends on that row and its
+// adapter only, and is the same whichever rows share its step.
+//
+// Slots kept in bfloat16 / float16 (--lora-dtype) are widened exactly as they are read (A by
+// the half-precision kernels of linear_half.h where its rows are whole blocks, else through a
+// float32 buffer; B in the expand's loads): the result equals float32 slots holding the same
+// values, bit for bit. Slots run side by
+// side on the threads when a step has at least as many adapters as threads (each slot's
+// products then on one thread), else each large product is split over the threads; a row's
+// sums do not depend on the thread either way.
 #pragma once
 #include "cpu_ops.h"
 #include <vector>
 
 namespace lora_cpu {
 
-// A dense (N, K) float32 weight as the dot kernels read it.
-inline dot_form::WeightRows dense_rows(const float* w, int64_t K) {
-  return {0, 0, K, w, nullptr, nullptr, nullptr, 0};
+// Products smaller than this (rows x outputs x inputs) run on the calling thread: a rank-8
+// adapter's products on a small model are a few microseconds, less than waking the threads.
+constexpr int64_t kSerialMacs = 1 << 16;
+
+inline void product(const dot_form::WeightRows& w, const float* x, int64_t M, int64_t N,
+                    float* y) {
+  if (M * N * w.K < kSerialMacs) return dot_form::linear_range(w, x, M, N, nullptr, y, 0, N);
+  dot_form::linear(w, x, M, N, nullptr, y);
 }
 
-// y (T, N) += each row's delta. ranks (L,) int64: a slot's rank (0: empty); present (L, P)
-// uint8: the parts an adapter changes; row_slot (T,) int64: a row's slot, -1 for none.
+// W values of bt at p (at most Vec::size()) widened to float32: float32 as stored, bfloat16 /
+// float16 widened exactly (in registers for a whole vector).
+template <int64_t KIND>
+static inline Vec load_widened(const void* base, int64_t at, int64_t w) {
+  if constexpr (KIND == 0) {
+    return Vec::loadu(static_cast<const float*>(base) + at, w);
+  } else {
+    const uint16_t* p = static_cast<const uint16_t*>(base) + at;
+    if (w == Vec::size()) return half_rows::expand<KIND>(half_rows::Block{p}, 0);
+    float buf[Vec::size()];
+    for (int64_t i = 0; i < w; ++i)
+      buf[i] = KIND == half_rows::kBF16
+                   ? static_cast<float>(c10::BFloat16(p[i], c10::BFloat16::from_bits()))
+                   : static_cast<float>(c10::Half(p[i], c10::Half::from_bits()));
+    return Vec::loadu(buf, w);
+  }
+}
+
+// y[rows[i], :N] += h_i (r) @ bt (r, N) for the n rows (bt of KIND: float32, or half values
+// widened as they are read): per block of columns (bt's block stays in cache across the rows),
+// per row, acc = fmadd(h_ik, bt[k, j], acc) for k ascending, then added to y. Every column
+// takes the same vector ops (the last ones partial), so a value does not depend on the block
+// or the rows around it.
+template <int64_t KIND>
+void expand_add(const float* h, int64_t ldh, const int64_t* rows, int64_t n, int64_t r,
+                const void* bt, int64_t N, float* y, int64_t ldy) {
+  constexpr int64_t kCols = 256;
+  constexpr int64_t V = Vec::size();
+  auto columns = [&](int64_t c0, int64_t c1) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float* hi = h + i * ldh;
+      float* yr = y + rows[i] * ldy;
+      int64_t j = c0;
+      // four vectors of columns at a time: four independent chains of fmadds (one would wait
+      // on each fmadd's latency), each column's chain the same as alone
+      for (; j + 4 * V <= c1; j += 4 * V) {
+        Vec acc[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
+        for (int64_t k = 0; k < r; ++k) {
+          const Vec hk(hi[k]);
+          for (int q = 0; q < 4; ++q)
+            acc[q] = at::vec::fmadd(hk, load_widened<KIND>(bt, k * N + j + q * V, V), acc[q]);
+        }
+        for (int q = 0; q < 4; ++q) (Vec::loadu(yr + j + q * V) + acc[q]).store(yr + j + q * V);
+      }
+      for (; j < c1; j += V) {
+        const int64_t w = std::min<int64_t>(V, c1 - j);
+        Vec acc(0.f);
+        for (int64_t k = 0; k < r; ++k)
+          acc = at::vec::fmadd(Vec(hi[k]), load_widened<KIND>(bt, k * N + j, w), acc);
+        (Vec::loadu(yr + j, w) + acc).store(yr + j, w);
+      }
+    }
+  };
+  const int64_t blocks = (N + kCols - 1) / kCols;
+  auto block_range = [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) columns(b * kCols, std::min(N, (b + 1) * kCols));
+  };
+  if (n * N * r < kSerialMacs) return block_range(0, blocks);
+  at::parallel_for(0, blocks, 1, block_range);
+}
+
+// expand_add for slot `s` of a (L, X) tensor of B^T slots in its dtype.
+inline void expand_slot(const torch::Tensor& b, int64_t s, const float* h, int64_t ldh,
+                        const int64_t* rows, int64_t n, int64_t r, int64_t N, float* y,
+                        int64_t ldy) {
+  const int64_t offset = s * b.size(1);
+  switch (b.scalar_type()) {
+    case at::kFloat:
+      return expand_add<0>(h, ldh, rows, n, r, b.data_ptr<float>() + offset, N, y, ldy);
+    case at::kBFloat16:
+      return expand_add<half_rows::kBF16>(h, ldh, rows, n, r,
+                                          static_cast<const uint16_t*>(b.data_ptr()) + offset,
+                                          N, y, ldy);
+    case at::kHalf:
+      return expand_add<half_rows::kF16>(h, ldh, rows, n, r,
+                                         static_cast<const uint16_t*>(b.data_ptr()) + offset,
+                                         N, y, ldy);
+    default: TORCH_CHECK(false, "lora_add_: slots are float32, bfloat16 or float16");
+  }
+}
+
+// The first `count` values of slot `s` of a (L, X) tensor of slots as float32: in place, or
+// widened into `scratch` (exact).
+inline const float* slot_floats(const torch::Tensor& t, int64_t s, int64_t count,
+                                std::vector<float>& scratch) {
+  const int64_t offset = s * t.size(1);
+  if (t.scalar_type() == at::kFloat) return t.data_ptr<float>() + offset;
+  const bool bf16 = t.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || t.scalar_type() == at::kHalf, "lora_add_: slots are float32, bfloat16 "
+              "or float16");
+  const uint16_t* h = static_cast<const uint16_t*>(t.data_ptr()) + offset;
+  scratch.resize(count);
+  float* out = scratch.data();
+  if (bf16) {  // the 16 bits as a float32's high half: a loop the compiler vectorizes
+    uint32_t* bits = reinterpret_cast<uint32_t*>(out);
+    for (int64_t i = 0; i < count; ++i) bits[i] = static_cast<uint32_t>(h[i]) << 16;
+  } else {
+    for (int64_t i = 0; i < count; ++i)
+      out[i] = static_cast<float>(c10::Half(h[i], c10::Half::from_bits()));
+  }
+  return out;
+}
+
+// Slot `s` of a (L, X) tensor of slots (float32, bfloat16 or float16) as (N, K) rows the dot
+// kernels read: in place, or widened into `scratch` where a half row is not whole blocks.
+inline dot_form::WeightRows slot_rows(const torch::Tensor& t, int64_t s, int64_t N, int64_t K,
+                                      std::vector<float>& scratch) {
+  const int64_t offset = s * t.size(1);
+  if (t.scalar_type() == at::kFloat)
+    return {0, 0, K, t.data_ptr<float>() + offset, nullptr, nullptr, nullptr, 0};
+  const bool bf16 = t.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || t.scalar_type() == at::kHalf, "lora_add_: slots are float32, bfloat16 "
+              "or float16");
+  const uint16_t* h = static_cast<const uint16_t*>(t.data_ptr()) + offset;
+  if (K % 32 == 0)
+    return {bf16 ? half_rows::kBF16 : half_rows::kF16, 0, K, nullptr, h, nullptr, nullptr, 0};
+  return {0, 0, K, slot_floats(t, s, N * K, scratch), nullptr, nullptr, nullptr, 0};
+}
+
+// y (T, N) += each row's delta. ranks (L,) int64: a slot's rank (0: empty); scales (L,)
+// float32: its scaling; present (L, P) uint8: the parts an adapter changes; row_slot (T,)
+// int64: a row's slot, -1 for none.
 inline void add_(const torch::Tensor& x, torch::Tensor y, const torch::Tensor& a,
                  const std::vector<torch::Tensor>& b, const torch::Tensor& ranks,
-                 const torch::Tensor& present, const torch::Tensor& row_slot) {
+                 const torch::Tensor& scales, const torch::Tensor& present,
+                 const torch::Tensor& row_slot) {
   check_f32(x, "x");
   check_f32(y, "y");
-  check_f32(a, "a");
   TORCH_CHECK(x.is_contiguous() && y.is_contiguous() && a.is_contiguous(),
               "lora_add_: x, y and a must be contiguous");
   const int64_t T = x.size(0), K = x.size(1), N = y.size(1);
@@ -41,17 +175,21 @@ inline void add_(const torch::Tensor& x, torch::Tensor y, const torch::Tensor& a
   const int64_t R = a.size(1) / (P * K);
   std::vector<int64_t> size(P), offset(P);
   for (int64_t p = 0, o = 0; p < P; ++p) {
-    check_f32(b[p], "b");
     size[p] = b[p].size(1) / R, offset[p] = o, o += size[p];
-    TORCH_CHECK(b[p].is_contiguous() && b[p].size(0) == L, "lora_add_: b's shape");
+    TORCH_CHECK(b[p].is_contiguous() && b[p].size(0) == L &&
+                b[p].scalar_type() == a.scalar_type(), "lora_add_: b's shape or dtype");
   }
   TORCH_CHECK(offset[P - 1] + size[P - 1] == N, "lora_add_: parts do not cover y");
   const int64_t* rank = ranks.data_ptr<int64_t>();
+  const float* scale = scales.data_ptr<float>();
   const uint8_t* has = present.data_ptr<uint8_t>();
   const int64_t* slot_of = row_slot.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> rows(L);
+  for (int64_t s = 0; s < L; ++s)
+    TORCH_CHECK(rank[s] >= 0 && rank[s] <= R, "lora_add_: a slot's rank exceeds its room");
   for (int64_t t = 0; t < T; ++t) {
     const int64_t s = slot_of[t];
+    TORCH_CHECK(s < L, "lora_add_: row ", t, " names slot ", s, " of ", L);
     if (s >= 0 && rank[s] > 0) rows[s].push_back(t);
   }
   std::vector<int64_t> slots;
@@ -61,23 +199,15 @@ inline void add_(const torch::Tensor& x, torch::Tensor y, const torch::Tensor& a
   float* yp = y.data_ptr<float>();
   auto one_slot = [&](int64_t s) {
     const int64_t r = rank[s], n = static_cast<int64_t>(rows[s].size());
-    std::vector<float> xs(n * K), h(n * P * r), hp(n * r), delta;
+    std::vector<float> xs(n * K), h(n * P * r), scratch;
     for (int64_t i = 0; i < n; ++i)
       std::copy_n(xp + rows[s][i] * K, K, xs.data() + i * K);
-    const float* as = a.data_ptr<float>() + s * a.size(1);
-    dot_form::linear(dense_rows(as, K), xs.data(), n, P * r, nullptr, h.data());
+    product(slot_rows(a, s, P * r, K, scratch), xs.data(), n, P * r, h.data());
+    for (float& v : h) v *= scale[s];
     for (int64_t p = 0; p < P; ++p) {
       if (!has[s * P + p]) continue;
-      for (int64_t i = 0; i < n; ++i)
-        std::copy_n(h.data() + i * P * r + p * r, r, hp.data() + i * r);
-      delta.resize(n * size[p]);
-      const float* bs = b[p].data_ptr<float>() + s * b[p].size(1);
-      dot_form::linear(dense_rows(bs, r), hp.data(), n, size[p], nullptr, delta.data());
-      for (int64_t i = 0; i < n; ++i) {
-        float* yr = yp + rows[s][i] * N + offset[p];
-        const float* dr = delta.data() + i * size[p];
-        for (int64_t j = 0; j < size[p]; ++j) yr[j] += dr[j];
-      }
+      expand_slot(b[p], s, h.data() + p * r, P * r, rows[s].data(), n, r, size[p],
+                  yp + offset[p], N);
     }
   };
   const int64_t count = static_cast<int64_t>(slots.size());

@@ -52,11 +52,12 @@ def linear(x: torch.Tensor, kernel: Any, bias: torch.Tensor | None = None,
 
 
 def lora_add_(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: list[torch.Tensor],
-              ranks: torch.Tensor, present: torch.Tensor, row_slot: torch.Tensor) -> None:
+              ranks: torch.Tensor, scales: torch.Tensor, present: torch.Tensor,
+              row_slot: torch.Tensor) -> None:
     """y (T, N) += each row's LoRA delta, every adapter slot of the step in one call
     (csrc/lora_cpu.h; the slots' layout: lora/layers.py LinearLoRA)."""
     with scope("tokenmill::lora"):
-        _ops().lora_add_(x, y, a, b, ranks, present, row_slot)
+        _ops().lora_add_(x, y, a, b, ranks, scales, present, row_slot)
 
 
 def gguf_activation_block(k: int, build: Any = None) -> int | None:

@@ -2,18 +2,20 @@
 
 A LoRA-capable linear layer (layers/linear.py `LinearBase.lora`) holds `max_loras` slots. Slot
 s holds one adapter's A for every part of the layer, stacked (the merged qkv_proj has three
-parts: q, k, v; gate_up_proj two; the others one), and each part's B with the adapter's
-scaling folded in, both sharded as the layer is. A step's rows come grouped by slot
+parts: q, k, v; gate_up_proj two; the others one), each part's B and the adapter's scaling,
+sharded as the layer is. A step's rows come grouped by slot
 (`LoRAStep`, set by the runner before the forward pass, shared by every layer), and each group
 costs two products whatever its size (Punica's shrink / expand, gathered per adapter, never one
 product per request):
 
-    h = x[rows] @ A_s^T                      (n, P r)    shrink, all parts at once
-    y[rows, part p] += h[:, p r:(p+1) r] @ B_sp^T        expand, per part
+    h = (x[rows] @ A_s^T) * scaling_s        (n, P r)    shrink, all parts at once
+    y[rows, part p] += h[:, p r:(p+1) r] @ B_sp^T        expand, per part (B_sp^T held)
 
 Row-parallel layers add the delta to their partial sum before the all-reduce: A is split along
 the input as the weight is, and the sum of the ranks' x_i A_i^T is x A^T. Column-parallel
-layers hold A whole and their share of B's rows.
+layers hold A whole and their share of B's rows. A and B are held as the adapter's file has
+them (in the slots' dtype: exact when it is the file's), the scaling (alpha / r) beside them
+and applied to h.
 
 On CPU in float32 one C++ call per layer does every slot of the step (csrc/lora_cpu.h, with
 the batch-invariant dot kernels of linear_dot.h: the per-adapter Python loop of small ops cost
@@ -55,17 +57,19 @@ class LinearLoRA:
         P = len(part_sizes)
         # flat per slot, so that rank r's leading rows are contiguous
         self.a = torch.zeros(max_loras, P * max_rank * in_features, dtype=dtype, device=device)
-        self.b = [torch.zeros(max_loras, n * max_rank, dtype=dtype, device=device)
+        # B transposed, (rank, out) per slot: the expand runs along the outputs
+        self.b = [torch.zeros(max_loras, max_rank * n, dtype=dtype, device=device)
                   for n in part_sizes]
         # each slot's rank (0: empty) and the parts its adapter changes, as the C++ call
         # reads them
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)
+        self.scales = torch.zeros(max_loras, dtype=torch.float32)
         self.present = torch.zeros(max_loras, P, dtype=torch.uint8)
 
-    def set_slot(self, slot: int, rank: int,
+    def set_slot(self, slot: int, rank: int, scaling: float,
                  parts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
-        """Load slot `slot`: per part, (A (rank, in), scaled B (out, rank)) as this rank holds
-        them, or None where the adapter leaves the part alone."""
+        """Load slot `slot`: the adapter's scaling and, per part, (A (rank, in), B (out,
+        rank)) as this rank holds them, or None where the adapter leaves the part alone."""
         P, K = len(self.part_sizes), self.in_features
         if not any(p is not None for p in parts):
             self.clear_slot(slot)
@@ -73,13 +77,14 @@ class LinearLoRA:
         a = self.a[slot, :P * rank * K].view(P * rank, K)
         a.zero_()
         for p, pair in enumerate(parts):
-            b = self.b[p][slot, :self.part_sizes[p] * rank].view(self.part_sizes[p], rank)
+            bt = self.b[p][slot, :rank * self.part_sizes[p]].view(rank, self.part_sizes[p])
             if pair is None:
-                b.zero_()
+                bt.zero_()
                 continue
             a[p * rank:(p + 1) * rank].copy_(pair[0])
-            b.copy_(pair[1])
+            bt.copy_(pair[1].t())
         self.ranks[slot] = rank
+        self.scales[slot] = scaling
         self.present[slot] = torch.tensor([p is not None for p in parts], dtype=torch.uint8)
 
     def clear_slot(self, slot: int) -> None:
@@ -91,9 +96,9 @@ class LinearLoRA:
         step = self.step
         if not step.groups:
             return y
-        if cpu_ops.fused(x) and y.is_contiguous() and self.a.dtype == torch.float32:
-            cpu_ops.lora_add_(x.contiguous(), y, self.a, self.b, self.ranks, self.present,
-                              step.row_slot)
+        if cpu_ops.fused(x) and y.is_contiguous():
+            cpu_ops.lora_add_(x.contiguous(), y, self.a, self.b, self.ranks, self.scales,
+                              self.present, step.row_slot)
             return y
         for slot, rows in step.groups:
             self._add_slot(x, y, slot, rows)
@@ -108,12 +113,13 @@ class LinearLoRA:
             return
         P, K = len(self.part_sizes), self.in_features
         xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
-        h = F.linear(xs, self.a[slot, :P * r * K].view(P * r, K))  # (n, P r)
+        h = F.linear(xs, self.a[slot, :P * r * K].view(P * r, K).to(x.dtype))  # (n, P r)
+        h = h * self.scales[slot].to(h.dtype)
         for p, size in enumerate(self.part_sizes):
             if not self.present[slot, p]:
                 continue
             o = self.offsets[p]
-            part = F.linear(h[:, p * r:(p + 1) * r], self.b[p][slot, :size * r].view(size, r))
+            part = h[:, p * r:(p + 1) * r] @ self.b[p][slot, :r * size].view(r, size).to(x.dtype)
             if isinstance(rows, slice):
                 y[rows, o:o + size] += part
             else:

@@ -43,9 +43,9 @@ def _parts(name: str, packed: dict[str, tuple[str, int | str]]) -> list[str]:
 class LoRAManager:
     TARGET_LEAVES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
-    def __init__(self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, model: nn.Module, config: LoRAConfig, device: torch.device) -> None:
         self.config, self.device = config, device
+        dtype = getattr(torch, config.lora_dtype)  # resolved: never "auto" here
         self.step = LoRAStep()
         # checkpoint module name → (our layer, its LinearLoRA, part index)
         self.targets: dict[str, tuple[LinearBase, LinearLoRA, int]] = {}
@@ -105,22 +105,20 @@ class LoRAManager:
         return slot
 
     def _load(self, slot: int, adapter: PeftAdapter) -> None:
-        scaling = adapter.config.scaling
         for layer, lora, names in self.layers:
             parts = []
             for p, name in enumerate(names):
                 pair = adapter.weights.get(name)
-                parts.append(None if pair is None else self._shard(layer, p, *pair, scaling))
-            lora.set_slot(slot, adapter.config.r, parts)
+                parts.append(None if pair is None else self._shard(layer, p, *pair))
+            lora.set_slot(slot, adapter.config.r, adapter.config.scaling, parts)
         self.slots[slot] = adapter.key
 
     @staticmethod
-    def _shard(layer: LinearBase, part: int, a: torch.Tensor, b: torch.Tensor,
-               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's A and scaled B of one part: a row-parallel layer's input columns of A,
-        a column-parallel layer's output rows of B (a replicated KV head's by its index)."""
+    def _shard(layer: LinearBase, part: int, a: torch.Tensor, b: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's A and B of one part: a row-parallel layer's input columns of A, a
+        column-parallel layer's output rows of B (a replicated KV head's by its index)."""
         tp, rank = layer.tp.tp_size, layer.tp.tp_rank
-        b = b * scaling
         if tp == 1:
             return a, b
         if isinstance(layer, RowParallelLinear):

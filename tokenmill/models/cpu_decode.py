@@ -78,8 +78,9 @@ class _Plan:
     # per layer: qkv, o, then gate_up, down (an MoE layer: its router, then its shared
     # expert's gate, gate_up, down where it has one)
     linears: list[LinearArgs]
-    # beside each linear layer: its LoRA slots (a, b, ranks, present) or None
-    loras: list[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor] | None]
+    # beside each linear layer: its LoRA slots (a, b, ranks, scales, present) or None
+    loras: list[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor,
+                      torch.Tensor] | None]
     acts: list[int]  # each layer's (or its shared expert's) gated activation, cpu_ops' code
     # per layer: (experts, top_k, renormalize, shared expert) or (None, 0, False, False)
     moe: list[tuple[Any, int, bool, bool]]
@@ -141,7 +142,7 @@ class SmallBatchDecode:
                 p.ctx_lens,
                 *plan.heads, plan.eps, plan.scale, *shm[:4],
                 0 if comm is None else comm.seq, shm[4], plan.acts, p.split_keys, plan.moe,
-                plan.loras, _row_slots(plan.lora_step))
+                *_lora_args_of_step(plan))
         if comm is not None:
             comm.seq = seq
         return hidden, residual
@@ -171,12 +172,16 @@ def _linear_args(spec: OpSpec) -> LinearArgs:
 
 def _lora_args(spec: OpSpec) -> tuple | None:
     lora = spec.params.get("lora")
-    return None if lora is None else (lora.a, lora.b, lora.ranks, lora.present)
+    return None if lora is None else (lora.a, lora.b, lora.ranks, lora.scales, lora.present)
 
 
-def _row_slots(step: Any) -> torch.Tensor | None:
-    """Each row's adapter slot this step, or None when no row has an adapter."""
-    return None if step is None or not step.groups else step.row_slot
+def _lora_args_of_step(plan: _Plan) -> tuple[list, torch.Tensor | None]:
+    """The layers' LoRA slots and each row's slot this step; nothing when no row has an
+    adapter (the slots then cost the call no argument conversion)."""
+    step = plan.lora_step
+    if step is None or not step.groups:
+        return [], None
+    return plan.loras, step.row_slot
 
 
 def _plan_of(specs: list[OpSpec]) -> _Plan | None:

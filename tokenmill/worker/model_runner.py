@@ -79,7 +79,7 @@ class ModelRunner:
         # LoRA adapters' slots in the targeted layers (the fused CPU call and CUDA graphs
         # then decline: they do not add the adapters' deltas)
         self.lora = (None if config.lora is None else
-                     LoRAManager(self.model, config.lora, config.model.dtype, self.device))
+                     LoRAManager(self.model, config.lora, self.device))
         self._allocate_kv()
         self._bind_attention()
         self.sampler = Sampler(config.seed, self.device)
