@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import random
 from pathlib import Path
@@ -211,3 +212,19 @@ def no_workers_left(timeout: float = 10.0) -> bool:
     while multiprocessing.active_children() and time.monotonic() < deadline:
         time.sleep(0.1)
     return not multiprocessing.active_children()
+
+
+def _runnable_isas() -> list[str]:
+    # imported here, after the environment above is set (tokenmill imports Triton's kernels)
+    from tokenmill.utils.cpp_extension import runnable_isas
+
+    return runnable_isas()
+
+
+@pytest.fixture(params=_runnable_isas())
+def cpu_ops_build(request):
+    """Each kernel build of cpu_ops this CPU runs (the installed ones)."""
+    try:
+        return importlib.import_module(f"tokenmill._C.cpu_ops_{request.param}")
+    except ImportError:
+        pytest.skip(f"the {request.param} build is not installed")

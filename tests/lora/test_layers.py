@@ -4,8 +4,6 @@ adding them exactly as the modules do."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
@@ -15,7 +13,6 @@ from tokenmill import LLM, LoRARequest, SamplingParams
 from tokenmill.layers import cpu_ops
 from tokenmill.lora.layers import LinearLoRA, LoRAStep
 from tokenmill.models.cpu_decode import SmallBatchDecode
-from tokenmill.utils.cpp_extension import runnable_isas
 
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ kernels not built")
 
@@ -39,13 +36,10 @@ def _set_rows(step: LoRAStep, slots: list[int]) -> None:
                    for s in sorted(set(slots) - {-1})]
 
 
-@pytest.fixture(params=runnable_isas())
-def ops(request):
+@pytest.fixture
+def ops(cpu_ops_build):
     """Each kernel build this CPU runs (the installed ones)."""
-    try:
-        return importlib.import_module(f"tokenmill._C.cpu_ops_{request.param}")
-    except ImportError:
-        pytest.skip(f"the {request.param} build is not installed")
+    return cpu_ops_build
 
 
 def test_the_cpp_call_is_the_torch_ops_and_each_row_its_own(ops, monkeypatch):

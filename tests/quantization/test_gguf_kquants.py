@@ -11,8 +11,6 @@ expansion's, logprobs within the rounding's reach, through the fused decode call
 
 from __future__ import annotations
 
-import importlib
-
 import gguf
 import numpy as np
 import pytest
@@ -28,7 +26,6 @@ from tokenmill.models import cpu_decode
 from tokenmill.quantization.base import CPULinearKernel
 from tokenmill.quantization.blocks import dequantize
 from tokenmill.quantization.gguf import GGUF_TYPES
-from tokenmill.utils.cpp_extension import runnable_isas
 
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
 RAW_TYPES = ["Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
@@ -50,13 +47,10 @@ def test_weights_are_the_gguf_packages_dequantization(type_name):
     assert torch.equal(dequantize(kernel), torch.from_numpy(expected))
 
 
-@pytest.fixture(params=runnable_isas())
-def ops(request):
+@pytest.fixture
+def ops(cpu_ops_build):
     """Each kernel build this CPU runs (the installed ones): their GGUF kernels differ."""
-    try:
-        return importlib.import_module(f"tokenmill._C.cpu_ops_{request.param}")
-    except ImportError:
-        pytest.skip(f"the {request.param} build is not installed")
+    return cpu_ops_build
 
 
 def expected_product(ops, x: torch.Tensor, kernel: CPULinearKernel,
