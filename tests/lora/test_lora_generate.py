@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -247,3 +248,21 @@ def test_structured_outputs_constrain_an_adapters_tokens(adapters):
         assert set(json.loads(text)) == {"n"}
     assert texts[0] != texts[1]
     assert_kv_all_free(llm.engine)
+
+
+def test_a_hub_id_names_an_adapter_from_the_cache(adapters, tmp_path, monkeypatch):
+    """lora_path as a Hub id (vLLM's): served from a Hugging Face cache laid out by hand with
+    HF_HUB_OFFLINE=1; an id the cache lacks fails naming it."""
+    from tests.model_loader.test_hub import MAIN, _lay_out
+
+    folder = Path(adapters.paths["all4"])
+    _lay_out(tmp_path / "hub", "org/all4-lora",
+             {MAIN: ("main", {f.name: f for f in folder.iterdir() if f.is_file()})})
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    llm = LLM(adapters.base_path, dtype="float32", enable_lora=True)
+    prompt = [31, 32, 33]
+    assert _greedy(llm, [prompt], [LoRARequest("hub", 1, "org/all4-lora")], 5) == \
+        [adapters.reference("all4", prompt, 5)]
+    with pytest.raises(ValueError, match="'org/missing-lora' is not in the local Hugging Face"):
+        _greedy(llm, [prompt], [LoRARequest("missing", 2, "org/missing-lora")], 2)

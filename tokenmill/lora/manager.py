@@ -47,8 +47,7 @@ class LoRAManager:
         self.config, self.device = config, device
         dtype = getattr(torch, config.lora_dtype)  # resolved: never "auto" here
         self.step = LoRAStep()
-        # checkpoint module name → (our layer, its LinearLoRA, part index)
-        self.targets: dict[str, tuple[LinearBase, LinearLoRA, int]] = {}
+        # each targeted layer, its slots and the checkpoint modules of its parts, in order
         self.layers: list[tuple[LinearBase, LinearLoRA, list[str]]] = []
         packed = getattr(model, "packed_modules_mapping", {})
         for name, module in model.named_modules():

@@ -1,10 +1,11 @@
 """AdapterRegistry: the front-end's view of adapters, each folder read and checked once.
 
 Every request naming a LoRARequest is resolved here before it is queued (engine/
-request_intake.py): the folder is read, checked against the model's shapes and the engine's
-limits (lora/peft_files.py), and hashed into the request's `AdapterRef`. A folder is read again
-only when its files change (their sizes and modification times), so a request for a known
-adapter costs a stat. An adapter that cannot be served fails its request with a ValueError
+request_intake.py): the folder (or a Hub id's snapshot, as vLLM takes lora_path: the cache
+first, then adapter_config.json and the weights downloaded) is read, checked against the
+model's shapes and the engine's limits (lora/peft_files.py), and hashed into the request's
+`AdapterRef`. A folder is read again only when its files change (their sizes and modification
+times), so a request for a known adapter costs a stat. An adapter that cannot be served fails its request with a ValueError
 naming it; the engine serves on.
 """
 
@@ -17,6 +18,7 @@ from tokenmill.lora.config import LoRAConfig
 from tokenmill.lora.peft_files import CONFIG_FILE, WEIGHT_FILES, check_adapter, read_adapter
 from tokenmill.lora.request import AdapterRef, LoRARequest
 from tokenmill.lora.targets import target_shapes
+from tokenmill.model_loader.hub import parse_hub_id, resolve_hub_adapter
 
 
 def _stamp(path: str) -> tuple[tuple[str, int, int], ...]:
@@ -46,8 +48,10 @@ class AdapterRegistry:
                              "adapters; start it with enable_lora=True (--enable-lora)")
         path = os.path.abspath(os.path.expanduser(request.lora_path))
         if not os.path.isdir(path):
-            raise ValueError(f"LoRA adapter {request.lora_name!r}: {request.lora_path!r} is "
-                             "not a folder")
+            if parse_hub_id(request.lora_path) is None:
+                raise ValueError(f"LoRA adapter {request.lora_name!r}: {request.lora_path!r} "
+                                 "is not a folder")
+            path = resolve_hub_adapter(request.lora_path)  # the cache first, as vLLM
         stamp = _stamp(path)
         with self._lock:
             known = self._checked.get(path)

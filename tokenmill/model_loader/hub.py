@@ -22,11 +22,16 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from tokenmill.lora.peft_files import CONFIG_FILE as ADAPTER_CONFIG
+from tokenmill.lora.peft_files import WEIGHT_FILES as ADAPTER_WEIGHTS
 
 # what a safetensors start reads: config, weights (with their index), tokenizer, chat template
 _CONFIG_FILES = ("config.json", "generation_config.json")
@@ -79,30 +84,61 @@ def resolve_hub_model(name: str, revision: str | None = None,
                       download_dir: str | None = None, tokenizer_only: bool = False) -> str:
     """The local path of the model (or, tokenizer_only, the tokenizer) that Hub id `name`
     names: a snapshot folder, or the .gguf file asked for; downloaded if not cached."""
-    from huggingface_hub import errors
-
     spec = parse_hub_id(name)
     if spec is None:
         raise ValueError(f"model {name!r} is neither a local path nor a Hugging Face Hub id")
+    with _hub_errors("model", name, revision) as where:
+        return _resolve(spec, revision, _cache_dir(download_dir), where,
+                        lambda files: _wanted(spec, files, tokenizer_only, where),
+                        tokenizer_only)
+
+
+def resolve_hub_adapter(name: str, revision: str | None = None,
+                        download_dir: str | None = None) -> str:
+    """The local snapshot folder of the peft adapter repository `name` (its
+    adapter_config.json and weights only), downloaded if not cached (vLLM's lora_path)."""
+    spec = parse_hub_id(name)
+    if spec is None or spec.quant or spec.file:
+        raise ValueError(f"LoRA adapter {name!r} is neither a local folder nor a Hugging Face "
+                         "Hub id")
+
+    def wanted(files: list[str]) -> list[str]:
+        if ADAPTER_CONFIG not in files:
+            raise ValueError(f"LoRA adapter {name!r} has no {ADAPTER_CONFIG}")
+        weights = [f for f in ADAPTER_WEIGHTS if f in files][:1]
+        if not weights:
+            raise ValueError(f"LoRA adapter {name!r} has no {' or '.join(ADAPTER_WEIGHTS)}")
+        return [ADAPTER_CONFIG, *weights]
+
+    with _hub_errors("LoRA adapter", name, revision) as where:
+        return _resolve(spec, revision, _cache_dir(download_dir), where, wanted, True)
+
+
+@contextlib.contextmanager
+def _hub_errors(what: str, name: str, revision: str | None) -> Iterator[str]:
+    """huggingface_hub's failures as one-line ValueErrors naming the `what` (model, LoRA
+    adapter) and the id; yields the id as the messages name it."""
+    from huggingface_hub import errors
+
     where = f"{name!r}" + (f" at revision {revision!r}" if revision else "")
     try:
-        return _resolve(spec, revision, _cache_dir(download_dir), tokenizer_only, where)
+        yield where
     except errors.GatedRepoError as e:
-        raise ValueError(f"model {where} is gated: accept its terms on huggingface.co and set "
+        raise ValueError(f"{what} {where} is gated: accept its terms on huggingface.co and set "
                          f"HF_TOKEN ({_first_line(e)})") from e
     except errors.RepositoryNotFoundError as e:
-        raise ValueError(f"model {where}: no such Hugging Face repository (or it is private: "
+        raise ValueError(f"{what} {where}: no such Hugging Face repository (or it is private: "
                          "set HF_TOKEN)") from e
     except errors.RevisionNotFoundError as e:
-        raise ValueError(f"model {name!r}: the repository has no revision {revision!r}") from e
+        raise ValueError(f"{what} {name!r}: the repository has no revision {revision!r}") from e
     except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled) as e:
         state = "HF_HUB_OFFLINE=1" if offline() else "the Hub could not be reached"
-        raise ValueError(f"model {where} is not in the local Hugging Face cache and {state} "
+        raise ValueError(f"{what} {where} is not in the local Hugging Face cache and {state} "
                          f"({_first_line(e)})") from e
     except (errors.HfHubHTTPError, OSError) as e:
-        raise ValueError(f"model {where} could not be downloaded: {_first_line(e)}") from e
+        raise ValueError(f"{what} {where} could not be downloaded: {_first_line(e)}") from e
     except _transport_errors() as e:  # no network, DNS, refused, timed out
-        raise ValueError(f"model {where} is not in the local Hugging Face cache and the Hub "
+        raise ValueError(f"{what} {where} is not in the local Hugging Face cache and the Hub "
                          f"could not be reached ({_first_line(e)}); HF_HUB_OFFLINE=1 serves "
                          "from the cache alone") from e
 
@@ -123,25 +159,26 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def _resolve(spec: HubModel, revision: str | None, cache: str | None, tokenizer_only: bool,
-             where: str) -> str:
+def _resolve(spec: HubModel, revision: str | None, cache: str | None, where: str,
+             wanted_of: Callable[[list[str]], list[str]], folder_only: bool) -> str:
+    """The snapshot holding the files `wanted_of(repository files)` names: the cached one
+    where it has them all, else downloaded (those files only). folder_only: the folder even
+    when a .gguf file is wanted."""
     from huggingface_hub import HfApi, snapshot_download
 
     snapshot = _cached_snapshot(spec.repo, revision, cache)
     if snapshot is not None:  # the cache first: complete, it needs no network at all
-        local = _files_in(snapshot)
-        wanted = _wanted(spec, local, tokenizer_only, where)
+        wanted = wanted_of(_files_in(snapshot))
         if all((snapshot / f).is_file() for f in wanted):
-            return _result(snapshot, wanted, tokenizer_only)
+            return _result(snapshot, wanted, folder_only)
     if offline():
         from huggingface_hub.errors import LocalEntryNotFoundError
 
         raise LocalEntryNotFoundError("the needed files are not all cached")
-    files = HfApi().list_repo_files(spec.repo, revision=revision)
-    wanted = _wanted(spec, files, tokenizer_only, where)
+    wanted = wanted_of(HfApi().list_repo_files(spec.repo, revision=revision))
     folder = snapshot_download(spec.repo, revision=revision, cache_dir=cache,
                                allow_patterns=wanted)
-    return _result(Path(folder), wanted, tokenizer_only)
+    return _result(Path(folder), wanted, folder_only)
 
 
 def _cached_snapshot(repo: str, revision: str | None, cache: str | None) -> Path | None:
@@ -159,9 +196,9 @@ def _files_in(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
 
-def _result(folder: Path, wanted: list[str], tokenizer_only: bool) -> str:
+def _result(folder: Path, wanted: list[str], folder_only: bool) -> str:
     ggufs = [f for f in wanted if f.endswith(".gguf")]
-    return str(folder / ggufs[0]) if ggufs and not tokenizer_only else str(folder)
+    return str(folder / ggufs[0]) if ggufs and not folder_only else str(folder)
 
 
 def _wanted(spec: HubModel, files: list[str], tokenizer_only: bool, where: str) -> list[str]:
