@@ -5,8 +5,8 @@ request_intake.py): the folder (or a Hub id's snapshot, as vLLM takes lora_path:
 first, then adapter_config.json and the weights downloaded) is read, checked against the
 model's shapes and the engine's limits (lora/peft_files.py), and hashed into the request's
 `AdapterRef`. A folder is read again only when its files change (their sizes and modification
-times), so a request for a known adapter costs a stat. An adapter that cannot be served fails its request with a ValueError
-naming it; the engine serves on.
+times), so a request for a known adapter costs a stat. An adapter that cannot be served fails
+its request with a ValueError naming it; the engine serves on.
 """
 
 from __future__ import annotations
