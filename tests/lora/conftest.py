@@ -5,6 +5,8 @@ users have them, with peft's own merged model as each one's reference."""
 from __future__ import annotations
 
 import copy
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +33,16 @@ class Adapters:
 
     def reference(self, name: str | None, prompt: list[int], n: int) -> list[int]:
         return hf_greedy(self.base if name is None else self.merged[name], prompt, n)
+
+
+def edited_copy(src: str, dst: Path, edit: Callable[[dict[str, torch.Tensor]], dict]) -> Path:
+    """A copy of adapter folder `src` in `dst`, its tensors replaced by edit(tensors)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    file = dst / "adapter_model.safetensors"
+    save_file(edit(load_file(file)), file)
+    return dst
 
 
 def make_adapter(base: torch.nn.Module, out: Path, rank: int, alpha: int, targets, rslora: bool,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.lora.conftest import edited_copy
 from tests.lora.test_lora_generate import _prompts, _requests
 from tests.models.test_cpu_decode import _counting_fused_calls
 from tokenmill import LLM, LoRARequest, SamplingParams
@@ -114,14 +115,7 @@ def test_the_torch_ops_path_end_to_end(adapters, monkeypatch):
 
 def _rounded_copy(src: str, dst, dtype: torch.dtype) -> str:
     """Adapter folder `src` with its tensors stored in `dtype`."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    file = dst / "adapter_model.safetensors"
-    save_file({k: v.to(dtype) for k, v in load_file(file).items()}, file)
-    return str(dst)
+    return str(edited_copy(src, dst, lambda t: {k: v.to(dtype) for k, v in t.items()}))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import assert_kv_all_free
+from tests.lora.conftest import edited_copy
 from tokenmill import LLM, LoRARequest, SamplingParams, StructuredOutputsParams
 from tokenmill.lora.request import LoRARequest as LoRARequestByVLLMPath
 
@@ -177,15 +178,9 @@ def test_bad_adapters_fail_alone(adapters, tmp_path):
 
 def _with_tensor(src: str, dst, *entries) -> object:
     """A copy of adapter folder `src` with tensors (name, shape, name, shape, ...) set."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    file = dst / "adapter_model.safetensors"
-    tensors = load_file(file)
-    for name, shape in zip(entries[::2], entries[1::2], strict=True):
-        tensors[name] = torch.randn(shape)
-    save_file(tensors, file)
-    return dst
+    pairs = dict(zip(entries[::2], entries[1::2], strict=True))
+    return edited_copy(src, dst,
+                       lambda t: t | {name: torch.randn(shape) for name, shape in pairs.items()})
 
 
 def test_bin_weights_and_chat(adapters, tmp_path):

@@ -19,10 +19,11 @@
 // Slots kept in bfloat16 / float16 (--lora-dtype) are widened exactly as they are read (A by
 // the half-precision kernels of linear_half.h where its rows are whole blocks, else through a
 // float32 buffer; B in the expand's loads): the result equals float32 slots holding the same
-// values, bit for bit. Slots run side by
-// side on the threads when a step has at least as many adapters as threads (each slot's
-// products then on one thread), else each large product is split over the threads; a row's
-// sums do not depend on the thread either way.
+// values, bit for bit.
+//
+// Slots run side by side on the threads when a step has at least as many adapters as threads
+// (each slot's products then on one thread), else each large product is split over the
+// threads; a row's sums do not depend on the thread either way.
 #pragma once
 #include "cpu_ops.h"
 #include <vector>
@@ -37,6 +38,17 @@ inline void product(const dot_form::WeightRows& w, const float* x, int64_t M, in
                     float* y) {
   if (M * N * w.K < kSerialMacs) return dot_form::linear_range(w, x, M, N, nullptr, y, 0, N);
   dot_form::linear(w, x, M, N, nullptr, y);
+}
+
+// The kind a tensor of slots is read as: 0 (float32), or half_rows::kBF16 / kF16.
+inline int64_t slot_kind(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return 0;
+    case at::kBFloat16: return half_rows::kBF16;
+    case at::kHalf: return half_rows::kF16;
+    default: TORCH_CHECK(false, "lora_add_: slots are float32, bfloat16 or float16");
+  }
+  return 0;
 }
 
 // W values of bt at p (at most Vec::size()) widened to float32: float32 as stored, bfloat16 /
@@ -104,19 +116,11 @@ void expand_add(const float* h, int64_t ldh, const int64_t* rows, int64_t n, int
 inline void expand_slot(const torch::Tensor& b, int64_t s, const float* h, int64_t ldh,
                         const int64_t* rows, int64_t n, int64_t r, int64_t N, float* y,
                         int64_t ldy) {
-  const int64_t offset = s * b.size(1);
-  switch (b.scalar_type()) {
-    case at::kFloat:
-      return expand_add<0>(h, ldh, rows, n, r, b.data_ptr<float>() + offset, N, y, ldy);
-    case at::kBFloat16:
-      return expand_add<half_rows::kBF16>(h, ldh, rows, n, r,
-                                          static_cast<const uint16_t*>(b.data_ptr()) + offset,
-                                          N, y, ldy);
-    case at::kHalf:
-      return expand_add<half_rows::kF16>(h, ldh, rows, n, r,
-                                         static_cast<const uint16_t*>(b.data_ptr()) + offset,
-                                         N, y, ldy);
-    default: TORCH_CHECK(false, "lora_add_: slots are float32, bfloat16 or float16");
+  const char* bt = static_cast<const char*>(b.data_ptr()) + s * b.size(1) * b.element_size();
+  switch (slot_kind(b)) {
+    case 0: return expand_add<0>(h, ldh, rows, n, r, bt, N, y, ldy);
+    case half_rows::kBF16: return expand_add<half_rows::kBF16>(h, ldh, rows, n, r, bt, N, y, ldy);
+    default: return expand_add<half_rows::kF16>(h, ldh, rows, n, r, bt, N, y, ldy);
   }
 }
 
@@ -124,16 +128,13 @@ inline void expand_slot(const torch::Tensor& b, int64_t s, const float* h, int64
 // widened into `scratch` (exact).
 inline const float* slot_floats(const torch::Tensor& t, int64_t s, int64_t count,
                                 std::vector<float>& scratch) {
-  const int64_t offset = s * t.size(1);
-  if (t.scalar_type() == at::kFloat) return t.data_ptr<float>() + offset;
-  const bool bf16 = t.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || t.scalar_type() == at::kHalf, "lora_add_: slots are float32, bfloat16 "
-              "or float16");
+  const int64_t offset = s * t.size(1), kind = slot_kind(t);
+  if (kind == 0) return t.data_ptr<float>() + offset;
   const uint16_t* h = static_cast<const uint16_t*>(t.data_ptr()) + offset;
   scratch.resize(count);
   float* out = scratch.data();
-  if (bf16) {  // the 16 bits as a float32's high half: a loop the compiler vectorizes
-    uint32_t* bits = reinterpret_cast<uint32_t*>(out);
+  if (kind == half_rows::kBF16) {  // the 16 bits as a float32's high half: a loop the
+    uint32_t* bits = reinterpret_cast<uint32_t*>(out);  // compiler vectorizes
     for (int64_t i = 0; i < count; ++i) bits[i] = static_cast<uint32_t>(h[i]) << 16;
   } else {
     for (int64_t i = 0; i < count; ++i)
@@ -142,19 +143,14 @@ inline const float* slot_floats(const torch::Tensor& t, int64_t s, int64_t count
   return out;
 }
 
-// Slot `s` of a (L, X) tensor of slots (float32, bfloat16 or float16) as (N, K) rows the dot
-// kernels read: in place, or widened into `scratch` where a half row is not whole blocks.
+// Slot `s` of a (L, X) tensor of slots as (N, K) rows the dot kernels read: half rows in place
+// where they are whole blocks (linear_half.h), else float32 (in place, or widened).
 inline dot_form::WeightRows slot_rows(const torch::Tensor& t, int64_t s, int64_t N, int64_t K,
                                       std::vector<float>& scratch) {
-  const int64_t offset = s * t.size(1);
-  if (t.scalar_type() == at::kFloat)
-    return {0, 0, K, t.data_ptr<float>() + offset, nullptr, nullptr, nullptr, 0};
-  const bool bf16 = t.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || t.scalar_type() == at::kHalf, "lora_add_: slots are float32, bfloat16 "
-              "or float16");
-  const uint16_t* h = static_cast<const uint16_t*>(t.data_ptr()) + offset;
-  if (K % 32 == 0)
-    return {bf16 ? half_rows::kBF16 : half_rows::kF16, 0, K, nullptr, h, nullptr, nullptr, 0};
+  const int64_t kind = slot_kind(t);
+  if (kind != 0 && K % 32 == 0)
+    return {kind, 0, K, nullptr, static_cast<const uint16_t*>(t.data_ptr()) + s * t.size(1),
+            nullptr, nullptr, 0};
   return {0, 0, K, slot_floats(t, s, N * K, scratch), nullptr, nullptr, nullptr, 0};
 }
 

@@ -53,7 +53,7 @@ class LinearLoRA:
         """part_sizes: each part's output features on this rank, in the layer's order."""
         self.in_features, self.part_sizes = in_features, part_sizes
         self.offsets = [sum(part_sizes[:i]) for i in range(len(part_sizes))]
-        self.max_rank, self.step = max_rank, step
+        self.step = step
         P = len(part_sizes)
         # flat per slot, so that rank r's leading rows are contiguous
         self.a = torch.zeros(max_loras, P * max_rank * in_features, dtype=dtype, device=device)

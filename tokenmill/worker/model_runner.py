@@ -76,8 +76,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         self._load_model()
-        # LoRA adapters' slots in the targeted layers (the fused CPU call and CUDA graphs
-        # then decline: they do not add the adapters' deltas)
+        # LoRA adapters' slots in the targeted layers (the fused CPU call adds their deltas
+        # too; CUDA graphs are not captured with them)
         self.lora = (None if config.lora is None else
                      LoRAManager(self.model, config.lora, self.device))
         self._allocate_kv()
