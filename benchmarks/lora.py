@@ -68,7 +68,7 @@ def run_case(llm, prompts, loras, tokens: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None)
     p.add_argument("--ranks", default="8,64")
@@ -78,34 +78,25 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
-    args = p.parse_args()
+    return p.parse_args()
 
-    from tokenmill import LLM, LoRARequest
-    from tokenmill.bench.machine import describe_machine
-    from tokenmill.model_loader.default_model import default_model_path
 
-    print(describe_machine())
-    model = args.model or default_model_path()
-    ranks = [int(r) for r in args.ranks.split(",")]
-    counts = [int(c) for c in args.adapters.split(",")]
-    base = LLM(model)
-    lora_llms = {dt: LLM(model, enable_lora=True, max_loras=max(counts),
-                         max_lora_rank=max(ranks), max_cpu_loras=max(counts) * len(ranks),
-                         lora_dtype=dt) for dt in args.lora_dtypes.split(",")}
-    hf_config = base.engine.config.model.hf_config
-    root = tempfile.mkdtemp(prefix="tm-lora-bench-")
+def write_adapters(root: str, hf_config, ranks: list[int], count: int) -> dict:
+    """(rank, i) → a LoRARequest of a random adapter written under `root`."""
+    from tokenmill import LoRARequest
+
     adapters = {}
     for rank in ranks:
-        for i in range(max(counts)):
+        for i in range(count):
             folder = os.path.join(root, f"r{rank}-{i}")
             write_adapter(folder, hf_config, rank, seed=1000 * rank + i)
             adapters[rank, i] = LoRARequest(f"r{rank}-{i}", len(adapters) + 1, folder)
-    vocab = hf_config.vocab_size
-    prompts = [[(97 * r + 13 * j) % (vocab - 200) + 100 for j in range(args.prompt_len)]
-               for r in range(args.batch)]
-    print(f"model {model}: {hf_config.num_hidden_layers} layers, hidden "
-          f"{hf_config.hidden_size}; batch {args.batch}, prompt {args.prompt_len}, "
-          f"{args.tokens} tokens each; adapters on all 7 projections")
+    return adapters
+
+
+def make_cases(args: argparse.Namespace, base, lora_llms: dict, adapters: dict,
+               prompts: list[list[int]], ranks: list[int], counts: list[int]) -> dict:
+    """name → (engine, prompts, lora requests or None), in the order rounds run them."""
     cases = {f"batch {args.batch}, base": (base, prompts, None),
              "single stream, base": (base, prompts[:1], None)}
     for dt, lora_llm in lora_llms.items():
@@ -119,12 +110,40 @@ def main() -> int:
         for rank in ranks:
             cases[f"single stream, 1 adapter, rank {rank} ({dt})"] = (
                 lora_llm, prompts[:1], [adapters[rank, 0]])
-    for llm, ps, loras in cases.values():  # warm-up: adapters read, kernels built
-        run_case(llm, ps, loras, 4)
-    results: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(args.rounds):
-        for name, (llm, ps, loras) in cases.items():
-            results[name].append(run_case(llm, ps, loras, args.tokens))
+    return cases
+
+
+def main() -> int:
+    args = parse_args()
+    from tokenmill import LLM
+    from tokenmill.bench.machine import describe_machine
+    from tokenmill.model_loader.default_model import default_model_path
+
+    print(describe_machine())
+    model = args.model or default_model_path()
+    ranks = [int(r) for r in args.ranks.split(",")]
+    counts = [int(c) for c in args.adapters.split(",")]
+    base = LLM(model)
+    lora_llms = {dt: LLM(model, enable_lora=True, max_loras=max(counts),
+                         max_lora_rank=max(ranks), max_cpu_loras=max(counts) * len(ranks),
+                         lora_dtype=dt) for dt in args.lora_dtypes.split(",")}
+    hf_config = base.engine.config.model.hf_config
+    vocab = hf_config.vocab_size
+    prompts = [[(97 * r + 13 * j) % (vocab - 200) + 100 for j in range(args.prompt_len)]
+               for r in range(args.batch)]
+    print(f"model {model}: {hf_config.num_hidden_layers} layers, hidden "
+          f"{hf_config.hidden_size}; batch {args.batch}, prompt {args.prompt_len}, "
+          f"{args.tokens} tokens each; adapters on all 7 projections")
+    # the adapters (GBs for large models and ranks) are removed when the run ends
+    with tempfile.TemporaryDirectory(prefix="tm-lora-bench-") as root:
+        adapters = write_adapters(root, hf_config, ranks, max(counts))
+        cases = make_cases(args, base, lora_llms, adapters, prompts, ranks, counts)
+        for llm, ps, loras in cases.values():  # warm-up: adapters read, kernels built
+            run_case(llm, ps, loras, 4)
+        results: dict[str, list[float]] = {name: [] for name in cases}
+        for _ in range(args.rounds):
+            for name, (llm, ps, loras) in cases.items():
+                results[name].append(run_case(llm, ps, loras, args.tokens))
     print(f"\n{'case':<56}{'tok/s':>10}{'vs base':>10}")
     for name, values in sorted(results.items(), key=lambda kv: kv[0].startswith("single")):
         tps = statistics.median(values)
