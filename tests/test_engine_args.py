@@ -18,6 +18,8 @@ from tokenmill.cli import build_parser
 from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine_args import EngineArgs, engine_config
 
+TRANSFER = {"kv_connector": "SharedStorageConnector", "kv_role": "kv_consumer",
+            "kv_connector_extra_config": {"shared_storage_path": "/tmp/tm-kv-shared"}}
 JSON_SPEC = '{"method": "ngram", "num_speculative_tokens": 2}'
 
 
@@ -54,6 +56,15 @@ CASES = [
          "cache.enable_prefix_caching", False),
     Case("swap_space", ("--swap-space", "2GiB"), "2GiB", "cache.swap_space", 2 << 30),
     Case("kv_cache_dtype", ("--kv-cache-dtype", "int8"), "int8", "cache.kv_cache_dtype", "int8"),
+    Case("kv_offloading_size", ("--kv-offloading-size", "1GiB"), "1GiB",
+         "kv_offload.host_blocks", 2**30 // 8192),  # the tiny Llama's blocks: 8 KiB
+    Case("kv_offloading_backend", ("--kv-offloading-backend", "disk"), "disk",
+         "kv_offload.disk_bytes", 2**30, (("kv_offloading_size", "1GiB"),)),
+    Case("kv_offloading_dir", ("--kv-offloading-dir", "/tmp/tm-kv-case"), "/tmp/tm-kv-case",
+         "kv_offload.disk_dir", "/tmp/tm-kv-case", (("kv_offloading_size", "1GiB"),
+                                                     ("kv_offloading_backend", "disk"))),
+    Case("kv_transfer_config", ("--kv-transfer-config", json.dumps(TRANSFER)), TRANSFER,
+         "kv_offload.transfer.kv_role", "kv_consumer"),
     Case("max_num_batched_tokens", ("--max-num-batched-tokens", "512"), 512,
          "scheduler.max_num_batched_tokens", 512),
     Case("max_num_seqs", ("--max-num-seqs", "3"), 3, "scheduler.max_num_seqs", 3),

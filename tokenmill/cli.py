@@ -6,6 +6,7 @@
                     [--drain-timeout 30] [--enable-auto-tool-choice --tool-call-parser P]
                     [--data-parallel-size D [--data-parallel-router cache_aware|round_robin]]
                     [engine options]
+    tokenmill proxy --prefill URL [URL ...] --decode URL [URL ...] [--host H] [--port P]
     tokenmill bench serve [--launch | --base-url URL] [--request-rate R | --concurrency C]
     tokenmill bench throughput [--workload mixed|uniform] [--compare-hf] [--json F] [--png F]
     tokenmill bench latency [--repeats 3] [--llama-cpp] [--json F] [--png F]
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_bench(sub)
     _add_serve(sub)
+    _add_proxy(sub)
     return parser
 
 
@@ -151,6 +153,33 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                             "request's `model` picks one")
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=_serve)
+
+
+def _add_proxy(sub: argparse._SubParsersAction) -> None:
+    proxy = sub.add_parser(
+        "proxy", help="disaggregated prefill / decode: send each request to a prefill "
+        "instance (kv_producer), then to a decode instance (kv_consumer)")
+    proxy.add_argument("--host", default="127.0.0.1")
+    proxy.add_argument("--port", type=int, default=8000)
+    proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                       help="prefill instances (tokenmill serve with a kv_producer "
+                            "--kv-transfer-config), taken in turn")
+    proxy.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                       help="decode instances (kv_consumer), taken in turn")
+    proxy.add_argument("--timeout", type=float, default=None,
+                       help="seconds to wait for an instance (default: no limit)")
+    proxy.set_defaults(func=_proxy)
+
+
+def _proxy(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tokenmill.server.disagg_proxy import build_proxy_app
+
+    logging.basicConfig(level=logging.INFO, force=True)
+    app = build_proxy_app(args.prefill, args.decode, args.timeout)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

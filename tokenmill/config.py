@@ -22,6 +22,7 @@ import torch
 from tokenmill.attention.kv_formats import kv_format
 from tokenmill.attention.registry import BACKEND_NAMES
 from tokenmill.distributed.config import ParallelConfig
+from tokenmill.kv_offload.config import KVOffloadConfig
 from tokenmill.lora.config import LoRAConfig
 from tokenmill.pooling_params import PoolerConfig
 from tokenmill.spec_decode.config import SpeculativeConfig
@@ -237,6 +238,8 @@ class EngineConfig:
     pooler_config: PoolerConfig = PoolerConfig()
     # multi-LoRA serving (vLLM's --enable-lora, lora/); None: no adapters
     lora: LoRAConfig | None = None
+    # KV tiers below the cache and disaggregated prefill's transfer (kv_offload/); None: none
+    kv_offload: KVOffloadConfig | None = None
 
     def __post_init__(self) -> None:
         if self.prepack_weights not in (True, False, "auto"):

@@ -42,6 +42,7 @@ from tokenmill.config_weights import (
     resolve_quantization,
 )
 from tokenmill.distributed.config import ParallelConfig
+from tokenmill.kv_offload.factory import kv_offload_config
 from tokenmill.layers.linear import check_heads_split
 from tokenmill.layers.rotary import rope_parameter_sets
 from tokenmill.lora.config import LoRAConfig
@@ -97,9 +98,11 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     for size in ("kv_cache_memory", "swap_space"):
         if cache[size] is not None:
             cache[size] = parse_size(cache[size])
+    cache = CacheConfig(**cache)
+    seed = int(args.seed)
     return EngineConfig(
-        model=model, cache=CacheConfig(**cache), scheduler=scheduler, parallel=parallel,
-        device=device, seed=int(args.seed), prepack_weights=args.prepack_weights,
+        model=model, cache=cache, scheduler=scheduler, parallel=parallel,
+        device=device, seed=seed, prepack_weights=args.prepack_weights,
         attention_backend=args.attention_backend,
         batch_invariant=resolve_batch_invariant(args.batch_invariant, device, model,
                                                 args.attention_backend),
@@ -107,7 +110,9 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         structured_outputs=StructuredOutputsConfig.parse(args.structured_outputs_config),
         runner=_runner(args.runner, model),
         pooler_config=PoolerConfig.parse(args.pooler_config),
-        lora=_lora_config(args, model))
+        lora=_lora_config(args, model),
+        kv_offload=kv_offload_config(args.group("kv_offload"), model, cache, parallel, seed,
+                                     draft is not None))
 
 
 def _lora_config(args: EngineArgs, model: ModelConfig) -> LoRAConfig | None:

@@ -37,10 +37,11 @@ from tokenmill.config import (
 )
 from tokenmill.config_factory import create_engine_config
 from tokenmill.distributed.config import EXECUTOR_BACKENDS, ParallelConfig
+from tokenmill.kv_offload.config import OFFLOADING_BACKENDS
 from tokenmill.lora.config import LORA_DTYPES, LoRAConfig
 from tokenmill.quantization import QUANTIZATION_METHODS
 
-GROUPS = ("model", "cache", "scheduler", "parallel", "lora", "engine")
+GROUPS = ("model", "cache", "kv_offload", "scheduler", "parallel", "lora", "engine")
 
 
 def option(default: Any, help: str, group: str, *, flags: tuple[str, ...] = (),
@@ -148,6 +149,21 @@ class EngineArgs:
         "size 1), mp (one process per rank; the default above size 1), ray (Ray actors on a "
         "Ray cluster's machines: docs/parallel.md)", "parallel", choices=EXECUTOR_BACKENDS)
     # ---- LoRA adapters ---------------------------------------------------------------------
+    kv_offloading_size: float | str | None = option(
+        None, "KV tiers (vLLM's flag): the size of the tier below the KV cache, GiB or a size "
+        "with a unit (512MiB): evicted prefix-cache blocks go there and are served back "
+        "from it", "kv_offload")
+    kv_offloading_backend: str | None = option(
+        None, "the tier: native = CPU memory (the default when a size is given), disk = block "
+        "files in --kv-offloading-dir (the default when a directory is given), kept across "
+        "restarts", "kv_offload",
+        choices=OFFLOADING_BACKENDS)
+    kv_offloading_dir: str | None = option(
+        None, "the disk tier's directory (--kv-offloading-backend disk)", "kv_offload")
+    kv_transfer_config: str | dict[str, Any] | None = option(
+        None, 'disaggregated prefill as JSON (vLLM\'s flag): {"kv_connector": '
+        '"SharedStorageConnector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both", '
+        '"kv_connector_extra_config": {"shared_storage_path": DIR}}', "kv_offload")
     enable_lora: bool = option(
         False, "serve LoRA adapters (peft folders) over the model: per request "
         "(lora_request) or, on the server, by --lora-modules names", "lora")

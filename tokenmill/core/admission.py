@@ -2,7 +2,9 @@
 blocks and how many tokens it computes in its first step, under the step's token budget.
 
 A request comes back from swap space with its KV copied in; a new or preempted one starts
-past its longest cached prefix (the radix cache, when prefix caching is on); without chunked
+past its longest cached prefix (the radix cache, when prefix caching is on, and the KV tiers
+below it; a request whose next blocks are being read from files is passed over until they
+are in memory: `waits_for_kv`); without chunked
 prefill a prompt that does not fit the budget waits for a step that has room.
 
 Invariant: a request that cannot start keeps no block (`allocate_slots` gives all or none).
@@ -19,10 +21,14 @@ class Admission:
         self.kv = kv
         self.chunked_prefill = chunked_prefill
         self.swap_in: list[tuple[int, int]] = []  # (cpu, gpu) block copies for this step
+        # the last refused request waits for its KV blocks being read from files: the next
+        # waiting request may start meanwhile
+        self.waits_for_kv = False
 
     def admit(self, request: Request, budget: int) -> int | None:
         """Give the request its blocks (a cache hit, swap-in or new ones); the number of
         tokens it computes this step, or None if it cannot start now."""
+        self.waits_for_kv = False
         if request.status == RequestStatus.SWAPPED:
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             copies = self.kv.swap_in(request, n)
@@ -32,6 +38,9 @@ class Admission:
             return n
         computed = (self.kv.get_computed_blocks(request) if request.num_computed_tokens == 0
                     else None)
+        if computed is not None and computed.wait_for_kv:
+            self.waits_for_kv = True
+            return None
         start = max(request.num_computed_tokens, computed.num_tokens if computed else 0)
         n = request.num_tokens - start
         if n > budget and not self.chunked_prefill:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tokenmill.kv_offload.ops import OffloadOps, OffloadResult
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -143,6 +144,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     preempted_req_ids: list[str] = field(default_factory=list)
+    kv_offload: OffloadOps | None = None  # copies to and from the KV tiers (kv_offload/ops.py)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -157,7 +159,7 @@ class SchedulerOutput:
         """Nothing for the runners to do (no request, no block operation, nothing ended)."""
         return not (self.scheduled or self.finished_req_ids or self.blocks_to_copy
                     or self.blocks_to_swap_out or self.blocks_to_swap_in
-                    or self.preempted_req_ids)
+                    or self.preempted_req_ids or self.kv_offload)
 
     def for_request(self, index: int) -> SchedulerOutput:
         """The step of `scheduled[index]` alone, with its diffs (harmless if applied already)
@@ -215,3 +217,4 @@ class ModelRunnerOutput:
     # embedding request's share of this step, the sum of its positions' final hidden states
     # (MEAN) or its last prompt position's (LAST, only in the step that reaches it)
     pooled: dict[str, tuple[int, int, torch.Tensor]] = field(default_factory=dict)
+    kv_offload: OffloadResult | None = None  # the step's KV tier reads and writes

@@ -14,6 +14,11 @@ node path covering a request's cached blocks is locked while the request lives, 
 A request's blocks are cached under its LoRA adapter's key (`Request.lora_key`; None for the
 base model): the same tokens under another adapter are other K/V and never a hit.
 
+KV tiers (kv_offload/manager.py, when configured): blocks the tree evicts are saved below it,
+and a request's hit continues past the tree into host memory (blocks copied back in before the
+step's forward pass, then offered to the tree as computed); a request whose next blocks are in
+files waits while they are read (`ComputedBlocks.wait_for_kv`).
+
 Copy-on-write: before a request writes into a shared, partly filled block (after `fork`) it
 gets a private copy; the (src, dst) pair is queued for the runner to copy before the forward.
 
@@ -39,6 +44,8 @@ from tokenmill.core.block_pool import BlockPool, KVBlock
 from tokenmill.core.radix_cache import RadixCache, RadixNode
 from tokenmill.core.request import Request
 from tokenmill.core.swap_space import SwapSpace
+from tokenmill.kv_offload.manager import OffloadHit, OffloadManager
+from tokenmill.kv_offload.ops import OffloadOps
 from tokenmill.utils import cdiv
 
 
@@ -47,14 +54,21 @@ class ComputedBlocks:
     """A prefix-cache hit: blocks holding the first `num_tokens` tokens of a request."""
 
     blocks: list[KVBlock] = field(default_factory=list)
-    num_tokens: int = 0
+    num_tokens: int = 0  # the tree's blocks and the offloaded hit's
     handle: RadixNode | None = None
+    offloaded: OffloadHit | None = None  # blocks after the tree's, copied in from host memory
+    wait_for_kv: bool = False  # blocks after these are being read from files: start later
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 num_swap_blocks: int = 0, sliding_window: int | None = None) -> None:
+                 num_swap_blocks: int = 0, sliding_window: int | None = None,
+                 offload: OffloadManager | None = None) -> None:
+        if offload is not None and (not enable_prefix_caching or sliding_window is not None):
+            raise ValueError("KV offloading needs prefix caching and a model without a "
+                             "sliding window")
         self.block_size = block_size
+        self.offload = offload
         self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks)
         self.tree = RadixCache(block_size) if enable_prefix_caching else None
@@ -88,12 +102,17 @@ class KVCacheManager:
             self._evict(short)
         return n <= self.pool.num_free_blocks
 
-    def _evict(self, num_blocks: int) -> None:
+    def _evict(self, num_blocks: int, save: bool = True) -> None:
         """Evict up to `num_blocks` cached blocks (LRU) from the tree and return them to the
         pool, last-first: the pool hands the most recently freed out first, so the next
         request gets them in their old order."""
-        freed = self.tree.evict(num_blocks)
+        save = self.offload is not None and not self.prefix_cache_suspended and save
+        freed = self.tree.evict(num_blocks, self._save_evicted if save else None)
         self.pool.free_blocks(self.pool.blocks[b] for b in reversed(freed))
+
+    def _save_evicted(self, node: RadixNode) -> None:
+        keys = self.offload.path_keys(self.tree.path_tokens(node), node.namespace)
+        self.offload.on_evict(keys[-len(node.value):], node.value)
 
     # ---- prefix cache -----------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
@@ -106,7 +125,24 @@ class KVCacheManager:
         match = self.tree.match_prefix(request.all_token_ids[:request.num_tokens - 1],
                                        request.lora_key)
         blocks = [self.pool.blocks[b] for b in match.block_ids]
-        return ComputedBlocks(blocks, len(blocks) * self.block_size, match.handle)
+        computed = ComputedBlocks(blocks, len(blocks) * self.block_size, match.handle)
+        if self.offload is not None:
+            self._offloaded_hit(request, computed)
+        return computed
+
+    def _offloaded_hit(self, request: Request, computed: ComputedBlocks) -> None:
+        """Extend a tree hit with the request's next blocks found in host memory, or mark it
+        waiting for those being read from files."""
+        usable = (request.num_tokens - 1) // self.block_size
+        first = len(computed.blocks)
+        keys = self.offload.keys(request.request_id, request.all_token_ids, request.lora_key,
+                                 usable)[first:]
+        hit = self.offload.lookup(keys)
+        computed.wait_for_kv = self.offload.must_wait(request.request_id,
+                                                      keys[len(hit.slots):])
+        if hit.slots:
+            computed.offloaded = hit
+            computed.num_tokens += len(hit.slots) * self.block_size
 
     def _offer_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Insert the request's blocks that are full once `num_tokens` are computed."""
@@ -123,6 +159,8 @@ class KVCacheManager:
             if len(self.tree.match_prefix(tokens[:(last + 1) * bs], ns).block_ids) <= last:
                 self._num_offered[rid] = num_full  # (the tree lost them: stop offering)
                 return
+        if self.offload is not None and self.offload.publishes:
+            self._publish(request, ids, self._num_offered.get(rid, 0))
         result = self.tree.insert_prefix(tokens, ids, ns)
         self.pool.incr_ref(blocks[result.cached_len // bs:num_full])  # the tree's references
         handle = result.handle
@@ -138,6 +176,14 @@ class KVCacheManager:
                           else None)
         self._lock(rid, handle)
         self._num_offered[rid] = num_full
+
+    def _publish(self, request: Request, block_ids: list[int], first: int) -> None:
+        """Hand a producer's newly full prompt blocks to the KV transfer."""
+        end = min(len(block_ids), request.num_prompt_tokens // self.block_size)
+        if end > first:
+            keys = self.offload.keys(request.request_id, request.all_token_ids,
+                                     request.lora_key, end)
+            self.offload.on_prompt_computed(keys[first:end], block_ids[first:end])
 
     def _lock(self, rid: str, handle: RadixNode | None) -> None:
         """Make `handle` the request's locked node (lock the new before unlocking the old);
@@ -160,7 +206,9 @@ class KVCacheManager:
             return True
         if self.req_to_blocks or self.tree.num_evictable_blocks != self.tree.num_cached_blocks:
             return False
-        self._evict(self.tree.num_cached_blocks)
+        self._evict(self.tree.num_cached_blocks, save=False)
+        if self.offload is not None:
+            self.offload.clear_host()
         self.prefix_cache_suspended = False
         return True
 
@@ -182,12 +230,15 @@ class KVCacheManager:
         is_new = rid not in self.req_to_blocks
         blocks = self.req_to_blocks.setdefault(rid, [])
         num_computed = request.num_computed_tokens
-        if is_new and computed is not None and computed.blocks:
+        hit = computed.offloaded if is_new and computed is not None else None
+        if is_new and computed is not None and computed.num_tokens:
             self._lock(rid, computed.handle)  # first, so eviction below cannot take them
             self.pool.incr_ref(computed.blocks)
             blocks.extend(computed.blocks)
             self._num_offered[rid] = len(computed.blocks)
             num_computed = computed.num_tokens
+        if hit is not None:
+            self.offload.pin(hit.slots)  # before eviction below saves blocks to host slots
         self._drop_out_of_window(blocks, min(num_computed, request.num_tokens))
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = max(0, num_required - len(blocks))
@@ -196,6 +247,8 @@ class KVCacheManager:
         needs_cow = (num_new_tokens > 0 and num_computed % self.block_size != 0
                      and cow_index < len(blocks) and blocks[cow_index].ref_cnt > 1)
         if not self._make_room(num_new_blocks + int(needs_cow)):
+            if hit is not None:
+                self.offload.pin(hit.slots, unpin=True)
             if is_new:
                 self.free(request)
             return None
@@ -210,6 +263,8 @@ class KVCacheManager:
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
         new_ids.extend(b.block_id for b in new_blocks)
+        if hit is not None:  # the hit's blocks are the first new ones
+            self.offload.load(rid, hit, [b.block_id for b in new_blocks[:len(hit.slots)]])
         if is_new and request.num_computed_tokens == 0 and request.num_preemptions == 0:
             self.prefix_queries += request.num_prompt_tokens
             self.prefix_hits += min(num_computed, request.num_prompt_tokens)
@@ -262,6 +317,8 @@ class KVCacheManager:
             self.tree.lock_handle(handle, unlock=True)
         self.pool.free_blocks(reversed(self._held(self.req_to_blocks.pop(rid, []))))
         self._num_offered.pop(rid, None)
+        if self.offload is not None:
+            self.offload.forget(rid)
 
     # ---- swapping ---------------------------------------------------------------------------
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
@@ -294,6 +351,21 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
+    def save_cached_blocks(self) -> OffloadOps | None:
+        """The disk tier's copies of every block the prefix cache holds that it lacks (at
+        shutdown, so that a new process finds them); None when there is nothing to save."""
+        offload = self.offload
+        if (offload is None or offload.config.disk_dir is None or self.tree is None
+                or self.prefix_cache_suspended):
+            return None
+        for node in self.tree.nodes():
+            self._save_evicted(node)
+        return offload.take_ops() or None
+
+    def take_offload_ops(self) -> OffloadOps | None:
+        """Copies to and from the KV tiers for the runner to do around this step."""
+        return None if self.offload is None else self.offload.take_ops()
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """(src, dst) block copies the runner must do before this step's forward pass."""
         copies, self._pending_copies = self._pending_copies, []
@@ -302,6 +374,8 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         self.swap.check_integrity()
+        if self.offload is not None:
+            self.offload.check_integrity()
         refs: dict[int, int] = {}
         for blocks in self.req_to_blocks.values():
             for b in self._held(blocks):

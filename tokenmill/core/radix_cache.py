@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _clock = itertools.count()
@@ -154,12 +155,17 @@ class RadixCache:
         return InsertResult(cached * bs, node)
 
     # ---- eviction ---------------------------------------------------------------------------
-    def evict(self, num_blocks: int) -> list[int]:
+    def evict(self, num_blocks: int,
+              on_evict: Callable[[RadixNode], None] | None = None) -> list[int]:
+        """`on_evict(node)`: told of each node before it is detached (KV tiers save its
+        blocks, kv_offload/manager.py)."""
         leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(leaves)
         freed: list[int] = []
         while len(freed) < num_blocks and leaves:
             node = heapq.heappop(leaves)
+            if on_evict is not None:
+                on_evict(node)
             freed += node.value
             parent = node.parent
             del parent.children[self._filed(node)]
@@ -168,6 +174,14 @@ class RadixCache:
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, parent)
         return freed
+
+    def path_tokens(self, node: RadixNode) -> list[int]:
+        """The tokens from the root to the end of `node` (its whole prefix)."""
+        parts = []
+        while node is not None and node is not self.root:
+            parts.append(node.key)
+            node = node.parent
+        return [t for part in reversed(parts) for t in part]
 
     def _nodes(self) -> list[RadixNode]:
         out, stack = [], list(self.root.children.values())
@@ -179,6 +193,10 @@ class RadixCache:
 
     def cached_block_ids(self) -> list[int]:
         return [b for n in self._nodes() for b in n.value]
+
+    def nodes(self) -> list[RadixNode]:
+        """Every node but the root."""
+        return self._nodes()
 
     def check_integrity(self) -> None:
         cached = evictable = 0

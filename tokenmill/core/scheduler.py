@@ -182,6 +182,9 @@ class Scheduler:
                 w += 1
                 continue
             n = self._admit(request, budget)
+            if n is None and self.admission.waits_for_kv:
+                w += 1
+                continue
             if n is None:
                 break
             del self.waiting[w]
@@ -221,6 +224,7 @@ class Scheduler:
                               blocks_to_copy=self.kv.take_pending_copies(),
                               blocks_to_swap_out=self._swap_out,
                               blocks_to_swap_in=self.admission.take_swap_in(),
+                              kv_offload=self.kv.take_offload_ops(),
                               preempted_req_ids=[r.request_id for r in preempted])
         self._finished_since_last_step, self._swap_out = set(), []
         for request, n, lookahead in scheduled:
@@ -278,6 +282,8 @@ class Scheduler:
                            runner_out: ModelRunnerOutput) -> list[Request]:
         """Append sampled tokens, finish stopped requests; return the requests that progressed."""
         progressed = []
+        if self.kv.offload is not None:
+            self.kv.offload.apply(runner_out.kv_offload)
         self._stepping.difference_update(r.req_id for r in sched_out.scheduled)
         for req_id, token_ids in zip(runner_out.req_ids, runner_out.sampled_token_ids,
                                      strict=True):

@@ -41,6 +41,7 @@ from tokenmill.engine.request_intake import PreparedRequest, RequestIntake
 from tokenmill.engine.tokenizer import load_tokenizer
 from tokenmill.engine_args import EngineArgs
 from tokenmill.executor import Executor, WorkerDiedError, make_executor
+from tokenmill.kv_offload.manager import OffloadManager
 from tokenmill.lora.registry import AdapterRegistry
 from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import SchedulerStats
@@ -67,7 +68,9 @@ class LLMEngine:
         self.kv = KVCacheManager(self.executor.num_kv_blocks, config.cache.block_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching,
                                  num_swap_blocks=self.executor.num_swap_blocks,
-                                 sliding_window=config.model.kv_sliding_window)
+                                 sliding_window=config.model.kv_sliding_window,
+                                 offload=None if config.kv_offload is None else
+                                 OffloadManager(config.kv_offload, config.cache.block_size))
         # pipeline parallelism: one step in flight per stage, each of other requests
         self._depth = config.parallel.pipeline_parallel_size
         self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len,
@@ -113,6 +116,12 @@ class LLMEngine:
         while self._in_flight:
             with contextlib.suppress(Exception):  # their requests are being dropped anyway
                 self._in_flight.popleft()[2].result()
+        ops = self.kv.save_cached_blocks()
+        if ops:  # the disk tier keeps what the cache holds, for the next process
+            try:
+                self.executor.execute(SchedulerOutput(kv_offload=ops))
+            except Exception as e:  # shutting down regardless
+                logger.warning("the cached KV blocks were not saved to disk: %s", e)
         self.executor.shutdown()
 
     @classmethod
@@ -210,7 +219,7 @@ class LLMEngine:
         return bool(self._in_flight) or self.scheduler.has_unfinished_requests()
 
     def stats(self) -> SchedulerStats:
-        sched, spec = self.scheduler, self.scheduler.spec
+        sched, spec, offload = self.scheduler, self.scheduler.spec, self.kv.offload
         return SchedulerStats(num_running=sched.num_running,
                               num_waiting=sched.num_waiting,
                               kv_cache_usage=self.kv.usage,
@@ -228,7 +237,11 @@ class LLMEngine:
                               running_lora_adapters=frozenset(
                                   sched.lora.active_adapters(sched.running)),
                               waiting_lora_adapters=frozenset(
-                                  sched.lora.active_adapters(list(sched.waiting))))
+                                  sched.lora.active_adapters(list(sched.waiting))),
+                              kv_offload_counters=() if offload is None else offload.counters(),
+                              kv_disk_tier_available=(
+                                  None if offload is None or offload.config.disk_dir is None
+                                  else offload.disk_available))
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -340,6 +353,7 @@ class LLMEngine:
             merged.logprobs.update(out.logprobs)
             merged.prompt_logprobs.update(out.prompt_logprobs)
             merged.pooled.update(out.pooled)
+            merged.kv_offload = merged.kv_offload or out.kv_offload  # reported once
         if not live:
             return merged
         everyone = len(culprits) == len(live)

@@ -32,6 +32,11 @@ class UniProcExecutor(Executor):
             return self._submit(self.runner.execute, sched, block_ops, grammar).result()
         return self.runner.execute(sched, block_ops, grammar)
 
+    def shutdown(self) -> None:
+        """Finish the KV block files being written (the disk tier), so a restart finds them."""
+        if self.runner.offload is not None:
+            self.runner.offload.close()
+
     def execute_async(self, sched: SchedulerOutput, grammar: GrammarOutput | None = None
                       ) -> Future[ModelRunnerOutput]:
         # the runner's own execute: the base's would submit `execute`, which itself submits

@@ -15,6 +15,15 @@ from tokenmill.metrics.stats import SchedulerStats, StepTimings
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 
+# KV tiers and transfer, per tier (cpu, disk; shared: the disaggregated prefill transfer)
+_OFFLOAD_COUNTERS = {
+    "blocks_stored": "KV blocks stored to the tier",
+    "blocks_loaded": "KV blocks loaded from the tier into the cache",
+    "bytes_stored": "Bytes stored to the tier",
+    "bytes_loaded": "Bytes loaded from the tier into the cache",
+    "hit_tokens": "Prompt tokens found in the tier",
+}
+
 
 class PrometheusMetrics:
     def __init__(self, model_name: str, kv_capacity_tokens: int | None = None,
@@ -71,6 +80,17 @@ class PrometheusMetrics:
         self._model_name = model_name
         self._per_pos_seen: tuple[int, ...] = ()
         self._preemptions_seen = 0
+        self.prompt_computed = counter("prompt_tokens_computed", "Prompt tokens this "
+                                       "instance computed (not found in its cache, a KV tier "
+                                       "or a transfer)")
+        self._computed_seen = 0
+        self.disk_tier_available: bool | None = None  # as last recorded (/health reads it)
+        self.offload = {name: Counter(f"tokenmill:kv_offload_{name}", doc,
+                                      ["model_name", "tier"], registry=r)
+                        for name, doc in _OFFLOAD_COUNTERS.items()}
+        self._offload_seen: dict[tuple[str, str], int] = {}
+        self.disk_tier_up = gauge("kv_offload_disk_available", "1 while the disk tier writes "
+                                  "blocks, 0 once a write failed (a full disk)")
         self._prefix_seen = (0, 0)
         self._spec_seen = (0, 0, 0)
         self._replicas: dict[int, SchedulerStats] = {}  # each replica's last stats
@@ -113,6 +133,15 @@ class PrometheusMetrics:
         self.jump_forward.inc(stats.structured_output_jump_forward_tokens
                               - self._jump_forward_seen)
         self._jump_forward_seen = stats.structured_output_jump_forward_tokens
+        self.prompt_computed.inc(stats.num_prompt_tokens_computed - self._computed_seen)
+        self._computed_seen = stats.num_prompt_tokens_computed
+        for name, tier, total in stats.kv_offload_counters:
+            self.offload[name].labels(self._model_name, tier).inc(
+                total - self._offload_seen.get((name, tier), 0))
+            self._offload_seen[name, tier] = total
+        if stats.kv_disk_tier_available is not None:
+            self.disk_tier_up.set(int(stats.kv_disk_tier_available))
+        self.disk_tier_available = stats.kv_disk_tier_available
         self.prompt_tokens.inc(step.prompt_tokens)
         self.generation_tokens.inc(step.generation_tokens)
         self.finished.inc(step.finished)

@@ -32,6 +32,10 @@ class SchedulerStats:
     # LoRA: the names of the adapters of running and of waiting requests
     running_lora_adapters: frozenset[str] = frozenset()
     waiting_lora_adapters: frozenset[str] = frozenset()
+    # KV tiers and transfer (kv_offload/): (counter, tier, total) triples, e.g.
+    # ("hit_tokens", "disk", 512); and whether the disk tier still writes (None: none)
+    kv_offload_counters: tuple[tuple[str, str, int], ...] = ()
+    kv_disk_tier_available: bool | None = None
 
     @property
     def spec_decode_mean_accepted_length(self) -> float:
@@ -56,7 +60,8 @@ class SchedulerStats:
         if len(replicas) == 1:
             return replicas[0]
         special = ("kv_cache_usage", "spec_decode_num_accepted_tokens_per_pos",
-                   "running_lora_adapters", "waiting_lora_adapters")
+                   "running_lora_adapters", "waiting_lora_adapters", "kv_offload_counters",
+                   "kv_disk_tier_available")
         summed = {f.name: sum(getattr(r, f.name) for r in replicas)
                   for f in dataclasses.fields(SchedulerStats) if f.name not in special}
         per_pos = [r.spec_decode_num_accepted_tokens_per_pos for r in replicas]
@@ -67,7 +72,19 @@ class SchedulerStats:
             running_lora_adapters=frozenset().union(*(r.running_lora_adapters
                                                       for r in replicas)),
             waiting_lora_adapters=frozenset().union(*(r.waiting_lora_adapters
-                                                      for r in replicas)))
+                                                      for r in replicas)),
+            kv_offload_counters=_summed_counters([r.kv_offload_counters for r in replicas]),
+            kv_disk_tier_available=(None if replicas[0].kv_disk_tier_available is None else
+                                    all(r.kv_disk_tier_available for r in replicas)))
+
+
+def _summed_counters(per_replica: list[tuple[tuple[str, str, int], ...]]
+                     ) -> tuple[tuple[str, str, int], ...]:
+    totals: dict[tuple[str, str], int] = {}
+    for counters in per_replica:
+        for name, tier, n in counters:
+            totals[name, tier] = totals.get((name, tier), 0) + n
+    return tuple((name, tier, n) for (name, tier), n in sorted(totals.items()))
 
 
 @dataclass

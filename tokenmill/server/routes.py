@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -89,6 +89,9 @@ async def health(raw: Request) -> Response:
         return error_response(503, f"the engine is dead: {s.async_llm.dead_error}")
     if s.lifecycle.draining or not s.async_llm.is_running:
         return error_response(503, "the server is shutting down")
+    if s.metrics.disk_tier_available is False:  # serving, without its disk tier
+        return JSONResponse({"status": "degraded", "kv_offloading_disk": "unavailable: a "
+                             "block write failed (a full disk?); no more blocks are written"})
     return Response(status_code=200)
 
 

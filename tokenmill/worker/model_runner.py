@@ -41,6 +41,7 @@ from tokenmill.core.interface import (
 )
 from tokenmill.distributed import ParallelState, PeerFailed
 from tokenmill.distributed.pipeline import recv_from_prev_stage, send_to_next_stage
+from tokenmill.kv_offload.worker import OffloadWorker
 from tokenmill.layers.attention import attention_features
 from tokenmill.layers.rejection_sampler import verify
 from tokenmill.layers.sampler import Sampler, gather_logprobs
@@ -130,6 +131,8 @@ class ModelRunner:
                     self.num_kv_blocks * (self._block_bytes() + self._draft_block_bytes) / 2**20,
                     mc.dtype if kv_dtype == "auto" else kv_dtype, time.perf_counter() - t0)
         self.num_swap_blocks, self.swap_cache = self._allocate_swap()
+        self.offload = (None if config.kv_offload is None
+                        else OffloadWorker(config.kv_offload, self.kv_cache))
         # fp8's per-head scales, (num_layers, 2, Hkv); None for the other formats
         self.kv_scales = allocate_kv_scales(self.num_layers, self.num_kv_heads, self.device,
                                             kv_dtype)
@@ -248,7 +251,10 @@ class ModelRunner:
         and, last, sends its own to the next stage, or a failure flag when it failed
         (distributed/pipeline.py: one message each way per step, whatever happens)."""
         if self.ps.pp_size == 1:
-            return self._execute(sched, grammar, block_ops)[0]
+            out = self._execute(sched, grammar, block_ops)[0]
+            if self.offload is not None:
+                out.kv_offload = self.offload.take_result()
+            return out
         ps, mc = self.ps, self.config.model
         shape = (sched.num_scheduled_tokens, mc.hf_config.hidden_size, mc.dtype, self.device)
         hidden_in = None if ps.is_first_stage else recv_from_prev_stage(ps, *shape)
@@ -275,12 +281,17 @@ class ModelRunner:
             if self.drafter is not None:  # preempted ones' blocks move: their drafts restart
                 self.drafter.forget(sched.finished_req_ids)
                 self.drafter.forget(sched.preempted_req_ids, finished=False)
+            offload = sched.kv_offload if block_ops and self.offload is not None else None
             if block_ops:
                 try:
+                    if offload:  # evicted blocks out before this step reuses them
+                        self.offload.save(offload, self.kv_cache)
                     self._swap(sched)
                     copy_blocks(self.kv_cache, sched.blocks_to_copy)
                     if self.drafter is not None:
                         copy_blocks(self.drafter.kv_cache, sched.blocks_to_copy)
+                    if offload:  # hits from the tiers in
+                        self.offload.load(offload, self.kv_cache)
                 except Exception as e:
                     raise KVBlockOpsError(f"{type(e).__name__}: {e}") from e
             if failed_upstream:  # after the block ops, which every stage does once
@@ -294,6 +305,8 @@ class ModelRunner:
             hidden = self.decode_graphs.run(batch, meta) if self.decode_graphs else None
             if hidden is None:  # (T, hidden)
                 hidden = self._forward(reqs, batch, meta, hidden_in)
+        if offload:  # a producer's prompt blocks, now computed
+            self.offload.publish(offload, self.kv_cache)
         if not self.ps.is_last_stage:
             return out, hidden
         # NOTE: every collective of the step (the LM head's gathers) before the driver's
