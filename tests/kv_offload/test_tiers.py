@@ -67,13 +67,16 @@ def test_cpu_tier_serves_evicted_prefixes(reference):
     _check_clean(llm)
 
 
-def test_cpu_tier_under_chunked_prefill_and_preemption(reference):
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_tiers_under_chunked_prefill_and_preemption(reference, tier, tmp_path):
     path, first, repeat, expected = reference
-    llm = LLM(path, **SMALL_POOL, kv_offloading_size="64MiB", max_num_batched_tokens=40)
+    options = ({"kv_offloading_size": "64MiB"} if tier == "cpu" else
+               {"kv_offloading_size": "64MiB", "kv_offloading_dir": str(tmp_path)})
+    llm = LLM(path, **SMALL_POOL, **options, max_num_batched_tokens=40)
     out = generate_greedy(llm, first + repeat)  # all at once: preemptions
     assert out == expected
     assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.kv.offload.hit_tokens["cpu"] > 0
+    assert llm.engine.kv.offload.hit_tokens[tier] > 0
     _check_clean(llm)
 
 
@@ -170,3 +173,18 @@ def test_consumer_without_kv_computes_the_prompt(reference, tmp_path):
     consumer = LLM(path, kv_transfer_config=_transfer("kv_consumer", tmp_path))
     assert generate_greedy(consumer, first) == expected[:len(first)]
     assert consumer.engine.stats().num_prompt_tokens_computed == sum(len(p) for p, _ in first)
+
+
+@pytest.mark.slow
+def test_cpu_tier_under_tensor_parallelism(reference):
+    """TP = 2: each rank keeps its share of the KV heads in its own host tier, the same
+    copies sent to both."""
+    path, first, repeat, expected = reference
+    llm = LLM(path, **SMALL_POOL, kv_offloading_size="64MiB", tensor_parallel_size=2)
+    try:
+        out, computed = _run(llm, first, repeat)
+        assert out == expected
+        assert computed < 0.2 * sum(len(p) for p, _ in repeat)
+        _check_clean(llm)
+    finally:
+        llm.engine.shutdown()

@@ -261,3 +261,21 @@ def test_a_hub_id_names_an_adapter_from_the_cache(adapters, tmp_path, monkeypatc
         [adapters.reference("all4", prompt, 5)]
     with pytest.raises(ValueError, match="'org/missing-lora' is not in the local Hugging Face"):
         _greedy(llm, [prompt], [LoRARequest("missing", 2, "org/missing-lora")], 2)
+
+
+def test_kv_tiers_keep_adapters_apart(adapters):
+    """The CPU KV tier under adapters: one prompt under two adapters and the base model,
+    twice, through a cache that holds about one of them; the second pass is served from the
+    tier, each from blocks stored under its own adapter's key, with peft's tokens."""
+    names = ["qv8", "all4", None]
+    prompt = [(11 * j) % 40000 + 100 for j in range(41)]
+    expected = _expected(adapters, [prompt] * 3, names)
+    llm = LLM(adapters.base_path, dtype="float32", enable_lora=True, max_loras=2,
+              max_lora_rank=16, num_kv_blocks=9, block_size=8, kv_offloading_size="4MiB")
+    for _ in range(2):
+        for name, want in zip(names, expected, strict=True):  # one at a time: evictions
+            assert _greedy(llm, [prompt], _requests(adapters, [name])) == [want]
+    offload = llm.engine.kv.offload
+    assert offload.hit_tokens["cpu"] >= 3 * 40
+    assert len(offload.host) >= 3 * 5  # each prefix's 5 blocks under its own key
+    assert_kv_all_free(llm.engine)
