@@ -24,39 +24,15 @@ import json
 import os
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
 import httpx
 
 from tokenmill.bench.machine import describe_machine
-from tokenmill.bench.serve_command import _free_port
+from tokenmill.bench.serve_command import launch
 
 LONG, SHORT, LONG_OUT, SHORT_OUT = 2048, 32, 16, 160
-
-
-def launch(args: list[str], cores: list[int] | None) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    env = dict(os.environ)
-    cmd = [sys.executable, "-m", "tokenmill", *args, "--port", str(port)]
-    if cores is not None:
-        env["OMP_NUM_THREADS"] = str(len(cores))
-        cmd = ["taskset", "-c", ",".join(map(str, cores)), *cmd]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"{args[0]} exited during start-up")
-        time.sleep(0.3)
-    raise RuntimeError(f"{args[0]} did not become healthy")
 
 
 async def stream(client: httpx.AsyncClient, url: str, prompt: list[int], n: int
@@ -104,15 +80,14 @@ def main() -> None:
     from tokenmill.config_factory import model_config
     vocab = model_config(args.model).vocab_size
     ncores = os.cpu_count() or 2
-    model = [args.model] if args.model else []
-    serve = ["serve", *model, "--served-model-name", "m", "--max-model-len", "4096"]
+    serve = ["--served-model-name", "m", "--max-model-len", "4096"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="tm-disagg-") as shared:
         procs = []
         try:
             for mode, extra in (("single", []),
                                 ("single-chunked", ["--max-num-batched-tokens", "256"])):
-                proc, url = launch([*serve, *extra], None)
+                proc, url = launch(args.model, (*serve, *extra))
                 procs.append(proc)
                 asyncio.run(workload(url, 1, 1, vocab))  # warm-up
                 rows.append((mode, *asyncio.run(workload(url, args.long, args.short, vocab))))
@@ -125,11 +100,12 @@ def main() -> None:
             for role, cores in roles:
                 transfer = {"kv_connector": "SharedStorageConnector", "kv_role": role,
                             "kv_connector_extra_config": {"shared_storage_path": shared}}
-                proc, url = launch([*serve, "--kv-transfer-config", json.dumps(transfer)],
-                                   cores)
+                proc, url = launch(args.model, (*serve, "--kv-transfer-config",
+                                                json.dumps(transfer)), cores=cores)
                 procs.append(proc)
                 urls.append(url)
-            proxy, url = launch(["proxy", "--prefill", urls[0], "--decode", urls[1]], None)
+            proxy, url = launch(None, ("--prefill", urls[0], "--decode", urls[1]),
+                                command="proxy")
             procs.append(proxy)
             asyncio.run(workload(url, 1, 1, vocab))
             rows.append(("disagg", *asyncio.run(workload(url, args.long, args.short, vocab))))

@@ -23,6 +23,7 @@ import tempfile
 import time
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench.batch import run_batch
 from tokenmill.bench.machine import describe_machine
 
 SUFFIX, OUTPUT = 32, 16
@@ -42,19 +43,9 @@ def run_pass(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], float
     params = SamplingParams(temperature=0, max_tokens=OUTPUT, ignore_eos=True)
     computed = engine.stats().num_prompt_tokens_computed
     start = time.perf_counter()
-    ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts, strict=True):
-        engine.add_request(rid, p, params)
-    ttft: dict[str, float] = {}
-    outs: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.request_id not in ttft and out.outputs[0].token_ids:
-                ttft[out.request_id] = time.perf_counter() - start
-            if out.finished:
-                outs[out.request_id] = out.outputs[0].token_ids
+    outs, ttft = run_batch(engine, prompts, params)
     wall = time.perf_counter() - start
-    return ([outs[r] for r in ids], wall, sum(ttft.values()) / len(ttft),
+    return (outs, wall, sum(ttft) / len(ttft),
             engine.stats().num_prompt_tokens_computed - computed)
 
 

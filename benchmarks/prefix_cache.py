@@ -18,6 +18,7 @@ import random
 import time
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench import batch
 from tokenmill.config_factory import model_config
 from tokenmill.engine.tokenizer import load_tokenizer
 
@@ -25,21 +26,8 @@ from tokenmill.engine.tokenizer import load_tokenizer
 def run_batch(llm: LLM, prompts: list[list[int]], max_tokens: int
               ) -> tuple[list[list[int]], list[float]]:
     """Submit all at once; return outputs and each request's time to first token."""
-    engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    ids = [f"b{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts, strict=True):
-        engine.add_request(rid, p, params)
-    ttft: dict[str, float] = {}
-    outs: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.request_id not in ttft and out.outputs[0].token_ids:
-                ttft[out.request_id] = time.perf_counter() - start
-            if out.finished:
-                outs[out.request_id] = out.outputs[0].token_ids
-    return [outs[r] for r in ids], [ttft[r] for r in ids]
+    return batch.run_batch(llm.engine, prompts, params)
 
 
 def shared_prefix(llm: LLM, draw) -> list[float]:

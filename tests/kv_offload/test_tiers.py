@@ -89,13 +89,21 @@ def test_a_small_cpu_tier_keeps_what_fits(reference):
     _check_clean(llm)
 
 
-def test_disk_tier_survives_a_restart(reference, tmp_path):
-    path, first, repeat, expected = reference
+def _fill_disk(reference, directory: Path) -> dict:
+    """The first pass in an engine with a disk tier on `directory`, shut down (the blocks
+    still cached are saved too; the writes finish); the options a restart takes."""
+    path, first, _, expected = reference
     opts = dict(**SMALL_POOL, kv_offloading_backend="disk", kv_offloading_size="64MiB",
-                kv_offloading_dir=str(tmp_path))
+                kv_offloading_dir=str(directory))
     writer = LLM(path, **opts)
     assert generate_greedy(writer, first) == expected[:len(first)]
-    writer.engine.shutdown()  # the blocks still cached are saved too; the writes finish
+    writer.engine.shutdown()
+    return opts
+
+
+def test_disk_tier_survives_a_restart(reference, tmp_path):
+    path, first, repeat, expected = reference
+    opts = _fill_disk(reference, tmp_path)
     files = list(tmp_path.glob("*/*.kv"))
     assert len(files) >= 6 * 12
     reader = LLM(path, **opts)  # a new engine on the same directory
@@ -109,11 +117,7 @@ def test_disk_tier_survives_a_restart(reference, tmp_path):
 
 def test_bad_files_are_ignored(reference, tmp_path):
     path, first, repeat, expected = reference
-    opts = dict(**SMALL_POOL, kv_offloading_backend="disk", kv_offloading_size="64MiB",
-                kv_offloading_dir=str(tmp_path))
-    writer = LLM(path, **opts)
-    generate_greedy(writer, first)
-    writer.engine.shutdown()
+    opts = _fill_disk(reference, tmp_path)
     files = sorted(tmp_path.glob("*/*.kv"))
     for i, f in enumerate(files):
         data = bytearray(f.read_bytes())

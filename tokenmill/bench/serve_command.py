@@ -52,13 +52,18 @@ def _free_port() -> int:
 
 
 def launch(model_path: str | None, extra_args: tuple[str, ...] = (),
-           stderr: Any = subprocess.DEVNULL, timeout: float = 300
-           ) -> tuple[subprocess.Popen, str]:
-    """`tokenmill serve` on a free port, once /health answers 200: (process, base URL)."""
+           stderr: Any = subprocess.DEVNULL, timeout: float = 300, command: str = "serve",
+           cores: list[int] | None = None) -> tuple[subprocess.Popen, str]:
+    """`tokenmill serve` (or `command`: "proxy") on a free port, once /health answers 200:
+    (process, base URL). `cores`: pinned to those CPUs (taskset) with as many threads."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "tokenmill", "serve", *([model_path] if model_path else []),
+    cmd = [sys.executable, "-m", "tokenmill", command, *([model_path] if model_path else []),
            "--port", str(port), *extra_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+    env = dict(os.environ)
+    if cores is not None:
+        env["OMP_NUM_THREADS"] = str(len(cores))
+        cmd = ["taskset", "-c", ",".join(map(str, cores)), *cmd]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, text=True, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -68,10 +73,10 @@ def launch(model_path: str | None, extra_args: tuple[str, ...] = (),
         except httpx.HTTPError:
             pass
         if proc.poll() is not None:
-            raise RuntimeError("tokenmill serve exited during start-up")
+            raise RuntimeError(f"tokenmill {command} exited during start-up")
         time.sleep(0.2)
     proc.kill()
-    raise RuntimeError("tokenmill serve did not become healthy")
+    raise RuntimeError(f"tokenmill {command} did not become healthy")
 
 
 def run(args: argparse.Namespace) -> int:
