@@ -73,6 +73,8 @@ CASES = [
     Case("preemption_mode", ("--preemption-mode", "swap"), "swap", "scheduler.preemption_mode",
          "swap"),
     Case("async_scheduling", ("--async-scheduling",), True, "scheduler.async_scheduling", True),
+    Case("scheduling_policy", ("--scheduling-policy", "priority"), "priority",
+         "scheduler.scheduling_policy", "priority"),
     Case("tensor_parallel_size", ("-tp", "2"), 2, "parallel.tensor_parallel_size", 2),
     Case("pipeline_parallel_size", ("-pp", "2"), 2, "parallel.pipeline_parallel_size", 2),
     Case("data_parallel_size", ("-dp", "2"), 2, "parallel.data_parallel_size", 2),

@@ -21,6 +21,7 @@ import torch
 
 from tokenmill.attention.kv_formats import kv_format
 from tokenmill.attention.registry import BACKEND_NAMES
+from tokenmill.core.scheduling_policy import SCHEDULING_POLICIES
 from tokenmill.distributed.config import ParallelConfig
 from tokenmill.kv_offload.config import KVOffloadConfig
 from tokenmill.lora.config import LoRAConfig
@@ -190,8 +191,14 @@ class SchedulerConfig:
     # Schedule step N+1 while the model runs step N (vLLM's --async-scheduling): a decoding
     # request is scheduled ahead with its token in flight as a placeholder (core/scheduler.py).
     async_scheduling: bool = False
+    # "fcfs" or "priority": requests' `priority` first, lower served first (vLLM's
+    # --scheduling-policy; core/scheduling_policy.py)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', "
                              f"got {self.preemption_mode!r}")

@@ -36,6 +36,7 @@ from tokenmill.config import (
     SchedulerConfig,
 )
 from tokenmill.config_factory import create_engine_config
+from tokenmill.core.scheduling_policy import SCHEDULING_POLICIES
 from tokenmill.distributed.config import EXECUTOR_BACKENDS, ParallelConfig
 from tokenmill.kv_offload.config import OFFLOADING_BACKENDS
 from tokenmill.lora.config import LORA_DTYPES, LoRAConfig
@@ -132,6 +133,11 @@ class EngineArgs:
     async_scheduling: bool = option(
         SchedulerConfig.async_scheduling, "schedule each step while the model runs the one "
         "before", "scheduler")
+    scheduling_policy: str = option(
+        SchedulerConfig.scheduling_policy, "the order requests are served in: fcfs, or "
+        "priority (a request's `priority`, lower first, then arrival; a full batch gives up "
+        "its lowest-priority request to a higher one)", "scheduler",
+        choices=SCHEDULING_POLICIES)
     # ---- parallelism -----------------------------------------------------------------------
     tensor_parallel_size: int = option(
         ParallelConfig.tensor_parallel_size, "split the model's heads, MLP and vocabulary over "

@@ -62,8 +62,10 @@ class Request:
                  sampling_params: SamplingParams, eos_token_ids: list[int], max_tokens: int,
                  arrival_time: float | None = None,
                  pooling_params: PoolingParams | None = None,
-                 lora: AdapterRef | None = None) -> None:
+                 lora: AdapterRef | None = None, priority: int = 0) -> None:
         self.request_id = request_id
+        # lower is served first under the priority policy (core/scheduling_policy.py)
+        self.priority = priority
         # the LoRA adapter it runs with (None: the base model); its KV is its adapter's
         self.lora = lora
         # an embedding request: computes its prompt, samples nothing, finishes when the

@@ -2,7 +2,9 @@
 
 Each step, running requests go first (in admission order), then waiting requests (FCFS) while
 budget, sequence slots and KV blocks last (a request whose LoRA adapter has no place is passed
-over: core/lora_policy.py). A request is given
+over: core/lora_policy.py). Under the priority policy (core/scheduling_policy.py) both lists
+are in (priority, arrival) order instead, and a full batch gives up its lowest-priority
+request to a waiting one of higher priority. A request is given
 `min(num_tokens - num_computed_tokens, budget left)` tokens, so prefill chunks, decodes and
 resumed requests are one case. When `allocate_slots` returns None the most recently admitted
 running request is preempted: its blocks are freed, `num_computed_tokens` drops to 0 and it
@@ -57,6 +59,7 @@ from tokenmill.core.lora_policy import LoRAPolicy
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.runner_view import RunnerView
 from tokenmill.core.sample_groups import SampleGroups
+from tokenmill.core.scheduling_policy import SchedulingPolicy
 from tokenmill.core.spec_policy import SpecPolicy
 from tokenmill.core.stop import check_stop
 from tokenmill.spec_decode import SpeculativeConfig
@@ -81,10 +84,11 @@ class Scheduler:
         self.grammar = GrammarPolicy(jump_forward)
         self.admission = Admission(kv, config.enable_chunked_prefill)
         self.lora = LoRAPolicy(max_loras)
+        self.order = SchedulingPolicy(config.scheduling_policy)
         self.kv = kv
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[Request] = self.order.new_queue()
         self.running: list[Request] = []
         self._finished_since_last_step: set[str] = set()
         self._groups = SampleGroups()  # n > 1: samples waiting for their leader's prompt
@@ -142,6 +146,12 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, lookahead)
         preempted: list[Request] = []
+        self.order.order_running(self.running)
+        # priority: running requests of a lower priority make room for waiting ones
+        for victim in self.order.displaced(self.waiting, self.running,
+                                           self.config.max_num_seqs):
+            self._preempt(victim)
+            preempted.append(victim)
 
         spec_room = self.spec.step_tokens - len(self.running)
         # pipeline parallelism: this step's share of the requests (a micro-batch per stage)
@@ -160,7 +170,7 @@ class Scheduler:
             lookahead = self.spec.lookahead(request, n, len(self.running),
                                             self._tokens_left(request))
             while self.kv.allocate_slots(request, n + len(drafts) + lookahead) is None:
-                victim = self.running.pop()  # the most recently admitted
+                victim = self.running.pop()  # the last in self.order's order
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:

@@ -125,25 +125,27 @@ class AsyncLLM:
     # ---- requests ---------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
                           deadline: float | None = None,
-                          lora_request: LoRARequest | None = None) -> RequestStream:
+                          lora_request: LoRARequest | None = None, priority: int = 0
+                          ) -> RequestStream:
         """Validate and queue a request (ValueError for a bad one), with the LoRA adapter
-        `lora_request` names if any; return its output stream.
+        `lora_request` names if any and its `priority`; return its output stream.
 
         Iterating the stream to the end, closing it, cancelling its consumer or dropping it
         unfinished ends the request. At `deadline` (time.monotonic()) it is aborted and its
         stream ends with finish_reason "abort".
         """
-        return self.submit(await self.prepare(request_id, prompt, params, lora_request),
-                           deadline)
+        return self.submit(await self.prepare(request_id, prompt, params, lora_request,
+                                              priority), deadline)
 
     async def prepare(self, request_id: str, prompt: Any, params: SamplingParams,
-                      lora_request: LoRARequest | None = None) -> PreparedRequest:
+                      lora_request: LoRARequest | None = None, priority: int = 0
+                      ) -> PreparedRequest:
         """Tokenize and validate (ValueError for a bad request), off the event loop."""
         self._check_running()
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, functools.partial(
             self.engine.prepare_request, request_id, prompt, params,
-            lora_request=lora_request))
+            lora_request=lora_request, priority=priority))
 
     def submit(self, prepared: PreparedRequest, deadline: float | None = None
                ) -> RequestStream:

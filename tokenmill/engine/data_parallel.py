@@ -86,11 +86,13 @@ class DataParallelLLM:
     # ---- requests ---------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
                           deadline: float | None = None,
-                          lora_request: LoRARequest | None = None) -> RequestStream:
+                          lora_request: LoRARequest | None = None, priority: int = 0
+                          ) -> RequestStream:
         """AsyncLLM.add_request on the replica the router picks for the tokenized prompt."""
         if (error := self.dead_error) is not None:
             raise EngineDeadError(f"the engine is dead: {error}")
-        prepared = await self.replicas[0].prepare(request_id, prompt, params, lora_request)
+        prepared = await self.replicas[0].prepare(request_id, prompt, params, lora_request,
+                                                  priority)
         replica = self.router.route(prepared.token_ids,
                                     [r.num_requests for r in self.replicas])
         return self.replicas[replica].submit(prepared, deadline)

@@ -48,12 +48,13 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-                 ) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. `lora_request`:
-        one adapter for every prompt, or one (or None) per prompt (enable_lora engines)."""
-        return self._run(self._submit(prompts, sampling_params, SamplingParams, lora_request),
-                         use_tqdm)
+        one adapter for every prompt, or one (or None) per prompt (enable_lora engines);
+        `priority`: one per prompt, lower served first (scheduling_policy="priority")."""
+        return self._run(self._submit(prompts, sampling_params, SamplingParams, lora_request,
+                                      priority), use_tqdm)
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
@@ -64,20 +65,25 @@ class LLM:
         return self._run(self._submit(prompts, pooling_params, PoolingParams), use_tqdm)
 
     def _submit(self, prompts: PromptType | Sequence[PromptType], params: Any,
-                kind: type, lora_request: Any = None) -> list[str]:
-        """Add every prompt with its params (one for all, one each, or None: kind()) and
-        adapter (likewise); the request ids. A prompt refused aborts those added before it."""
+                kind: type, lora_request: Any = None, priority: Any = None) -> list[str]:
+        """Add every prompt with its params (one for all, one each, or None: kind()),
+        adapter (likewise) and priority (one each, or None: 0); the request ids. A prompt
+        refused aborts those added before it."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(params, len(prompts), kind)
         loras = _as_lora_list(lora_request, len(prompts))
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts; "
+                             "pass one per prompt")
         request_ids = []
         try:
-            for prompt, p, lora in zip(prompts, params, loras, strict=True):
+            for prompt, p, lora, prio in zip(prompts, params, loras, priorities, strict=True):
                 rid = str(next(self._ids))
-                if lora is None:
+                if kind is PoolingParams:
                     self.engine.add_request(rid, prompt, p)
                 else:
-                    self.engine.add_request(rid, prompt, p, lora_request=lora)
+                    self.engine.add_request(rid, prompt, p, lora_request=lora, priority=prio)
                 request_ids.append(rid)
         except Exception:
             for rid in request_ids:  # leave the engine as we found it
@@ -89,8 +95,8 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict[str, Any] | None = None,
-             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-             ) -> list[RequestOutput]:
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
@@ -104,7 +110,7 @@ class LLM:
         token_prompts = [{"prompt": text,
                           "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
                          for text in prompts]
-        return self.generate(token_prompts, sampling_params, use_tqdm, lora_request)
+        return self.generate(token_prompts, sampling_params, use_tqdm, lora_request, priority)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:

@@ -88,7 +88,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.adapters = AdapterRegistry(config.model.hf_config, config.lora)
         self.intake = RequestIntake(config.model, self.tokenizer, self.kv, self.structured,
-                                    config.runner, config.pooler_config, self.adapters)
+                                    config.runner, config.pooler_config, self.adapters,
+                                    config.scheduler.scheduling_policy)
         self._all_failed_steps = 0  # consecutive steps in which every request failed
         # steps sent and not yet applied, oldest first, with their outputs' Futures (async
         # scheduling: the one the model is running; pipeline parallelism: one per stage)
@@ -143,22 +144,25 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int] | dict[str, Any],
                     params: SamplingParams | None = None,
                     arrival_time: float | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None, priority: int = 0) -> None:
         """Queue a prompt given as text, token ids, or {"prompt": …, "prompt_token_ids": …},
-        with a LoRA adapter when `lora_request` names one.
+        with a LoRA adapter when `lora_request` names one; `priority`: lower is served first
+        (scheduling_policy "priority" only).
 
         With n > 1 the request runs as n samples that share the prompt's KV blocks; sample i
         has seed `seed + i` when a seed is set (as in vLLM).
         """
         self.add_prepared(self.prepare_request(request_id, prompt, params, arrival_time,
-                                               lora_request))
+                                               lora_request, priority))
 
     def prepare_request(self, request_id: str, prompt: str | list[int] | dict[str, Any],
                         params: SamplingParams | None = None,
                         arrival_time: float | None = None,
-                        lora_request: LoRARequest | None = None) -> PreparedRequest:
+                        lora_request: LoRARequest | None = None, priority: int = 0
+                        ) -> PreparedRequest:
         """Tokenize and validate without touching the scheduler (safe off the engine thread)."""
-        return self.intake.prepare(request_id, prompt, params, arrival_time, lora_request)
+        return self.intake.prepare(request_id, prompt, params, arrival_time, lora_request,
+                                   priority)
 
     def encode(self, text: str) -> list[int]:
         return self.intake.encode(text)
@@ -171,13 +175,15 @@ class LLMEngine:
             raise ValueError(f"request id {p.request_id!r} is already in use")
         if p.pooling is not None:  # an embedding request: one, sampling nothing
             request = Request(p.request_id, p.token_ids, p.params, self.eos_token_ids,
-                              p.max_tokens, p.arrival_time, pooling_params=p.pooling)
+                              p.max_tokens, p.arrival_time, pooling_params=p.pooling,
+                              priority=p.priority)
             self.scheduler.add_request(request)
             self.outputs.add_pooling(request)
             return
         children = [Request(self._child_id(p.request_id, i, p.params.n), p.token_ids,
                             self._child_params(p.params, i), self.eos_token_ids, p.max_tokens,
-                            p.arrival_time, lora=p.lora) for i in range(p.params.n)]
+                            p.arrival_time, lora=p.lora, priority=p.priority)
+                    for i in range(p.params.n)]
         if p.grammar is not None:
             for child in children:
                 child.grammar = p.grammar.matcher()

@@ -40,13 +40,15 @@ class PreparedRequest:
     grammar: CompiledGrammar | None = None  # structured outputs: each sample gets a matcher
     pooling: PoolingParams | None = None  # an embedding request (params then unused), resolved
     lora: AdapterRef | None = None  # the LoRA adapter it runs with, checked
+    priority: int = 0  # lower is served first (scheduling_policy "priority")
 
 
 class RequestIntake:
     def __init__(self, model: ModelConfig, tokenizer: Any, kv: KVCacheManager,
                  structured: StructuredOutputManager, runner: str = "auto",
-                 pooler: PoolerConfig | None = None, adapters: AdapterRegistry | None = None
-                 ) -> None:
+                 pooler: PoolerConfig | None = None, adapters: AdapterRegistry | None = None,
+                 scheduling_policy: str = "fcfs") -> None:
+        self.scheduling_policy = scheduling_policy
         self.model, self.tokenizer, self.kv, self.structured = model, tokenizer, kv, structured
         self.runner, self.pooler = runner, pooler or PoolerConfig()
         self.adapters = adapters or AdapterRegistry(model.hf_config, None)
@@ -54,12 +56,15 @@ class RequestIntake:
     def prepare(self, request_id: str, prompt: str | list[int] | dict[str, Any],
                 params: SamplingParams | PoolingParams | None = None,
                 arrival_time: float | None = None,
-                lora_request: LoRARequest | None = None) -> PreparedRequest:
+                lora_request: LoRARequest | None = None, priority: int = 0
+                ) -> PreparedRequest:
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        self._check_priority(priority)
         if isinstance(params, PoolingParams):
             if lora_request is not None:
                 raise ValueError("lora_request: embeddings are computed by the base model")
-            return self._prepare_embedding(request_id, prompt, params, arrival)
+            return dataclasses.replace(
+                self._prepare_embedding(request_id, prompt, params, arrival), priority=priority)
         if self.runner == "pooling":
             raise ValueError("this engine runs embedding models (runner='pooling'): it "
                              "embeds prompts and does not generate; start it with "
@@ -73,7 +78,14 @@ class RequestIntake:
         grammar = (self.structured.compile(params.structured_outputs)
                    if params.structured_outputs is not None else None)
         return PreparedRequest(request_id, prompt_text, token_ids, params, max_tokens, arrival,
-                               grammar, lora=lora)
+                               grammar, lora=lora, priority=priority)
+
+    def _check_priority(self, priority: int) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} needs the priority scheduling policy "
+                             "(scheduling_policy='priority', --scheduling-policy priority)")
 
     def _prepare_embedding(self, request_id: str, prompt: str | list[int] | dict[str, Any],
                            params: PoolingParams, arrival: float) -> PreparedRequest:

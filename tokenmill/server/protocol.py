@@ -39,6 +39,7 @@ from tokenmill.structured_output.params import StructuredOutputsParams
 MAX_N = 128  # OpenAI's own cap on n
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
 INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
 
 
 def _utf8(text: str) -> str:
@@ -114,6 +115,7 @@ class SamplingFields(StrictModel):
     # tokenmill: seconds after which the request is aborted (finish_reason "abort")
     timeout: Annotated[Float, Field(gt=0)] | None = None
     # vLLM extras
+    priority: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] = 0  # lower first
     top_k: Annotated[StrictInt, Field(ge=-1, le=INT64_MAX)] | None = None
     min_p: Float = 0.0
     repetition_penalty: Float = 1.0

@@ -133,7 +133,7 @@ class OpenAIServingChat(OpenAIServing):
                 None, self._prepare, req)
             params = with_tool_constraint(params, plan)
             request_id = self.response_id("chatcmpl")
-            (gen,) = await self.add_all([prompt], params, req.timeout, lora)
+            (gen,) = await self.add_all([prompt], params, req.timeout, lora, req.priority)
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 return StreamingResponse(self._stream(request_id, gen, params.n,

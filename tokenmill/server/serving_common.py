@@ -128,8 +128,8 @@ class OpenAIServing:
         return self.model_name if lora is None else lora.lora_name
 
     async def add_all(self, prompts: list[Any], params: SamplingParams,
-                      timeout: float | None, lora: LoRARequest | None = None
-                      ) -> list[AsyncIterator[RequestOutput]]:
+                      timeout: float | None, lora: LoRARequest | None = None,
+                      priority: int = 0) -> list[AsyncIterator[RequestOutput]]:
         """Queue one request per prompt (with the adapter `model` named); if any is refused,
         abort those already queued."""
         base = f"{request_context.request_id.get()}-{next(_engine_ids)}"
@@ -138,7 +138,7 @@ class OpenAIServing:
         try:
             for i, prompt in enumerate(prompts):
                 streams.append(await self.engine.add_request(f"{base}-{i}", prompt, params,
-                                                             deadline, lora))
+                                                             deadline, lora, priority))
         except BaseException:
             for i in range(len(streams)):
                 self.engine.abort(f"{base}-{i}")

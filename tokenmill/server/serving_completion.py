@@ -60,7 +60,7 @@ class OpenAIServingCompletion(OpenAIServing):
         ticket = self.admit(len(prompts), params)
         try:
             request_id = self.response_id("cmpl")
-            gens = await self.add_all(prompts, params, req.timeout, lora)
+            gens = await self.add_all(prompts, params, req.timeout, lora, req.priority)
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 return StreamingResponse(self._stream(request_id, gens, params.n, include_usage,
