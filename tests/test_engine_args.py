@@ -100,6 +100,7 @@ CASES = [
     Case("structured_outputs_config", ("--structured-outputs-config", '{"backend": "guidance"}'),
          {"backend": "guidance"}, "structured_outputs.backend", "guidance"),
     Case("runner", ("--runner", "generate"), "generate", "runner", "generate"),
+    Case("enable_sleep_mode", ("--enable-sleep-mode",), True, "enable_sleep_mode", True),
     Case("pooler_config", ("--pooler-config", '{"pooling_type": "MEAN"}'),
          {"pooling_type": "MEAN"}, "pooler_config.pooling_type", "MEAN"),
 ]

@@ -247,6 +247,8 @@ class EngineConfig:
     lora: LoRAConfig | None = None
     # KV tiers below the cache and disaggregated prefill's transfer (kv_offload/); None: none
     kv_offload: KVOffloadConfig | None = None
+    # vLLM's --enable-sleep-mode: LLMEngine.sleep / wake_up (worker/sleep_mode.py)
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.prepack_weights not in (True, False, "auto"):

@@ -112,7 +112,15 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         pooler_config=PoolerConfig.parse(args.pooler_config),
         lora=_lora_config(args, model),
         kv_offload=kv_offload_config(args.group("kv_offload"), model, cache, parallel, seed,
-                                     draft is not None))
+                                     draft is not None),
+        enable_sleep_mode=_sleep_mode(args.enable_sleep_mode, parallel))
+
+
+def _sleep_mode(asked: bool | None, parallel: ParallelConfig) -> bool:
+    if asked and (parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1):
+        raise ValueError("enable_sleep_mode runs with tensor_parallel_size 1 and "
+                         "pipeline_parallel_size 1 only, yet")
+    return bool(asked)
 
 
 def _lora_config(args: EngineArgs, model: ModelConfig) -> LoRAConfig | None:

@@ -207,6 +207,10 @@ class EngineArgs:
     structured_outputs_config: str | dict[str, Any] | None = option(
         None, 'structured outputs as JSON (vLLM\'s flag): "backend" ("auto", "guidance" or '
         '"xgrammar") and "jump_forward" (true or false)', "engine")
+    enable_sleep_mode: bool = option(
+        EngineConfig.enable_sleep_mode, "let the engine sleep while idle (LLM.sleep, the "
+        "server's POST /sleep?level=1|2, /wake_up): its KV cache and weights released, read "
+        "again on wake", "engine")
     runner: str = option(EngineConfig.runner, "vLLM's flag: 'pooling' serves embeddings only "
                          "(/v1/embeddings), 'generate' text only; 'auto' both", "engine",
                          choices=RUNNERS)

@@ -23,6 +23,7 @@ batch of commands (aborts, deadlines), so an idle or failed engine reports zero 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import heapq
 import logging
@@ -32,7 +33,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tokenmill.engine.llm_engine import EngineDeadError, LLMEngine
+from tokenmill.engine.llm_engine import EngineDeadError, EngineSleepingError, LLMEngine
 from tokenmill.engine.request_intake import PreparedRequest
 from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import RequestTimings, SchedulerStats, StepTimings
@@ -151,6 +152,8 @@ class AsyncLLM:
                ) -> RequestStream:
         """Queue a prepared request for the engine thread; its output stream."""
         self._check_running()
+        if self.engine.is_sleeping:
+            raise EngineSleepingError("the engine is asleep (sleep mode): POST /wake_up first")
         stream = RequestStream(self, prepared.request_id)
         self._streams[prepared.request_id] = (asyncio.get_running_loop(), stream.queue)
         self._send("add", (prepared, deadline))
@@ -185,6 +188,24 @@ class AsyncLLM:
         """End every request in flight now: each stream gets a final output whose running
         samples have finish_reason "abort" (graceful shutdown past its drain timeout)."""
         self._send("abort_all", None)
+
+    async def sleep(self, level: int = 1) -> None:
+        """LLMEngine.sleep on the engine thread (ValueError: off, a bad level, or busy)."""
+        await self._call(functools.partial(self.engine.sleep, level))
+
+    async def wake_up(self) -> None:
+        await self._call(self.engine.wake_up)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
+    async def _call(self, fn: Any) -> Any:
+        """fn() on the engine thread, between steps; its result or exception."""
+        self._check_running()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send("call", (fn, done))
+        return await asyncio.wrap_future(done)
 
     def _send(self, kind: str, payload: Any) -> None:
         self._commands.put((kind, payload))
@@ -229,11 +250,17 @@ class AsyncLLM:
                 prepared, deadline = payload
                 try:
                     self.engine.add_prepared(prepared)
-                except ValueError as e:
+                except (ValueError, EngineSleepingError) as e:
                     self._deliver(prepared.request_id, e)
                     continue
                 if deadline is not None:
                     heapq.heappush(self._deadlines, (deadline, prepared.request_id))
+            elif kind == "call":
+                fn, done = payload
+                try:
+                    done.set_result(fn())
+                except Exception as e:  # the caller's to handle
+                    done.set_exception(e)
             elif kind == "abort":
                 self.engine.abort_request(payload)
                 self._timings.forget(payload)

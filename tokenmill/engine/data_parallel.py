@@ -67,6 +67,18 @@ class DataParallelLLM:
         return self.replicas[0].engine
 
     # ---- lifecycle --------------------------------------------------------------------------
+    async def sleep(self, level: int = 1) -> None:
+        for r in self.replicas:
+            await r.sleep(level)
+
+    async def wake_up(self) -> None:
+        for r in self.replicas:
+            await r.wake_up()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return any(r.is_sleeping for r in self.replicas)
+
     def start(self) -> None:
         for r in self.replicas:
             r.start()

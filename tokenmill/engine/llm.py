@@ -45,6 +45,14 @@ class LLM:
         scratch. Returns False, changing nothing, while requests are running."""
         return self.engine.reset_prefix_cache()
 
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache and the weights until `wake_up` (vLLM's; needs
+        enable_sleep_mode=True): level 1 or 2 (worker/sleep_mode.py)."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,

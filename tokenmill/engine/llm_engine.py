@@ -44,7 +44,7 @@ from tokenmill.executor import Executor, WorkerDiedError, make_executor
 from tokenmill.kv_offload.manager import OffloadManager
 from tokenmill.lora.registry import AdapterRegistry
 from tokenmill.lora.request import LoRARequest
-from tokenmill.metrics.stats import SchedulerStats
+from tokenmill.metrics.stats import SchedulerStats, scheduler_stats
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SEED_MIN, SamplingParams
 from tokenmill.structured_output.manager import StructuredOutputManager
@@ -60,9 +60,14 @@ class EngineDeadError(RuntimeError):
     """The engine cannot go on: a failure not tied to any one request."""
 
 
+class EngineSleepingError(RuntimeError):
+    """A request arrived while the engine sleeps (sleep mode): it is refused, not queued."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.sleep_level = 0  # sleep mode: 0 awake, else the level it sleeps at
         self.tokenizer = load_tokenizer(config.model)
         self.executor: Executor = make_executor(config)  # the model runner(s)
         self.kv = KVCacheManager(self.executor.num_kv_blocks, config.cache.block_size,
@@ -171,6 +176,9 @@ class LLMEngine:
         self.intake.check_text_length(num_chars)
 
     def add_prepared(self, p: PreparedRequest) -> None:
+        if self.sleep_level:
+            raise EngineSleepingError("the engine is asleep (sleep mode): wake it first "
+                                      "(POST /wake_up, LLM.wake_up)")
         if self.outputs.is_known(p.request_id):
             raise ValueError(f"request id {p.request_id!r} is already in use")
         if p.pooling is not None:  # an embedding request: one, sampling nothing
@@ -216,6 +224,38 @@ class LLMEngine:
         self.abort_request(request_id)
         return out
 
+    # ---- sleep mode -------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache and the weights while idle (vLLM's sleep mode; level 1: on CUDA
+        the weights wait in host memory; level 2, and on CPU: they are read again on wake).
+        The prefix cache is emptied (its KV is gone); the disk tier first keeps its blocks."""
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep mode is off: start the engine with enable_sleep_mode=True "
+                             "(--enable-sleep-mode)")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.sleep_level:
+            return
+        if self.has_unfinished_requests():
+            raise ValueError(f"{self.scheduler.num_running + self.scheduler.num_waiting} "
+                             "requests are in flight: sleep when the engine is idle")
+        ops = self.kv.save_cached_blocks()
+        if ops:
+            self.executor.execute(SchedulerOutput(kv_offload=ops))
+        self.kv.reset_prefix_cache()
+        self.executor.sleep(level)
+        self.sleep_level = level
+
+    def wake_up(self) -> None:
+        """Take the weights and the KV cache again (a no-op when awake)."""
+        if self.sleep_level:
+            self.executor.wake_up()
+            self.sleep_level = 0
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prompt prefix; False (nothing done) while requests are running."""
         return self.kv.reset_prefix_cache()
@@ -225,29 +265,7 @@ class LLMEngine:
         return bool(self._in_flight) or self.scheduler.has_unfinished_requests()
 
     def stats(self) -> SchedulerStats:
-        sched, spec, offload = self.scheduler, self.scheduler.spec, self.kv.offload
-        return SchedulerStats(num_running=sched.num_running,
-                              num_waiting=sched.num_waiting,
-                              kv_cache_usage=self.kv.usage,
-                              num_preemptions=sched.num_preemptions,
-                              prefix_cache_queries=self.kv.prefix_queries,
-                              prefix_cache_hits=self.kv.prefix_hits,
-                              num_prompt_tokens_computed=sched.num_prompt_tokens_computed,
-                              spec_decode_num_drafts=spec.num_drafts,
-                              spec_decode_num_draft_tokens=spec.num_draft_tokens,
-                              spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
-                              spec_decode_num_accepted_tokens_per_pos=tuple(
-                                  spec.num_accepted_per_pos),
-                              structured_output_jump_forward_tokens=(
-                                  sched.grammar.num_jump_forward_tokens),
-                              running_lora_adapters=frozenset(
-                                  sched.lora.active_adapters(sched.running)),
-                              waiting_lora_adapters=frozenset(
-                                  sched.lora.active_adapters(list(sched.waiting))),
-                              kv_offload_counters=() if offload is None else offload.counters(),
-                              kv_disk_tier_available=(
-                                  None if offload is None or offload.config.disk_dir is None
-                                  else offload.disk_available))
+        return scheduler_stats(self.scheduler, self.kv)
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

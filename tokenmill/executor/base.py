@@ -91,6 +91,14 @@ class Executor(ABC):
             self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-step")
         return self._step_thread.submit(fn, *args)
 
+    def sleep(self, level: int) -> None:
+        """Sleep mode (worker/sleep_mode.py) on every rank."""
+        raise NotImplementedError(f"sleep mode does not run with {type(self).__name__} yet "
+                                  "(tensor_parallel_size 1 and pipeline_parallel_size 1 only)")
+
+    def wake_up(self) -> None:
+        raise NotImplementedError(f"sleep mode does not run with {type(self).__name__} yet")
+
     def check_health(self) -> None:  # noqa: B027 (in-process: nothing can die apart)
         """Raise WorkerDiedError if the executor can no longer run steps."""
 

@@ -10,6 +10,7 @@ loaded the model took 2.5x as long).
 from __future__ import annotations
 
 from concurrent.futures import Future
+from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.interface import GrammarOutput, ModelRunnerOutput, SchedulerOutput
@@ -31,6 +32,19 @@ class UniProcExecutor(Executor):
         if self.on_step_thread:
             return self._submit(self.runner.execute, sched, block_ops, grammar).result()
         return self.runner.execute(sched, block_ops, grammar)
+
+    def sleep(self, level: int) -> None:
+        self._on_runner_thread(self.runner.sleep, level)
+
+    def wake_up(self) -> None:
+        self._on_runner_thread(self.runner.wake_up)
+
+    def _on_runner_thread(self, fn: Any, *args: Any) -> None:
+        """fn on the thread the runner's torch work runs on (see the module doc)."""
+        if self.on_step_thread:
+            self._submit(fn, *args).result()
+        else:
+            fn(*args)
 
     def shutdown(self) -> None:
         """Finish the KV block files being written (the disk tier), so a restart finds them."""

@@ -10,8 +10,13 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
+
+if TYPE_CHECKING:
+    from tokenmill.core.kv_cache_manager import KVCacheManager
+    from tokenmill.core.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,26 @@ def _summed_counters(per_replica: list[tuple[tuple[str, str, int], ...]]
         for name, tier, n in counters:
             totals[name, tier] = totals.get((name, tier), 0) + n
     return tuple((name, tier, n) for (name, tier), n in sorted(totals.items()))
+
+
+def scheduler_stats(sched: Scheduler, kv: KVCacheManager) -> SchedulerStats:
+    """The snapshot of a scheduler and its KV cache manager after a step."""
+    spec, offload = sched.spec, kv.offload
+    return SchedulerStats(
+        num_running=sched.num_running, num_waiting=sched.num_waiting,
+        kv_cache_usage=kv.usage, num_preemptions=sched.num_preemptions,
+        prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
+        num_prompt_tokens_computed=sched.num_prompt_tokens_computed,
+        spec_decode_num_drafts=spec.num_drafts,
+        spec_decode_num_draft_tokens=spec.num_draft_tokens,
+        spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+        spec_decode_num_accepted_tokens_per_pos=tuple(spec.num_accepted_per_pos),
+        structured_output_jump_forward_tokens=sched.grammar.num_jump_forward_tokens,
+        running_lora_adapters=frozenset(sched.lora.active_adapters(sched.running)),
+        waiting_lora_adapters=frozenset(sched.lora.active_adapters(list(sched.waiting))),
+        kv_offload_counters=() if offload is None else offload.counters(),
+        kv_disk_tier_available=(None if offload is None or offload.config.disk_dir is None
+                                else offload.disk_available))
 
 
 @dataclass

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenmill import __version__
 from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError
 from tokenmill.engine.data_parallel import DataParallelLLM
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.llm_engine import EngineSleepingError, LLMEngine
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.server.admission import RETRY_AFTER_S, Overloaded
 from tokenmill.server.lifecycle import ServerLifecycle
@@ -89,6 +89,8 @@ async def health(raw: Request) -> Response:
         return error_response(503, f"the engine is dead: {s.async_llm.dead_error}")
     if s.lifecycle.draining or not s.async_llm.is_running:
         return error_response(503, "the server is shutting down")
+    if s.async_llm.is_sleeping:  # alive; generation answers 503 until POST /wake_up
+        return JSONResponse({"status": "sleeping"})
     if s.metrics.disk_tier_available is False:  # serving, without its disk tier
         return JSONResponse({"status": "degraded", "kv_offloading_disk": "unavailable: a "
                              "block write failed (a full disk?); no more blocks are written"})
@@ -197,6 +199,7 @@ EXCEPTION_HANDLERS: dict[type[Exception], Callable[[Request, Any], Awaitable[Res
             429, str(exc), headers={"retry-after": str(RETRY_AFTER_S)})),
         (RequestFailed, lambda exc: error_response(500, str(exc))),
         (EngineDeadError, lambda exc: error_response(503, str(exc))),
+        (EngineSleepingError, lambda exc: error_response(503, str(exc))),
         # nobody is listening; the requests were aborted
         (ClientDisconnected, lambda exc: Response(status_code=499)),
         (Exception, _unexpected),

@@ -55,6 +55,7 @@ from tokenmill.spec_decode.policy import SpecCosts
 from tokenmill.utils import cdiv
 from tokenmill.utils.huge_pages import move_parameters_to_huge_pages
 from tokenmill.utils.profiling import scope
+from tokenmill.worker import sleep_mode
 from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.worker.kv_budget import auto_kv_budget
 from tokenmill.worker.pooler import pool_step
@@ -86,6 +87,11 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, self.device)
         self.states = RequestStates()  # the requests' tokens and block tables
         self._load_speculative()
+        self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """Decode steps as CUDA graphs, where they run."""
+        config = self.config
         self.decode_graphs: DecodeGraphs | None = None
         # NOTE: not under TP / PP: a captured step would hold the ranks' collectives (untested)
         if (self.device.type == "cuda" and not config.enforce_eager
@@ -93,6 +99,13 @@ class ModelRunner:
             self.decode_graphs = self._decode_graphs(capture=True)
             if self.decode_graphs is not None:
                 self.decode_graphs.capture_all()
+
+    def sleep(self, level: int) -> None:
+        """Give back the KV cache and the weights while idle (worker/sleep_mode.py)."""
+        sleep_mode.release(self, level)
+
+    def wake_up(self) -> None:
+        sleep_mode.restore(self)
 
     def _load_model(self) -> None:
         """This rank's share of the model's weights, on the device, wrapped in the fused CPU
@@ -112,15 +125,15 @@ class ModelRunner:
                     mc.dtype, mc.quantization or "dense", self.device,
                     time.perf_counter() - t0)
 
-    def _allocate_kv(self) -> None:
-        """The KV cache (and its swap space and fp8 scales), sized from the memory budget less
-        the draft model's share."""
+    def _allocate_kv(self, num_blocks: int | None = None) -> None:
+        """The KV cache (and its swap space and fp8 scales) of `num_blocks`, or sized from the
+        memory budget less the draft model's share."""
         config, mc = self.config, self.config.model
         t0 = time.perf_counter()
         draft = config.draft_model
         self._draft_block_bytes = (0 if draft is None else
                                    DraftModelProposer.block_bytes(draft, self.block_size))
-        self.num_kv_blocks = self._num_kv_blocks()
+        self.num_kv_blocks = num_blocks or self._num_kv_blocks()
         kv_dtype = config.cache.kv_cache_dtype
         self.kv_cache = allocate_kv_cache(self.num_layers, self.num_kv_blocks, self.block_size,
                                           self.num_kv_heads, mc.head_dim, mc.dtype, self.device,
@@ -131,8 +144,9 @@ class ModelRunner:
                     self.num_kv_blocks * (self._block_bytes() + self._draft_block_bytes) / 2**20,
                     mc.dtype if kv_dtype == "auto" else kv_dtype, time.perf_counter() - t0)
         self.num_swap_blocks, self.swap_cache = self._allocate_swap()
-        self.offload = (None if config.kv_offload is None
-                        else OffloadWorker(config.kv_offload, self.kv_cache))
+        if getattr(self, "offload", None) is None:  # (kept through sleep mode)
+            self.offload = (None if config.kv_offload is None
+                            else OffloadWorker(config.kv_offload, self.kv_cache))
         # fp8's per-head scales, (num_layers, 2, Hkv); None for the other formats
         self.kv_scales = allocate_kv_scales(self.num_layers, self.num_kv_heads, self.device,
                                             kv_dtype)
@@ -154,16 +168,8 @@ class ModelRunner:
     def _load_speculative(self) -> None:
         """The draft model (if one is configured) and the measured costs the speculative
         policy weighs."""
-        config, draft = self.config, self.config.draft_model
-        self.drafter: DraftModelProposer | None = None
-        if draft is not None:
-            t0 = time.perf_counter()
-            self.drafter = DraftModelProposer(draft, self.num_kv_blocks, self.block_size,
-                                              self.device, self.backend,
-                                              prepack=config.prepack_weights, seed=config.seed,
-                                              batch_invariant=config.batch_invariant)
-            logger.info("speculative draft model loaded (%s, weights %s) in %.1f s", draft.path,
-                        draft.quantization or "dense", time.perf_counter() - t0)
+        config = self.config
+        self._load_drafter()
         self.spec_costs: SpecCosts | None = None
         if config.speculative is not None:
             self.spec_costs = measure_spec_costs(
@@ -174,6 +180,19 @@ class ModelRunner:
                         "%s, %.2f per draft-model forward",
                         " ".join(f"{c:.2f}" for c in self.spec_costs.verify_curve[1:]),
                         self.spec_costs.draft_forward)
+
+    def _load_drafter(self) -> None:
+        """The draft model of speculative method "draft_model", with its own KV cache."""
+        config, draft = self.config, self.config.draft_model
+        self.drafter: DraftModelProposer | None = None
+        if draft is not None:
+            t0 = time.perf_counter()
+            self.drafter = DraftModelProposer(draft, self.num_kv_blocks, self.block_size,
+                                              self.device, self.backend,
+                                              prepack=config.prepack_weights, seed=config.seed,
+                                              batch_invariant=config.batch_invariant)
+            logger.info("speculative draft model loaded (%s, weights %s) in %.1f s", draft.path,
+                        draft.quantization or "dense", time.perf_counter() - t0)
 
     def _forward(self, reqs: list[ScheduledRequest], batch: InputBatch,
                  meta: AttentionMetadata, hidden_in: torch.Tensor | None) -> torch.Tensor:
