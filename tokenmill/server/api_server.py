@@ -28,7 +28,7 @@ from tokenmill.engine.data_parallel import DataParallelLLM
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.prometheus import PrometheusMetrics
-from tokenmill.server import lora_routes, sleep_routes
+from tokenmill.server import lora_routes, messages_routes, sleep_routes
 from tokenmill.server.admission import RETRY_AFTER_S, AdmissionControl
 from tokenmill.server.lifecycle import ServerLifecycle
 from tokenmill.server.lora_modules import ServedAdapters, runtime_updates_allowed
@@ -115,7 +115,7 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str,
         app.add_exception_handler(exc_class, handler)
     optional = ([lora_routes.router] if runtime_updates_allowed() else []) + (
         [sleep_routes.router] if engine.config.enable_sleep_mode else [])
-    for router in (*ROUTERS, *optional):
+    for router in (*ROUTERS, messages_routes.router, *optional):
         app.include_router(router)
     _document_400_not_422(app)
     return app

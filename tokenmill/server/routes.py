@@ -29,6 +29,7 @@ from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.server.admission import RETRY_AFTER_S, Overloaded
 from tokenmill.server.lifecycle import ServerLifecycle
 from tokenmill.server.lora_modules import ServedAdapters, UnknownModel
+from tokenmill.server.messages_routes import PREFIX as ANTHROPIC_PREFIX
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,6 +41,7 @@ from tokenmill.server.serving_chat import OpenAIServingChat, render_chat
 from tokenmill.server.serving_common import ClientDisconnected, RequestFailed, error_response
 from tokenmill.server.serving_completion import OpenAIServingCompletion
 from tokenmill.server.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
+from tokenmill.server.serving_messages import anthropic_error
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +193,6 @@ EXCEPTION_HANDLERS: dict[type[Exception], Callable[[Request, Any], Awaitable[Res
     exc_class: _respond(make) for exc_class, make in [
         (Unauthorized, lambda exc: error_response(401, "invalid or missing API key")),
         (UnknownModel, lambda exc: error_response(404, str(exc), param="model")),
-        (RequestValidationError, lambda exc: error_response(400, *_describe(exc.errors()))),
         (StarletteHTTPException, lambda exc: error_response(exc.status_code, str(exc.detail),
                                                             headers=exc.headers)),
         (ValueError, lambda exc: error_response(400, str(exc))),  # includes UnicodeError
@@ -204,6 +205,17 @@ EXCEPTION_HANDLERS: dict[type[Exception], Callable[[Request, Any], Awaitable[Res
         (ClientDisconnected, lambda exc: Response(status_code=499)),
         (Exception, _unexpected),
     ]}
+
+
+async def _invalid_request(request: Request, exc: RequestValidationError) -> Response:
+    """400 for a body that fails validation, in the shape of the API its route belongs to."""
+    message, param = _describe(exc.errors())
+    if request.url.path.startswith(ANTHROPIC_PREFIX):
+        return anthropic_error(400, "invalid_request_error", message)
+    return error_response(400, message, param)
+
+
+EXCEPTION_HANDLERS[RequestValidationError] = _invalid_request
 
 
 def _describe(errors: list[Any]) -> tuple[str, str | None]:

@@ -115,7 +115,7 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(*args)
         self.tool_options = tool_options or ToolOptions()
 
-    def _prepare(self, req: ChatCompletionRequest) -> tuple[ToolPlan, dict[str, Any]]:
+    def prepare(self, req: ChatCompletionRequest) -> tuple[ToolPlan, dict[str, Any]]:
         """(tool plan, prompt): on a worker thread (tool schemas compile, templates render)."""
         engine = self.engine.engine
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
@@ -130,7 +130,7 @@ class OpenAIServingChat(OpenAIServing):
         ticket = self.admit(1, params)
         try:
             plan, prompt = await asyncio.get_running_loop().run_in_executor(
-                None, self._prepare, req)
+                None, self.prepare, req)
             params = with_tool_constraint(params, plan)
             request_id = self.response_id("chatcmpl")
             (gen,) = await self.add_all([prompt], params, req.timeout, lora, req.priority)
@@ -182,7 +182,7 @@ class OpenAIServingChat(OpenAIServing):
                         if (before := sent.advance(c.index, c)) is None:
                             continue
                         _, k0 = before
-                        delta, finish = self._delta(plan, c, shown)
+                        delta, finish = self.delta(plan, c, shown)
                         yield chunk([{"index": c.index, "delta": delta,
                                       "logprobs": chat_logprobs(c, top_k, k0),
                                       "finish_reason": finish,
@@ -196,7 +196,7 @@ class OpenAIServingChat(OpenAIServing):
             ticket.release()
 
     @staticmethod
-    def _delta(plan: ToolPlan, c: CompletionOutput, shown: dict[int, int]
+    def delta(plan: ToolPlan, c: CompletionOutput, shown: dict[int, int]
                ) -> tuple[dict[str, Any], str | None]:
         """The delta of a choice's new output (content not yet sent and safe to send; at its
         finish, the rest and its tool calls) and its finish reason."""

@@ -1,0 +1,66 @@
+"""Anthropic's routes: `POST /v1/messages` and `POST /v1/messages/count_tokens`
+(serving_messages.py), keyed by `x-api-key` (Anthropic's header) or `Authorization: Bearer`,
+every error in Anthropic's shape (a body that fails validation too: routes.py answers
+RequestValidationError on these paths in it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenmill.server.anthropic_protocol import (
+    AnthropicErrorResponse,
+    CountTokensRequest,
+    MessagesRequest,
+)
+from tokenmill.server.protocol import ErrorResponse
+from tokenmill.server.serving_messages import (
+    AnthropicServingMessages,
+    anthropic_error,
+    in_anthropic_shape,
+)
+
+PREFIX = "/v1/messages"
+router = APIRouter(prefix="/v1")
+
+# Errors these routes answer themselves are Anthropic's; the server's edge (middleware.py:
+# 413, 429 before the body is read, 503 while draining) answers in OpenAI's shape.
+_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": AnthropicErrorResponse, "description": text} for code, text in [
+        (400, "Invalid request"), (401, "Invalid API key"), (404, "Unknown model"),
+        (500, "The engine failed the request"), (529, "Engine dead or asleep")]} | {
+    429: {"model": AnthropicErrorResponse | ErrorResponse, "description": "Overloaded"}}
+
+
+def _authorized(raw: Request) -> bool:
+    key = raw.app.state.server.api_key
+    return (not key or raw.headers.get("x-api-key") == key
+            or raw.headers.get("authorization") == f"Bearer {key}")
+
+
+def _unauthorized() -> Response:
+    return anthropic_error(401, "authentication_error", "invalid or missing API key")
+
+
+@router.post("/messages", responses=_RESPONSES)
+async def create_message(req: MessagesRequest, raw: Request) -> Response:
+    async def handle() -> Response:
+        if not _authorized(raw):
+            return _unauthorized()
+        s = raw.app.state.server
+        lora = s.adapters.resolve(req.model)
+        return await AnthropicServingMessages(s.chat).create(req, raw, lora)
+    return await in_anthropic_shape(handle)
+
+
+@router.post("/messages/count_tokens", responses=_RESPONSES)
+async def count_tokens(req: CountTokensRequest, raw: Request) -> Response:
+    async def handle() -> Response:
+        if not _authorized(raw):
+            return _unauthorized()
+        s = raw.app.state.server
+        s.adapters.resolve(req.model)
+        return JSONResponse(await AnthropicServingMessages(s.chat).count_tokens(req))
+    return await in_anthropic_shape(handle)

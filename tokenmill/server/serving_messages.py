@@ -1,0 +1,176 @@
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API as a thin
+translation onto the chat path (serving_chat.py: the same template rendering, tool plan,
+grammar constraint, stop handling and admission), answered in Anthropic's shapes:
+
+- a message: `content` blocks (text, then one tool_use per call with its parsed input),
+  `stop_reason` end_turn / max_tokens / stop_sequence / tool_use, `usage` input / output
+  tokens;
+- a stream: message_start, then per block content_block_start, its deltas (text_delta,
+  input_json_delta: a call's whole arguments at once, when the choice finishes) and
+  content_block_stop, then message_delta (stop_reason, output tokens) and message_stop; an
+  `error` event if the engine fails it after it began;
+- errors: {"type": "error", "error": {"type": ..., "message": ...}} with Anthropic's types
+  (invalid_request_error 400, authentication_error 401, not_found_error 404,
+  rate_limit_error 429, api_error 500, overloaded_error 529 while the engine cannot serve).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from tokenmill.engine.async_engine import EngineDeadError
+from tokenmill.engine.llm_engine import EngineSleepingError
+from tokenmill.outputs import CompletionOutput
+from tokenmill.server.admission import Overloaded
+from tokenmill.server.anthropic_protocol import CountTokensRequest, MessagesRequest
+from tokenmill.server.lora_modules import UnknownModel
+from tokenmill.server.protocol import ChatCompletionRequest
+from tokenmill.server.serving_chat import OpenAIServingChat, answer, with_tool_constraint
+from tokenmill.server.serving_common import check_failed, collect, merge
+from tokenmill.server.tools import ToolPlan
+
+_ERRORS: list[tuple[type[BaseException], int, str]] = [
+    (UnknownModel, 404, "not_found_error"),
+    (ValueError, 400, "invalid_request_error"),  # includes pydantic's ValidationError
+    (Overloaded, 429, "rate_limit_error"),
+    (EngineDeadError, 529, "overloaded_error"),
+    (EngineSleepingError, 529, "overloaded_error"),
+]
+
+
+def anthropic_error(status: int, kind: str, message: str) -> JSONResponse:
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}},
+                        status_code=status)
+
+
+def error_for(e: BaseException) -> JSONResponse:
+    for cls, status, kind in _ERRORS:
+        if isinstance(e, cls):
+            return anthropic_error(status, kind, _message(e))
+    return anthropic_error(500, "api_error", f"{type(e).__name__}: {e}")
+
+
+def _message(e: BaseException) -> str:
+    if isinstance(e, ValidationError):
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        return f"{where}: {first['msg']}" if where else first["msg"]
+    return str(e)
+
+
+async def in_anthropic_shape(handle: Callable[[], Awaitable[Response]]) -> Response:
+    """The handler's response, or its error in Anthropic's shape."""
+    try:
+        return await handle()
+    except Exception as e:
+        return error_for(e)
+
+
+def stop_reason(c: CompletionOutput, finish: str | None) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finished choice."""
+    if finish == "tool_calls":
+        return "tool_use", None
+    if finish == "length":
+        return "max_tokens", None
+    if isinstance(c.stop_reason, str):
+        return "stop_sequence", c.stop_reason
+    return "end_turn", None
+
+
+def _event(kind: str, payload: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"
+
+
+class AnthropicServingMessages:
+    def __init__(self, chat: OpenAIServingChat) -> None:
+        self.chat = chat
+
+    async def count_tokens(self, req: CountTokensRequest) -> dict[str, int]:
+        chat_req = ChatCompletionRequest.model_validate(req.to_chat())
+        _, prompt = await asyncio.get_running_loop().run_in_executor(
+            None, self.chat.prepare, chat_req)
+        return {"input_tokens": len(prompt["prompt_token_ids"])}
+
+    async def create(self, req: MessagesRequest, raw: Request, lora: Any) -> Response:
+        chat_req = ChatCompletionRequest.model_validate(req.to_chat_request())
+        params = chat_req.to_sampling_params()
+        ticket = self.chat.admit(1, params)
+        try:
+            plan, prompt = await asyncio.get_running_loop().run_in_executor(
+                None, self.chat.prepare, chat_req)
+            params = with_tool_constraint(params, plan)
+            (gen,) = await self.chat.add_all([prompt], params, None, lora)
+            message = {"id": self.chat.response_id("msg"), "type": "message",
+                       "role": "assistant", "model": self.chat.served_name(lora)}
+            if req.stream:
+                n_prompt = len(prompt["prompt_token_ids"])
+                return StreamingResponse(self._stream(message, gen, plan, n_prompt, ticket),
+                                         media_type="text/event-stream")
+            (final,) = await collect([gen], raw)
+        except BaseException:
+            ticket.release()
+            raise
+        ticket.release()
+        check_failed([final])
+        c = final.outputs[0]
+        chat_message, finish = answer(plan, c)
+        content = [{"type": "text", "text": chat_message["content"]}] \
+            if chat_message["content"] else []
+        content += [{"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                     "input": json.loads(call["function"]["arguments"])}
+                    for call in chat_message.get("tool_calls", [])]
+        reason, sequence = stop_reason(c, finish)
+        return JSONResponse(message | {
+            "content": content, "stop_reason": reason, "stop_sequence": sequence,
+            "usage": {"input_tokens": len(final.prompt_token_ids),
+                      "output_tokens": len(c.token_ids)}})
+
+    async def _stream(self, message: dict[str, Any], gen: AsyncIterator[Any], plan: ToolPlan,
+                      n_prompt: int, ticket: Any) -> AsyncIterator[str]:
+        try:
+            yield _event("message_start", {"message": message | {
+                "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": n_prompt, "output_tokens": 0}}})
+            index, text_open, shown = 0, False, {}
+            async for _, out in merge([gen]):
+                check_failed([out])
+                c = out.outputs[0]
+                delta, finish = OpenAIServingChat.delta(plan, c, shown)
+                if delta.get("content"):
+                    if not text_open:
+                        yield _event("content_block_start", {
+                            "index": index, "content_block": {"type": "text", "text": ""}})
+                        text_open = True
+                    yield _event("content_block_delta", {
+                        "index": index, "delta": {"type": "text_delta", "text": delta["content"]}})
+                if finish is None:
+                    continue
+                if text_open:
+                    yield _event("content_block_stop", {"index": index})
+                    index += 1
+                for call in delta.get("tool_calls", []):
+                    fn = call["function"]
+                    yield _event("content_block_start", {"index": index, "content_block": {
+                        "type": "tool_use", "id": call["id"], "name": fn["name"], "input": {}}})
+                    yield _event("content_block_delta", {"index": index, "delta": {
+                        "type": "input_json_delta", "partial_json": fn["arguments"]}})
+                    yield _event("content_block_stop", {"index": index})
+                    index += 1
+                reason, sequence = stop_reason(c, finish)
+                yield _event("message_delta", {
+                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                    "usage": {"output_tokens": len(c.token_ids)}})
+            yield _event("message_stop", {})
+        except Exception as e:  # the engine failed it, or died, after it began
+            body = json.loads(error_for(e).body)
+            yield _event("error", {"error": body["error"]})
+        finally:
+            ticket.release()
+
