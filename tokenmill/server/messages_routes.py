@@ -5,6 +5,7 @@ RequestValidationError on these paths in it)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -40,27 +41,26 @@ def _authorized(raw: Request) -> bool:
             or raw.headers.get("authorization") == f"Bearer {key}")
 
 
-def _unauthorized() -> Response:
-    return anthropic_error(401, "authentication_error", "invalid or missing API key")
+async def _serve(raw: Request, model: str,
+                 handle: Callable[[AnthropicServingMessages, Any], Awaitable[Response]]
+                 ) -> Response:
+    """The key checked, `model` resolved (a LoRA adapter or the served model), then
+    handle(serving, adapter); every error in Anthropic's shape."""
+    async def keyed() -> Response:
+        if not _authorized(raw):
+            return anthropic_error(401, "authentication_error", "invalid or missing API key")
+        s = raw.app.state.server
+        return await handle(AnthropicServingMessages(s.chat), s.adapters.resolve(model))
+    return await in_anthropic_shape(keyed)
 
 
 @router.post("/messages", responses=_RESPONSES)
 async def create_message(req: MessagesRequest, raw: Request) -> Response:
-    async def handle() -> Response:
-        if not _authorized(raw):
-            return _unauthorized()
-        s = raw.app.state.server
-        lora = s.adapters.resolve(req.model)
-        return await AnthropicServingMessages(s.chat).create(req, raw, lora)
-    return await in_anthropic_shape(handle)
+    return await _serve(raw, req.model, lambda serving, lora: serving.create(req, raw, lora))
 
 
 @router.post("/messages/count_tokens", responses=_RESPONSES)
 async def count_tokens(req: CountTokensRequest, raw: Request) -> Response:
-    async def handle() -> Response:
-        if not _authorized(raw):
-            return _unauthorized()
-        s = raw.app.state.server
-        s.adapters.resolve(req.model)
-        return JSONResponse(await AnthropicServingMessages(s.chat).count_tokens(req))
-    return await in_anthropic_shape(handle)
+    async def count(serving: AnthropicServingMessages, _: Any) -> Response:
+        return JSONResponse(await serving.count_tokens(req))
+    return await _serve(raw, req.model, count)

@@ -124,16 +124,23 @@ class OpenAIServingChat(OpenAIServing):
                              req.chat_template_kwargs, plan.tools)
         return plan, prompt
 
+    async def start(self, req: ChatCompletionRequest, params: SamplingParams,
+                    lora: LoRARequest | None
+                    ) -> tuple[ToolPlan, dict[str, Any], SamplingParams, AsyncIterator[Any]]:
+        """Render and queue one conversation: its tool plan, prompt, parameters (constrained
+        to the plan's call format) and output stream (the Messages API starts here too)."""
+        plan, prompt = await asyncio.get_running_loop().run_in_executor(None, self.prepare, req)
+        params = with_tool_constraint(params, plan)
+        (gen,) = await self.add_all([prompt], params, req.timeout, lora, req.priority)
+        return plan, prompt, params, gen
+
     async def create(self, req: ChatCompletionRequest, raw: Request,
                      lora: LoRARequest | None = None) -> Any:
         params = req.to_sampling_params()
         ticket = self.admit(1, params)
         try:
-            plan, prompt = await asyncio.get_running_loop().run_in_executor(
-                None, self.prepare, req)
-            params = with_tool_constraint(params, plan)
+            plan, _, params, gen = await self.start(req, params, lora)
             request_id = self.response_id("chatcmpl")
-            (gen,) = await self.add_all([prompt], params, req.timeout, lora, req.priority)
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 return StreamingResponse(self._stream(request_id, gen, params.n,

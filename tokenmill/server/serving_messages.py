@@ -32,7 +32,7 @@ from tokenmill.server.admission import Overloaded
 from tokenmill.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from tokenmill.server.lora_modules import UnknownModel
 from tokenmill.server.protocol import ChatCompletionRequest
-from tokenmill.server.serving_chat import OpenAIServingChat, answer, with_tool_constraint
+from tokenmill.server.serving_chat import OpenAIServingChat, answer
 from tokenmill.server.serving_common import check_failed, collect, merge
 from tokenmill.server.tools import ToolPlan
 
@@ -103,10 +103,7 @@ class AnthropicServingMessages:
         params = chat_req.to_sampling_params()
         ticket = self.chat.admit(1, params)
         try:
-            plan, prompt = await asyncio.get_running_loop().run_in_executor(
-                None, self.chat.prepare, chat_req)
-            params = with_tool_constraint(params, plan)
-            (gen,) = await self.chat.add_all([prompt], params, None, lora)
+            plan, prompt, params, gen = await self.chat.start(chat_req, params, lora)
             message = {"id": self.chat.response_id("msg"), "type": "message",
                        "role": "assistant", "model": self.chat.served_name(lora)}
             if req.stream:
