@@ -35,9 +35,13 @@ def _engine(path: str, **options) -> LLMEngine:
     return LLMEngine.from_options(path, max_model_len=512, num_kv_blocks=200, **options)
 
 
-def serve_proxy(prefill: list[str], decode: list[str]) -> Iterator[str]:
+def serve_proxy(prefill: list[str], decode: list[str], app_out: list | None = None
+                ) -> Iterator[str]:
+    """`tokenmill proxy`'s app on a thread; its URL (the app appended to `app_out`)."""
     port = free_port()
     app = build_proxy_app(prefill, decode)
+    if app_out is not None:
+        app_out.append(app)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -104,12 +108,14 @@ def test_chat_without_streaming(deployment):
 
 def test_a_failed_prefill_falls_back_to_the_decode_instance(deployment):
     _, _, consumer, alone = deployment
-    gen = serve_proxy([f"http://127.0.0.1:{free_port()}"], [consumer.base_url])  # nobody there
+    apps: list = []
+    gen = serve_proxy([f"http://127.0.0.1:{free_port()}"], [consumer.base_url], apps)  # nobody
     proxy = next(gen)
     try:
         prompts = [p + " again" for p in PROMPTS[:2]]
         assert (stream_completions(proxy, "tiny-llama", prompts, [4, 4])
                 == stream_completions(alone.base_url, "tiny-llama", prompts, [4, 4]))
+        assert apps[0].state.proxy.prefill_failures == 2
     finally:
         gen.close()
 

@@ -147,11 +147,7 @@ class Scheduler:
         scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, lookahead)
         preempted: list[Request] = []
         self.order.order_running(self.running)
-        # priority: running requests of a lower priority make room for waiting ones
-        for victim in self.order.displaced(self.waiting, self.running,
-                                           self.config.max_num_seqs):
-            self._preempt(victim)
-            preempted.append(victim)
+        preempted += self._displace()
 
         spec_room = self.spec.step_tokens - len(self.running)
         # pipeline parallelism: this step's share of the requests (a micro-batch per stage)
@@ -207,6 +203,14 @@ class Scheduler:
             budget -= n
 
         return self._make_output(scheduled, preempted)
+
+    def _displace(self) -> list[Request]:
+        """Priority policy: running requests preempted so that waiting ones of a higher
+        priority find a place in a full batch."""
+        victims = self.order.displaced(self.waiting, self.running, self.config.max_num_seqs)
+        for victim in victims:
+            self._preempt(victim)
+        return victims
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         """Tokens a running request computes this step (its placeholders fed as tokens), or 0

@@ -7,6 +7,7 @@ live in one process, as they do in tests.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -80,21 +81,26 @@ class PrometheusMetrics:
         self._model_name = model_name
         self._per_pos_seen: tuple[int, ...] = ()
         self._preemptions_seen = 0
+        self._kv_tier_metrics(counter, gauge)
+        self._prefix_seen = (0, 0)
+        self._spec_seen = (0, 0, 0)
+        self._replicas: dict[int, SchedulerStats] = {}  # each replica's last stats
+        self._lock = threading.Lock()  # replicas record from their own engine threads
+
+    def _kv_tier_metrics(self, counter: Callable[[str, str], Counter],
+                         gauge: Callable[[str, str], Gauge]) -> None:
+        """Prompt tokens computed, and the KV tiers' counters per tier (kv_offload/)."""
         self.prompt_computed = counter("prompt_tokens_computed", "Prompt tokens this "
                                        "instance computed (not found in its cache, a KV tier "
                                        "or a transfer)")
         self._computed_seen = 0
         self.disk_tier_available: bool | None = None  # as last recorded (/health reads it)
         self.offload = {name: Counter(f"tokenmill:kv_offload_{name}", doc,
-                                      ["model_name", "tier"], registry=r)
+                                      ["model_name", "tier"], registry=self.registry)
                         for name, doc in _OFFLOAD_COUNTERS.items()}
         self._offload_seen: dict[tuple[str, str], int] = {}
         self.disk_tier_up = gauge("kv_offload_disk_available", "1 while the disk tier writes "
                                   "blocks, 0 once a write failed (a full disk)")
-        self._prefix_seen = (0, 0)
-        self._spec_seen = (0, 0, 0)
-        self._replicas: dict[int, SchedulerStats] = {}  # each replica's last stats
-        self._lock = threading.Lock()  # replicas record from their own engine threads
 
     def record(self, stats: SchedulerStats, step: StepTimings, replica: int = 0) -> None:
         """A step's stats and timings; with data parallelism each replica's engine thread

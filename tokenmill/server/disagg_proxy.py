@@ -44,58 +44,57 @@ def prefill_body(body: dict) -> dict:
     return out
 
 
-def build_proxy_app(prefill_urls: list[str], decode_urls: list[str],
-                    timeout: float | None = None) -> FastAPI:
-    if not prefill_urls or not decode_urls:
-        raise ValueError("the proxy needs at least one --prefill and one --decode URL")
-    client = httpx.AsyncClient(timeout=timeout)
+class DisaggProxy:
+    """The instances (taken in turn) and one HTTP client to them."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        await client.aclose()
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str],
+                 timeout: float | None = None) -> None:
+        if not prefill_urls or not decode_urls:
+            raise ValueError("the proxy needs at least one --prefill and one --decode URL")
+        self.urls = list(dict.fromkeys(u.rstrip("/") for u in [*prefill_urls, *decode_urls]))
+        self.prefill_turn = itertools.cycle([u.rstrip("/") for u in prefill_urls])
+        self.decode_turn = itertools.cycle([u.rstrip("/") for u in decode_urls])
+        self.client = httpx.AsyncClient(timeout=timeout)
+        self.prefill_failures = 0
 
-    app = FastAPI(title="tokenmill disaggregated prefill proxy", lifespan=lifespan)
-    prefill_turn = itertools.cycle([u.rstrip("/") for u in prefill_urls])
-    decode_turn = itertools.cycle([u.rstrip("/") for u in decode_urls])
-    app.state.prefill_failures = 0
-
-    async def relay(raw: Request, path: str) -> Response:
+    async def relay(self, raw: Request, path: str) -> Response:
+        """A completion or chat request: prefilled, then decoded (module doc)."""
         try:
             body = json.loads(await raw.body())
         except ValueError as e:
             return _error(400, f"the body is not JSON: {e}")
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object")
-        headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARDED_HEADERS}
-        refused = await _prefill(f"{next(prefill_turn)}{path}", body, headers)
+        headers = _forwarded(raw)
+        refused = await self._prefill(f"{next(self.prefill_turn)}{path}", body, headers)
         if refused is not None:
             return refused
-        return await _decode(f"{next(decode_turn)}{path}", body, headers)
+        return await self._decode(f"{next(self.decode_turn)}{path}", body, headers)
 
-    async def _prefill(url: str, body: dict, headers: dict) -> Response | None:
+    async def _prefill(self, url: str, body: dict, headers: dict) -> Response | None:
+        """None when the decode instance should go on (prefilled, or failed: it computes the
+        prompt itself); the prefill's answer when it refused the request (4xx)."""
         try:
-            r = await client.post(url, json=prefill_body(body), headers=headers)
+            r = await self.client.post(url, json=prefill_body(body), headers=headers)
         except httpx.HTTPError as e:
-            app.state.prefill_failures += 1
+            self.prefill_failures += 1
             logger.warning("prefill at %s failed (%s): the decode instance computes the "
                            "prompt", url, e)
             return None
         if 400 <= r.status_code < 500:
             return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
         if r.status_code >= 500:
-            app.state.prefill_failures += 1
+            self.prefill_failures += 1
             logger.warning("prefill at %s answered %d: the decode instance computes the "
                            "prompt", url, r.status_code)
         return None
 
-    async def _decode(url: str, body: dict, headers: dict) -> Response:
+    async def _decode(self, url: str, body: dict, headers: dict) -> Response:
         try:
-            r = await client.send(client.build_request("POST", url, json=body,
-                                                       headers=headers), stream=True)
+            r = await self.client.send(self.client.build_request("POST", url, json=body,
+                                                                 headers=headers), stream=True)
         except httpx.HTTPError as e:
-            return _error(502, f"the decode instance {url} is unreachable: {e}",
-                          "server_error")
+            return _error(502, f"the decode instance {url} is unreachable: {e}", "server_error")
         media = r.headers.get("content-type")
         if not body.get("stream") or r.status_code != 200:
             content = await r.aread()
@@ -111,31 +110,20 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str],
 
         return StreamingResponse(chunks(), r.status_code, media_type=media)
 
-    @app.post("/v1/completions")
-    async def completions(raw: Request) -> Response:
-        return await relay(raw, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat(raw: Request) -> Response:
-        return await relay(raw, "/v1/chat/completions")
-
-    @app.get("/v1/models")
-    async def models(raw: Request) -> Response:
-        url = f"{next(decode_turn)}/v1/models"
-        headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARDED_HEADERS}
+    async def models(self, raw: Request) -> Response:
+        url = f"{next(self.decode_turn)}/v1/models"
         try:
-            r = await client.get(url, headers=headers)
+            r = await self.client.get(url, headers=_forwarded(raw))
         except httpx.HTTPError as e:
             return _error(502, f"the decode instance {url} is unreachable: {e}", "server_error")
         return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
 
-    @app.get("/health")
-    async def health() -> Response:
+    async def health(self) -> Response:
         """200 when every instance answers its /health with 200."""
         down = []
-        for url in dict.fromkeys([*prefill_urls, *decode_urls]):
+        for url in self.urls:
             try:
-                ok = (await client.get(f"{url.rstrip('/')}/health")).status_code == 200
+                ok = (await self.client.get(f"{url}/health")).status_code == 200
             except httpx.HTTPError:
                 ok = False
             if not ok:
@@ -143,5 +131,38 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str],
         if down:
             return _error(503, f"unhealthy instances: {', '.join(down)}", "server_error")
         return Response(status_code=200)
+
+
+def _forwarded(raw: Request) -> dict[str, str]:
+    return {k: v for k, v in raw.headers.items() if k.lower() in _FORWARDED_HEADERS}
+
+
+def build_proxy_app(prefill_urls: list[str], decode_urls: list[str],
+                    timeout: float | None = None) -> FastAPI:
+    proxy = DisaggProxy(prefill_urls, decode_urls, timeout)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await proxy.client.aclose()
+
+    app = FastAPI(title="tokenmill disaggregated prefill proxy", lifespan=lifespan)
+    app.state.proxy = proxy
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        return await proxy.relay(raw, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(raw: Request) -> Response:
+        return await proxy.relay(raw, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(raw: Request) -> Response:
+        return await proxy.models(raw)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return await proxy.health()
 
     return app
