@@ -151,3 +151,14 @@ def test_the_key_is_x_api_key(server):
                    headers={"x-api-key": "secret"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     server.wait_idle()
+
+
+def test_stop_sequences_end_the_message(claude):
+    kwargs = dict(model="tiny-llama", max_tokens=16, extra_body=GREEDY,
+                  messages=[{"role": "user", "content": ASK}])
+    text = claude.messages.create(**kwargs).content[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip(), text
+    m = claude.messages.create(**kwargs, stop_sequences=[stop])
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    assert m.content[0].text == text[:text.index(stop)]

@@ -48,8 +48,9 @@ def test_schema_documents_400_not_422(fuzz_server):
 
     paths = httpx.get(f"{fuzz_server.base_url}/openapi.json").json()["paths"]
     posts = [ops["post"] for ops in paths.values() if "post" in ops]
-    # completions, chat, embeddings, tokenize, detokenize, messages, messages/count_tokens
-    assert len(posts) == 7
+    # completions, chat, responses, embeddings, tokenize, detokenize, messages,
+    # messages/count_tokens
+    assert len(posts) == 8
     for op in posts:
         assert "422" not in op["responses"]
         assert {"400", "413", "429"} <= set(op["responses"])

@@ -37,11 +37,13 @@ from tokenmill.server.protocol import (
     ModelCard,
     TokenizeRequest,
 )
+from tokenmill.server.responses_protocol import ResponsesRequest
 from tokenmill.server.serving_chat import OpenAIServingChat, render_chat
 from tokenmill.server.serving_common import ClientDisconnected, RequestFailed, error_response
 from tokenmill.server.serving_completion import OpenAIServingCompletion
 from tokenmill.server.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from tokenmill.server.serving_messages import anthropic_error
+from tokenmill.server.serving_responses import OpenAIServingResponses
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +133,12 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Any:
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Any:
     s = _state(raw)
     return await s.chat.create(req, raw, s.adapters.resolve(req.model))
+
+
+@v1.post("/responses")
+async def create_response(req: ResponsesRequest, raw: Request) -> Any:
+    s = _state(raw)
+    return await OpenAIServingResponses(s.chat).create(req, raw, s.adapters.resolve(req.model))
 
 
 @v1.post("/embeddings")

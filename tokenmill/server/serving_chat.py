@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -45,6 +45,28 @@ from tokenmill.server.tools import (
     plan_tools,
     template_uses_tools,
 )
+
+
+@dataclasses.dataclass
+class Started:
+    """A queued conversation: its tool plan, prompt, parameters and output stream."""
+
+    plan: ToolPlan
+    prompt: dict[str, Any]
+    params: SamplingParams
+    gen: AsyncIterator[RequestOutput]
+
+
+@dataclasses.dataclass
+class Finished:
+    """A conversation's final output (not streamed), checked."""
+
+    plan: ToolPlan
+    params: SamplingParams
+    final: RequestOutput
+
+
+Streamer = Callable[[Started, Ticket], AsyncIterator[str]]
 
 
 def render_chat(engine: LLMEngine, messages: list[ChatMessage], add_generation_prompt: bool = True,
@@ -124,28 +146,20 @@ class OpenAIServingChat(OpenAIServing):
                              req.chat_template_kwargs, plan.tools)
         return plan, prompt
 
-    async def start(self, req: ChatCompletionRequest, params: SamplingParams,
-                    lora: LoRARequest | None
-                    ) -> tuple[ToolPlan, dict[str, Any], SamplingParams, AsyncIterator[Any]]:
-        """Render and queue one conversation: its tool plan, prompt, parameters (constrained
-        to the plan's call format) and output stream (the Messages API starts here too)."""
-        plan, prompt = await asyncio.get_running_loop().run_in_executor(None, self.prepare, req)
-        params = with_tool_constraint(params, plan)
-        (gen,) = await self.add_all([prompt], params, req.timeout, lora, req.priority)
-        return plan, prompt, params, gen
-
-    async def create(self, req: ChatCompletionRequest, raw: Request,
-                     lora: LoRARequest | None = None) -> Any:
+    async def run(self, req: ChatCompletionRequest, raw: Request, lora: LoRARequest | None,
+                  streamer: Streamer) -> StreamingResponse | Finished:
+        """Render and queue one conversation (the tool plan, its call format as a grammar),
+        then stream it (`streamer`, which owns the admission ticket) or wait for it. The chat,
+        Responses and Messages APIs all run here."""
         params = req.to_sampling_params()
         ticket = self.admit(1, params)
         try:
-            plan, _, params, gen = await self.start(req, params, lora)
-            request_id = self.response_id("chatcmpl")
+            plan, prompt = await asyncio.get_running_loop().run_in_executor(
+                None, self.prepare, req)
+            params = with_tool_constraint(params, plan)
+            (gen,) = await self.add_all([prompt], params, req.timeout, lora, req.priority)
             if req.stream:
-                include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                return StreamingResponse(self._stream(request_id, gen, params.n,
-                                                      params.logprobs or 0, include_usage,
-                                                      ticket, plan, self.served_name(lora)),
+                return StreamingResponse(streamer(Started(plan, prompt, params, gen), ticket),
                                          media_type="text/event-stream")
             (final,) = await collect([gen], raw)
         except BaseException:
@@ -153,6 +167,18 @@ class OpenAIServingChat(OpenAIServing):
             raise
         ticket.release()
         check_failed([final])
+        return Finished(plan, params, final)
+
+    async def create(self, req: ChatCompletionRequest, raw: Request,
+                     lora: LoRARequest | None = None) -> Any:
+        request_id = self.response_id("chatcmpl")
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        done = await self.run(req, raw, lora, lambda s, ticket: self._stream(
+            request_id, s.gen, s.params.n, s.params.logprobs or 0, include_usage, ticket,
+            s.plan, self.served_name(lora)))
+        if isinstance(done, StreamingResponse):
+            return done
+        plan, params, final = done.plan, done.params, done.final
         choices = []
         for c in final.outputs:
             message, finish = answer(plan, c)

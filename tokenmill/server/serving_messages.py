@@ -33,7 +33,7 @@ from tokenmill.server.anthropic_protocol import CountTokensRequest, MessagesRequ
 from tokenmill.server.lora_modules import UnknownModel
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.serving_chat import OpenAIServingChat, answer
-from tokenmill.server.serving_common import check_failed, collect, merge
+from tokenmill.server.serving_common import check_failed, merge
 from tokenmill.server.tools import ToolPlan
 
 _ERRORS: list[tuple[type[BaseException], int, str]] = [
@@ -100,22 +100,13 @@ class AnthropicServingMessages:
 
     async def create(self, req: MessagesRequest, raw: Request, lora: Any) -> Response:
         chat_req = ChatCompletionRequest.model_validate(req.to_chat_request())
-        params = chat_req.to_sampling_params()
-        ticket = self.chat.admit(1, params)
-        try:
-            plan, prompt, params, gen = await self.chat.start(chat_req, params, lora)
-            message = {"id": self.chat.response_id("msg"), "type": "message",
-                       "role": "assistant", "model": self.chat.served_name(lora)}
-            if req.stream:
-                n_prompt = len(prompt["prompt_token_ids"])
-                return StreamingResponse(self._stream(message, gen, plan, n_prompt, ticket),
-                                         media_type="text/event-stream")
-            (final,) = await collect([gen], raw)
-        except BaseException:
-            ticket.release()
-            raise
-        ticket.release()
-        check_failed([final])
+        message = {"id": self.chat.response_id("msg"), "type": "message",
+                   "role": "assistant", "model": self.chat.served_name(lora)}
+        done = await self.chat.run(chat_req, raw, lora, lambda s, ticket: self._stream(
+            message, s.gen, s.plan, len(s.prompt["prompt_token_ids"]), ticket))
+        if isinstance(done, StreamingResponse):
+            return done
+        plan, final = done.plan, done.final
         c = final.outputs[0]
         chat_message, finish = answer(plan, c)
         content = [{"type": "text", "text": chat_message["content"]}] \
