@@ -122,6 +122,18 @@ def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     flat[1].index_copy_(0, slot_mapping, v)
 
 
+def swap_blocks(kv_cache: torch.Tensor, swap_cache: torch.Tensor | None,
+                out: list[tuple[int, int]], back: list[tuple[int, int]]) -> None:
+    """Swap-mode preemption's copies, before the forward pass (swapped-out blocks may be
+    reused by this very step): `out` (cache, swap) pairs, then `back` (swap, cache)."""
+    if out:
+        gpu, cpu = zip(*out, strict=True)
+        swap_cache[:, :, list(cpu)] = kv_cache[:, :, list(gpu)].to("cpu")
+    if back:
+        cpu, gpu = zip(*back, strict=True)
+        kv_cache[:, :, list(gpu)] = swap_cache[:, :, list(cpu)].to(kv_cache.device)
+
+
 def copy_blocks(kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
     """Copy-on-write: copy whole blocks src -> dst in every layer."""
     if not pairs:

@@ -50,3 +50,33 @@ def auto_kv_budget(config: EngineConfig, block_bytes: int, device: torch.device)
                 f", over {ranks} ranks" if ranks > 1 else "", config.scheduler.max_num_seqs,
                 config.model.max_model_len, needed / 2**30)
     return budget
+
+
+def num_kv_blocks(config: EngineConfig, block_bytes: int, device: torch.device) -> int:
+    """Blocks of the KV cache: the configured count, else the budget (kv_cache_memory, or
+    the automatic one) over a block's bytes (ValueError below 2)."""
+    cache = config.cache
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    budget = cache.kv_cache_memory
+    if budget is None:
+        budget = auto_kv_budget(config, block_bytes, device)
+    n = budget // block_bytes
+    if n < 2:
+        raise ValueError(f"kv_cache_memory={budget} bytes holds {n} blocks; one block of "
+                         f"{cache.block_size} tokens needs {block_bytes} bytes and at least "
+                         "2 are required")
+    return n
+
+
+def allocate_swap(config: EngineConfig, kv_cache: torch.Tensor, block_bytes: int
+                  ) -> tuple[int, torch.Tensor | None]:
+    """CPU memory for swapped-out KV, laid out as the cache's blocks (pinned on CUDA for fast
+    copies): (blocks, tensor), or (0, None) outside swap mode."""
+    if config.scheduler.preemption_mode != "swap":
+        return 0, None
+    n = config.cache.swap_space // block_bytes
+    shape = kv_cache.shape
+    swap = torch.zeros(shape[0], 2, n, *shape[3:], dtype=kv_cache.dtype,
+                       pin_memory=kv_cache.device.type == "cuda")
+    return n, swap

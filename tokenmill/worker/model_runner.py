@@ -30,6 +30,7 @@ from tokenmill.attention.kv_cache import (
     bytes_per_block,
     copy_blocks,
     key_rotation,
+    swap_blocks,
 )
 from tokenmill.config import EngineConfig
 from tokenmill.core.interface import (
@@ -57,7 +58,7 @@ from tokenmill.utils.huge_pages import move_parameters_to_huge_pages
 from tokenmill.utils.profiling import scope
 from tokenmill.worker import sleep_mode
 from tokenmill.worker.cuda_graphs import DecodeGraphs
-from tokenmill.worker.kv_budget import auto_kv_budget
+from tokenmill.worker.kv_budget import allocate_swap, num_kv_blocks
 from tokenmill.worker.pooler import pool_step
 from tokenmill.worker.request_states import RequestStates
 
@@ -133,7 +134,11 @@ class ModelRunner:
         draft = config.draft_model
         self._draft_block_bytes = (0 if draft is None else
                                    DraftModelProposer.block_bytes(draft, self.block_size))
-        self.num_kv_blocks = num_blocks or self._num_kv_blocks()
+        block = bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads,
+                                mc.head_dim, mc.dtype, config.cache.kv_cache_dtype)
+        # a draft model's K/V take a block of their own beside each target block
+        self.num_kv_blocks = num_blocks or num_kv_blocks(config, block + self._draft_block_bytes,
+                                                         self.device)
         kv_dtype = config.cache.kv_cache_dtype
         self.kv_cache = allocate_kv_cache(self.num_layers, self.num_kv_blocks, self.block_size,
                                           self.num_kv_heads, mc.head_dim, mc.dtype, self.device,
@@ -141,9 +146,9 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.0f MiB, %s) in %.1f s",
                     self.num_kv_blocks - 1, self.block_size,
                     (self.num_kv_blocks - 1) * self.block_size,
-                    self.num_kv_blocks * (self._block_bytes() + self._draft_block_bytes) / 2**20,
+                    self.num_kv_blocks * (block + self._draft_block_bytes) / 2**20,
                     mc.dtype if kv_dtype == "auto" else kv_dtype, time.perf_counter() - t0)
-        self.num_swap_blocks, self.swap_cache = self._allocate_swap()
+        self.num_swap_blocks, self.swap_cache = allocate_swap(config, self.kv_cache, block)
         if getattr(self, "offload", None) is None:  # (kept through sleep mode)
             self.offload = (None if config.kv_offload is None
                             else OffloadWorker(config.kv_offload, self.kv_cache))
@@ -216,48 +221,6 @@ class ModelRunner:
             return None
         return DecodeGraphs(self.model, state, self.device, max_seqs, capture=capture)
 
-    def _block_bytes(self) -> int:
-        """Bytes of one KV block across all layers (the unit of both GPU cache and swap)."""
-        mc = self.config.model
-        return bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, mc.head_dim,
-                               mc.dtype, self.config.cache.kv_cache_dtype)
-
-    def _num_kv_blocks(self) -> int:
-        cache = self.config.cache
-        if cache.num_kv_blocks is not None:
-            return cache.num_kv_blocks
-        # a draft model's K/V take a block of their own beside each target block
-        per_block = self._block_bytes() + self._draft_block_bytes
-        budget = cache.kv_cache_memory
-        if budget is None:
-            budget = auto_kv_budget(self.config, per_block, self.device)
-        n = budget // per_block
-        if n < 2:
-            raise ValueError(f"kv_cache_memory={budget} bytes holds {n} blocks; "
-                             f"one block of {self.block_size} tokens needs {per_block} bytes "
-                             "and at least 2 are required")
-        return n
-
-    def _allocate_swap(self) -> tuple[int, torch.Tensor | None]:
-        """CPU memory for swapped-out KV (pinned on CUDA for fast copies); only in swap mode."""
-        cfg = self.config
-        if cfg.scheduler.preemption_mode != "swap":
-            return 0, None
-        n = cfg.cache.swap_space // self._block_bytes()
-        shape = self.kv_cache.shape
-        swap = torch.zeros(shape[0], 2, n, *shape[3:], dtype=self.kv_cache.dtype,
-                           pin_memory=self.device.type == "cuda")  # blocks as the cache has them
-        return n, swap
-
-    def _swap(self, sched: SchedulerOutput) -> None:
-        # NOTE: before the forward pass: swapped-out blocks may be reused by this very step.
-        if sched.blocks_to_swap_out:
-            gpu, cpu = zip(*sched.blocks_to_swap_out, strict=True)
-            self.swap_cache[:, :, list(cpu)] = self.kv_cache[:, :, list(gpu)].to("cpu")
-        if sched.blocks_to_swap_in:
-            cpu, gpu = zip(*sched.blocks_to_swap_in, strict=True)
-            self.kv_cache[:, :, list(gpu)] = self.swap_cache[:, :, list(cpu)].to(self.device)
-
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_ops: bool = True,
                 grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
@@ -305,7 +268,8 @@ class ModelRunner:
                 try:
                     if offload:  # evicted blocks out before this step reuses them
                         self.offload.save(offload, self.kv_cache)
-                    self._swap(sched)
+                    swap_blocks(self.kv_cache, self.swap_cache, sched.blocks_to_swap_out,
+                                sched.blocks_to_swap_in)
                     copy_blocks(self.kv_cache, sched.blocks_to_copy)
                     if self.drafter is not None:
                         copy_blocks(self.drafter.kv_cache, sched.blocks_to_copy)
