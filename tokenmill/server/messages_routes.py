@@ -17,6 +17,7 @@ from tokenmill.server.anthropic_protocol import (
     MessagesRequest,
 )
 from tokenmill.server.protocol import ErrorResponse
+from tokenmill.server.serving_common import STREAMED
 from tokenmill.server.serving_messages import (
     AnthropicServingMessages,
     anthropic_error,
@@ -33,6 +34,7 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
         (400, "Invalid request"), (401, "Invalid API key"), (404, "Unknown model"),
         (500, "The engine failed the request"), (529, "Engine dead or asleep")]} | {
     429: {"model": AnthropicErrorResponse | ErrorResponse, "description": "Overloaded"}}
+_STREAMED = _RESPONSES | STREAMED
 
 
 def _authorized(raw: Request) -> bool:
@@ -54,7 +56,7 @@ async def _serve(raw: Request, model: str,
     return await in_anthropic_shape(keyed)
 
 
-@router.post("/messages", responses=_RESPONSES)
+@router.post("/messages", responses=_STREAMED)
 async def create_message(req: MessagesRequest, raw: Request) -> Response:
     return await _serve(raw, req.model, lambda serving, lora: serving.create(req, raw, lora))
 

@@ -39,7 +39,12 @@ from tokenmill.server.protocol import (
 )
 from tokenmill.server.responses_protocol import ResponsesRequest
 from tokenmill.server.serving_chat import OpenAIServingChat, render_chat
-from tokenmill.server.serving_common import ClientDisconnected, RequestFailed, error_response
+from tokenmill.server.serving_common import (
+    STREAMED,
+    ClientDisconnected,
+    RequestFailed,
+    error_response,
+)
 from tokenmill.server.serving_completion import OpenAIServingCompletion
 from tokenmill.server.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from tokenmill.server.serving_messages import anthropic_error
@@ -123,19 +128,19 @@ async def models(raw: Request) -> dict[str, Any]:
     return {"object": "list", "data": [c.model_dump() for c in cards]}
 
 
-@v1.post("/completions")
+@v1.post("/completions", responses=STREAMED)
 async def create_completion(req: CompletionRequest, raw: Request) -> Any:
     s = _state(raw)
     return await s.completions.create(req, raw, s.adapters.resolve(req.model))
 
 
-@v1.post("/chat/completions")
+@v1.post("/chat/completions", responses=STREAMED)
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Any:
     s = _state(raw)
     return await s.chat.create(req, raw, s.adapters.resolve(req.model))
 
 
-@v1.post("/responses")
+@v1.post("/responses", responses=STREAMED)
 async def create_response(req: ResponsesRequest, raw: Request) -> Any:
     s = _state(raw)
     return await OpenAIServingResponses(s.chat).create(req, raw, s.adapters.resolve(req.model))

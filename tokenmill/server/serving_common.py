@@ -53,6 +53,12 @@ def error_response(status: int, message: str, param: str | None = None,
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
+# OpenAPI: a generation route answers JSON, or server-sent events when the request streams
+STREAMED: dict[int | str, dict[str, Any]] = {200: {
+    "description": "The answer (JSON), or its events (stream: true)",
+    "content": {"application/json": {}, "text/event-stream": {}}}}
+
+
 def check_failed(outputs: list[RequestOutput]) -> None:
     """RequestFailed if the engine failed any of these requests."""
     for out in outputs:
