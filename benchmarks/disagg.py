@@ -23,7 +23,6 @@ import itertools
 import json
 import os
 import random
-import statistics
 import tempfile
 import time
 
@@ -31,6 +30,7 @@ import httpx
 
 from tokenmill.bench.machine import describe_machine
 from tokenmill.bench.serve_command import launch
+from tokenmill.bench.serving import percentile as pct
 
 LONG, SHORT, LONG_OUT, SHORT_OUT = 2048, 32, 16, 160
 
@@ -64,10 +64,6 @@ async def workload(url: str, n_long: int, n_short: int, vocab: int
         results = await asyncio.gather(*shorts, *longs)
     itl = [b - a for times in results[:n_short] for a, b in itertools.pairwise(times)]
     return list(results[n_short:]), itl
-
-
-def pct(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
 
 
 def main() -> None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.machine import describe_machine
+from tokenmill.bench.serving import percentile as pct
 
 CLASSES = ((0, 0.1), (1, 0.3), (2, 0.6))
 
@@ -55,10 +55,6 @@ def run(llm: LLM, arrivals, params: SamplingParams, use_priority: bool
                 prio, t0 = sent[rid]
                 done[rid] = (prio, first[rid] - t0, t - t0)
     return done
-
-
-def pct(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
 
 
 def main() -> None:

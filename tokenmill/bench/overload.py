@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import numpy as np
+
+from tokenmill.bench.serving import percentile as _pct
 
 
 @dataclass
@@ -98,10 +99,6 @@ async def overload(base_url: str, num_requests: int, max_tokens: int,
     result.health_s = times.get(timeout=60)
     prober.join(timeout=30)
     return result
-
-
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
 
 
 def format_result(r: OverloadResult, num_requests: int, bound: int) -> str:

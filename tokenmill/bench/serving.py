@@ -110,6 +110,11 @@ async def run_load(base_url: str, model: str, reqs: list[BenchRequest], *,
         return results, time.perf_counter() - start
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (numpy's linear interpolation); nan for no values."""
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
 def _percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {"mean": 0.0, "p50": 0.0, "p95": 0.0, "p99": 0.0}
