@@ -122,13 +122,19 @@ class LLMEngine:
         while self._in_flight:
             with contextlib.suppress(Exception):  # their requests are being dropped anyway
                 self._in_flight.popleft()[2].result()
-        ops = self.kv.save_cached_blocks()
-        if ops:  # the disk tier keeps what the cache holds, for the next process
-            try:
-                self.executor.execute(SchedulerOutput(kv_offload=ops))
-            except Exception as e:  # shutting down regardless
-                logger.warning("the cached KV blocks were not saved to disk: %s", e)
+        try:
+            self._save_cached_blocks()
+        except Exception as e:  # shutting down regardless
+            logger.warning("the cached KV blocks were not saved to disk: %s", e)
         self.executor.shutdown()
+
+    def _save_cached_blocks(self) -> None:
+        """The disk tier keeps what the prefix cache holds (for the next process, or past a
+        sleep), in one step of copies only; its report counted like any step's."""
+        ops = self.kv.save_cached_blocks()
+        if ops:
+            out = self.executor.execute(SchedulerOutput(kv_offload=ops))
+            self.kv.offload.apply(out.kv_offload)
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> LLMEngine:
@@ -239,9 +245,7 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise ValueError(f"{self.scheduler.num_running + self.scheduler.num_waiting} "
                              "requests are in flight: sleep when the engine is idle")
-        ops = self.kv.save_cached_blocks()
-        if ops:
-            self.executor.execute(SchedulerOutput(kv_offload=ops))
+        self._save_cached_blocks()
         self.kv.reset_prefix_cache()
         self.executor.sleep(level)
         self.sleep_level = level
