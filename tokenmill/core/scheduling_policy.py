@@ -36,9 +36,8 @@ class PriorityQueue(deque):
     before them."""
 
     def _insert(self, r: Request, before_equals: bool) -> None:
-        keys = [_key(x) for x in self]
         find = bisect.bisect_left if before_equals else bisect.bisect_right
-        self.insert(find(keys, _key(r)), r)
+        self.insert(find(self, _key(r), key=_key), r)
 
     def append(self, r: Request) -> None:
         self._insert(r, before_equals=False)
@@ -75,7 +74,8 @@ class SchedulingPolicy:
     def displaced(self, waiting: deque[Request], running: list[Request],
                   max_num_seqs: int) -> list[Request]:
         """Running requests to preempt now so that waiting ones of a strictly higher priority
-        find a place in a full batch (priority only; removed from `running`)."""
+        find a place in a full batch (priority only; removed from `running`, which is in
+        `order_running`'s order: its lowest priority last)."""
         out: list[Request] = []
         if not self.by_priority:
             return out
@@ -84,10 +84,7 @@ class SchedulingPolicy:
             if free > 0:  # a place is free for it
                 free -= 1
                 continue
-            if not running:
+            if not running or running[-1].priority <= head.priority:
                 break
-            worst = max(range(len(running)), key=lambda i: (_key(running[i]), i))
-            if running[worst].priority <= head.priority:
-                break
-            out.append(running.pop(worst))  # its place goes to `head`
+            out.append(running.pop())  # its place goes to `head`
         return out
