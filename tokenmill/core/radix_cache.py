@@ -159,7 +159,7 @@ class RadixCache:
               on_evict: Callable[[RadixNode], None] | None = None) -> list[int]:
         """`on_evict(node)`: told of each node before it is detached (KV tiers save its
         blocks, kv_offload/manager.py)."""
-        leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+        leaves = [n for n in self.nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(leaves)
         freed: list[int] = []
         while len(freed) < num_blocks and leaves:
@@ -183,7 +183,8 @@ class RadixCache:
             node = node.parent
         return [t for part in reversed(parts) for t in part]
 
-    def _nodes(self) -> list[RadixNode]:
+    def nodes(self) -> list[RadixNode]:
+        """Every node but the root."""
         out, stack = [], list(self.root.children.values())
         while stack:
             node = stack.pop()
@@ -192,15 +193,11 @@ class RadixCache:
         return out
 
     def cached_block_ids(self) -> list[int]:
-        return [b for n in self._nodes() for b in n.value]
-
-    def nodes(self) -> list[RadixNode]:
-        """Every node but the root."""
-        return self._nodes()
+        return [b for n in self.nodes() for b in n.value]
 
     def check_integrity(self) -> None:
         cached = evictable = 0
-        for node in self._nodes():
+        for node in self.nodes():
             if len(node.key) != len(node.value) * self.block_size or not node.value:
                 raise AssertionError(f"node key/value mismatch: {len(node.key)} tokens, "
                                      f"{len(node.value)} blocks")
