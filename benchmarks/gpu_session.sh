@@ -7,9 +7,11 @@
 #
 # TOKENIZER_DIR: SmolLM2's tokenizer saved by --save-tokenizer (its GGUF file is too large to
 # travel). PARTs (default all): tests (attention backends, CUDA graphs, HF parity and the
-# fused-MoE kernel, on the GPU), shapes (benchmarks/real_shapes.py), moe (benchmarks/moe.py on
-# the GPU). Each part has its own time limit and log under OUT_DIR, so one that fails or hangs
-# leaves the others their time.
+# fused-MoE kernel, on the GPU), shapes (benchmarks/real_shapes.py), offline
+# (benchmarks/offline_throughput.py on the 8B shape: 1,000 ShareGPT-like requests, then 128 of
+# them beside Hugging Face static batching), moe (benchmarks/moe.py on the GPU; not in the
+# default, which fits 10 minutes). Each part has its own time limit and log under OUT_DIR, so
+# one that fails or hangs leaves the others their time.
 set -u
 if [ "${1:-}" = --save-tokenizer ]; then
   exec python3 -c "import sys
@@ -20,7 +22,7 @@ fi
 out=${1:?OUT_DIR}
 tok=${2:?TOKENIZER_DIR}
 shift 2
-parts=${*:-tests shapes moe}
+parts=${*:-tests shapes offline}
 mkdir -p "$out"
 # A pytest plugin that writes each failure's report the moment it happens, so that a run cut
 # off by its time limit still says what failed and why.
@@ -54,12 +56,17 @@ for part in $parts; do
   echo "=== $part $(date +%T)"
   case $part in
     # 8 test processes of 2 threads each on the machine's 16 cores
-    tests) OMP_NUM_THREADS=2 timeout "${TESTS_S:-270}" python3 -m pytest -q -p no:cacheprovider \
+    tests) OMP_NUM_THREADS=2 timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider \
              -p report_at_once -rfE -n 8 --timeout 120 \
              tests/attention tests/worker tests/models/test_hf_parity.py \
              tests/layers/test_fused_moe_triton.py 2>&1 | tee "$out/tests.log" ;;
     shapes) timeout "${SHAPES_S:-200}" python3 benchmarks/real_shapes.py \
               --json "$out/real_shapes.json" 2>&1 | tee "$out/real_shapes.log" ;;
+    offline) timeout "${OFFLINE_S:-130}" sh -c "python3 benchmarks/offline_throughput.py \
+               --model llama-8b --dtype bfloat16 --json $out/offline.json &&
+             python3 benchmarks/offline_throughput.py --model llama-8b --dtype bfloat16 \
+               --num-requests 128 --hf-reference --json $out/offline_hf.json" 2>&1 \
+               | tee "$out/offline.log" ;;
     moe) timeout "${MOE_S:-50}" python3 benchmarks/moe.py --device cuda --tokenizer "$tok" \
            --dtype "${MOE_DTYPE:-auto}" \
            --json "$out/moe.json" 2>&1 | tee "$out/moe.log" ;;

@@ -32,41 +32,11 @@ from typing import Any
 
 import torch
 
-# name → Llama config fields (../shared/README.md)
-SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, intermediate_size=128, vocab_size=512,
-                 tie_word_embeddings=True),
-    "smollm2": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
-                    num_key_value_heads=3, intermediate_size=1536, vocab_size=49152,
-                    tie_word_embeddings=True, rope_theta=100000.0),
-    "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
-                     tie_word_embeddings=True, rope_theta=500000.0),
-    "llama-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                     num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
-                     tie_word_embeddings=False, rope_theta=500000.0),
-}
+from tokenmill.bench.shapes import SHAPES, write_model_folder
+
 MODES_CUDA = {"triton + CUDA graphs": {},
               "triton eager": {"enforce_eager": True},
               "torch eager": {"attention_backend": "torch", "enforce_eager": True}}
-
-
-def write_model_folder(name: str, out: Path) -> Path:
-    """config.json of the shape and a word-level tokenizer ("<i>" for every id)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
-
-    shape = SHAPES[name]
-    folder = out / name
-    LlamaConfig(**shape, max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1,
-                eos_token_id=2, architectures=["LlamaForCausalLM"]).save_pretrained(folder)
-    vocab = {f"<{i}>": i for i in range(shape["vocab_size"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<1>", eos_token="<2>",
-                            unk_token="<0>").save_pretrained(folder)
-    return folder
 
 
 def single_stream(llm: Any, vocab: int, rng: random.Random) -> tuple[float, float]:

@@ -26,7 +26,7 @@ from tokenmill.engine_args import EngineArgs
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
 
-    p.add_argument("--workload", default="mixed", choices=["mixed", "uniform"])
+    p.add_argument("--workload", default="mixed", choices=["mixed", "uniform", "sharegpt"])
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--compare-hf", action="store_true",

@@ -6,6 +6,7 @@ request sets ignore_eos so output lengths are exactly as drawn.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,10 @@ def make_workload(name: str, vocab_size: int, special_ids: set[int], seed: int =
     if name == "mixed":
         n = num_requests or 128
         return [BenchRequest(draw(rng.randint(32, 512)), rng.randint(16, 256)) for _ in range(n)]
+    if name == "sharegpt":
+        n = num_requests or 1000
+        return [BenchRequest(draw(_lognormal_len(rng, *SHAREGPT_PROMPT)),
+                             _lognormal_len(rng, *SHAREGPT_OUTPUT)) for _ in range(n)]
     if name == "single-stream":
         return [BenchRequest(draw(128), 256)]
     if name == "shared-prefix":
@@ -36,8 +41,19 @@ def make_workload(name: str, vocab_size: int, special_ids: set[int], seed: int =
     if name == "multi-turn":  # conversation-major: conversation c's turns at 4c .. 4c + 3
         return [turn for conv in make_conversations(draw, num_requests or 16)
                 for turn in conv]
-    raise ValueError(f"unknown workload {name!r}; known: uniform, mixed, shared-prefix, "
-                     "multi-turn, single-stream")
+    raise ValueError(f"unknown workload {name!r}; known: uniform, mixed, sharegpt, "
+                     "shared-prefix, multi-turn, single-stream")
+
+
+# sharegpt: lengths shaped like vLLM's ShareGPT benchmark set (prompts under 1,024 tokens,
+# outputs as answered; 1,000 drawn: mean prompt 238, output 185 tokens, long-tailed), drawn from a
+# fixed log-normal (median, sigma, min, max) instead of downloading the dataset
+SHAREGPT_PROMPT = (140, 1.0, 4, 1024)
+SHAREGPT_OUTPUT = (135, 0.9, 4, 512)
+
+
+def _lognormal_len(rng: random.Random, median: int, sigma: float, lo: int, hi: int) -> int:
+    return min(hi, max(lo, round(rng.lognormvariate(math.log(median), sigma))))
 
 
 def make_conversations(draw: Callable[[int], list[int]], num_conversations: int,
