@@ -167,6 +167,9 @@ class CacheConfig:
     # bytes for K and V of all layers; None: sized at start-up (worker/kv_budget.py)
     kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests, tuning)
+    # CUDA, kv_cache_memory unset: the share of the device's memory this engine fills (the KV
+    # cache takes what the weights and a profiled step leave: worker/memory_profile.py)
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     swap_space: int = 2**30  # bytes of CPU memory for swapped-out KV (preemption_mode="swap")
     # "auto": the model's dtype; "int8": one scale per token and KV head; "fp8" (=
@@ -180,6 +183,9 @@ class CacheConfig:
                              f"got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)

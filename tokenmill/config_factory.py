@@ -98,6 +98,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     for size in ("kv_cache_memory", "swap_space"):
         if cache[size] is not None:
             cache[size] = parse_size(cache[size])
+    cache["gpu_memory_utilization"] = float(cache["gpu_memory_utilization"])
     cache = CacheConfig(**cache)
     seed = int(args.seed)
     return EngineConfig(

@@ -101,7 +101,12 @@ class EngineArgs:
     block_size: int = option(CacheConfig.block_size, "tokens per KV block", "cache")
     kv_cache_memory: str | int | None = option(
         CacheConfig.kv_cache_memory, "KV cache size: bytes or e.g. 512MiB, 4GiB (default: "
-        "half the memory free after the weights on CPU, 2GiB on GPU; logged)", "cache")
+        "half the memory free after the weights on CPU; on GPU what "
+        "--gpu-memory-utilization leaves; logged)", "cache")
+    gpu_memory_utilization: float | str = option(
+        CacheConfig.gpu_memory_utilization, "CUDA: the fraction of the GPU's memory this "
+        "engine may fill (weights, a profiled step's activations at max_num_batched_tokens, "
+        "then the KV cache in the rest; as vLLM's); --kv-cache-memory overrides", "cache")
     num_kv_blocks: int | None = option(
         CacheConfig.num_kv_blocks, "exact number of KV blocks (overrides --kv-cache-memory)",
         "cache")

@@ -73,7 +73,9 @@ class Sampler:
         generators = [(i, self._generator(rows[i])) for i in b.seeded_rows]
         draw = _exponential_ if kind == "exponential" else (
             lambda t, g: t.uniform_(generator=g))
-        out = draw(torch.empty_like(like, dtype=torch.float32), self._global)
+        out = torch.empty_like(like, dtype=torch.float32)
+        if len(generators) < len(rows):  # (a batch of seeded rows leaves the engine's as is)
+            draw(out, self._global)
         for i, g in generators:
             draw(out[i], g)
         return out

@@ -4,8 +4,9 @@ KV space: what is free after the weights are loaded, not a fixed figure.
 On CPU: half the memory the kernel reports available (MemAvailable) once the weights are in,
 split over the ranks of this engine, and never more than its longest possible batch needs
 (max_num_seqs sequences of max_model_len tokens). The CPU cache is fresh anonymous memory
-(attention/kv_cache.py), so blocks never used cost no resident memory. Elsewhere (CUDA),
-DEFAULT_KV_BYTES. The choice is logged.
+(attention/kv_cache.py), so blocks never used cost no resident memory. On CUDA the budget is
+a profiled step's (worker/memory_profile.py, gpu_memory_utilization); DEFAULT_KV_BYTES where
+neither applies. The choice is logged.
 """
 
 from __future__ import annotations
@@ -52,13 +53,15 @@ def auto_kv_budget(config: EngineConfig, block_bytes: int, device: torch.device)
     return budget
 
 
-def num_kv_blocks(config: EngineConfig, block_bytes: int, device: torch.device) -> int:
-    """Blocks of the KV cache: the configured count, else the budget (kv_cache_memory, or
-    the automatic one) over a block's bytes (ValueError below 2)."""
+def num_kv_blocks(config: EngineConfig, block_bytes: int, device: torch.device,
+                  profiled: int | None = None) -> int:
+    """Blocks of the KV cache: the configured count, else the budget (kv_cache_memory, a
+    profiled step's (CUDA: worker/memory_profile.py), or the automatic one) over a block's bytes
+    (ValueError below 2)."""
     cache = config.cache
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    budget = cache.kv_cache_memory
+    budget = cache.kv_cache_memory if cache.kv_cache_memory is not None else profiled
     if budget is None:
         budget = auto_kv_budget(config, block_bytes, device)
     n = budget // block_bytes

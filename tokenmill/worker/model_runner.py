@@ -59,6 +59,7 @@ from tokenmill.utils.profiling import scope
 from tokenmill.worker import sleep_mode
 from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.worker.kv_budget import allocate_swap, num_kv_blocks
+from tokenmill.worker.memory_profile import profiled_kv_budget
 from tokenmill.worker.pooler import pool_step
 from tokenmill.worker.request_states import RequestStates
 
@@ -83,9 +84,10 @@ class ModelRunner:
         # too; CUDA graphs are not captured with them)
         self.lora = (None if config.lora is None else
                      LoRAManager(self.model, config.lora, self.device))
-        self._allocate_kv()
-        self._bind_attention()
         self.sampler = Sampler(config.seed, self.device)
+        # CUDA: the KV cache takes what a profiled step leaves of gpu_memory_utilization
+        self._allocate_kv(budget=profiled_kv_budget(self))
+        self._bind_attention()
         self.states = RequestStates()  # the requests' tokens and block tables
         self._load_speculative()
         self._capture_graphs()
@@ -126,9 +128,9 @@ class ModelRunner:
                     mc.dtype, mc.quantization or "dense", self.device,
                     time.perf_counter() - t0)
 
-    def _allocate_kv(self, num_blocks: int | None = None) -> None:
+    def _allocate_kv(self, num_blocks: int | None = None, budget: int | None = None) -> None:
         """The KV cache (and its swap space and fp8 scales) of `num_blocks`, or sized from the
-        memory budget less the draft model's share."""
+        memory budget (`budget` bytes, else kv_budget.py's) less the draft model's share."""
         config, mc = self.config, self.config.model
         t0 = time.perf_counter()
         draft = config.draft_model
@@ -138,7 +140,7 @@ class ModelRunner:
                                 mc.head_dim, mc.dtype, config.cache.kv_cache_dtype)
         # a draft model's K/V take a block of their own beside each target block
         self.num_kv_blocks = num_blocks or num_kv_blocks(config, block + self._draft_block_bytes,
-                                                         self.device)
+                                                         self.device, budget)
         kv_dtype = config.cache.kv_cache_dtype
         self.kv_cache = allocate_kv_cache(self.num_layers, self.num_kv_blocks, self.block_size,
                                           self.num_kv_heads, mc.head_dim, mc.dtype, self.device,
