@@ -1,7 +1,8 @@
 """Gated activations for gated MLPs: x = [gate | up] (…, 2I) → act(gate) * up (…, I).
 SiLU (Llama, Qwen, Mixtral) and GELU, exact or tanh-approximated (Gemma's gelu_pytorch_tanh):
 one C++ pass each on CPU float32 (layers/cpu_ops.py `gated_act`, which the fused decode call
-runs too), PyTorch's ops elsewhere; `gated_activation` maps a config's name to one and
+runs too), one Triton launch on CUDA (layers/triton_ops.py, the same roundings), PyTorch's ops
+elsewhere; `gated_activation` maps a config's name to one and
 refuses the names it does not know. Each states its op for the fused call (layers/op_spec.py)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers import cpu_ops
+from tokenmill.layers.cuda_ops import cuda_ops
 from tokenmill.layers.op_spec import OpSpec
 
 
@@ -20,6 +22,8 @@ class SiluAndMul(nn.Module):
     computes = ("forward",)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (gpu := cuda_ops(x)) is not None:
+            return _on_rows(gpu.gated_act, x, "silu")
         if cpu_ops.fused(x):
             return cpu_ops.gated_act(x, "silu")
         gate, up = x.chunk(2, dim=-1)
@@ -40,6 +44,8 @@ class GeluAndMul(nn.Module):
         self.act = "gelu" if approximate == "none" else "gelu_tanh"  # cpu_ops' name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (gpu := cuda_ops(x)) is not None:
+            return _on_rows(gpu.gated_act, x, self.act)
         if cpu_ops.fused(x):
             return cpu_ops.gated_act(x, self.act)
         gate, up = x.chunk(2, dim=-1)
@@ -47,6 +53,12 @@ class GeluAndMul(nn.Module):
 
     def op_spec(self) -> OpSpec:
         return OpSpec("gated_act", frozenset({self.act}))
+
+
+def _on_rows(op: Any, x: torch.Tensor, act: str) -> torch.Tensor:
+    """op over x's rows (…, 2I) → (…, I)."""
+    out = op(x.reshape(-1, x.shape[-1]), act)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 # transformers' ACT2FN names → the gated activation computing act(gate) * up

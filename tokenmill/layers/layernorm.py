@@ -1,7 +1,7 @@
 """RMSNorm as Hugging Face computes it (variance in float32, weight applied after the cast back;
 float32 input takes torch's fused kernel), with an optional fused residual add:
 `norm(x, residual)` returns (normed, x + residual); on CPU float32 that is one C++ pass
-(layers/cpu_ops.py)."""
+(layers/cpu_ops.py), on CUDA one Triton launch (layers/triton_ops.py, the same roundings)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers import cpu_ops
+from tokenmill.layers.cuda_ops import cuda_ops
 from tokenmill.layers.op_spec import OpSpec
 
 
@@ -31,6 +32,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        gpu = cuda_ops(x)
+        if gpu is not None:  # one launch; rows of any leading shape
+            shape = x.shape
+            rows = x.reshape(-1, shape[-1])
+            if residual is None:
+                return gpu.rms_norm(rows, self.weight, self.eps).view(shape)
+            out, total = gpu.rms_norm(rows, self.weight, self.eps,
+                                      residual.reshape(-1, shape[-1]))
+            return out.view(shape), total.view(shape)
         if residual is None:
             return self._norm(x)
         if cpu_ops.fused(x):

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tokenmill.layers import cpu_ops
+from tokenmill.layers.cuda_ops import cuda_ops
 from tokenmill.layers.op_spec import OpSpec
 
 
@@ -116,8 +117,13 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     """q (T, Hq, D), k (T, Hkv, D), cos / sin (T, 1, R) → rotated q, k (the first R features
     of each head rotated, the rest as they were: partial rotary when R < D).
 
-    On CPU float32 q and k (views of the fused qkv output) are rotated in place."""
+    On CPU float32 and on CUDA, q and k (views of the fused qkv output) are rotated in place
+    (layers/cpu_ops.py, layers/triton_ops.py: the same roundings as the PyTorch code below)."""
     R = cos.shape[-1]
+    gpu = cuda_ops(q)
+    if gpu is not None and q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1:
+        gpu.rotary_(q, k, cos, sin)  # partial rotary too: features past R left as they are
+        return q, k
     if q.shape[-1] > R:
         q_rot, k_rot = apply_rotary(q[..., :R].contiguous(), k[..., :R].contiguous(), cos, sin)
         return torch.cat([q_rot, q[..., R:]], -1), torch.cat([k_rot, k[..., R:]], -1)
