@@ -59,7 +59,8 @@ for part in $parts; do
     tests) OMP_NUM_THREADS=2 timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider \
              -p report_at_once -rfE -n 8 --timeout 120 \
              tests/attention tests/worker tests/models/test_hf_parity.py \
-             tests/layers/test_fused_moe_triton.py tests/layers/test_triton_ops.py 2>&1 | tee "$out/tests.log" ;;
+             tests/layers/test_fused_moe_triton.py tests/layers/test_triton_ops.py \
+             tests/quantization/test_triton_block_gemm.py 2>&1 | tee "$out/tests.log" ;;
     shapes) timeout "${SHAPES_S:-200}" python3 benchmarks/real_shapes.py \
               --json "$out/real_shapes.json" 2>&1 | tee "$out/real_shapes.log" ;;
     offline) timeout "${OFFLINE_S:-130}" sh -c "python3 benchmarks/offline_throughput.py \

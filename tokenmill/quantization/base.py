@@ -154,6 +154,8 @@ class QuantizationConfig(ABC):
     name: str
     # every method it hands out multiplies batch-invariantly (EngineConfig.batch_invariant)
     batch_invariant: bool = True
+    # its methods multiply on CUDA too (Triton kernels), in the model's dtype there
+    runs_on_cuda: bool = False
 
     @abstractmethod
     def linear_method(self, prefix: str) -> LinearMethodBase:
@@ -169,10 +171,19 @@ class QuantizationConfig(ABC):
         return tensor
 
     def check_device(self, device: torch.device) -> None:
-        """Raise ValueError when this format cannot run on `device` (default: CPU only)."""
+        """Raise ValueError when this format cannot run on `device` (CPU: the C++ kernels;
+        CUDA: formats with `runs_on_cuda`, with Triton installed)."""
+        if device.type == "cuda" and self.runs_on_cuda:
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                raise ValueError(f"quantization={self.name!r} on CUDA needs the triton "
+                                 "package (it comes with torch's CUDA builds)") from None
+            return
         if device.type != "cpu":
-            raise ValueError(f"quantization={self.name!r} runs on CPU only for now "
-                             f"(kernels in tokenmill/csrc); device is {device.type}")
+            where = "CPU and CUDA" if self.runs_on_cuda else "CPU only for now"
+            raise ValueError(f"quantization={self.name!r} runs on {where} (kernels in "
+                             f"tokenmill/csrc); device is {device.type}")
         if not cpu_ops.ops_available():
             raise ValueError(f"quantization={self.name!r} needs the C++ CPU kernels, which "
                              "could not be built here (no compiler, or TOKENMILL_CPU_KERNELS=0)")

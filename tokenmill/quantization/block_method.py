@@ -5,7 +5,9 @@ Subclasses differ only in what the checkpoint holds and how `process_weights_aft
 turns it into blocks (`set_blocks`); the kernel descriptor, `apply` (the C++ `linear`
 op at every M) and row lookups are shared. The blocks are the layer's parameters `blocks_q`,
 `blocks_d` and, for 4-bit, `blocks_m` (and `input_scale` where an activation-aware search
-scaled the weight's input channels); no float copy of the weight is kept.
+scaled the weight's input channels); no float copy of the weight is kept. On CUDA the same
+blocks are multiplied by a Triton GEMM (quantization/triton_block_gemm.py) and embedding rows
+are dequantized with PyTorch's ops (blocks.dequantize), in the dtype the layer was built with.
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ import torch
 from torch import nn
 
 from tokenmill.quantization.base import CPULinearKernel, LinearMethodBase, replace_param
+from tokenmill.quantization.blocks import dequantize
+
+
+def on_cuda(x: torch.Tensor) -> bool:
+    """Whether x takes the CUDA branch (the tests route CPU tensors into it, interpreted)."""
+    return x.is_cuda
 
 
 class BlockLinearMethod(LinearMethodBase):
@@ -36,9 +44,33 @@ class BlockLinearMethod(LinearMethodBase):
         q = getattr(layer, "blocks_q", None)
         if q is None or not q.is_cpu:
             return None
+        return self._blocks(layer)
+
+    def _blocks(self, layer: nn.Module) -> CPULinearKernel:
         names = ("blocks_q", "blocks_d") + (("blocks_m",) if self.kind == CPULinearKernel.Q4
                                              else ())
         group = getattr(layer, "group_size", self.group)  # set where it varies by layer
         return CPULinearKernel(self.kind, group, tuple(getattr(layer, n) for n in names),
                                self.int8_activations, getattr(layer, "input_scale", None),
                                self.batch_invariant)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not on_cuda(x):
+            return super().apply(layer, x, bias)
+        return self._gemm(layer, x, bias)
+
+    def _gemm(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        from tokenmill.quantization.triton_block_gemm import block_linear
+
+        k = self._blocks(layer)
+        return block_linear(x, k.kind, k.group, *k.tensors[:2],
+                            k.tensors[2] if len(k.tensors) > 2 else None, k.input_scale, bias)
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        if not on_cuda(ids):
+            return super().embed(layer, ids)
+        k = self._blocks(layer)
+        rows = CPULinearKernel(k.kind, k.group, tuple(t[ids] for t in k.tensors))
+        return dequantize(rows).to(getattr(layer, "compute_dtype", torch.float32))

@@ -134,6 +134,8 @@ class GPTQLinearMethod(_ZeroPointMethod):
 class Int4CheckpointConfig(QuantizationConfig):
     """From a checkpoint's `quantization_config` (config.json)."""
 
+    runs_on_cuda = True
+
     def __init__(self, name: str, hf_quant_config: dict[str, Any], prepack: bool,
                  int8_activations: bool = False, batch_invariant: bool = True) -> None:
         self.name = name

@@ -57,6 +57,7 @@ class LoadTimeQuantMethod(BlockLinearMethod):
                              f"this model has {input_size}")
         layer.weight = new_param((sum(output_sizes), input_size), dtype, output_dim=0,
                                  input_dim=1)
+        layer.compute_dtype = dtype  # the activations' (CUDA: embedding rows come out in it)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w = layer.weight.data
@@ -75,6 +76,7 @@ class LoadTimeQuantMethod(BlockLinearMethod):
 
 class Int8Config(QuantizationConfig):
     name = "int8"
+    runs_on_cuda = True
 
     def __init__(self, int8_activations: bool = False, batch_invariant: bool = True) -> None:
         self.batch_invariant = batch_invariant
@@ -93,6 +95,7 @@ class Int8Config(QuantizationConfig):
 
 class Int4Config(QuantizationConfig):
     name = "int4"
+    runs_on_cuda = True
 
     def __init__(self, group: int | None = None, int8_activations: bool = False,
                  activations: dict[str, torch.Tensor] | None = None,

@@ -91,6 +91,9 @@ def moe_quant_method(quant: QuantizationConfig | None,
     ValueError for a format whose expert weights are not supported."""
     if quant is None or quant.name == "none":
         return None
+    if torch.get_default_device().type != "cpu":  # the model is being built there
+        raise ValueError(f"quantization={quant.name!r}: quantized MoE experts run on CPU "
+                         "only (the C++ kernels); serve this MoE model unquantized on CUDA")
     if quant.name == "gguf":  # the file's own expert blocks, or None: float tensors
         return gguf_experts_method(quant, prefix)
     method = quant.linear_method(prefix) if quant.name in ("int8", "int4") else None
