@@ -70,8 +70,8 @@ class ModelConfig:
     # "auto": the weights of the checkpoint; "dummy": seeded random weights of the model's
     # shape, no checkpoint read (vLLM's name; benchmarks of real shapes, model_loader/loader.py)
     load_format: str = "auto"
-    # The weight format (tokenmill/quantization/): None (dense), "int8", "int4", "awq",
-    # "gptq" or "gguf"; hf_quant_config is the checkpoint's own quantization_config. Unset
+    # The weight format (tokenmill/quantization/): None (dense), "int8", "int4", "fp8",
+    # "awq", "gptq" or "gguf"; hf_quant_config is the checkpoint's own quantization_config. Unset
     # in the options, a quantized GGUF may become "gguf" (config_weights.default_quantization).
     quantization: str | None = None
     hf_quant_config: dict[str, Any] | None = None

@@ -300,6 +300,8 @@ def resolve_batch_invariant(asked: bool | None, device: str, model: ModelConfig,
         why_not = "without the C++ CPU kernels (TOKENMILL_CPU_KERNELS=0)"
     elif model.dtype != torch.float32:
         why_not = f"in {model.dtype}: the CPU kernels compute float32"
+    elif model.quantization == "fp8":
+        why_not = "with quantization='fp8': torch's fp8 GEMM sums in an order of its own"
     elif attention_backend not in ("auto", "cpu"):
         why_not = (f"with attention_backend={attention_backend!r}: only the C++ paged kernel "
                    "attends every query in a fixed order")

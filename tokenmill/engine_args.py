@@ -89,9 +89,11 @@ class EngineArgs:
         "auto", "dummy: seeded random weights of the model's shape (benchmarks)", "model",
         choices=LOAD_FORMATS)
     quantization: str | None = option(
-        None, "weight format: int8 / int4 quantize a float checkpoint at load; awq / gptq read "
-        "such checkpoints (the default for them); gguf serves a GGUF file's blocks as stored "
-        "(the default for a quantized GGUF on CPU); none: dense, a GGUF expanded to float32",
+        None, "weight format: int8 / int4 quantize a float checkpoint at load (CPU and CUDA); "
+        "fp8: W8A8 e4m3, per-channel weight and per-token activation scales (CUDA sm_89+, "
+        "CPU for reference); awq / gptq read such checkpoints (the default for them); gguf "
+        "serves a GGUF file's blocks as stored (the default for a quantized GGUF on CPU); "
+        "none: dense, a GGUF expanded to float32",
         "model", flags=("-q",), choices=("none", *QUANTIZATION_METHODS))
     int8_activations: bool = option(
         ModelConfig.int8_activations, "quantized weights: every step multiplies "

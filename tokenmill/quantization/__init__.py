@@ -92,6 +92,16 @@ def _int4(model: ModelConfig, prepack: bool, int8_acts: bool,
                       batch_invariant=inv)
 
 
+def _fp8(model: ModelConfig, prepack: bool, int8_acts: bool,
+         inv: bool) -> QuantizationConfig:
+    from tokenmill.quantization.fp8 import Fp8Config
+
+    if int8_acts:
+        raise ValueError("int8_activations does not apply to quantization='fp8' (its "
+                         "activations are fp8 already)")
+    return Fp8Config(prepack)
+
+
 def _int4_checkpoint(model: ModelConfig, prepack: bool, int8_acts: bool,
                      inv: bool) -> QuantizationConfig:
     from tokenmill.quantization.int4_checkpoints import Int4CheckpointConfig
@@ -129,6 +139,7 @@ class WeightFormat:
 WEIGHT_FORMATS = {f.name: f for f in (
     WeightFormat("int8", "float", _int8),
     WeightFormat("int4", "float", _int4),
+    WeightFormat("fp8", "float", _fp8),
     WeightFormat("awq", "checkpoint", _int4_checkpoint),
     WeightFormat("gptq", "checkpoint", _int4_checkpoint),
     WeightFormat("gguf", "gguf", _gguf),
