@@ -71,3 +71,22 @@ def graphs_unsupported_by(runner, backend_name: str) -> bool:
         return runner._decode_graphs(capture=False) is None
     finally:
         runner.backend = saved
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 3, 8, 64, 100, 256, 300, 512, 1024])
+def test_capture_sizes_bound_the_padding(max_num_seqs):
+    """vLLM's capture sizes, capped at max_num_seqs (which is added): every batch up to the
+    last size is padded by at most 7 rows up to 256 sequences and 15 beyond, so from 64
+    sequences on padding is under 12% of a step's rows; larger batches run eagerly."""
+    from tokenmill.worker.cuda_graphs import DecodeGraphs
+
+    sizes = DecodeGraphs.capture_sizes(max_num_seqs)
+    assert sizes == sorted(set(sizes)) and sizes[0] == 1
+    assert sizes[-1] == min(max_num_seqs, 512)
+    for n in range(1, sizes[-1] + 1):
+        padded = next(s for s in sizes if s >= n)
+        assert padded - n <= (7 if n <= 256 else 15), n
+        if n >= 64:
+            assert (padded - n) / padded < 0.12, n
+    if max_num_seqs >= 24:
+        assert sizes[:6] == [1, 2, 4, 8, 16, 24]

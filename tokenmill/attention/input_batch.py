@@ -74,10 +74,25 @@ class InputBatch:
             logits_indices = torch.tensor(
                 [query_start_locs[i + 1] - c + t for i in sample_rows
                  for c in [reqs[i].num_sample_positions] for t in range(c)], dtype=torch.long)
-        to = lambda t: t.to(device, non_blocking=True)
+        parts = _to_device([input_ids, positions, slots, block_tables, qsl,
+                            torch.tensor(seq_lens, dtype=torch.long), logits_indices], device)
         return InputBatch(
-            input_ids=to(input_ids), positions=to(positions), slot_mapping=to(slots),
-            block_tables=to(block_tables), query_start_loc=to(qsl),
-            seq_lens_t=to(torch.tensor(seq_lens, dtype=torch.long)),
-            logits_indices=to(logits_indices), query_lens=query_lens,
+            input_ids=parts[0], positions=parts[1], slot_mapping=parts[2],
+            block_tables=parts[3], query_start_loc=parts[4], seq_lens_t=parts[5],
+            logits_indices=parts[6], query_lens=query_lens,
             query_start_locs=query_start_locs, seq_lens=seq_lens, sample_rows=sample_rows)
+
+
+def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The step's int64 host tensors on `device`: on CUDA packed into one pinned buffer and
+    sent in one asynchronous copy (one transfer instead of seven; the host does not wait for
+    it), then viewed apart; elsewhere as they are."""
+    if device.type != "cuda":
+        return tensors
+    flat = torch.cat([t.reshape(-1) for t in tensors]).pin_memory()
+    on_device = flat.to(device, non_blocking=True)
+    out, start = [], 0
+    for t in tensors:
+        out.append(on_device[start:start + t.numel()].view(t.shape))
+        start += t.numel()
+    return out
