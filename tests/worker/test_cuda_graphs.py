@@ -50,6 +50,26 @@ def test_padded_static_decode_matches_hf(llama_cases):
     assert_kv_all_free(llm.engine)
 
 
+def test_padded_static_decode_with_split_keys_matches_hf(llama_cases):
+    """The static buffers with several splits per sequence (32 keys each here, so the
+    300-token prompt's decodes take 10): work items, padding rows' items and the items a
+    smaller batch leaves unused."""
+    path, cases, expected = llama_cases
+    llm = LLM(path, attention_backend="triton", max_num_batched_tokens=64, dtype="float32")
+    runner = llm.engine.runner
+    runner.backend.split_keys = 32
+    if runner.device.type == "cpu":
+        runner.decode_graphs = runner._decode_graphs(capture=False)
+    state = runner.decode_graphs.attention
+    assert state.split_keys == 32 and state.max_splits == -(-512 // 32)
+    assert generate_greedy(llm, cases) == expected
+    assert generate_greedy(llm, [(p, 5) for p, _ in cases[:3]]) == [e[:5] for e in expected[:3]]
+    # the last step (3 rows padded to 4): items past its own do nothing
+    used = int(state.tile_work_start[3]) + 1  # the padding row's one item is the last used
+    assert (state.work_splits[used:4 * state.max_splits] == state.max_splits).all()
+    assert_kv_all_free(llm.engine)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_replays_match_eager(llama_cases):
     path, cases, expected = llama_cases

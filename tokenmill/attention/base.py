@@ -70,11 +70,15 @@ class AttentionBackend(ABC):
     FEATURES: frozenset[str] = frozenset()  # the attention variants this backend computes
 
     def __init__(self, block_size: int, device: torch.device,
-                 features: frozenset[str] = frozenset()) -> None:
-        """features: the variants the model's layers use (a subset of FEATURES)."""
+                 features: frozenset[str] = frozenset(), max_model_len: int | None = None
+                 ) -> None:
+        """features: the variants the model's layers use (a subset of FEATURES);
+        max_model_len: the longest context a query sees (None: unknown), which a backend may
+        size its work by (the Triton backend's split-KV decode)."""
         self.block_size = block_size
         self.device = device
         self.features = features
+        self.max_model_len = max_model_len
 
     @abstractmethod
     def build_metadata(self, batch: InputBatch) -> AttentionMetadata: ...

@@ -74,8 +74,9 @@ class CPUPagedAttention(AttentionBackend):
     FEATURES = frozenset({"sliding_window", "soft_cap", "batch_invariant"})
 
     def __init__(self, block_size: int, device: torch.device,
-                 features: frozenset[str] = frozenset()) -> None:
-        super().__init__(block_size, device, features)
+                 features: frozenset[str] = frozenset(), max_model_len: int | None = None
+                 ) -> None:
+        super().__init__(block_size, device, features, max_model_len)
         self.invariant = "batch_invariant" in features
         op = paged_attention_op()
         if op is None:

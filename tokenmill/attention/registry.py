@@ -20,7 +20,8 @@ BACKEND_NAMES = ("auto", *_REGISTRY)
 
 def get_attention_backend(name: str, block_size: int, device: torch.device,
                           dtype: torch.dtype = torch.float32,
-                          features: frozenset[str] = frozenset()) -> AttentionBackend:
+                          features: frozenset[str] = frozenset(),
+                          max_model_len: int | None = None) -> AttentionBackend:
     """`auto`: the C++ kernel backend for float32 on CPU when it builds, the Triton kernel on
     CUDA when triton is installed, else PyTorch; in each case only if it computes every
     attention variant in `features` (else PyTorch, which computes them all). Every backend
@@ -49,7 +50,7 @@ def get_attention_backend(name: str, block_size: int, device: torch.device,
         raise ValueError(f"attention backend {name!r} does not compute "
                          f"{', '.join(sorted(missing))}, which this model's layers use; "
                          f"use attention_backend='torch' or 'auto'")
-    return cls(block_size, device, features)
+    return cls(block_size, device, features, max_model_len)
 
 
 def _backend_class(name: str) -> type[AttentionBackend]:

@@ -141,8 +141,9 @@ class TorchPagedAttention(AttentionBackend):
     FEATURES = frozenset({"sliding_window", "soft_cap"})
 
     def __init__(self, block_size: int, device: torch.device,
-                 features: frozenset[str] = frozenset()) -> None:
-        super().__init__(block_size, device, features)
+                 features: frozenset[str] = frozenset(), max_model_len: int | None = None
+                 ) -> None:
+        super().__init__(block_size, device, features, max_model_len)
         self._buffer = torch.empty(0, device=device)
         # a window could leave a cascade's shared prefix partly out of sight: none planned
         self.cascades = not features

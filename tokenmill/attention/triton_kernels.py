@@ -28,11 +28,16 @@ results match the PyTorch oracle to float32 rounding.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from tokenmill.attention.kv_formats import KV_FORMATS, format_of_storage
+
+if TYPE_CHECKING:
+    from tokenmill.attention.triton_paged import SplitWork
 
 # KV_FORMAT: the cache's row format (attention/kv_formats.py's kernel ids)
 FLOAT, INT8, FP8, BF16 = (KV_FORMATS[n].kernel_id for n in ("auto", "int8", "fp8", "bfloat16"))
@@ -60,15 +65,21 @@ def _load_kv_rows(cache_ptr, row, head_scale, d, mask, n_ok, D: tl.constexpr,
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, kv_scales_ptr,
     block_tables_ptr, tile_rows_ptr, tile_q_starts_ptr, tile_q_lens_ptr, tile_first_ctx_ptr,
+    work_tiles_ptr, work_splits_ptr, part_acc_ptr, part_ml_ptr, split_keys,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     scale, block_size, window, soft_cap,
     G: tl.constexpr, G_PAD: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
     D_PAD: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, ROW: tl.constexpr, KV_FORMAT: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    tile = tl.program_id(0)
     kv_head = tl.program_id(1)
+    if SPLIT:  # program 0's axis walks work items: (tile, split of split_keys keys)
+        item = tl.program_id(0)
+        tile = tl.load(work_tiles_ptr + item)
+        split = tl.load(work_splits_ptr + item)
+    else:
+        tile = tl.program_id(0)
     seq_row = tl.load(tile_rows_ptr + tile)
     q_start = tl.load(tile_q_starts_ptr + tile)
     q_len = tl.load(tile_q_lens_ptr + tile)
@@ -95,11 +106,15 @@ def _paged_attention_kernel(
         k_scale = tl.load(kv_scales_ptr + kv_head)
         v_scale = tl.load(kv_scales_ptr + HKV + kv_head)
     lo = 0
+    hi = kv_len
+    if SPLIT:  # this item's keys only (past the end: a padding item, nothing to do)
+        lo = split * split_keys
+        hi = tl.minimum(lo + split_keys, kv_len)
     if HAS_WINDOW:  # the tile's first query sees keys from first_ctx - window on
-        lo = tl.maximum(first_ctx - window, 0) // BLOCK_N * BLOCK_N
-    for n0 in range(lo, kv_len, BLOCK_N):
+        lo = tl.maximum(lo, tl.maximum(first_ctx - window, 0) // BLOCK_N * BLOCK_N)
+    for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < kv_len
+        n_ok = n < hi
         block = tl.load(block_tables_ptr + seq_row * stride_bt + n // block_size, mask=n_ok,
                         other=0)
         slot = block.to(tl.int64) * block_size + n % block_size
@@ -123,10 +138,44 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
-    o_off = (q_start + qi)[:, None] * stride_ot + (kv_head * G + g)[:, None] * stride_oh
-    tl.store(out_ptr + o_off + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
+    if SPLIT:  # the split's unnormalised sums, merged by _merge_splits_kernel
+        if split * split_keys < kv_len:
+            head = (item * HKV + kv_head) * G + g  # (ROWS,) row of (items, Hq)
+            tl.store(part_acc_ptr + head[:, None] * D_PAD + d[None, :], acc,
+                     mask=row_ok[:, None])
+            tl.store(part_ml_ptr + head * 2, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + head * 2 + 1, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+        o_off = (q_start + qi)[:, None] * stride_ot + (kv_head * G + g)[:, None] * stride_oh
+        tl.store(out_ptr + o_off + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, tile_q_starts_ptr,
+                         tile_first_ctx_ptr, tile_work_start_ptr, split_keys, stride_ot,
+                         stride_oh, HQ: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    """One decode tile's query head: its splits' (acc, m, l) merged in split order, as the
+    online softmax would have continued (one split: acc / l, the unsplit kernel's result)."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    start = tl.load(tile_work_start_ptr + tile)
+    num = (tl.load(tile_first_ctx_ptr + tile) + split_keys - 1) // split_keys
+    m = -1.0e30
+    for i in range(0, num):
+        m = tl.maximum(m, tl.load(part_ml_ptr + ((start + i) * HQ + h) * 2))
+    d = tl.arange(0, D_PAD)
+    acc = tl.zeros((D_PAD,), tl.float32)
+    total = 0.0
+    for i in range(0, num):
+        row = (start + i) * HQ + h
+        w = tl.exp(tl.load(part_ml_ptr + row * 2) - m)
+        total = total + tl.load(part_ml_ptr + row * 2 + 1) * w
+        acc = acc + tl.load(part_acc_ptr + row * D_PAD + d) * w
+    q = tl.load(tile_q_starts_ptr + tile)
+    tl.store(out_ptr + q * stride_ot + h * stride_oh + d,
+             (acc / total).to(out_ptr.dtype.element_ty), mask=d < D)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -134,13 +183,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     tile_q_starts: torch.Tensor, tile_q_lens: torch.Tensor,
                     tile_first_ctx: torch.Tensor, tile: int, scale: float,
                     kv_scales: torch.Tensor | None = None, sliding_window: int | None = None,
-                    soft_cap: float | None = None) -> None:
+                    soft_cap: float | None = None, split: SplitWork | None = None) -> None:
     """Write into out (T, Hq, D) the attention of the queries of every tile.
 
     q (T, Hq, D); k_cache, v_cache (num_blocks, block_size, Hkv, R), contiguous, in any
     format of kv_cache.py (kv_scales (2, Hkv) float32: an fp8 cache's);
     block_tables (B, max_blocks); tile_* (N,) int32: the sequence row, first flat query index,
     number of queries (1..tile) and cached tokens seen by the first query of each tile.
+    split (decode tiles, tile = 1): the tiles' keys cut into work items of split_keys keys,
+    attended in parallel and merged in order (flash-decoding).
     """
     num_tiles = tile_rows.numel()
     if num_tiles == 0:
@@ -150,21 +201,36 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "cache halves must be contiguous"
     k_cache, v_cache, kv_scales, kv_format = _cache_args(k_cache, v_cache, kv_scales)
     assert q.stride(2) == 1 and out.stride(2) == 1
+    assert split is None or (tile == 1 and split.split_keys % 32 == 0)
     G = Hq // Hkv
     g_pad = triton.next_power_of_2(G)
+    d_pad = max(16, triton.next_power_of_2(D))
     rows = max(16, tile * g_pad)  # tl.dot needs 16+ rows; extra rows are masked
-    _paged_attention_kernel[(num_tiles, Hkv)](
+    if split is None:
+        grid, work = (num_tiles, Hkv), (tile_rows, tile_rows, q, q, 0)  # (work args unread)
+    else:
+        items = split.work_tiles.numel()
+        part_acc = torch.empty(items, Hq, d_pad, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(items, Hq, 2, dtype=torch.float32, device=q.device)
+        grid = (items, Hkv)
+        work = (split.work_tiles, split.work_splits, part_acc, part_ml, split.split_keys)
+    _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, kv_scales,
-        block_tables, tile_rows, tile_q_starts, tile_q_lens, tile_first_ctx,
+        block_tables, tile_rows, tile_q_starts, tile_q_lens, tile_first_ctx, *work,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         scale, block_size, sliding_window or 0, soft_cap or 1.0,
-        G=G, G_PAD=g_pad, HKV=Hkv, D=D, D_PAD=max(16, triton.next_power_of_2(D)),
+        G=G, G_PAD=g_pad, HKV=Hkv, D=D, D_PAD=d_pad,
         TILE=tile, ROWS=rows, BLOCK_N=64 if tile > 1 else 32,
         # float32: exact products (Triton's default on GPU would be TF32); bf16 / fp16: default
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         ROW=row, KV_FORMAT=kv_format,
         HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None,
+        SPLIT=split is not None,
     )
+    if split is not None:
+        _merge_splits_kernel[(num_tiles, Hq)](
+            out, part_acc, part_ml, tile_q_starts, tile_first_ctx, split.tile_work_start,
+            split.split_keys, out.stride(0), out.stride(1), HQ=Hq, D=D, D_PAD=d_pad)
 
 
 def runs_here(device: torch.device) -> bool:

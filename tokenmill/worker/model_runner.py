@@ -167,7 +167,8 @@ class ModelRunner:
         if config.batch_invariant:
             features |= {"batch_invariant"}
         self.backend = get_attention_backend(config.attention_backend, self.block_size,
-                                             self.device, mc.dtype, features)
+                                             self.device, mc.dtype, features,
+                                             mc.max_model_len)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.bind(self.kv_cache[i], self.backend,
                       None if self.kv_scales is None else self.kv_scales[i], self.key_rotation)
