@@ -56,11 +56,15 @@ for part in $parts; do
   echo "=== $part $(date +%T)"
   case $part in
     # 8 test processes of 2 threads each on the machine's 16 cores
-    tests) OMP_NUM_THREADS=2 timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider \
+    # the memory-profile tests first and alone (they fill shares of the GPU), then the rest
+    tests) timeout "${TESTS_S:-240}" sh -c "python3 -m pytest -q -p no:cacheprovider \
+             -p report_at_once -rfE --timeout 120 tests/worker/test_memory_profile.py;
+           OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
              -p report_at_once -rfE -n 8 --timeout 120 \
              tests/attention tests/worker tests/models/test_hf_parity.py \
              tests/layers/test_fused_moe_triton.py tests/layers/test_triton_ops.py \
-             tests/quantization/test_triton_block_gemm.py 2>&1 | tee "$out/tests.log" ;;
+             tests/quantization/test_triton_block_gemm.py tests/quantization/test_fp8.py \
+             --ignore=tests/worker/test_memory_profile.py" 2>&1 | tee "$out/tests.log" ;;
     shapes) timeout "${SHAPES_S:-200}" python3 benchmarks/real_shapes.py \
               --json "$out/real_shapes.json" 2>&1 | tee "$out/real_shapes.log" ;;
     offline) timeout "${OFFLINE_S:-130}" sh -c "python3 benchmarks/offline_throughput.py \

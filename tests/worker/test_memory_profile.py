@@ -95,21 +95,29 @@ def test_gpu_memory_utilization_option(tiny_model):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_kv_cache_fills_the_share_of_the_device(tiny_model):
+def test_kv_cache_takes_the_profiled_share_of_the_device(tiny_model):
+    """On the GPU (benchmarks/gpu_session.sh runs this file alone, before the parallel tests):
+    the KV cache is the share left after what was in use and the step's peak, in whole
+    blocks, or what the longest batch needs when that is less."""
+    from tokenmill.attention.kv_cache import bytes_per_block
+    from tokenmill.worker.kv_budget import longest_batch_bytes
+
     folder, hf = tiny_model("llama")
     cases = [(p, min(m, 8)) for p, m in mixed_prompts(3, hf.config.vocab_size, seed=2)]
-    blocks = {}
-    for util in (0.3, 0.6):
-        llm = LLM(folder, gpu_memory_utilization=util, dtype="float32")
+    for util, seqs in ((0.3, 8), (0.3, 100_000)):  # capped by the need; by the share
+        llm = LLM(folder, gpu_memory_utilization=util, max_num_seqs=seqs, dtype="float32")
         runner = llm.engine.runner
+        profile = runner.memory_profile
         free, total = torch.cuda.mem_get_info()
-        kv_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
-        # the device is filled to the share, less the graphs' and allocator's slack
-        assert (total - free) <= util * total + 0.02 * total
-        assert (total - free) >= util * total - 0.05 * total
-        blocks[util] = runner.num_kv_blocks
-        assert kv_bytes > 0.2 * total * (util - 0.25)
+        assert profile.total == total and profile.activation_peak > 0
+        assert profile.in_use >= sum(p.numel() * p.element_size()
+                                     for p in runner.model.parameters())
+        config, mc = llm.engine.config, llm.engine.config.model
+        block = bytes_per_block(runner.num_layers, runner.block_size, runner.num_kv_heads,
+                                mc.head_dim, mc.dtype, config.cache.kv_cache_dtype)
+        budget = min(profile.kv_budget(util), longest_batch_bytes(config, block))
+        assert runner.num_kv_blocks == budget // block
+        assert (budget == profile.kv_budget(util)) == (seqs == 100_000)
         assert generate_greedy(llm, cases) == [hf_greedy(hf, p, m) for p, m in cases]
         del llm, runner
         torch.cuda.empty_cache()
-    assert blocks[0.6] > 1.5 * blocks[0.3]

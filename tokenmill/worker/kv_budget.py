@@ -35,14 +35,20 @@ def available_memory() -> int | None:
     return None
 
 
+def longest_batch_bytes(config: EngineConfig, block_bytes: int) -> int:
+    """What the longest possible batch needs: max_num_seqs sequences of max_model_len tokens
+    in whole blocks, and the null block."""
+    blocks_per_seq = -(-config.model.max_model_len // config.cache.block_size)
+    return (config.scheduler.max_num_seqs * blocks_per_seq + 1) * block_bytes
+
+
 def auto_kv_budget(config: EngineConfig, block_bytes: int, device: torch.device) -> int:
     """Bytes for this rank's KV cache (module doc)."""
     free = available_memory() if device.type == "cpu" else None
     if free is None:
         return DEFAULT_KV_BYTES
     ranks = config.parallel.world_size
-    needed = (config.scheduler.max_num_seqs * -(-config.model.max_model_len //
-                                                config.cache.block_size) + 1) * block_bytes
+    needed = longest_batch_bytes(config, block_bytes)
     share = int(free * FREE_FRACTION) // ranks
     budget = min(needed, share)
     logger.info("KV cache budget %.2f GiB: %.0f%% of the %.2f GiB available after the "

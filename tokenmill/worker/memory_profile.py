@@ -11,7 +11,9 @@ of its own, and measures the step's activation peak. The KV cache then takes wha
 where "in use" is everything the device reports used once the allocator's cache is emptied:
 the weights, the CUDA context and libraries' workspaces, and other processes on the device (as
 vLLM's v0 counted them: a second engine on the same GPU gets what the first left of its share).
-CUDA graphs are captured later, from the headroom `1 - utilization` leaves.
+Never more than the longest possible batch needs (max_num_seqs x max_model_len tokens, as on
+CPU): a small model with a short context takes what it can use, not 90% of an H100. CUDA
+graphs are captured later, from the headroom `1 - utilization` leaves.
 
 Invariants: the profiled step reads and writes only its own cache (freed before the real one
 is allocated); its requests are seeded and forgotten, so they leave the sampler's generators as
@@ -36,6 +38,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.interface import ScheduledRequest
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.utils import cdiv
+from tokenmill.worker.kv_budget import longest_batch_bytes
 
 if TYPE_CHECKING:
     from tokenmill.worker.model_runner import ModelRunner
@@ -101,15 +104,17 @@ def run_profile_step(runner: ModelRunner, reqs: list[ScheduledRequest]) -> None:
             runner.sampler.forget({r.req_id for r in reqs})
 
 
-def profiled_kv_budget(runner: ModelRunner) -> int | None:
-    """CUDA without a configured size: the KV cache's bytes from a profiled step (module doc);
-    None elsewhere (kv_budget.py sizes it). ValueError when nothing is left for it."""
+def profiled_kv_budget(runner: ModelRunner, block_bytes: int) -> int | None:
+    """CUDA without a configured size: the KV cache's bytes from a profiled step (module doc),
+    at most what the longest batch of `block_bytes` blocks needs; the profile is kept as
+    runner.memory_profile. None elsewhere (kv_budget.py sizes it). ValueError when nothing is
+    left for it."""
     config, cache = runner.config, runner.config.cache
     if (runner.device.type != "cuda" or cache.kv_cache_memory is not None
             or cache.num_kv_blocks is not None):
         return None
     reqs = profile_requests(config, runner.block_size)
-    profile = _measure(runner, reqs)
+    profile = runner.memory_profile = _measure(runner, reqs)
     budget = profile.kv_budget(cache.gpu_memory_utilization)
     summary = (f"gpu_memory_utilization={cache.gpu_memory_utilization} of "
                f"{profile.total / GiB:.2f} GiB; in use after the weights and the profiled "
@@ -120,8 +125,11 @@ def profiled_kv_budget(runner: ModelRunner) -> int | None:
         raise ValueError(f"no memory is left for the KV cache: {summary}. Raise "
                          "gpu_memory_utilization, lower max_num_batched_tokens / max_num_seqs, "
                          "or free the device")
-    logger.info("KV cache budget %.2f GiB: %s", budget / GiB, summary)
-    return budget
+    needed = longest_batch_bytes(config, block_bytes)
+    logger.info("KV cache budget %.2f GiB: %s%s", min(budget, needed) / GiB, summary,
+                f"; capped at what {config.scheduler.max_num_seqs} sequences of "
+                f"{config.model.max_model_len} tokens need" if needed < budget else "")
+    return min(budget, needed)
 
 
 def _measure(runner: ModelRunner, reqs: list[ScheduledRequest]) -> MemoryProfile:

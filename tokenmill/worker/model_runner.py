@@ -85,8 +85,8 @@ class ModelRunner:
         self.lora = (None if config.lora is None else
                      LoRAManager(self.model, config.lora, self.device))
         self.sampler = Sampler(config.seed, self.device)
-        # CUDA: the KV cache takes what a profiled step leaves of gpu_memory_utilization
-        self._allocate_kv(budget=profiled_kv_budget(self))
+        self.memory_profile = None  # CUDA: the profiled step's figures (memory_profile.py)
+        self._allocate_kv(profiled=True)
         self._bind_attention()
         self.states = RequestStates()  # the requests' tokens and block tables
         self._load_speculative()
@@ -128,9 +128,10 @@ class ModelRunner:
                     mc.dtype, mc.quantization or "dense", self.device,
                     time.perf_counter() - t0)
 
-    def _allocate_kv(self, num_blocks: int | None = None, budget: int | None = None) -> None:
+    def _allocate_kv(self, num_blocks: int | None = None, profiled: bool = False) -> None:
         """The KV cache (and its swap space and fp8 scales) of `num_blocks`, or sized from the
-        memory budget (`budget` bytes, else kv_budget.py's) less the draft model's share."""
+        memory budget less the draft model's share (`profiled`: on CUDA, what a profiled step
+        leaves of gpu_memory_utilization, worker/memory_profile.py)."""
         config, mc = self.config, self.config.model
         t0 = time.perf_counter()
         draft = config.draft_model
@@ -139,8 +140,9 @@ class ModelRunner:
         block = bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads,
                                 mc.head_dim, mc.dtype, config.cache.kv_cache_dtype)
         # a draft model's K/V take a block of their own beside each target block
-        self.num_kv_blocks = num_blocks or num_kv_blocks(config, block + self._draft_block_bytes,
-                                                         self.device, budget)
+        per_block = block + self._draft_block_bytes
+        budget = profiled_kv_budget(self, per_block) if profiled and not num_blocks else None
+        self.num_kv_blocks = num_blocks or num_kv_blocks(config, per_block, self.device, budget)
         kv_dtype = config.cache.kv_cache_dtype
         self.kv_cache = allocate_kv_cache(self.num_layers, self.num_kv_blocks, self.block_size,
                                           self.num_kv_heads, mc.head_dim, mc.dtype, self.device,
