@@ -78,24 +78,29 @@ def main() -> None:
             options |= {"load_format": "dummy"}
         vocab = SHAPES[args.model]["vocab_size"] if args.model in SHAPES else None
         llm = LLM(model, **options)
-        vocab = vocab or llm.engine.config.model.vocab_size
+        config = llm.engine.config
+        vocab = vocab or config.model.vocab_size
         special = set(llm.get_tokenizer().all_special_ids)
         reqs = make_workload(args.workload, vocab, special, args.workload_seed,
                              args.num_requests)
-        device = llm.engine.config.device
+        device = config.device
         gpu = torch.cuda.get_device_name() if device.startswith("cuda") else "none"
+        dtype = str(config.model.dtype).removeprefix("torch.")
         print(describe_machine())
-        print(f"GPU: {gpu}; model {args.model} ({llm.engine.config.model.dtype}); workload "
-              f"{args.workload}: {len(reqs)} requests, {_tokens(reqs, True)} prompt + "
-              f"{_tokens(reqs, False)} output tokens\n")
+        print(f"GPU: {gpu}; model {args.model} ({dtype}); workload {args.workload}: "
+              f"{len(reqs)} requests, {_tokens(reqs, True)} prompt + {_tokens(reqs, False)} "
+              "output tokens\n")
         print(f"{'engine':<26}{'time s':>9}{'out tok/s':>12}{'total tok/s':>13}"
               f"{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}  (ms)")
-        run_engine(llm.engine, reqs[:8], tag="warmup")  # compiles kernels, captures nothing new
+        run_engine(llm.engine, reqs[:8], tag="warmup")  # compiles kernels, warms caches
         results = {"tokenmill": report("tokenmill", run_engine(llm.engine, reqs))}
-        dtype = str(llm.engine.config.model.dtype).removeprefix("torch.")
-        del llm
-        gc.collect()
         if args.hf_reference:
+            # tokenmill's memory (its KV cache fills the GPU's share) is given back first
+            llm.engine.shutdown()
+            del llm
+            gc.collect()
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
             hf = hf_model(model, dtype, device)
             name = f"hf static bs{args.hf_batch_size}"
             results[name] = report(name, run_hf_static(hf, reqs, args.hf_batch_size))
