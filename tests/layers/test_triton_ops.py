@@ -58,6 +58,14 @@ def test_rms_norm_and_residual_add(dtype, tokens, hidden):
     out, total = triton_ops.rms_norm(x, w, 1e-6, residual=res)
     assert torch.equal(total, x + res)  # the sum rounded as PyTorch adds
     _close(out, _hf_rms_norm(x + res, w, 1e-6))
+    # Gemma's (1 + w), applied in float32 before the one rounding
+    from tokenmill.models.gemma import GemmaRMSNorm
+
+    gemma = GemmaRMSNorm(hidden, 1e-6).to(DEVICE)
+    gemma.weight.data = 0.1 * w.float()
+    out, total = triton_ops.rms_norm(x, gemma.weight, 1e-6, res, unit_offset=True)
+    assert torch.equal(total, x + res)
+    _close(out, gemma._norm(x + res))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -110,11 +118,11 @@ def test_models_on_the_triton_ops_match_hf(tiny_model, monkeypatch, kind):
     """The layers' CUDA path end to end: on CPU the ops are routed to the interpreted kernels
     (as cuda_ops routes a CUDA tensor), with the Triton attention backend; greedy == HF.
     Llama-shaped norms and SiLU, Qwen3's per-head q/k norms (3-d views), half-rotated heads,
-    Gemma 2's GELU-tanh (its (1 + w) norms stay PyTorch's), OLMoE's all-heads norms and
-    experts."""
+    Gemma 2's GELU-tanh and (1 + w) norms, OLMoE's all-heads norms and experts."""
     from tests.conftest import generate_greedy, hf_greedy, mixed_prompts
     from tokenmill import LLM
     from tokenmill.layers import activation, layernorm, rotary, triton_ops
+    from tokenmill.models import gemma
 
     calls: dict[str, int] = {}
 
@@ -125,12 +133,11 @@ def test_models_on_the_triton_ops_match_hf(tiny_model, monkeypatch, kind):
                 return getattr(triton_ops, name)
         return Counting()
 
-    for module in (activation, layernorm, rotary):
+    for module in (activation, layernorm, rotary, gemma):
         monkeypatch.setattr(module, "cuda_ops", counted)
     path, hf = tiny_model(kind)
     cases = [(p, min(m, 6)) for p, m in mixed_prompts(3, hf.config.vocab_size, seed=4,
                                                       max_len=40)]
     llm = LLM(path, attention_backend="triton", dtype="float32", max_num_batched_tokens=64)
     assert generate_greedy(llm, cases) == [hf_greedy(hf, p, m) for p, m in cases]
-    assert calls.get("gated_act", 0) > 0 and calls.get("rotary_", 0) > 0
-    assert (calls.get("rms_norm", 0) > 0) == (kind != "gemma2")
+    assert min(calls.get(op, 0) for op in ("gated_act", "rotary_", "rms_norm")) > 0

@@ -5,6 +5,8 @@ float32 input takes torch's fused kernel), with an optional fused residual add:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,14 +35,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         gpu = cuda_ops(x)
-        if gpu is not None:  # one launch; rows of any leading shape
-            shape = x.shape
-            rows = x.reshape(-1, shape[-1])
-            if residual is None:
-                return gpu.rms_norm(rows, self.weight, self.eps).view(shape)
-            out, total = gpu.rms_norm(rows, self.weight, self.eps,
-                                      residual.reshape(-1, shape[-1]))
-            return out.view(shape), total.view(shape)
+        if gpu is not None:  # one launch
+            return cuda_rms_norm(gpu, x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         if cpu_ops.fused(x):
@@ -50,3 +46,15 @@ class RMSNorm(nn.Module):
 
     def op_spec(self) -> OpSpec:
         return OpSpec("rms_norm", params={"weight": self.weight, "eps": self.eps})
+
+
+def cuda_rms_norm(gpu: Any, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  residual: torch.Tensor | None, unit_offset: bool = False
+                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """layers/triton_ops.py's rms_norm over x's rows (any leading shape)."""
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    if residual is None:
+        return gpu.rms_norm(rows, weight, eps, unit_offset=unit_offset).view(shape)
+    out, total = gpu.rms_norm(rows, weight, eps, residual.reshape(-1, shape[-1]), unit_offset)
+    return out.view(shape), total.view(shape)

@@ -8,7 +8,8 @@ float32 for the arithmetic and rounded back to its dtype at each point where the
 produces a tensor of that dtype (RMSNorm: the normalised row rounded before the weight
 multiplies it, as Hugging Face's; RoPE: q * cos and rotate_half(q) * sin each rounded before
 their sum). So bfloat16 / float16 results equal PyTorch's up to the last bit of a transcendental
-(exp, erf, rsqrt), and float32 ones to float32 rounding (the row sum's order).
+(exp, erf, rsqrt), and float32 ones to float32 rounding (the row sum's order). Gemma's
+(1 + weight) RMSNorm applies its weight in float32 before its one rounding, as its module does.
 
 Every kernel works on one row (a token) at a time, so a row's result never depends on the
 others in the batch (batch-invariant). The same functions run on CPU tensors under
@@ -27,7 +28,7 @@ _ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r,
                          stride_o, stride_s, eps, H: tl.constexpr, BLOCK: tl.constexpr,
-                         HAS_RES: tl.constexpr):
+                         HAS_RES: tl.constexpr, UNIT_OFFSET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
@@ -38,16 +39,19 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stri
         tl.store(sum_ptr + row * stride_s + cols, x, mask=ok)
     x32 = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / H + eps)
-    normed = (x32 * inv).to(x.dtype)  # rounded before the weight, as Hugging Face's
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-    out = (normed.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:  # Gemma: x / rms(x) * (1 + w) in float32, rounded once
+        out = (x32 * inv * (1.0 + w)).to(out_ptr.dtype.element_ty)
+    else:  # the normalised row rounded before the weight, as Hugging Face's Llama
+        out = ((x32 * inv).to(x.dtype).to(tl.float32) * w).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, out, mask=ok)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None
+             residual: torch.Tensor | None = None, unit_offset: bool = False
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm of x (T, H) (of x + residual, also returned, when residual is given)."""
+    """RMSNorm of x (T, H) (of x + residual, also returned, when residual is given);
+    unit_offset: scaled by (1 + weight), Gemma's."""
     T, H = x.shape
     out = torch.empty_like(x)
     total = torch.empty_like(x) if residual is not None else out
@@ -56,7 +60,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _add_rms_norm_kernel[(T,)](x, res, weight, out, total, x.stride(0), res.stride(0),
                                    out.stride(0), total.stride(0), eps, H=H,
                                    BLOCK=triton.next_power_of_2(H),
-                                   HAS_RES=residual is not None)
+                                   HAS_RES=residual is not None, UNIT_OFFSET=unit_offset)
     return out if residual is None else (out, total)
 
 

@@ -29,7 +29,8 @@ from tokenmill.attention import AttentionMetadata
 from tokenmill.config import layer_sliding_window
 from tokenmill.distributed import ParallelState
 from tokenmill.layers.attention import Attention
-from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.layers.cuda_ops import cuda_ops
+from tokenmill.layers.layernorm import RMSNorm, cuda_rms_norm
 from tokenmill.layers.op_spec import OpSpec
 from tokenmill.layers.rotary import apply_rotary
 from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
@@ -46,6 +47,8 @@ class GemmaRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if (gpu := cuda_ops(x)) is not None:  # one launch, the same order
+            return cuda_rms_norm(gpu, x, self.weight, self.eps, residual, unit_offset=True)
         if residual is None:
             return self._norm(x)
         x = x + residual
