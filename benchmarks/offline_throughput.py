@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from tokenmill.bench.machine import describe_machine
 from tokenmill.bench.offline import OfflineResult, run_engine, run_hf_static
 from tokenmill.bench.shapes import SHAPES, write_model_folder
 from tokenmill.bench.workloads import BenchRequest, make_workload
+from tokenmill.config import ModelConfig
 from tokenmill.engine_args import EngineArgs
 
 
@@ -44,17 +46,19 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def hf_model(model: str, dtype: str, device: str) -> torch.nn.Module:
-    """The same architecture in transformers: random weights for a shape folder (speed does not
-    depend on them), the checkpoint's otherwise."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def hf_model(mc: ModelConfig, dtype: str, device: str) -> torch.nn.Module:
+    """The same model in transformers: random weights for dummy weights (speed does not
+    depend on them), else the checkpoint's (a GGUF file through transformers' GGUF loader)."""
+    from transformers import AutoModelForCausalLM
 
-    torch_dtype = getattr(torch, dtype) if dtype not in ("auto", None) else torch.float32
-    if (Path(model) / "config.json").exists() and not any(Path(model).glob("*.safetensors")):
-        config = AutoConfig.from_pretrained(model)
-        built = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    torch_dtype = getattr(torch, dtype)
+    if mc.load_format == "dummy":
+        built = AutoModelForCausalLM.from_config(mc.hf_config, dtype=torch_dtype)
+    elif mc.gguf_file is not None:
+        folder, name = os.path.split(mc.gguf_file)
+        built = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch_dtype)
     else:
-        built = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
+        built = AutoModelForCausalLM.from_pretrained(mc.path, dtype=torch_dtype)
     return built.to(device).eval()
 
 
@@ -87,7 +91,8 @@ def main() -> None:
         gpu = torch.cuda.get_device_name() if device.startswith("cuda") else "none"
         dtype = str(config.model.dtype).removeprefix("torch.")
         print(describe_machine())
-        print(f"GPU: {gpu}; model {args.model} ({dtype}); workload {args.workload}: "
+        name = args.model or os.path.basename(config.model.gguf_file or config.model.path)
+        print(f"GPU: {gpu}; model {name} ({dtype}); workload {args.workload}: "
               f"{len(reqs)} requests, {_tokens(reqs, True)} prompt + {_tokens(reqs, False)} "
               "output tokens\n")
         print(f"{'engine':<26}{'time s':>9}{'out tok/s':>12}{'total tok/s':>13}"
@@ -101,7 +106,7 @@ def main() -> None:
             gc.collect()
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
-            hf = hf_model(model, dtype, device)
+            hf = hf_model(config.model, dtype, device)
             name = f"hf static bs{args.hf_batch_size}"
             results[name] = report(name, run_hf_static(hf, reqs, args.hf_batch_size))
             ratio = (results["tokenmill"]["output_tokens_per_s"]
@@ -109,7 +114,7 @@ def main() -> None:
             print(f"\ntokenmill / HF static (same requests, same run): {ratio:.2f}x output tok/s")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            dict(machine=describe_machine(), gpu=gpu, model=args.model, dtype=dtype,
+            dict(machine=describe_machine(), gpu=gpu, model=name, dtype=dtype,
                  workload=args.workload, num_requests=len(reqs), results=results), indent=2))
 
 
