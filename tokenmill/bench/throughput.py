@@ -16,9 +16,9 @@ import os
 import time
 
 import torch
-from tqdm.auto import tqdm
 
 from tokenmill.bench.machine import describe_machine
+from tokenmill.bench.offline import run_hf_static
 from tokenmill.bench.weight_specs import weights_as
 from tokenmill.bench.workloads import BenchRequest, load_workload
 from tokenmill.engine_args import EngineArgs
@@ -63,20 +63,7 @@ def run_hf(model_path: str, reqs: list[BenchRequest], batch_size: int) -> float:
     kw = {"gguf_file": name} if name.endswith(".gguf") else {}
     model = AutoModelForCausalLM.from_pretrained(folder if kw else model_path,
                                                  dtype=torch.float32, **kw).eval()
-    pad = 0
-    start = time.perf_counter()
-    for i in tqdm(range(0, len(reqs), batch_size), desc="HF static batches"):
-        batch = reqs[i:i + batch_size]
-        width = max(len(r.prompt_token_ids) for r in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for j, r in enumerate(batch):  # left padding
-            ids[j, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
-            mask[j, width - len(r.prompt_token_ids):] = 1
-        new = max(r.output_len for r in batch)
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                       min_new_tokens=new, do_sample=False, pad_token_id=pad)
-    return time.perf_counter() - start
+    return run_hf_static(model, reqs, batch_size).seconds
 
 
 def rates(reqs: list[BenchRequest], seconds: float) -> dict[str, float]:
