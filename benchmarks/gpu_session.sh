@@ -64,6 +64,7 @@ for part in $parts; do
              tests/attention tests/worker tests/models/test_hf_parity.py \
              tests/layers/test_fused_moe_triton.py tests/layers/test_triton_ops.py \
              tests/quantization/test_triton_block_gemm.py tests/quantization/test_fp8.py \
+             tests/quantization/test_fp8_checkpoints.py \
              --ignore=tests/worker/test_memory_profile.py" 2>&1 | tee "$out/tests.log" ;;
     shapes) timeout "${SHAPES_S:-200}" python3 benchmarks/real_shapes.py \
               --json "$out/real_shapes.json" 2>&1 | tee "$out/real_shapes.log" ;;

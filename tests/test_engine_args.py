@@ -51,6 +51,8 @@ CASES = [
     Case("block_size", ("--block-size", "32"), 32, "cache.block_size", 32),
     Case("kv_cache_memory", ("--kv-cache-memory", "64MiB"), "64MiB", "cache.kv_cache_memory",
          64 << 20),
+    Case("gpu_memory_utilization", ("--gpu-memory-utilization", "0.5"), 0.5,
+         "cache.gpu_memory_utilization", 0.5),
     Case("num_kv_blocks", ("--num-kv-blocks", "7"), 7, "cache.num_kv_blocks", 7),
     Case("enable_prefix_caching", ("--no-enable-prefix-caching",), False,
          "cache.enable_prefix_caching", False),

@@ -174,11 +174,11 @@ def model_config(path: str | None, dtype: str = "auto", max_model_len: int | Non
     hf_config, gguf_file, converted = _read_hf_config(path)
     hf_quant = checkpoint_quantization(hf_config)
     quantization = resolve_quantization(quantization, hf_quant, gguf_file, path)
-    if load_format == "dummy" and quantization is not None and \
-            WEIGHT_FORMATS[quantization].source != "float":
+    if load_format == "dummy" and quantization is not None and (
+            "float" not in WEIGHT_FORMATS[quantization].sources or hf_quant is not None):
         raise ValueError(f"load_format='dummy' draws float weights: it works with "
-                         f"quantization None or one made from them (int8, int4), not "
-                         f"{quantization!r}")
+                         f"quantization None or one made from them (int8, int4, fp8), not "
+                         f"{quantization!r} of a quantized checkpoint")
     archs = getattr(hf_config, "architectures", None) or []
     spec = registry.find_architecture(archs)
     if spec is None:
@@ -300,7 +300,7 @@ def resolve_batch_invariant(asked: bool | None, device: str, model: ModelConfig,
         why_not = "without the C++ CPU kernels (TOKENMILL_CPU_KERNELS=0)"
     elif model.dtype != torch.float32:
         why_not = f"in {model.dtype}: the CPU kernels compute float32"
-    elif model.quantization == "fp8":
+    elif model.quantization == "fp8" and model.hf_quant_config is None:
         why_not = "with quantization='fp8': torch's fp8 GEMM sums in an order of its own"
     elif attention_backend not in ("auto", "cpu"):
         why_not = (f"with attention_backend={attention_backend!r}: only the C++ paged kernel "

@@ -37,7 +37,7 @@ def resolve_quantization(asked: str | None, checkpoint: dict[str, Any] | None,
     elif asked not in WEIGHT_FORMATS:
         raise ValueError(f"unknown quantization {asked!r}; supported: "
                          f"{', '.join(QUANTIZATION_METHODS)} or None")
-    stored = [f.name for f in WEIGHT_FORMATS.values() if f.source == "checkpoint"]
+    stored = [f.name for f in WEIGHT_FORMATS.values() if "checkpoint" in f.sources]
     if checkpoint is not None:  # a pre-quantized HF checkpoint: serve it in its own format
         method = str(checkpoint.get("quant_method", "")).lower()
         if method not in stored:
@@ -47,11 +47,11 @@ def resolve_quantization(asked: str | None, checkpoint: dict[str, Any] | None,
             raise ValueError(f"quantization={asked!r}, but {path} is a {method} checkpoint; "
                              f"pass quantization={method!r} or leave it unset")
         return method
-    source = None if asked is None else WEIGHT_FORMATS[asked].source
-    if source == "checkpoint":
+    sources = () if asked is None else WEIGHT_FORMATS[asked].sources
+    if sources == ("checkpoint",):
         raise ValueError(f"quantization={asked!r} needs a checkpoint in that format (its "
                          f"config.json names it in quantization_config); {path} has none")
-    if source == "gguf" and gguf_file is None:
+    if sources == ("gguf",) and gguf_file is None:
         raise ValueError(f"quantization={asked!r} serves the blocks of a GGUF file; {path} is "
                          "not one")
     return asked

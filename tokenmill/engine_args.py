@@ -105,7 +105,7 @@ class EngineArgs:
         CacheConfig.kv_cache_memory, "KV cache size: bytes or e.g. 512MiB, 4GiB (default: "
         "half the memory free after the weights on CPU; on GPU what "
         "--gpu-memory-utilization leaves; logged)", "cache")
-    gpu_memory_utilization: float | str = option(
+    gpu_memory_utilization: float = option(
         CacheConfig.gpu_memory_utilization, "CUDA: the fraction of the GPU's memory this "
         "engine may fill (weights, a profiled step's activations at max_num_batched_tokens, "
         "then the KV cache in the rest; as vLLM's); --kv-cache-memory overrides", "cache")
@@ -278,10 +278,12 @@ class EngineArgs:
 
 
 def _cli_type(hint: Any) -> type:
-    """The command line's parser for a field of this type: int for int fields, else str (a
-    size, a name or JSON, parsed where the config is built)."""
+    """The command line's parser for a field of this type: int for int fields, float for
+    float ones, else str (a size, a name or JSON, parsed where the config is built)."""
     types = set(typing.get_args(hint)) or {hint}
-    return int if types <= {int, type(None)} else str
+    if types <= {int, type(None)}:
+        return int
+    return float if types <= {float, type(None)} else str
 
 
 def engine_config(model: str | None = None, **options: Any) -> EngineConfig:

@@ -41,7 +41,8 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def iterate_weights(config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    if config.quantization is not None and WEIGHT_FORMATS[config.quantization].source == "gguf":
+    if config.quantization is not None and \
+            WEIGHT_FORMATS[config.quantization].sources == ("gguf",):
         # the file's own blocks, not a float32 conversion
         assert config.gguf_file is not None
         return iterate_gguf(config.gguf_file, config.hf_config, raw_types=BLOCK_TYPES)

@@ -99,7 +99,7 @@ def _fp8(model: ModelConfig, prepack: bool, int8_acts: bool,
     if int8_acts:
         raise ValueError("int8_activations does not apply to quantization='fp8' (its "
                          "activations are fp8 already)")
-    return Fp8Config(prepack)
+    return Fp8Config(prepack, model.hf_quant_config, inv)
 
 
 def _int4_checkpoint(model: ModelConfig, prepack: bool, int8_acts: bool,
@@ -127,22 +127,23 @@ def _gguf(model: ModelConfig, prepack: bool, int8_acts: bool,
 class WeightFormat:
     """A registered weight format: its name (vLLM's), what it is made from, its config.
 
-    source: "float" (quantized at load from any float checkpoint; load_format="dummy" draws
-    the floats), "checkpoint" (a checkpoint stored in this format, named by its config.json's
-    quantization_config), "gguf" (a GGUF file's tensors as stored)."""
+    sources: what it is served from, any of "float" (quantized at load from any float
+    checkpoint; load_format="dummy" draws the floats), "checkpoint" (a checkpoint stored in
+    this format, named by its config.json's quantization_config), "gguf" (a GGUF file's
+    tensors as stored)."""
 
     name: str
-    source: str
+    sources: tuple[str, ...]
     build: Callable[[ModelConfig, bool, bool, bool], QuantizationConfig]
 
 
 WEIGHT_FORMATS = {f.name: f for f in (
-    WeightFormat("int8", "float", _int8),
-    WeightFormat("int4", "float", _int4),
-    WeightFormat("fp8", "float", _fp8),
-    WeightFormat("awq", "checkpoint", _int4_checkpoint),
-    WeightFormat("gptq", "checkpoint", _int4_checkpoint),
-    WeightFormat("gguf", "gguf", _gguf),
+    WeightFormat("int8", ("float",), _int8),
+    WeightFormat("int4", ("float",), _int4),
+    WeightFormat("fp8", ("float", "checkpoint"), _fp8),
+    WeightFormat("awq", ("checkpoint",), _int4_checkpoint),
+    WeightFormat("gptq", ("checkpoint",), _int4_checkpoint),
+    WeightFormat("gguf", ("gguf",), _gguf),
 )}
 QUANTIZATION_METHODS = tuple(WEIGHT_FORMATS)
 

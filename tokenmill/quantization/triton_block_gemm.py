@@ -1,6 +1,7 @@
 """The block-quantized weights (quantization/blocks.py's Q8_0 and Q4 layouts) multiplied on CUDA
 by one Triton GEMM: int8, int4, AWQ and GPTQ checkpoints run there through the same method
-objects and the same stored blocks as on CPU.
+objects and the same stored blocks as on CPU. Block-scaled fp8 checkpoints (e4m3 weights with
+one scale per 128 x 128 tile: quantization/fp8.py) take the same kernel (`fp8_block_linear`).
 
 One program computes a BM x BN tile of C = (x * input_scale) @ W^T (+ bias): the K loop walks
 one 32-weight block at a time, loads the tile's BN rows of that block (Q8_0: 32 int8 values;
@@ -29,12 +30,17 @@ from tokenmill.quantization.base import CPULinearKernel
 BLOCK = 32
 
 
+# 2^120: e4m3's exponent bias (7) to float32's (127)
+_FP8_REBIAS = tl.constexpr(1.329227995784916e36)
+
+
 @triton.jit
 def _block_gemm_kernel(x_ptr, q_ptr, d_ptr, m_ptr, s_ptr, bias_ptr, c_ptr, M, N, K,
                        stride_xm, stride_qn, stride_dn, stride_cm,
                        GROUP: tl.constexpr, Q4: tl.constexpr, HAS_SCALE: tl.constexpr,
                        HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr = False,
+                       SCALE_ROWS: tl.constexpr = 1):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -48,9 +54,15 @@ def _block_gemm_kernel(x_ptr, q_ptr, d_ptr, m_ptr, s_ptr, bias_ptr, c_ptr, M, N,
             x = (x.to(tl.float32) * tl.load(s_ptr + k0 + j)[None, :]).to(x.dtype)
         rows = rn[:, None].to(tl.int64) * stride_qn
         g = k0 // GROUP
-        d = tl.load(d_ptr + rn.to(tl.int64) * stride_dn + g, mask=n_ok, other=0.0)
+        d = tl.load(d_ptr + (rn // SCALE_ROWS).to(tl.int64) * stride_dn + g, mask=n_ok,
+                    other=0.0)
         d = d.to(tl.float32)[:, None]
-        if Q4:
+        if FP8:  # e4m3 bytes: their bits moved into a float32's, times 2^120 (exact)
+            u = tl.load(q_ptr + rows + (k0 + j)[None, :], mask=n_ok[:, None],
+                        other=0).to(tl.int32)
+            bits = ((u & 0x7F) << 20) | ((u & 0x80) << 24)
+            w = bits.to(tl.float32, bitcast=True) * _FP8_REBIAS * d
+        elif Q4:
             byte = tl.load(q_ptr + rows + (k0 // 2 + j % 16)[None, :], mask=n_ok[:, None],
                            other=0).to(tl.int32)
             val = (byte >> ((j // 16) * 4)[None, :]) & 0xF
@@ -89,4 +101,27 @@ def block_linear(x: torch.Tensor, kind: int, group: int, q: torch.Tensor, d: tor
         out.stride(0), GROUP=group if q4 else BLOCK, Q4=q4, HAS_SCALE=input_scale is not None,
         HAS_BIAS=bias is not None,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BM=bm, BN=bn)
+    return out
+
+
+def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                     block: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) @ (w * scale)^T (+ bias) → (M, N) in x's dtype: w (N, K) float8 e4m3 with one
+    float32 scale per (block[0] x block[1]) tile of it, scale (cdiv(N, b0), cdiv(K, b1)) (the
+    checkpoints' `weight_scale_inv`); block[1] a multiple of 32."""
+    M, K = x.shape
+    N = w.shape[0]
+    assert block[1] % BLOCK == 0 and K % BLOCK == 0 and w.is_contiguous()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    bm = 16 if M <= 16 else 32 if M <= 64 else 64
+    scale = scale.contiguous()
+    _block_gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, 64))](
+        x, w.view(torch.uint8), scale, scale, scale, bias if bias is not None else scale, out,
+        M, N, K, x.stride(0), w.stride(0), scale.stride(0), out.stride(0), GROUP=block[1],
+        Q4=False, HAS_SCALE=False, HAS_BIAS=bias is not None,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BM=bm, BN=64, FP8=True,
+        SCALE_ROWS=block[0])
     return out
