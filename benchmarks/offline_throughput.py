@@ -107,10 +107,10 @@ def main() -> None:
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
             hf = hf_model(config.model, dtype, device)
-            name = f"hf static bs{args.hf_batch_size}"
-            results[name] = report(name, run_hf_static(hf, reqs, args.hf_batch_size))
+            label = f"hf static bs{args.hf_batch_size}"
+            results[label] = report(label, run_hf_static(hf, reqs, args.hf_batch_size))
             ratio = (results["tokenmill"]["output_tokens_per_s"]
-                     / results[name]["output_tokens_per_s"])
+                     / results[label]["output_tokens_per_s"])
             print(f"\ntokenmill / HF static (same requests, same run): {ratio:.2f}x output tok/s")
     if args.json:
         Path(args.json).write_text(json.dumps(

@@ -63,6 +63,7 @@ def test_offline_throughput_script_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads(out.read_text())
     assert summary["workload"] == "sharegpt" and summary["num_requests"] == 12
+    assert summary["model"] == "tiny"
     reqs = make_workload("sharegpt", 512, {0, 1, 2}, num_requests=12)
     output_tokens = sum(r.output_len for r in reqs)
     total = output_tokens + sum(len(r.prompt_token_ids) for r in reqs)
