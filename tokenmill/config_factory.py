@@ -265,7 +265,7 @@ def _resolve_dtype(dtype: str | torch.dtype, hf_config: Any) -> torch.dtype:
         # on GPUs the checkpoint's own half precision is what users expect.
         if not torch.cuda.is_available():
             return torch.float32
-        d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        d = getattr(hf_config, "dtype", None)  # (transformers 5 reads torch_dtype into it)
         return d if isinstance(d, torch.dtype) and d != torch.float32 else torch.bfloat16
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")

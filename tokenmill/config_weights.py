@@ -93,7 +93,7 @@ def default_weight_dtype(model: ModelConfig, device: str) -> torch.dtype | None:
     and sums; the weights widened in registers, exactly), instead of a float32 copy twice its
     size; None (the model's dtype) elsewhere."""
     hf = model.hf_config
-    stored = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    stored = getattr(hf, "dtype", None)  # (transformers 5 reads torch_dtype into it)
     if isinstance(stored, str):
         stored = getattr(torch, stored, None)
     if (stored not in (torch.bfloat16, torch.float16) or not device.startswith("cpu")

@@ -114,7 +114,7 @@ def gguf_hf_config(path: str) -> Any:
         tie_word_embeddings="output.weight" not in {t.name for t in r.tensors},
         bos_token_id=_field(r, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(r, "tokenizer.ggml.eos_token_id"),
-        torch_dtype="float32",
+        dtype="float32",
     )
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(g("rope.freq_base", 1e4))}
     if g("rope.scaling.type") == "linear":
