@@ -12,15 +12,15 @@ modules' forward (tests/models/test_cpu_decode.py).
 What it runs is what the modules state they compute (layers/op_spec.py), never what their
 types suggest: the plan is built from each layer's `OpSpec` tree and the model's RoPE table,
 and the call runs only when the C++ side implements every op and variant they require (its
-`OPS`: a pre-norm block of RMSNorms, RoPE over whole heads, paged attention with or without
-one window, a key rotation and a float32 / bfloat16 / int8 / fp8 cache, linear layers with
-biases, LoRA adapter slots (a step's rows' deltas: csrc/lora_cpu.h, as lora/layers.py adds
-them) and the shared-memory all-reduce, a gated MLP with SiLU, GELU or GELU-tanh, or a
-mixture of experts: a router, then the experts' C++ loop of layers/fused_moe.py, and a
-shared expert where the block has one), for
-float32 activations on CPU, with all layers alike in what the call takes once (heads, eps,
-scale, window, backend) and a step whose every query goes to the CPU paged-attention kernel
-(the attention backend says so through `fused_decode_queries`). Anything else (another op,
+`OPS`: a pre-norm block of RMSNorms, RoPE over whole heads (after an RMSNorm of each head's q
+and k where the layers have one: Qwen3), paged attention with or without one window, a key
+rotation and a float32 / bfloat16 / int8 / fp8 cache, linear layers with biases, LoRA adapter
+slots (a step's rows' deltas: csrc/lora_cpu.h, as lora/layers.py adds them) and the shared-
+memory all-reduce, a gated MLP with SiLU, GELU or GELU-tanh, or a mixture of experts: a router,
+then the experts' C++ loop of layers/fused_moe.py, and a shared expert where the block has
+one), for float32 activations on CPU, with all layers alike in what the call takes once (heads,
+eps, scale, window, backend) and a step whose every query goes to the CPU paged-attention
+kernel (the attention backend says so through `fused_decode_queries`). Anything else (another op,
 a variant, a subclass that redefines a forward) runs the modules, whose layers call the same
 kernels through the same method objects.
 
@@ -75,6 +75,7 @@ class _Plan:
     """What decode_layers reads, gathered once (after the runner bound the KV caches)."""
 
     norms: list[torch.Tensor]  # in_norm, post_norm per layer
+    qk_norms: list[torch.Tensor]  # q_norm, k_norm per layer (Qwen3), or none
     # per layer: qkv, o, then gate_up, down (an MoE layer: its router, then its shared
     # expert's gate, gate_up, down where it has one)
     linears: list[LinearArgs]
@@ -142,7 +143,7 @@ class SmallBatchDecode:
                 p.ctx_lens,
                 *plan.heads, plan.eps, plan.scale, *shm[:4],
                 0 if comm is None else comm.seq, shm[4], plan.acts, p.split_keys, plan.moe,
-                *_lora_args_of_step(plan))
+                *_lora_args_of_step(plan), plan.qk_norms)
         if comm is not None:
             comm.seq = seq
         return hidden, residual
@@ -191,6 +192,9 @@ def _plan_of(specs: list[OpSpec]) -> _Plan | None:
     norms = [(s.parts["input_layernorm"], s.parts["post_attention_layernorm"]) for s in specs]
     first = attn[0].params
     eps = norms[0][0].params["eps"]
+    qk = [(a.parts["q_norm"], a.parts["k_norm"]) for a in attn if "qk_norm" in a.variants]
+    if qk and (len(qk) != len(attn) or {n.params["eps"] for pair in qk for n in pair} != {eps}):
+        return None  # q/k norms in some layers only, or with another eps
     backend, rotation = first["attn"].backend, first["attn"].key_rotation
     comms = {id(a.parts["o_proj"].params["comm"]) for a in attn}
     for a, (n_in, n_post), s in zip(attn, norms, specs, strict=True):
@@ -225,6 +229,7 @@ def _plan_of(specs: list[OpSpec]) -> _Plan | None:
     if len(steps) > 1:  # one manager's step for every layer, or no call
         return None
     return _Plan(norms=[n.params["weight"] for pair in norms for n in pair],
+                 qk_norms=[n.params["weight"] for pair in qk for n in pair],
                  linears=[_linear_args(s) for s in linear_specs], loras=loras,
                  acts=acts, moe=moe, attns=[a.params["attn"] for a in attn],
                  heads=first["heads"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -9,12 +10,15 @@ import torch
 from tokenmill.attention import AttentionMetadata
 from tokenmill.distributed import ParallelState
 from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.layers.op_spec import OpSpec, specs_of
 from tokenmill.layers.rotary import apply_rotary
 from tokenmill.models.llama import LlamaAttention, LlamaForCausalLM
 from tokenmill.quantization import QuantizationConfig
 
 
 class Qwen3Attention(LlamaAttention):
+    computes = ("forward", "split_heads")
+
     def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
                  prefix: str, layer_idx: int, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__(config, tp, quant, prefix, layer_idx, qkv_bias, o_bias)
@@ -26,6 +30,15 @@ class Qwen3Attention(LlamaAttention):
         q, k, v = self.split_heads(self.qkv_proj(hidden))
         q, k = apply_rotary(self.q_norm(q), self.k_norm(k), *position_embeddings)
         return self.o_proj(self.attn(q, k, v, meta))  # (T, hidden)
+
+    def op_spec(self) -> OpSpec | None:
+        """Llama's attention with an RMSNorm over each head's q and k before RoPE ("qk_norm")."""
+        spec = super().op_spec()
+        norms = specs_of(q_norm=self.q_norm, k_norm=self.k_norm)
+        if spec is None or norms is None:
+            return None
+        return dataclasses.replace(spec, variants=spec.variants | {"qk_norm"},
+                                   parts={**spec.parts, **norms})
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
