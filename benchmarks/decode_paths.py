@@ -3,6 +3,9 @@ in one process on one model, so that the machine's drift hits every way alike.
 
     python benchmarks/decode_paths.py [--rounds 6] [--tokens 64] [--model M]
 
+--model: a model path, or a shape name of tokenmill/bench/shapes.py (random weights of a real
+shape, e.g. qwen3-0.6b).
+
 Ways (models/cpu_decode.py):
 - modules: every layer through its nn.Module forward (the path of any other step);
 - fused:   all layers in one C++ call (csrc/decode_layers_cpu.cpp), the default.
@@ -18,13 +21,16 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.bench.machine import describe_machine  # noqa: E402
+from tokenmill.bench.shapes import SHAPES, write_model_folder  # noqa: E402
 from tokenmill.bench.workloads import load_workload  # noqa: E402
 from tokenmill.model_loader.default_model import default_model_path  # noqa: E402
 
@@ -50,9 +56,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--quantization", default=None)
     args = ap.parse_args()
-    model = args.model or default_model_path()
+    model, extra = args.model or default_model_path(), {}
+    if model in SHAPES:
+        model = str(write_model_folder(model, Path(tempfile.mkdtemp())))
+        extra = {"load_format": "dummy"}
     (req,) = load_workload(model, "single-stream", 0)
-    llm = LLM(model, quantization=args.quantization)
+    llm = LLM(model, quantization=args.quantization, **extra)
     decode = llm.engine.runner.model.model.small_batch_decode
     print(describe_machine())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.rounds} rounds "

@@ -24,18 +24,27 @@ SHAPES: dict[str, dict[str, Any]] = {
     "llama-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                      num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
                      tie_word_embeddings=False, rope_theta=500000.0),
+    # Qwen3-0.6B: per-head q/k RMSNorm, head_dim 128 over a hidden size of 1,024
+    "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=3072,
+                       vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0),
 }
+# the config class of a shape whose architecture is not Llama's
+ARCHITECTURES = {"qwen3-0.6b": ("Qwen3Config", "Qwen3ForCausalLM")}
 
 
 def write_model_folder(name: str, out: Path) -> Path:
     """config.json of the shape and a word-level tokenizer ("<i>" for every id)."""
+    import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     shape = SHAPES[name]
     folder = out / name
-    LlamaConfig(**shape, max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1,
-                eos_token_id=2, architectures=["LlamaForCausalLM"]).save_pretrained(folder)
+    config_cls, arch = ARCHITECTURES.get(name, ("LlamaConfig", "LlamaForCausalLM"))
+    getattr(transformers, config_cls)(**shape, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                                      bos_token_id=1, eos_token_id=2,
+                                      architectures=[arch]).save_pretrained(folder)
     vocab = {f"<{i}>": i for i in range(shape["vocab_size"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
