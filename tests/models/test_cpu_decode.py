@@ -46,7 +46,7 @@ def with_random_norms_and_biases(folder: str, out) -> str:
 
 
 # qwen2: q/k/v biases; qwen3: per-head q/k norm (its own spec: "attention.qk_norm"); qwen3_moe:
-# the same attention with experts.
+# the same attention with experts; olmoe: q/k norms over all heads, q/k/v clamped, experts.
 # mixtral: an MoE block (router, experts) in place of the MLP; qwen2_moe: with a shared
 # expert, top-k not renormalized, and a dense layer among them.
 # int8 / int4: quantized weights take the same fused call through their method objects;
@@ -57,7 +57,7 @@ def with_random_norms_and_biases(folder: str, out) -> str:
     ("llama", "int8", "auto"), ("qwen2", "int4", "auto"), ("llama", "int4+int8acts", "auto"),
     ("llama", None, "int8"), ("qwen2", "int8", "fp8"), ("llama", None, "bfloat16"),
     ("mixtral", None, "auto"), ("mixtral", "int8", "auto"), ("qwen2_moe", None, "auto"),
-    ("qwen3_moe", None, "auto"), ("qwen3", "int8", "int8")])
+    ("qwen3_moe", None, "auto"), ("qwen3", "int8", "int8"), ("olmoe", None, "auto")])
 def test_same_outputs_as_module_path(kind, quantization, kv, tiny_model, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 

@@ -17,7 +17,9 @@
 // Per layer ("pre_norm_block"), with hidden (T, H) and residual (T, H):
 //   h, residual = add_rms_norm(hidden, residual, in_norm)   (layer 0: rms_norm, residual = x)
 //   q, k, v     = split(linear(h, qkv))                      (T, Hq | Hkv | Hkv, D) views
-//   q, k = rms_norm(q, q_norm), rms_norm(k, k_norm)  over each head (Qwen3: "qk_norm")
+//   q, k = rms_norm(q, q_norm), rms_norm(k, k_norm)  over each head (Qwen3: "qk_norm"), or
+//          over all of q's and all of k's heads at once (OLMoE: "qk_norm_all_heads"), then
+//   q, k, v = clamp(q | k | v, -clip, clip)  (OLMoE's clip_qkv: "clip_qkv")
 //   rotary_(q, k); q, k = q R, k R (a quantized cache's key rotation, given as R^T)
 //   store k, v at slot_mapping; a = paged_attention(q)   (T, Hq * D)
 //   h, residual = add_rms_norm(all_reduce(linear(a, o)), residual, post_norm)
@@ -44,6 +46,7 @@ const std::vector<std::string> kOps = {
     "pre_norm_block", "rms_norm", "rope",
     "attention", "attention.window", "attention.key_rotation", "attention.kv_float32",
     "attention.kv_bfloat16", "attention.kv_int8", "attention.kv_fp8", "attention.qk_norm",
+    "attention.qk_norm_all_heads", "attention.clip_qkv",
     "linear", "linear.bias", "linear.tp_all_reduce", "linear.lora",
     "gated_mlp", "gated_act", "gated_act.silu", "gated_act.gelu", "gated_act.gelu_tanh",
     "moe", "moe.shared_expert", "moe_experts", "moe_experts.renormalize"};
@@ -100,7 +103,7 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> decode_layers(
     int64_t world, int64_t slot_bytes, int64_t seq, double timeout_s,
     const std::vector<int64_t>& acts, int64_t split_keys, const std::vector<MoEDesc>& moe,
     const std::vector<OptLoRA>& loras, const c10::optional<torch::Tensor>& row_slot,
-    const std::vector<torch::Tensor>& qk_norms) {
+    const std::vector<torch::Tensor>& qk_norms, bool qk_norm_all_heads, double clip_qkv) {
   const size_t L = kv_caches.size();
   size_t num_linears = 0;
   for (const auto& m : moe) num_linears += linears_of(m);
@@ -113,6 +116,7 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> decode_layers(
               "decode_layers: one kv_scales entry and one activation per layer");
   TORCH_CHECK(qk_norms.empty() || qk_norms.size() == 2 * L,
               "decode_layers: q and k norms for every layer, or none");
+  TORCH_CHECK(clip_qkv == 0 || clip_qkv > 0, "decode_layers: clip_qkv > 0, or 0 for none");
   TORCH_CHECK(hidden.dim() == 2 && hidden.size(0) >= 1 && hidden.size(0) <= 4,
               "decode_layers takes 1 to 4 tokens");
   const int64_t T = hidden.size(0), Hq = num_heads, Hkv = num_kv_heads, D = head_dim;
@@ -143,9 +147,21 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> decode_layers(
     }
     auto qkv = run(0, hidden).view({T, Hq + 2 * Hkv, D});
     auto q = qkv.narrow(1, 0, Hq), k = qkv.narrow(1, Hq, Hkv), v = qkv.narrow(1, Hq + Hkv, Hkv);
-    if (!qk_norms.empty()) {  // each head's q and k, as RMSNorm's plain path (torch's rms_norm)
-      q = at::rms_norm(q, {D}, qk_norms[2 * l], eps);
-      k = at::rms_norm(k, {D}, qk_norms[2 * l + 1], eps);
+    if (!qk_norms.empty()) {  // RMSNorm's plain path (torch's rms_norm), as the modules
+      if (qk_norm_all_heads) {  // (T, Hq D) and (T, Hkv D), then back to heads
+        q = at::rms_norm(qkv.view({T, -1}).narrow(1, 0, Hq * D), {Hq * D}, qk_norms[2 * l],
+                         eps).view({T, Hq, D});
+        k = at::rms_norm(qkv.view({T, -1}).narrow(1, Hq * D, Hkv * D), {Hkv * D},
+                         qk_norms[2 * l + 1], eps).view({T, Hkv, D});
+      } else {
+        q = at::rms_norm(q, {D}, qk_norms[2 * l], eps);
+        k = at::rms_norm(k, {D}, qk_norms[2 * l + 1], eps);
+      }
+    }
+    if (clip_qkv > 0) {
+      q = q.clamp(-clip_qkv, clip_qkv);
+      k = k.clamp(-clip_qkv, clip_qkv);
+      v = v.clamp(-clip_qkv, clip_qkv);
     }
     rotary_(q, k, cos, sin);
     if (key_rotation.has_value()) {  // a quantized cache's keys are stored rotated (and q)

@@ -13,16 +13,16 @@ What it runs is what the modules state they compute (layers/op_spec.py), never w
 types suggest: the plan is built from each layer's `OpSpec` tree and the model's RoPE table,
 and the call runs only when the C++ side implements every op and variant they require (its
 `OPS`: a pre-norm block of RMSNorms, RoPE over whole heads (after an RMSNorm of each head's q
-and k where the layers have one: Qwen3), paged attention with or without one window, a key
-rotation and a float32 / bfloat16 / int8 / fp8 cache, linear layers with biases, LoRA adapter
-slots (a step's rows' deltas: csrc/lora_cpu.h, as lora/layers.py adds them) and the shared-
-memory all-reduce, a gated MLP with SiLU, GELU or GELU-tanh, or a mixture of experts: a router,
-then the experts' C++ loop of layers/fused_moe.py, and a shared expert where the block has
-one), for float32 activations on CPU, with all layers alike in what the call takes once (heads,
-eps, scale, window, backend) and a step whose every query goes to the CPU paged-attention
-kernel (the attention backend says so through `fused_decode_queries`). Anything else (another op,
-a variant, a subclass that redefines a forward) runs the modules, whose layers call the same
-kernels through the same method objects.
+and k, Qwen3's, or of all heads at once and a clamp, OLMoE's), paged attention with or without
+one window, a key rotation and a float32 / bfloat16 / int8 / fp8 cache, linear layers with
+biases, LoRA adapter slots (a step's rows' deltas: csrc/lora_cpu.h, as lora/layers.py adds
+them) and the shared-memory all-reduce, a gated MLP with SiLU, GELU or GELU-tanh, or a mixture
+of experts: a router, then the experts' C++ loop of layers/fused_moe.py, and a shared expert
+where the block has one), for float32 activations on CPU, with all layers alike in what the
+call takes once (heads, eps, scale, window, backend) and a step whose every query goes to the
+CPU paged-attention kernel (the attention backend says so through `fused_decode_queries`).
+Anything else (another op, a variant, a subclass that redefines a forward) runs the modules,
+whose layers call the same kernels through the same method objects.
 
 The runner attaches it (`attach_fused_decode`, worker/model_runner.py and the draft model's
 runner): a model declares its layers and never builds or picks a fast path itself.
@@ -75,7 +75,9 @@ class _Plan:
     """What decode_layers reads, gathered once (after the runner bound the KV caches)."""
 
     norms: list[torch.Tensor]  # in_norm, post_norm per layer
-    qk_norms: list[torch.Tensor]  # q_norm, k_norm per layer (Qwen3), or none
+    qk_norms: list[torch.Tensor]  # q_norm, k_norm per layer (Qwen3, OLMoE), or none
+    qk_norm_all_heads: bool  # the norms span all heads at once (OLMoE), not each head
+    clip_qkv: float  # q, k, v clamped to +-clip_qkv after the norms (OLMoE); 0: none
     # per layer: qkv, o, then gate_up, down (an MoE layer: its router, then its shared
     # expert's gate, gate_up, down where it has one)
     linears: list[LinearArgs]
@@ -143,7 +145,8 @@ class SmallBatchDecode:
                 p.ctx_lens,
                 *plan.heads, plan.eps, plan.scale, *shm[:4],
                 0 if comm is None else comm.seq, shm[4], plan.acts, p.split_keys, plan.moe,
-                *_lora_args_of_step(plan), plan.qk_norms)
+                *_lora_args_of_step(plan), plan.qk_norms, plan.qk_norm_all_heads,
+                plan.clip_qkv)
         if comm is not None:
             comm.seq = seq
         return hidden, residual
@@ -192,9 +195,11 @@ def _plan_of(specs: list[OpSpec]) -> _Plan | None:
     norms = [(s.parts["input_layernorm"], s.parts["post_attention_layernorm"]) for s in specs]
     first = attn[0].params
     eps = norms[0][0].params["eps"]
-    qk = [(a.parts["q_norm"], a.parts["k_norm"]) for a in attn if "qk_norm" in a.variants]
+    qk = [(a.parts["q_norm"], a.parts["k_norm"]) for a in attn if "q_norm" in a.parts]
     if qk and (len(qk) != len(attn) or {n.params["eps"] for pair in qk for n in pair} != {eps}):
         return None  # q/k norms in some layers only, or with another eps
+    if len({(a.variants & {"qk_norm_all_heads"}, a.params.get("clip_qkv")) for a in attn}) > 1:
+        return None  # layers norming or clipping differently
     backend, rotation = first["attn"].backend, first["attn"].key_rotation
     comms = {id(a.parts["o_proj"].params["comm"]) for a in attn}
     for a, (n_in, n_post), s in zip(attn, norms, specs, strict=True):
@@ -230,6 +235,8 @@ def _plan_of(specs: list[OpSpec]) -> _Plan | None:
         return None
     return _Plan(norms=[n.params["weight"] for pair in norms for n in pair],
                  qk_norms=[n.params["weight"] for pair in qk for n in pair],
+                 qk_norm_all_heads="qk_norm_all_heads" in attn[0].variants,
+                 clip_qkv=float(attn[0].params.get("clip_qkv") or 0.0),
                  linears=[_linear_args(s) for s in linear_specs], loras=loras,
                  acts=acts, moe=moe, attns=[a.params["attn"] for a in attn],
                  heads=first["heads"],

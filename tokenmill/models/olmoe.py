@@ -8,6 +8,7 @@ ranks: tensor parallelism is refused for it at start-up, by name.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from tokenmill.attention import AttentionMetadata
 from tokenmill.distributed import ParallelState
 from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.layers.op_spec import OpSpec, specs_of
 from tokenmill.layers.rotary import apply_rotary
 from tokenmill.models.llama import LlamaAttention, LlamaForCausalLM
 from tokenmill.models.qwen_moe import QwenSparseMoeBlock, map_qwen_moe_weight
@@ -22,6 +24,8 @@ from tokenmill.quantization import QuantizationConfig
 
 
 class OlmoeAttention(LlamaAttention):
+    computes = ("forward", "split_heads")
+
     def __init__(self, config: Any, tp: ParallelState, quant: QuantizationConfig | None,
                  prefix: str, layer_idx: int, qkv_bias: bool, o_bias: bool) -> None:
         if tp.tp_size > 1:
@@ -42,6 +46,18 @@ class OlmoeAttention(LlamaAttention):
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q, k = apply_rotary(q.view(T, -1, D), k.view(T, -1, D), *position_embeddings)
         return self.o_proj(self.attn(q, k, v.reshape(T, -1, D), meta))  # (T, hidden)
+
+    def op_spec(self) -> OpSpec | None:
+        """Llama's attention with one RMSNorm over all of q's heads and one over k's
+        ("qk_norm_all_heads"), then q, k and v clamped to clip_qkv ("clip_qkv")."""
+        spec = super().op_spec()
+        norms = specs_of(q_norm=self.q_norm, k_norm=self.k_norm)
+        if spec is None or norms is None:
+            return None
+        variants = {"qk_norm_all_heads"} | ({"clip_qkv"} if self.clip_qkv is not None else set())
+        return dataclasses.replace(spec, variants=spec.variants | variants,
+                                   parts={**spec.parts, **norms},
+                                   params={**spec.params, "clip_qkv": self.clip_qkv})
 
 
 def gguf_config(meta: Any, tensor: Any, names: set[str]) -> dict[str, Any]:
