@@ -157,18 +157,22 @@ def _merge_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, tile_q_starts_ptr,
                          tile_first_ctx_ptr, tile_work_start_ptr, split_keys, stride_ot,
                          stride_oh, HQ: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
     """One decode tile's query head: its splits' (acc, m, l) merged in split order, as the
-    online softmax would have continued (one split: acc / l, the unsplit kernel's result)."""
+    online softmax would have continued (one split: acc * 1 / (l * 1), the unsplit kernel's
+    acc / l)."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
     start = tl.load(tile_work_start_ptr + tile)
     num = (tl.load(tile_first_ctx_ptr + tile) + split_keys - 1) // split_keys
-    m = -1.0e30
-    for i in range(0, num):
+    # loop-carried values start as tensors (compiled Triton keeps a loop variable's type)
+    row = start * HQ + h
+    m = tl.load(part_ml_ptr + row * 2)
+    for i in range(1, num):
         m = tl.maximum(m, tl.load(part_ml_ptr + ((start + i) * HQ + h) * 2))
     d = tl.arange(0, D_PAD)
-    acc = tl.zeros((D_PAD,), tl.float32)
-    total = 0.0
-    for i in range(0, num):
+    w = tl.exp(tl.load(part_ml_ptr + row * 2) - m)
+    total = tl.load(part_ml_ptr + row * 2 + 1) * w
+    acc = tl.load(part_acc_ptr + row * D_PAD + d) * w
+    for i in range(1, num):
         row = (start + i) * HQ + h
         w = tl.exp(tl.load(part_ml_ptr + row * 2) - m)
         total = total + tl.load(part_ml_ptr + row * 2 + 1) * w
