@@ -17,9 +17,10 @@ from tokenmill import LLM, SamplingParams
 ARCHITECTURES = {"qwen2_moe": "cpu", "qwen3_moe": "cpu", "olmoe": "cpu",
                  "mistral-window": "cpu", "gemma2": "cpu", "gemma3": "cpu",
                  "phi3": "cpu", "phi3-partial": "cpu", "granite": "cpu"}
-# whose layers are exactly Llama's (Mistral's with one window for all), or Llama's attention
-# with Qwen2-MoE's blocks: the fused CPU decode call takes their decode steps
-FUSED_DECODE = {"phi3", "mistral-window", "qwen2_moe"}
+# whose layers are exactly Llama's (Mistral's with one window for all), Llama's attention with
+# Qwen2-MoE's blocks, or with q/k norms (Qwen3-MoE's per head; OLMoE's over all heads, with
+# its clamp): the fused CPU decode call takes their decode steps
+FUSED_DECODE = {"phi3", "mistral-window", "qwen2_moe", "qwen3_moe", "olmoe"}
 
 
 @pytest.mark.parametrize("kind", list(ARCHITECTURES))
