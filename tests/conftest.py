@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,13 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if "TOKENMILL_CACHE_DIR" not in os.environ:
+    # The GGUF conversions of a run go to a folder of its own, removed at exit: the tests
+    # write their GGUF files under fresh temporary paths, and each path is a new cache key, so
+    # the user's ~/.cache/tokenmill grew by ~0.5 GB a run (44 GB seen). Servers the tests
+    # start inherit it.
+    os.environ["TOKENMILL_CACHE_DIR"] = tempfile.mkdtemp(prefix="tokenmill-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["TOKENMILL_CACHE_DIR"], True)
 if not torch.cuda.is_available():
     # The Triton attention kernel then runs in Triton's interpreter on CPU tensors. Triton
     # reads this when a kernel is defined, so it is set before any test imports one.
