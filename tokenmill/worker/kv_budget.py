@@ -16,6 +16,7 @@ import logging
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def available_memory() -> int | None:
 def longest_batch_bytes(config: EngineConfig, block_bytes: int) -> int:
     """What the longest possible batch needs: max_num_seqs sequences of max_model_len tokens
     in whole blocks, and the null block."""
-    blocks_per_seq = -(-config.model.max_model_len // config.cache.block_size)
+    blocks_per_seq = cdiv(config.model.max_model_len, config.cache.block_size)
     return (config.scheduler.max_num_seqs * blocks_per_seq + 1) * block_bytes
 
 
@@ -72,7 +73,9 @@ def num_kv_blocks(config: EngineConfig, block_bytes: int, device: torch.device,
         budget = auto_kv_budget(config, block_bytes, device)
     n = budget // block_bytes
     if n < 2:
-        raise ValueError(f"kv_cache_memory={budget} bytes holds {n} blocks; one block of "
+        what = ("kv_cache_memory" if cache.kv_cache_memory is not None else
+                "the KV budget" if profiled is None else "gpu_memory_utilization's KV budget")
+        raise ValueError(f"{what}={budget} bytes holds {n} blocks; one block of "
                          f"{cache.block_size} tokens needs {block_bytes} bytes and at least "
                          "2 are required")
     return n

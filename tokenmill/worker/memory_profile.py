@@ -17,9 +17,9 @@ graphs are captured later, from the headroom `1 - utilization` leaves.
 
 Invariants: the profiled step reads and writes only its own cache (freed before the real one
 is allocated); its requests are seeded and forgotten, so they leave the sampler's generators as
-they were; a budget that leaves no room for a
-KV cache fails start-up with the figures that explain it. kv_cache_memory / num_kv_blocks, when
-set, skip the profile (and on CPU the budget is worker/kv_budget.py's).
+they were; a budget that leaves no room for a KV cache fails start-up with the figures that
+explain it. kv_cache_memory / num_kv_blocks, when set, skip the profile (and on CPU the budget
+is worker/kv_budget.py's).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.attention.input_batch import InputBatch
-from tokenmill.attention.kv_cache import allocate_kv_cache, allocate_kv_scales, key_rotation
 from tokenmill.config import EngineConfig
 from tokenmill.core.interface import ScheduledRequest
 from tokenmill.sampling_params import SamplingParams
@@ -64,8 +63,8 @@ def profile_requests(config: EngineConfig, block_size: int) -> list[ScheduledReq
     longest prompt when prefill is not chunked) over S = min(max_num_seqs, T) sequences, each
     at least one token and at most max_model_len, the tokens beyond S given to the first
     sequences (one long prefill, then single tokens, as a full step mixes them), all sampling
-    with temperature, top-k and top-p;
-    each sequence's blocks consecutive from block 1 (block 0 is the null block)."""
+    with temperature, top-k and top-p; each sequence's blocks consecutive from block 1 (block
+    0 is the null block)."""
     sched, max_len = config.scheduler, config.model.max_model_len
     tokens = sched.max_num_batched_tokens
     seqs = min(sched.max_num_seqs, tokens)
@@ -150,15 +149,9 @@ def _measure(runner: ModelRunner, reqs: list[ScheduledRequest]) -> MemoryProfile
 def profile_cache(runner: ModelRunner, num_blocks: int) -> Iterator[None]:
     """A KV cache of num_blocks bound to the layers for the profiled step; on exit the runner's
     own (None at start-up) bound again."""
-    mc, kv_dtype = runner.config.model, runner.config.cache.kv_cache_dtype
     own = tuple(getattr(runner, name, None) for name in ("kv_cache", "kv_scales",
                                                          "key_rotation"))
-    runner.kv_cache = allocate_kv_cache(runner.num_layers, num_blocks, runner.block_size,
-                                        runner.num_kv_heads, mc.head_dim, mc.dtype,
-                                        runner.device, kv_dtype)
-    runner.kv_scales = allocate_kv_scales(runner.num_layers, runner.num_kv_heads, runner.device,
-                                          kv_dtype)
-    runner.key_rotation = key_rotation(mc.head_dim, kv_dtype, runner.device)
+    runner.kv_cache, runner.kv_scales, runner.key_rotation = runner.kv_tensors(num_blocks)
     try:
         runner._bind_attention()
         yield

@@ -86,7 +86,7 @@ class ModelRunner:
                      LoRAManager(self.model, config.lora, self.device))
         self.sampler = Sampler(config.seed, self.device)
         self.memory_profile = None  # CUDA: the profiled step's figures (memory_profile.py)
-        self._allocate_kv(profiled=True)
+        self._allocate_kv()
         self._bind_attention()
         self.states = RequestStates()  # the requests' tokens and block tables
         self._load_speculative()
@@ -128,10 +128,10 @@ class ModelRunner:
                     mc.dtype, mc.quantization or "dense", self.device,
                     time.perf_counter() - t0)
 
-    def _allocate_kv(self, num_blocks: int | None = None, profiled: bool = False) -> None:
+    def _allocate_kv(self, num_blocks: int | None = None) -> None:
         """The KV cache (and its swap space and fp8 scales) of `num_blocks`, or sized from the
-        memory budget less the draft model's share (`profiled`: on CUDA, what a profiled step
-        leaves of gpu_memory_utilization, worker/memory_profile.py)."""
+        memory budget less the draft model's share (on CUDA: what a profiled step leaves of
+        gpu_memory_utilization, worker/memory_profile.py)."""
         config, mc = self.config, self.config.model
         t0 = time.perf_counter()
         draft = config.draft_model
@@ -141,25 +141,32 @@ class ModelRunner:
                                 mc.head_dim, mc.dtype, config.cache.kv_cache_dtype)
         # a draft model's K/V take a block of their own beside each target block
         per_block = block + self._draft_block_bytes
-        budget = profiled_kv_budget(self, per_block) if profiled and not num_blocks else None
-        self.num_kv_blocks = num_blocks or num_kv_blocks(config, per_block, self.device, budget)
+        if num_blocks is None:  # (sleep mode's restore gives the count it had)
+            num_blocks = num_kv_blocks(config, per_block, self.device,
+                                       profiled_kv_budget(self, per_block))
+        self.num_kv_blocks = num_blocks
+        self.kv_cache, self.kv_scales, self.key_rotation = self.kv_tensors(num_blocks)
         kv_dtype = config.cache.kv_cache_dtype
-        self.kv_cache = allocate_kv_cache(self.num_layers, self.num_kv_blocks, self.block_size,
-                                          self.num_kv_heads, mc.head_dim, mc.dtype, self.device,
-                                          kv_dtype)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.0f MiB, %s) in %.1f s",
-                    self.num_kv_blocks - 1, self.block_size,
-                    (self.num_kv_blocks - 1) * self.block_size,
-                    self.num_kv_blocks * (block + self._draft_block_bytes) / 2**20,
+                    num_blocks - 1, self.block_size, (num_blocks - 1) * self.block_size,
+                    num_blocks * per_block / 2**20,
                     mc.dtype if kv_dtype == "auto" else kv_dtype, time.perf_counter() - t0)
         self.num_swap_blocks, self.swap_cache = allocate_swap(config, self.kv_cache, block)
         if getattr(self, "offload", None) is None:  # (kept through sleep mode)
             self.offload = (None if config.kv_offload is None
                             else OffloadWorker(config.kv_offload, self.kv_cache))
-        # fp8's per-head scales, (num_layers, 2, Hkv); None for the other formats
-        self.kv_scales = allocate_kv_scales(self.num_layers, self.num_kv_heads, self.device,
-                                            kv_dtype)
-        self.key_rotation = key_rotation(mc.head_dim, kv_dtype, self.device)  # quantized
+
+    def kv_tensors(self, num_blocks: int
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """A KV cache of num_blocks in the configured format, its fp8 per-head scales
+        (num_layers, 2, Hkv) (None for the other formats) and a quantized cache's key
+        rotation (None for a float cache)."""
+        mc, kv_dtype = self.config.model, self.config.cache.kv_cache_dtype
+        return (allocate_kv_cache(self.num_layers, num_blocks, self.block_size,
+                                  self.num_kv_heads, mc.head_dim, mc.dtype, self.device,
+                                  kv_dtype),
+                allocate_kv_scales(self.num_layers, self.num_kv_heads, self.device, kv_dtype),
+                key_rotation(mc.head_dim, kv_dtype, self.device))
 
     def _bind_attention(self) -> None:
         """One attention backend for every layer's variant, bound to each layer with its KV
