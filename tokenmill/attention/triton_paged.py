@@ -28,6 +28,7 @@ import torch
 from tokenmill.attention.base import AttentionBackend, AttentionLayer, DecodeGraphState
 from tokenmill.attention.input_batch import InputBatch
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.utils import cdiv
 
 PREFILL_TILE = 16
 SPLIT_KEYS = 512
@@ -39,7 +40,7 @@ def split_keys_for(max_model_len: int | None) -> int:
     max_model_len tokens within MAX_SPLITS splits (bounding the partial sums' memory)."""
     if max_model_len is None:
         return SPLIT_KEYS
-    return max(1, -(-max_model_len // (MAX_SPLITS * SPLIT_KEYS))) * SPLIT_KEYS
+    return max(1, cdiv(max_model_len, MAX_SPLITS * SPLIT_KEYS)) * SPLIT_KEYS
 
 
 @dataclass
@@ -125,7 +126,7 @@ class TritonPagedAttention(AttentionBackend):
         starts, tiles, splits = [], [], []
         for t, n in enumerate(keys):
             starts.append(len(tiles))
-            count = -(-n // self.split_keys)
+            count = cdiv(n, self.split_keys)
             tiles += [t] * count
             splits += range(count)
         cols = torch.tensor(tiles + splits + starts, dtype=torch.int32).to(self.device,
@@ -155,7 +156,7 @@ class TritonPagedAttention(AttentionBackend):
         return out.view(T, Hq * D)
 
     def decode_graph_state(self, max_seqs: int, max_blocks: int) -> TritonDecodeGraphState:
-        max_splits = -(-max_blocks * self.block_size // self.split_keys)
+        max_splits = cdiv(max_blocks * self.block_size, self.split_keys)
         return TritonDecodeGraphState(max_seqs, max_blocks, self.device, self.split_keys,
                                       max_splits)
 

@@ -8,6 +8,7 @@ and AttentionMetadata passed explicitly.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -80,6 +81,17 @@ class LlamaAttention(nn.Module):
         return OpSpec("attention", frozenset(variants), parts=parts,
                       params={"attn": a, "scale": a.scale, "window": a.sliding_window,
                               "heads": (self.num_heads, self.num_kv_heads, self.head_dim)})
+
+
+def with_qk_norms(attn: LlamaAttention, variants: set[str], **params: Any) -> OpSpec | None:
+    """A Llama attention spec with the layer's q_norm / k_norm as parts and `variants` (the
+    q/k-norming attentions of Qwen3 and OLMoE state theirs through it)."""
+    spec = LlamaAttention.op_spec(attn)
+    norms = specs_of(q_norm=attn.q_norm, k_norm=attn.k_norm)
+    if spec is None or norms is None:
+        return None
+    return dataclasses.replace(spec, variants=spec.variants | variants,
+                               parts={**spec.parts, **norms}, params={**spec.params, **params})
 
 
 class LlamaMLP(nn.Module):

@@ -8,7 +8,6 @@ ranks: tensor parallelism is refused for it at start-up, by name.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -16,9 +15,9 @@ import torch
 from tokenmill.attention import AttentionMetadata
 from tokenmill.distributed import ParallelState
 from tokenmill.layers.layernorm import RMSNorm
-from tokenmill.layers.op_spec import OpSpec, specs_of
+from tokenmill.layers.op_spec import OpSpec
 from tokenmill.layers.rotary import apply_rotary
-from tokenmill.models.llama import LlamaAttention, LlamaForCausalLM
+from tokenmill.models.llama import LlamaAttention, LlamaForCausalLM, with_qk_norms
 from tokenmill.models.qwen_moe import QwenSparseMoeBlock, map_qwen_moe_weight
 from tokenmill.quantization import QuantizationConfig
 
@@ -50,14 +49,8 @@ class OlmoeAttention(LlamaAttention):
     def op_spec(self) -> OpSpec | None:
         """Llama's attention with one RMSNorm over all of q's heads and one over k's
         ("qk_norm_all_heads"), then q, k and v clamped to clip_qkv ("clip_qkv")."""
-        spec = super().op_spec()
-        norms = specs_of(q_norm=self.q_norm, k_norm=self.k_norm)
-        if spec is None or norms is None:
-            return None
         variants = {"qk_norm_all_heads"} | ({"clip_qkv"} if self.clip_qkv is not None else set())
-        return dataclasses.replace(spec, variants=spec.variants | variants,
-                                   parts={**spec.parts, **norms},
-                                   params={**spec.params, "clip_qkv": self.clip_qkv})
+        return with_qk_norms(self, variants, clip_qkv=self.clip_qkv)
 
 
 def gguf_config(meta: Any, tensor: Any, names: set[str]) -> dict[str, Any]:

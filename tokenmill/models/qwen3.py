@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -10,9 +9,9 @@ import torch
 from tokenmill.attention import AttentionMetadata
 from tokenmill.distributed import ParallelState
 from tokenmill.layers.layernorm import RMSNorm
-from tokenmill.layers.op_spec import OpSpec, specs_of
+from tokenmill.layers.op_spec import OpSpec
 from tokenmill.layers.rotary import apply_rotary
-from tokenmill.models.llama import LlamaAttention, LlamaForCausalLM
+from tokenmill.models.llama import LlamaAttention, LlamaForCausalLM, with_qk_norms
 from tokenmill.quantization import QuantizationConfig
 
 
@@ -33,12 +32,7 @@ class Qwen3Attention(LlamaAttention):
 
     def op_spec(self) -> OpSpec | None:
         """Llama's attention with an RMSNorm over each head's q and k before RoPE ("qk_norm")."""
-        spec = super().op_spec()
-        norms = specs_of(q_norm=self.q_norm, k_norm=self.k_norm)
-        if spec is None or norms is None:
-            return None
-        return dataclasses.replace(spec, variants=spec.variants | {"qk_norm"},
-                                   parts={**spec.parts, **norms})
+        return with_qk_norms(self, {"qk_norm"})
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
