@@ -46,6 +46,15 @@ _FP8_REBIAS = tl.constexpr(1.329227995784916e36)
 
 
 @triton.jit
+def e4m3_to_float32(u):
+    """e4m3 bytes (as int32) → their float32 values: the bits moved into a float32's, times
+    2^120 (exact, subnormals too; the same on every GPU and in the interpreter). Also read by
+    the block-fp8 GEMM (quantization/triton_block_gemm.py)."""
+    bits = ((u & 0x7F) << 20) | ((u & 0x80) << 24)
+    return bits.to(tl.float32, bitcast=True) * _FP8_REBIAS
+
+
+@triton.jit
 def _load_kv_rows(cache_ptr, row, head_scale, d, mask, n_ok, D: tl.constexpr,
                   ROW: tl.constexpr, KV_FORMAT: tl.constexpr):
     """(BLOCK_N, D_PAD) float32 values of cache rows `row` (BLOCK_N,) in the cache's format."""
@@ -55,9 +64,7 @@ def _load_kv_rows(cache_ptr, row, head_scale, d, mask, n_ok, D: tl.constexpr,
         row_scale = tl.load(scale_ptr, mask=n_ok, other=0.0)
         x = x.to(tl.float32) * row_scale[:, None]
     elif KV_FORMAT == 2:  # e4m3 bytes (read as uint8)
-        u = x.to(tl.int32)
-        bits = ((u & 0x7F) << 20) | ((u & 0x80) << 24)
-        x = bits.to(tl.float32, bitcast=True) * _FP8_REBIAS * head_scale
+        x = e4m3_to_float32(x.to(tl.int32)) * head_scale
     return x
 
 

@@ -25,13 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.attention.triton_kernels import e4m3_to_float32
 from tokenmill.quantization.base import CPULinearKernel
 
 BLOCK = 32
-
-
-# 2^120: e4m3's exponent bias (7) to float32's (127)
-_FP8_REBIAS = tl.constexpr(1.329227995784916e36)
 
 
 @triton.jit
@@ -57,11 +54,9 @@ def _block_gemm_kernel(x_ptr, q_ptr, d_ptr, m_ptr, s_ptr, bias_ptr, c_ptr, M, N,
         d = tl.load(d_ptr + (rn // SCALE_ROWS).to(tl.int64) * stride_dn + g, mask=n_ok,
                     other=0.0)
         d = d.to(tl.float32)[:, None]
-        if FP8:  # e4m3 bytes: their bits moved into a float32's, times 2^120 (exact)
-            u = tl.load(q_ptr + rows + (k0 + j)[None, :], mask=n_ok[:, None],
-                        other=0).to(tl.int32)
-            bits = ((u & 0x7F) << 20) | ((u & 0x80) << 24)
-            w = bits.to(tl.float32, bitcast=True) * _FP8_REBIAS * d
+        if FP8:  # e4m3 bytes, decoded exactly
+            u = tl.load(q_ptr + rows + (k0 + j)[None, :], mask=n_ok[:, None], other=0)
+            w = e4m3_to_float32(u.to(tl.int32)) * d
         elif Q4:
             byte = tl.load(q_ptr + rows + (k0 // 2 + j % 16)[None, :], mask=n_ok[:, None],
                            other=0).to(tl.int32)
@@ -84,24 +79,9 @@ def block_linear(x: torch.Tensor, kind: int, group: int, q: torch.Tensor, d: tor
     """x (M, K) @ W^T (+ bias) → (M, N) in x's dtype, W the blocks of `kind` (Q8_0: q (N, K)
     int8, d (N, K/32); Q4: q (N, K/2) uint8, d, m (N, K/G)); input_scale (K,): x is multiplied
     by it first."""
-    M, K = x.shape
-    N = q.shape[0]
-    q4 = kind == CPULinearKernel.Q4
     assert kind in (CPULinearKernel.Q8_0, CPULinearKernel.Q4), kind
-    assert K % BLOCK == 0 and K % group == 0 and q.is_contiguous() and d.is_contiguous()
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M == 0:
-        return out
-    bm = 16 if M <= 16 else 32 if M <= 64 else 64
-    bn = 64
-    _block_gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-        x, q, d, m if m is not None else d, input_scale if input_scale is not None else d,
-        bias if bias is not None else d, out, M, N, K, x.stride(0), q.stride(0), d.stride(0),
-        out.stride(0), GROUP=group if q4 else BLOCK, Q4=q4, HAS_SCALE=input_scale is not None,
-        HAS_BIAS=bias is not None,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BM=bm, BN=bn)
-    return out
+    q4 = kind == CPULinearKernel.Q4
+    return _launch(x, q, d, m, input_scale, bias, group=group if q4 else BLOCK, Q4=q4)
 
 
 def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
@@ -109,19 +89,29 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     """x (M, K) @ (w * scale)^T (+ bias) → (M, N) in x's dtype: w (N, K) float8 e4m3 with one
     float32 scale per (block[0] x block[1]) tile of it, scale (cdiv(N, b0), cdiv(K, b1)) (the
     checkpoints' `weight_scale_inv`); block[1] a multiple of 32."""
+    assert block[1] % BLOCK == 0
+    return _launch(x, w.view(torch.uint8), scale.contiguous(), None, None, bias,
+                   group=block[1], FP8=True, SCALE_ROWS=block[0])
+
+
+def _launch(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+            input_scale: torch.Tensor | None, bias: torch.Tensor | None, group: int,
+            **modes: object) -> torch.Tensor:
+    """The kernel over x (M, K) and a weight of q.shape[0] rows (`modes`: the kernel's Q4 /
+    FP8 / SCALE_ROWS); tiles of BM rows growing with M, BN = 64."""
     M, K = x.shape
-    N = w.shape[0]
-    assert block[1] % BLOCK == 0 and K % BLOCK == 0 and w.is_contiguous()
+    N = q.shape[0]
+    assert K % BLOCK == 0 and K % group == 0 and q.is_contiguous() and d.is_contiguous()
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
     bm = 16 if M <= 16 else 32 if M <= 64 else 64
-    scale = scale.contiguous()
+    modes = {"Q4": False, **modes}
     _block_gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, 64))](
-        x, w.view(torch.uint8), scale, scale, scale, bias if bias is not None else scale, out,
-        M, N, K, x.stride(0), w.stride(0), scale.stride(0), out.stride(0), GROUP=block[1],
-        Q4=False, HAS_SCALE=False, HAS_BIAS=bias is not None,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BM=bm, BN=64, FP8=True,
-        SCALE_ROWS=block[0])
+        x, q, d, m if m is not None else d, input_scale if input_scale is not None else d,
+        bias if bias is not None else d, out, M, N, K, x.stride(0), q.stride(0), d.stride(0),
+        out.stride(0), GROUP=group, HAS_SCALE=input_scale is not None,
+        HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BM=bm, BN=64, **modes)
     return out
