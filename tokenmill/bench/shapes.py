@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-# name → Llama config fields (../shared/README.md)
+# name → config fields (Llama's config class unless ARCHITECTURES names another;
+# ../shared/README.md)
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=128, vocab_size=512,

@@ -174,11 +174,11 @@ class QuantizationConfig(ABC):
         """Raise ValueError when this format cannot run on `device` (CPU: the C++ kernels;
         CUDA: formats with `runs_on_cuda`, with Triton installed)."""
         if device.type == "cuda" and self.runs_on_cuda:
-            try:
-                import triton  # noqa: F401
-            except ImportError:
+            from tokenmill.attention.triton_paged import triton_available
+
+            if not triton_available():
                 raise ValueError(f"quantization={self.name!r} on CUDA needs the triton "
-                                 "package (it comes with torch's CUDA builds)") from None
+                                 "package (it comes with torch's CUDA builds)")
             return
         if device.type != "cpu":
             where = "CPU and CUDA" if self.runs_on_cuda else "CPU only for now"

@@ -173,9 +173,11 @@ class Fp8Config(QuantizationConfig):
         return self.embedding
 
     def check_device(self, device: torch.device) -> None:
-        if device.type == "cuda":
+        if device.type == "cuda" and not isinstance(self.method, Fp8LinearMethod):
+            super().check_device(device)  # a stored checkpoint's tiles: the Triton GEMM
+        elif device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(device)
-            if isinstance(self.method, Fp8LinearMethod) and (major, minor) < (8, 9):
+            if (major, minor) < (8, 9):
                 raise ValueError(f"quantization='fp8' needs fp8 tensor cores (compute "
                                  f"capability 8.9 or later); this GPU is {major}.{minor}")
         elif device.type != "cpu":
