@@ -4,7 +4,7 @@ AVX-512 VNNI) at a few rows of x, per type, with
 random blocks of one large layer shape (Llama-3.2-1B's ffn_down by default).
 
     python benchmarks/gguf_kernels.py [--types Q4_K,Q5_K,Q6_K,Q5_0,Q5_1]
-        [--rows 1 4 16] [--shape 2048x8192] [--copies 6]
+        [--rows 1 4 16] [--shape 2048x8192] [--copies 6] [--activations int16,int8]
 
 A decode step reads each weight once from memory, so each timing cycles through `--copies`
 distinct weights of the shape (more bytes than the caches hold) and reports milliseconds per
@@ -40,6 +40,11 @@ def layer_copies(type_name: str, n: int, k: int, copies: int) -> list[CPULinearK
             for s in range(copies)]
 
 
+def with_int8_activations(kernels: list[CPULinearKernel]) -> list[CPULinearKernel]:
+    """The same weights multiplying int8-rounded activations (csrc/linear_gguf_int8.h)."""
+    return [CPULinearKernel(w.kind, w.group, w.tensors, int8_activations=True) for w in kernels]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -52,11 +57,19 @@ def main() -> None:
     ap.add_argument("--builds", default="",
                     help="comma-separated kernel builds to compare (avx512, avx2, generic; "
                          "default: the one this CPU runs)")
+    ap.add_argument("--activations", default="int16",
+                    help="comma-separated: int16 (the default rounding), int8 "
+                         "(int8_activations=True: Q2_K .. Q6_K, Q8_0, Q4_0, Q4_1)")
     args = ap.parse_args()
     n, k = (int(v) for v in args.shape.split("x"))
-    types = args.types.split(",")
+    names = args.types.split(",")
     print(describe_machine())
-    weights = {t: layer_copies(t, n, k, args.copies) for t in types}
+    modes = args.activations.split(",")
+    blocks = {t: layer_copies(t, n, k, args.copies) for t in names}
+    weights = {(f"{t} int8" if mode == "int8" and len(modes) > 1 else t):
+               (with_int8_activations(blocks[t]) if mode == "int8" else blocks[t])
+               for t in names for mode in modes}
+    types = list(weights)
     nbytes = {t: w[0].tensors[0].numel() for t, w in weights.items()}
     plain = torch.randn(args.copies, max(nbytes.values()) // 4)
     read = alternate({"sum": lambda: [row.sum() for row in plain]}, args.rounds, 1)["sum"]

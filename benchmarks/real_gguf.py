@@ -3,6 +3,7 @@ tokenmill and llama.cpp on the same files; see tokenmill/bench/real_gguf.py.
 
     python benchmarks/real_gguf.py                       # both shapes, both types
     python benchmarks/real_gguf.py --shapes 1b --types Q4_K_M
+    python benchmarks/real_gguf.py --shapes 1b --types Q4_K_M,Q2_K --int8-activations
 """
 
 from tokenmill.bench.real_gguf import main

@@ -194,12 +194,14 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [rng.integers(3, 49152, length).tolist() for _ in range(n)]
 
 
-def measure_tokenmill(path: str, prompt_len: int, decode_len: int, batch: int) -> dict:
+def measure_tokenmill(path: str, prompt_len: int, decode_len: int, batch: int,
+                      int8_activations: bool = False) -> dict:
     from tokenmill import LLM, SamplingParams
     from tokenmill.bench.latency import run_tokenmill_once
 
     t0 = time.perf_counter()
-    llm = LLM(path, max_model_len=prompt_len + decode_len + 16)
+    llm = LLM(path, max_model_len=prompt_len + decode_len + 16,
+              int8_activations=int8_activations)
     load = time.perf_counter() - t0
     single = run_tokenmill_once(llm, _prompts(1, prompt_len, 1)[0], decode_len)
     params = SamplingParams(temperature=0, max_tokens=decode_len // 2, ignore_eos=True)
@@ -254,8 +256,11 @@ def _child(args: argparse.Namespace) -> int:
         LLM(args.child, max_model_len=args.prompt_len + args.decode_len + 16)
         print("RESULT " + json.dumps({"load_s": time.perf_counter() - t0}))
         return 0
-    fn = measure_tokenmill if args.engine == "tokenmill" else measure_llama_cpp
-    result = fn(args.child, args.prompt_len, args.decode_len, args.batch)
+    if args.engine == "llama.cpp":
+        result = measure_llama_cpp(args.child, args.prompt_len, args.decode_len, args.batch)
+    else:  # tokenmill, or tokenmill-int8 (int8_activations=True)
+        result = measure_tokenmill(args.child, args.prompt_len, args.decode_len, args.batch,
+                                   args.engine == "tokenmill-int8")
     result["peak_rss_gib"] = process_memory_mib("VmHWM") / 1024
     print("RESULT " + json.dumps(result))
     return 0
@@ -268,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--decode-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--int8-activations", action="store_true",
+                   help="also serve each file with int8_activations=True (K-quants, Q8_0, Q4_x)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--engine", default="tokenmill", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -276,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     from tokenmill.model_loader.gguf_cache import cache_root
 
     print(describe_machine())
-    engines = ["tokenmill"]
+    engines = ["tokenmill"] + (["tokenmill-int8"] if args.int8_activations else [])
     try:
         import llama_cpp  # noqa: F401
         engines.append("llama.cpp")
@@ -293,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = _run_child(path, engine, args)
                 if r is None:
                     continue
-                print(f"  {engine:9s} load {r['load_s']:5.1f} s"
+                print(f"  {engine:14s} load {r['load_s']:5.1f} s"
                       + (f" (first start {first['load_s']:.1f} s)" if first else "")
                       + f"  peak RSS {r['peak_rss_gib']:5.2f} GiB  TTFT {r['ttft_s']:6.2f} s"
                       f"  decode {r['decode_tok_s']:6.2f} tok/s  batch-{args.batch} "

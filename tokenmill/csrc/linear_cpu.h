@@ -19,7 +19,8 @@
 //                              (linear_gguf.h); at every M, the integer row kernels of
 //                              linear_gguf_rows.h (x rounded to int16) on AVX2 builds,
 //                              linear_gguf_vnni.h on AVX-512 VNNI ones, the dot kernels
-//                              (exact float32) on the portable one
+//                              (exact float32) on the portable one; with int8
+//                              activations (Q2_K .. Q6_K, SIMD builds) linear_gguf_int8.h
 //   kind 8-9 dense bfloat16 / float16: tensors = {W (N, K)}, widened to float32 in
 //                              registers by the dot kernels at every M (linear_half.h)
 //   kind 10  dense bfloat16 multiplied in bfloat16: tensors = {W (N, K) bfloat16}; x
@@ -53,6 +54,7 @@
 #include "linear_dot.h"
 #include "linear_gguf_rows.h"
 #include "linear_gguf_vnni.h"
+#include "linear_gguf_int8.h"
 #include "linear_int8_gemm.h"
 #include "linear_rows.h"
 
@@ -222,6 +224,16 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  if (int8_acts && gguf_blocks::is_gguf_kind(kind)) {  // K-quants: x rounded to int8
+#if defined(TOKENMILL_GGUF_INT8)
+    if (gguf_int8::has_kernel(kind)) {
+      gguf_int8::linear(kind, static_cast<const uint8_t*>(t[0].data_ptr()), xp, M, K, N, b, yp);
+      return y;
+    }
+#endif
+    TORCH_CHECK(false, "int8 activations are not implemented for GGUF weight kind ", kind,
+                " on this build (Q2_K .. Q6_K have them on AVX2 and AVX-512 CPUs)");
+  }
   TORCH_CHECK(!(int8_acts && (dot_form::dot_only_kind(kind) ||
                                kind == bf16_products::kKind)),
               "int8 activations are not implemented for weight kind ", kind);

@@ -45,6 +45,7 @@ from tokenmill.quantization.base import (
     replace_param,
 )
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
+from tokenmill.utils.cpp_extension import runtime_isa
 
 Split = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
@@ -72,29 +73,32 @@ def _split_q4_0(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
 class GGUFType:
     """A GGML block type the kernels read: `weights` per block of `nbytes`, read by kernel
     `kind`; `split` turns raw block rows (N, blocks, nbytes) into the kernel's tensors, None
-    where the kernel reads the raw rows themselves."""
+    where the kernel reads the raw rows themselves; `int8_activations`: whether its kernels
+    can multiply int8-rounded activations (raw K-quants: on AVX2 / AVX-512 builds,
+    csrc/linear_gguf_int8.h)."""
 
     name: str
     weights: int
     nbytes: int
     kind: int
     split: Split | None = None
+    int8_activations: bool = False
 
     def row_bytes(self, k: int) -> int:
         return k // self.weights * self.nbytes
 
 
 GGUF_TYPES = {t.name: t for t in (
-    GGUFType("Q8_0", 32, 34, CPULinearKernel.Q8_0, _split_q8_0),
-    GGUFType("Q4_1", 32, 20, CPULinearKernel.Q4, _split_q4_1),
-    GGUFType("Q4_0", 32, 18, CPULinearKernel.Q4, _split_q4_0),
+    GGUFType("Q8_0", 32, 34, CPULinearKernel.Q8_0, _split_q8_0, True),
+    GGUFType("Q4_1", 32, 20, CPULinearKernel.Q4, _split_q4_1, True),
+    GGUFType("Q4_0", 32, 18, CPULinearKernel.Q4, _split_q4_0, True),
     GGUFType("Q5_0", 32, 22, CPULinearKernel.Q5_0),
     GGUFType("Q5_1", 32, 24, CPULinearKernel.Q5_1),
-    GGUFType("Q4_K", 256, 144, CPULinearKernel.Q4_K),
-    GGUFType("Q5_K", 256, 176, CPULinearKernel.Q5_K),
-    GGUFType("Q6_K", 256, 210, CPULinearKernel.Q6_K),
-    GGUFType("Q3_K", 256, 110, CPULinearKernel.Q3_K),
-    GGUFType("Q2_K", 256, 84, CPULinearKernel.Q2_K),
+    GGUFType("Q4_K", 256, 144, CPULinearKernel.Q4_K, int8_activations=True),
+    GGUFType("Q5_K", 256, 176, CPULinearKernel.Q5_K, int8_activations=True),
+    GGUFType("Q6_K", 256, 210, CPULinearKernel.Q6_K, int8_activations=True),
+    GGUFType("Q3_K", 256, 110, CPULinearKernel.Q3_K, int8_activations=True),
+    GGUFType("Q2_K", 256, 84, CPULinearKernel.Q2_K, int8_activations=True),
     GGUFType("IQ4_XS", 256, 136, CPULinearKernel.IQ4_XS),
     GGUFType("IQ4_NL", 32, 18, CPULinearKernel.IQ4_NL),
 )}
@@ -112,6 +116,19 @@ def kernel_tensors(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, ...
 
 
 
+def _check_int8_activations(type_names: list[str]) -> None:
+    """Refuse int8 activations for types whose kernels lack them, by name."""
+    without = sorted({n for n in type_names if not GGUF_TYPES[n].int8_activations})
+    if without:
+        have = ", ".join(n for n, t in GGUF_TYPES.items() if t.int8_activations)
+        raise ValueError(f"int8_activations is not implemented for GGUF {', '.join(without)} "
+                         f"weights ({have} have it); leave it off")
+    raw = sorted({n for n in type_names if GGUF_TYPES[n].split is None})
+    if raw and runtime_isa() not in ("avx2", "avx512"):
+        raise ValueError(f"int8_activations for GGUF {', '.join(raw)} weights needs an AVX2 "
+                         "or AVX-512 CPU; leave it off")
+
+
 class GGUFBlockMethod(LinearMethodBase):
     """A layer whose GGUF tensors are block types: one type, or one per merged part."""
 
@@ -120,10 +137,8 @@ class GGUFBlockMethod(LinearMethodBase):
         self.type_names = type_names
         self.batch_invariant = batch_invariant
         self.int8_activations = int8_activations
-        raw = sorted({n for n in type_names if GGUF_TYPES[n].split is None})
-        if int8_activations and raw:
-            raise ValueError(f"int8_activations is not implemented for GGUF {', '.join(raw)} "
-                             "weights (Q8_0, Q4_0 and Q4_1 have it); leave it off")
+        if int8_activations:
+            _check_int8_activations(type_names)
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:

@@ -1,0 +1,140 @@
+"""GGUF K-quants (Q2_K .. Q6_K) multiplying int8 activations (`int8_activations=True`,
+csrc/linear_gguf_int8.h): x rounded to int8 per 256 values, the file's super-blocks read in
+place. Each product is the gguf package's dequantized weights times the rounded x, up to the
+kernel's float32 sums, in every installed build; a row's result is bitwise the same at every
+step size (raw rows up to 8, decoded tiles above); the int8 sums do not saturate at the
+kinds' extremes; a tiny model of these types serves through the fused decode call with
+logprobs near its float32 expansion's, each prompt's tokens the same alone or batched."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from tests.conftest import assert_kv_all_free
+from tests.gguf_writer import write_gguf
+from tests.quantization.test_blocks import round_blocks
+from tokenmill import LLM, SamplingParams
+from tokenmill.bench.real_gguf import random_blocks
+from tokenmill.layers import cpu_ops
+from tokenmill.models import cpu_decode
+from tokenmill.quantization.base import CPULinearKernel
+from tokenmill.quantization.blocks import dequantize
+from tokenmill.quantization.gguf import GGUF_TYPES
+
+pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
+INT8_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+
+
+@pytest.fixture
+def ops(cpu_ops_build):
+    """Each SIMD kernel build this CPU runs: the portable one has no int8 K-quant kernel."""
+    if cpu_ops.gguf_activation_block(256, cpu_ops_build) is None:
+        pytest.skip("the portable build refuses int8 activations for K-quants")
+    return cpu_ops_build
+
+
+def int8_kernel(type_name: str, rows: int, cols: int, seed: int) -> CPULinearKernel:
+    raw = torch.from_numpy(random_blocks(type_name, rows, cols, seed))
+    return CPULinearKernel(GGUF_TYPES[type_name].kind, 32, (raw,), int8_activations=True)
+
+
+def expected(x: torch.Tensor, kernel: CPULinearKernel, bias: torch.Tensor) -> torch.Tensor:
+    """dequantize(W) times x rounded to int8 per 256 values, in float64."""
+    xr = round_blocks(x, 127, 256)
+    return (xr.double() @ dequantize(kernel).double().T + bias.double()).float()
+
+
+@pytest.mark.parametrize("type_name", INT8_TYPES)
+def test_products_are_the_weights_times_int8_rounded_activations_at_every_m(ops, type_name):
+    kernel = int8_kernel(type_name, 73, 768, seed=1)  # odd N; three super-blocks a row
+    bias = torch.randn(73)
+    w = dequantize(kernel).double()
+    for m in (1, 2, 3, 5, 8, 9, 13, 70):  # raw rows up to 8, decoded tiles above
+        x = torch.randn(m, 768) * torch.logspace(-1, 1, 768)  # blocks of very different ranges
+        y = cpu_ops.linear(x, kernel, bias, ops)
+        torch.testing.assert_close(y, expected(x, kernel, bias), atol=1e-4, rtol=1e-5)
+        for i in {0, m // 2, m - 1}:
+            assert torch.equal(cpu_ops.linear(x[i:i + 1], kernel, bias, ops)[0], y[i])
+        # lossy: the rounding of x to 8 bits, about 0.3% of the product here
+        exact = x.double() @ w.T
+        relative = float((y.double() - bias - exact).norm() / exact.norm())
+        assert 1e-4 < relative < 2e-2, relative
+
+
+# The largest pair sums of vpmaddubsw: Q6_K values 0 and 63 (rows 0, 1) times x8 = +-127,
+# every int8 scale -128 (bytes 192..207); Q5_K values 0 / 31 with every 6-bit scale 63.
+EXTREMES = {
+    "Q6_K": (slice(0, 192), 0x00, 0xFF, slice(192, 208), 0x80),
+    "Q5_K": (slice(16, 176), 0x00, 0xFF, slice(4, 16), 0xFF),
+}
+
+
+@pytest.mark.parametrize("type_name", list(EXTREMES))
+def test_sums_at_their_bound_do_not_saturate(ops, type_name):
+    values, low, high, scales, scale = EXTREMES[type_name]
+    raw = random_blocks(type_name, 3, 512, seed=5)
+    blocks = raw.reshape(3, 2, GGUF_TYPES[type_name].nbytes)
+    blocks[0, :, values] = low
+    blocks[1, :, values] = high
+    blocks[:, :, scales] = scale
+    kernel = CPULinearKernel(GGUF_TYPES[type_name].kind, 32, (torch.from_numpy(raw),),
+                             int8_activations=True)
+    x = torch.full((2, 512), 0.75)
+    x[1] = -0.75
+    bias = torch.zeros(3)
+    want = expected(x, kernel, bias)
+    assert want[:, 1].abs().min() > 1.0  # row 1, the largest values: far from a wrapped sum
+    torch.testing.assert_close(cpu_ops.linear(x, kernel, bias, ops), want, rtol=1e-5, atol=1e-4)
+
+
+# Every int8 K-quant kind in one model: a mixed qkv (Q4_K, Q2_K, Q6_K), a mixed gate_up.
+INT8_FILE = {"attn_q": "Q4_K", "attn_k": "Q2_K", "attn_v": "Q6_K", "attn_output": "Q5_K",
+             "ffn_gate": "Q3_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}
+
+
+@pytest.fixture(scope="module")
+def int8_file(tmp_path_factory, tiny_model, smollm2_path):
+    folder, hf = tiny_model("llama-256")
+    path = tmp_path_factory.mktemp("kquant-int8") / "tiny-kquants.gguf"
+    write_gguf("llama", folder, hf, smollm2_path, path, INT8_FILE)
+    return str(path)
+
+
+def test_a_kquant_model_serves_int8_activations_near_its_float32_expansion(
+        int8_file, monkeypatch):
+    prompts = [[1, 504, 3458, 282, 4649, 314], list(range(2000, 2040)), [7] * 19]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=0)
+    llm = LLM(int8_file, int8_activations=True, max_model_len=256, num_kv_blocks=64)
+    model = llm.engine.runner.model
+    up = model.model.layers[0].mlp.gate_up_proj
+    assert up.quant_method.cpu_kernel(up).int8_activations
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert held <= sum(t.n_bytes for t in gguf.GGUFReader(int8_file).tensors) * 1.01
+    calls: list[int] = []
+    real_op = cpu_decode._decode_layers_op()
+    monkeypatch.setattr(cpu_decode, "_decode_layers_op",
+                        lambda: lambda h, *a: (calls.append(h.shape[0]), real_op(h, *a))[1])
+    batched = llm.generate(prompts, params, use_tqdm=False)
+    assert calls  # decode steps through the fused call with the int8 kernels
+    assert_kv_all_free(llm.engine)
+    for prompt, out in zip(prompts, batched, strict=True):  # batch-invariant
+        alone = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids
+    # the prompts' logprobs (teacher-forced) against the file's float32 expansion
+    dense = LLM(int8_file, quantization="none", max_model_len=256, num_kv_blocks=64)
+    reference = dense.generate(prompts, params, use_tqdm=False)
+    diffs = [abs(a[t].logprob - b[t].logprob)
+             for got, want in zip(batched, reference, strict=True)
+             for a, b, t in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:],
+                                got.prompt_token_ids[1:], strict=True)]
+    assert 0 < max(diffs) < 0.05, max(diffs)
+
+
+def test_types_without_int8_kernels_are_refused_by_name(tmp_path, tiny_model, smollm2_path):
+    folder, hf = tiny_model("llama-256")
+    path = tmp_path / "tiny-iq4.gguf"
+    write_gguf("llama", folder, hf, smollm2_path, path, {**INT8_FILE, "ffn_up": "IQ4_XS"})
+    with pytest.raises(ValueError, match=r"not implemented for GGUF IQ4_XS weights \(.*Q4_K"):
+        LLM(str(path), int8_activations=True, max_model_len=64)
