@@ -3,33 +3,35 @@
 // as the file stores them (linear_gguf.h's block_values and scales).
 //
 // Why: with int16 activations (linear_gguf_vnni.h) a K-quant product costs one vpdpwssd per
-// 32 weights and row of x once each weight is widened and scaled, and at 16-128 rows that
-// instruction's rate (one a cycle per Zen 5 core) bounds the step. Here the stored values
-// (u8, at most 6 bits) meet int8 activations in one vpmaddubsw per 64 (AVX-512; 32 with
-// AVX2) and the sub-block scales in one vpmaddwd: the same products in half the
-// multiply instructions, and no per-weight widening or scaling.
+// 32 weights and row of x once each weight is widened and scaled; at 16-128 rows that
+// instruction's rate bounds the step. Here the stored values (u8, at most 6 bits) meet int8
+// activations in one vpmaddubsw per 64 (AVX-512; 32 with AVX2) and the group scales in one
+// vpmaddwd, with no per-weight widening or scaling.
 //
 //   x8 = round-half-even(x / dx), dx = amax / 127 per 256 values of x (one super-block);
-//   S16 the exact sums of x8 over 16 values, held as S16 dx. Per super-block and row of x:
-//     I  = sum_g sc_g sum_{j in g} q_j x8_j       (g: the 16 groups of 16 weights; int32)
-//     y += (d dx) I + sum_g off_g (S16_g dx)
-//   sc_g: the group's integer scale (Q4_K / Q5_K its sub-block's 6-bit one; Q6_K int8;
-//   Q3_K (sc - 32); Q2_K 4-bit); off_g: -dmin mn (Q4_K, Q5_K per sub-block; Q2_K per 16),
-//   -zero d sc_g (Q6_K zero 32, Q3_K zero 4): gguf_rows::superblock_scales, exact per kind.
-// vpmaddubsw's int16 pair sums stay under 2 * 63 * 127 (no saturation), and I is converted
-// to float in int32 lanes of 16 weights each (under 16 * 63 * 127 * 128 < 2^24: exactly).
+//   S16 the exact sums of x8 over 16 values. Per super-block, row of x and row of W:
+//     I = sum_g sc_g (sum_{j in g} q_j x8_j - z S16_g)      J = sum_g mn_g S16_g     (int32)
+//     acc = fma(float(I), d dx, acc);  then for Q4_K, Q5_K, Q2_K  acc = fma(float(J), -dmin dx, acc)
+//   and y = acc + bias after the last super-block (K order). g: the 16 groups of 16 weights;
+//   sc_g the group's integer scale (Q4_K / Q5_K its sub-block's; Q6_K int8; Q3_K sc - 32;
+//   Q2_K 4-bit), z the zero point (Q6_K 32, Q3_K 4, else 0), mn_g the integer min (Q4_K /
+//   Q5_K per sub-block, Q2_K per 16). |I| < 2^30; vpmaddubsw's pair sums stay under
+//   2 * 63 * 127 (no saturation).
+//
+// Two ways to the same integers and the same float32 operations, so a row's result is
+// bitwise the same at every M, with any neighbours, chunking or threads
+// (tests/quantization/test_gguf_int8.py):
+// - raw rows (steps of up to 16 rows of x: decode): a W row's super-block decoded in
+//   registers as it is read, lanes along its weights, I and J summed across the lanes;
+// - tiles (larger steps): kRowsPerVec W rows decoded once into an interleaved tile, 4 bytes
+//   of each row side by side, so that one vpmaddubsw multiplies 4 weights of every row by the
+//   same 4 values of x (broadcast) and each int32 lane is one output: the float work of a
+//   super-block is one vector op for kRowsPerVec outputs (llama.cpp's repacked layouts).
 //
 // Lossy: x's rounding to 8 bits per 256 values (benchmarks/quant_quality.py measures it);
 // used only where asked for. IQ4's levels (up to 127 in magnitude) and the 32-weight kinds
-// keep the int16 kernels: GGUFBlockMethod refuses them with int8 activations.
-//
-// Invariants: x's rounding is per row and per super-block; each (row of x, row of W) output
-// sums its super-blocks' terms in K order in its own float lanes and reduces them by one
-// fixed tree; a super-block's terms are the same whether its W row was decoded in
-// registers (steps of up to 16 rows) or into a tile (more rows). A
-// row's result is bitwise the same at any M, with any neighbours, chunking or threads
-// (tests/quantization/test_gguf_int8.py). The AVX-512 and AVX2 builds compute the same
-// integers; their float32 lanes sum in different orders.
+// keep the int16 kernels: GGUFBlockMethod refuses them with int8 activations. The AVX-512 and
+// AVX2 builds compute the same integers and the same float32 operations.
 #pragma once
 #include "linear_gguf_rows.h"
 
@@ -48,14 +50,14 @@ constexpr int64_t kSuper = 256;  // weights per super-block and values per dx
 // M rows of x rounded to int8 per 256 values.
 struct Int8Rows {
   int64_t K = 0;
-  std::vector<int8_t> x;      // (M, K) x8
-  std::vector<float> dx;      // (M, K / 256)
-  std::vector<float> s16dx;   // (M, K / 16) S16 dx
+  std::vector<int8_t> x;    // (M, K) x8
+  std::vector<float> dx;    // (M, K / 256)
+  std::vector<int16_t> s16;  // (M, K / 16) S16
 };
 
-// 256 values of a row: x8 into q, dx, and S16 dx of its 16 groups. The rounding runs on
+// 256 values of a row: x8 into q, dx, and the S16 of its 16 groups. The rounding runs on
 // float vectors (round-half-even as std::nearbyint: the default rounding mode).
-static void round_block(const float* x, int8_t* q, float* dx_out, float* s16dx) {
+static void round_block(const float* x, int8_t* q, float* dx_out, int16_t* s16) {
   Vec amax(0.f);
   for (int64_t i = 0; i < kSuper; i += kV) amax = at::vec::maximum(amax, Vec::loadu(x + i).abs());
   alignas(64) float lanes[kV], r[kSuper];
@@ -64,237 +66,356 @@ static void round_block(const float* x, int8_t* q, float* dx_out, float* s16dx) 
   *dx_out = dx;
   for (int64_t i = 0; i < kSuper; i += kV) (Vec::loadu(x + i) * Vec(inv)).round().store(r + i);
   for (int64_t g = 0; g < kSuper / 16; ++g) {
-    float s = 0.f;  // integers below 2^11: exact
+    int s = 0;
     for (int j = 0; j < 16; ++j) {
-      const float v = std::clamp(r[16 * g + j], -127.f, 127.f);
+      const int v = static_cast<int>(std::clamp(r[16 * g + j], -127.f, 127.f));
       q[16 * g + j] = static_cast<int8_t>(v);
       s += v;
     }
-    s16dx[g] = s * dx;
+    s16[g] = static_cast<int16_t>(s);
   }
 }
 
 static Int8Rows round_rows(const float* x, int64_t M, int64_t K) {
   Int8Rows r;
   r.K = K;
-  r.x.resize(M * K), r.dx.resize(M * K / kSuper), r.s16dx.resize(M * K / 16);
+  r.x.resize(M * K), r.dx.resize(M * K / kSuper), r.s16.resize(M * K / 16);
   auto run = [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
-      round_block(x + b * kSuper, r.x.data() + b * kSuper, &r.dx[b], &r.s16dx[b * 16]);
+      round_block(x + b * kSuper, r.x.data() + b * kSuper, &r.dx[b], &r.s16[b * 16]);
   };
   if (M <= 4) run(0, M * K / kSuper);  // a decode step: not worth waking the thread pool
   else at::parallel_for(0, M * K / kSuper, 16, run);
   return r;
 }
 
+constexpr int zero_of(int64_t kind) { return kind == kQ6_K ? 32 : kind == kQ3_K ? 4 : 0; }
+constexpr bool has_mins(int64_t kind) { return kind == kQ4_K || kind == kQ5_K || kind == kQ2_K; }
+
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BW__)
-using IVec = __m512i;  // 64 stored values (two sub-blocks), or 32 int16 pair scales
-using FVec = __m512;   // a row's float lanes
-constexpr int kVecs = 4;
+using IVec = __m512i;  // 64 bytes: stored values, int16 pair scales, or int32 sums
+using FVec = __m512;
+constexpr int kVecs = 4;  // vectors of a super-block's values
 static TM_GGUF_INLINE IVec join(__m256i a, __m256i b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
 }
-static TM_GGUF_INLINE IVec pair_sums(IVec v, IVec sc, const int8_t* x) {
-  return _mm512_madd_epi16(_mm512_maddubs_epi16(v, _mm512_loadu_si512(x)), sc);
-}
+static TM_GGUF_INLINE IVec maddubs(IVec u8, IVec s8) { return _mm512_maddubs_epi16(u8, s8); }
+static TM_GGUF_INLINE IVec madd(IVec a, IVec b) { return _mm512_madd_epi16(a, b); }
 static TM_GGUF_INLINE IVec add(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
+static TM_GGUF_INLINE IVec sub(IVec a, IVec b) { return _mm512_sub_epi32(a, b); }
+static TM_GGUF_INLINE IVec izero() { return _mm512_setzero_si512(); }
+static TM_GGUF_INLINE IVec iload(const void* p) { return _mm512_loadu_si512(p); }
+static TM_GGUF_INLINE void istore(void* p, IVec v) { _mm512_storeu_si512(p, v); }
+static TM_GGUF_INLINE IVec bcast32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+static TM_GGUF_INLINE IVec shl(IVec a, int bits) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(bits)); }
+static TM_GGUF_INLINE __m256i fold8(IVec a) {  // 16 int32 lanes summed pairwise to 8
+  return _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+}
+static TM_GGUF_INLINE FVec fload(const float* p) { return _mm512_loadu_ps(p); }
+static TM_GGUF_INLINE FVec fset1(float v) { return _mm512_set1_ps(v); }
 static TM_GGUF_INLINE FVec fzero() { return _mm512_setzero_ps(); }
-static TM_GGUF_INLINE FVec fadd(FVec a, FVec b) { return _mm512_add_ps(a, b); }
+static TM_GGUF_INLINE FVec fmul(FVec a, FVec b) { return _mm512_mul_ps(a, b); }
 static TM_GGUF_INLINE FVec fmadd(FVec a, FVec b, FVec c) { return _mm512_fmadd_ps(a, b, c); }
 static TM_GGUF_INLINE FVec to_float(IVec a) { return _mm512_cvtepi32_ps(a); }
-static TM_GGUF_INLINE FVec fset1(float v) { return _mm512_set1_ps(v); }
-static TM_GGUF_INLINE float reduce(FVec a) { return _mm512_reduce_add_ps(a); }
+static TM_GGUF_INLINE void fstore(float* p, FVec v) { _mm512_storeu_ps(p, v); }
 #else
-using IVec = __m256i;  // 32 stored values (one sub-block), or 16 int16 pair scales
+using IVec = __m256i;
 using FVec = __m256;
 constexpr int kVecs = 8;
-static TM_GGUF_INLINE IVec pair_sums(IVec v, IVec sc, const int8_t* x) {
-  const IVec xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(v, xv), sc);
-}
+static TM_GGUF_INLINE IVec maddubs(IVec u8, IVec s8) { return _mm256_maddubs_epi16(u8, s8); }
+static TM_GGUF_INLINE IVec madd(IVec a, IVec b) { return _mm256_madd_epi16(a, b); }
 static TM_GGUF_INLINE IVec add(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
+static TM_GGUF_INLINE IVec sub(IVec a, IVec b) { return _mm256_sub_epi32(a, b); }
+static TM_GGUF_INLINE IVec izero() { return _mm256_setzero_si256(); }
+static TM_GGUF_INLINE IVec iload(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+static TM_GGUF_INLINE void istore(void* p, IVec v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
+}
+static TM_GGUF_INLINE IVec bcast32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+static TM_GGUF_INLINE IVec shl(IVec a, int bits) { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(bits)); }
+static TM_GGUF_INLINE __m256i fold8(IVec a) { return a; }
+static TM_GGUF_INLINE FVec fload(const float* p) { return _mm256_loadu_ps(p); }
+static TM_GGUF_INLINE FVec fset1(float v) { return _mm256_set1_ps(v); }
 static TM_GGUF_INLINE FVec fzero() { return _mm256_setzero_ps(); }
-static TM_GGUF_INLINE FVec fadd(FVec a, FVec b) { return _mm256_add_ps(a, b); }
+static TM_GGUF_INLINE FVec fmul(FVec a, FVec b) { return _mm256_mul_ps(a, b); }
 static TM_GGUF_INLINE FVec fmadd(FVec a, FVec b, FVec c) { return _mm256_fmadd_ps(a, b, c); }
 static TM_GGUF_INLINE FVec to_float(IVec a) { return _mm256_cvtepi32_ps(a); }
-static TM_GGUF_INLINE FVec fset1(float v) { return _mm256_set1_ps(v); }
-static TM_GGUF_INLINE float reduce(FVec a) { return hsum8(a); }
+static TM_GGUF_INLINE void fstore(float* p, FVec v) { _mm256_storeu_ps(p, v); }
 #endif
 constexpr int64_t kVecWeights = kSuper / kVecs;
-// Integer sums converted to float per 16 weights a lane (exact): AVX-512's 4 vectors sum
-// into one, AVX2's 8 into two.
-constexpr int kLaneParts = kVecs / 4;
-constexpr int kOffVecs = 16 / (sizeof(FVec) / 4);  // float vectors of the 16 group offsets
+constexpr int kRowsPerVec = sizeof(IVec) / 4;  // int32 lanes: W rows of an interleaved tile
 
-// One super-block decoded: its values and the scale of each int16 pair of their products,
-// d, and the 16 groups' offsets.
-struct SuperBlock {
-  IVec v[kVecs], sc[kVecs];
-  FVec off[kOffVecs];
-  float d;
+// A super-block's integer scales and mins per group of 16 weights (16 int16 each), its d and
+// its min factor e (-dmin, or 0).
+struct GroupScales {
+  __m256i sc, mn;
+  float d, e;
 };
 
-// The 16 groups' offsets as 16 floats: per16 kinds' off16; Q4_K / Q5_K's 8 mins, each over
-// its sub-block's two groups.
-template <int64_t KIND>
-static TM_GGUF_INLINE void group_offsets(const gguf_rows::SuperScales& sc, __m256 (&o)[2]) {
-  if constexpr (per16(KIND)) {
-    o[0] = sc.off16[0], o[1] = sc.off16[1];
-  } else {
-    o[0] = _mm256_permutevar8x32_ps(sc.mins, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-    o[1] = _mm256_permutevar8x32_ps(sc.mins, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
-  }
+// 8 int16 (lanes 0..7) each doubled: one per sub-block to one per group.
+static TM_GGUF_INLINE __m256i per_group(__m128i eight) {
+  return _mm256_set_m128i(_mm_unpackhi_epi16(eight, eight), _mm_unpacklo_epi16(eight, eight));
 }
 
 template <int64_t KIND>
-static TM_GGUF_INLINE void decode(const uint8_t* p, SuperBlock& b) {
-  const gguf_rows::SuperScales sc = gguf_rows::superblock_scales<KIND>(p);
+static TM_GGUF_INLINE GroupScales group_scales(const uint8_t* p,
+                                               const gguf_rows::SuperScales& ss) {
+  GroupScales g;
+  g.d = half_at(p + d_offset(KIND));
+  g.e = 0.f;
+  g.mn = _mm256_setzero_si256();
+  if constexpr (per16(KIND)) {  // lo: groups 0..7 in its low 128 bits, hi: 8..15
+    g.sc = _mm256_permute2x128_si256(ss.lo, ss.hi, 0x20);
+  } else {
+    g.sc = per_group(_mm256_castsi256_si128(ss.lo));
+  }
+  if constexpr (KIND == kQ2_K) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    g.mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F)));
+    g.e = -half_at(p + 82);
+  } else if constexpr (KIND == kQ4_K || KIND == kQ5_K) {  // the 6-bit mins (scale_min's bits)
+    constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+    uint32_t u[3];
+    std::memcpy(u, p + 4, 12);
+    const uint32_t mins_hi = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);
+    const __m128i m8 = _mm_setr_epi32(static_cast<int>(u[1] & k6), static_cast<int>(mins_hi), 0, 0);
+    g.mn = per_group(_mm_cvtepu8_epi16(m8));
+    g.e = -half_at(p + 2);
+  }
+  return g;
+}
+
+// ---- raw rows: one W row's super-block in registers, lanes along its weights --------------
+
+// Its values and the scale of each int16 pair of their products (gguf_rows::pair_scale).
+struct RawSuperBlock {
+  IVec v[kVecs], sc[kVecs];
+  GroupScales g;
+};
+
+template <int64_t KIND>
+static TM_GGUF_INLINE void decode_raw(const uint8_t* p, RawSuperBlock& b) {
+  const gguf_rows::SuperScales ss = gguf_rows::superblock_scales<KIND>(p);
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BW__)
   for (int k = 0; k < kVecs; ++k) {
     b.v[k] = join(block_values<KIND>(p, 2 * k), block_values<KIND>(p, 2 * k + 1));
-    b.sc[k] = join(gguf_rows::pair_scale<KIND>(sc, 2 * k),
-                   gguf_rows::pair_scale<KIND>(sc, 2 * k + 1));
+    b.sc[k] = join(gguf_rows::pair_scale<KIND>(ss, 2 * k),
+                   gguf_rows::pair_scale<KIND>(ss, 2 * k + 1));
   }
-  __m256 o[2];
-  group_offsets<KIND>(sc, o);
-  b.off[0] = _mm512_insertf32x8(_mm512_castps256_ps512(o[0]), o[1], 1);
 #else
   for (int s = 0; s < kVecs; ++s)
-    b.v[s] = block_values<KIND>(p, s), b.sc[s] = gguf_rows::pair_scale<KIND>(sc, s);
-  group_offsets<KIND>(sc, b.off);
+    b.v[s] = block_values<KIND>(p, s), b.sc[s] = gguf_rows::pair_scale<KIND>(ss, s);
 #endif
-  b.d = half_at(p + d_offset(KIND));
+  b.g = group_scales<KIND>(p, ss);
 }
 
-// Super-block `sb`'s terms for rows x0 .. x0 + R of x: the integer sum I (a tree over the
-// vectors: exact, any order; kLaneParts of them) times d dx into facc[r], the offsets times
-// S16 dx into oacc[r] (two accumulators: two short dependency chains a super-block).
-template <int R>
-static TM_GGUF_INLINE void add_superblock(const SuperBlock& b, const Int8Rows& x, int64_t x0,
-                                          int64_t sb, FVec (&facc)[R], FVec (&oacc)[R]) {
-  const int64_t K = x.K, nsb = K / kSuper;
-  IVec v[kVecs], sc[kVecs];  // read once for all R rows (a tile's from memory: loads bound)
-  for (int k = 0; k < kVecs; ++k) v[k] = b.v[k], sc[k] = b.sc[k];
-  for (int r = 0; r < R; ++r) {
-    const int8_t* xr = x.x.data() + (x0 + r) * K + sb * kSuper;
-    IVec part[kVecs];
-    for (int k = 0; k < kVecs; ++k) part[k] = pair_sums(v[k], sc[k], xr + k * kVecWeights);
-    for (int w = kVecs / 2; w >= kLaneParts; w /= 2)
-      for (int k = 0; k < w; ++k) part[k] = add(part[k], part[k + w]);
-    const FVec ddx = fset1(b.d * x.dx[(x0 + r) * nsb + sb]);
-    for (int k = 0; k < kLaneParts; ++k) facc[r] = fmadd(to_float(part[k]), ddx, facc[r]);
-    const float* s16 = x.s16dx.data() + ((x0 + r) * nsb + sb) * 16;
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BW__)
-    oacc[r] = fmadd(b.off[0], _mm512_loadu_ps(s16), oacc[r]);
-#else
-    for (int o = 0; o < kOffVecs; ++o)
-      oacc[r] = fmadd(b.off[o], _mm256_loadu_ps(s16 + 8 * o), oacc[r]);
-#endif
-  }
-}
-
-// The float lanes of R outputs (rows of x against one W row), kept between runs of
-// super-blocks.
-template <int R>
-struct Lanes {
-  FVec f[R], o[R];
-};
-
-// Super-blocks [sb0, sb1) of one W row into acc: its raw bytes decoded in registers as they
-// are read (RAW), or a row of decoded tile: the same terms either way (separate loops, so
-// that neither's registers spill the other's accumulators).
-template <int64_t KIND, int R, bool RAW>
-static TM_GGUF_INLINE void add_superblocks(const Int8Rows& x, int64_t x0, const uint8_t* raw,
-                                           const SuperBlock* tile, int64_t sb0, int64_t sb1,
-                                           Lanes<R>& acc) {
-  FVec facc[R], oacc[R];
-  for (int r = 0; r < R; ++r) facc[r] = acc.f[r], oacc[r] = acc.o[r];
-  for (int64_t sb = sb0; sb < sb1; ++sb) {
-    if constexpr (RAW) {
-      const uint8_t* p = raw + sb * block_bytes(KIND);
-      gguf_rows::prefetch_ahead(p, block_bytes(KIND));
-      SuperBlock b;
-      decode<KIND>(p, b);
-      add_superblock<R>(b, x, x0, sb, facc, oacc);
-    } else {
-      add_superblock<R>(tile[sb], x, x0, sb, facc, oacc);
-    }
-  }
-  for (int r = 0; r < R; ++r) acc.f[r] = facc[r], acc.o[r] = oacc[r];
-}
-
-template <int R>
-static TM_GGUF_INLINE void zero(Lanes<R>& acc) {
-  for (int r = 0; r < R; ++r) acc.f[r] = fzero(), acc.o[r] = fzero();
-}
-
-// y[x0 + r, n] from its lanes (one fixed reduction).
-template <int R>
-static TM_GGUF_INLINE void put(const Lanes<R>& acc, int64_t x0, int64_t n, int64_t N,
-                               const float* bias, float* y) {
-  for (int r = 0; r < R; ++r)
-    y[(x0 + r) * N + n] = reduce(fadd(acc.f[r], acc.o[r])) + (bias ? bias[n] : 0.f);
-}
-
-// Rows [x0, x0 + R) of x times W rows [n0, n1) into y: the raw rows, or (tile != nullptr,
-// row 0 being W row n0) the decoded tile's.
+// acc[r] += super-block sb's terms (the table at the top) for rows x0 .. x0 + R of x: the
+// products along the lanes, I and J reduced across them together (the zero point's
+// sum_g sc_g S16_g taken off I's lanes first, J's lanes sum_g mn_g S16_g beside them), then
+// the two float terms.
 template <int64_t KIND, int R>
-static void rows_times(const Int8Rows& x, int64_t x0, const uint8_t* W, const SuperBlock* tile,
-                       int64_t n0, int64_t n1, int64_t N, const float* bias, float* y) {
+static TM_GGUF_INLINE void raw_superblock(const RawSuperBlock& b, const Int8Rows& x, int64_t x0,
+                                          int64_t sb, float (&acc)[R]) {
+  const int64_t K = x.K, nsb = K / kSuper;
+  for (int r = 0; r < R; ++r) {
+    const int64_t row_sb = (x0 + r) * nsb + sb;
+    const int8_t* xr = x.x.data() + row_sb * kSuper;
+    IVec part[kVecs];
+    for (int k = 0; k < kVecs; ++k)
+      part[k] = madd(maddubs(b.v[k], iload(xr + k * kVecWeights)), b.sc[k]);
+    for (int w = kVecs / 2; w >= 1; w /= 2)
+      for (int k = 0; k < w; ++k) part[k] = add(part[k], part[k + w]);
+    const __m256i s16 = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(x.s16.data() + row_sb * 16));
+    __m256i i8 = fold8(part[0]), j8 = _mm256_setzero_si256();
+    if constexpr (zero_of(KIND) != 0)
+      i8 = _mm256_sub_epi32(i8, _mm256_slli_epi32(_mm256_madd_epi16(b.g.sc, s16),
+                                                  zero_of(KIND) == 32 ? 5 : 2));
+    if constexpr (has_mins(KIND)) j8 = _mm256_madd_epi16(b.g.mn, s16);
+    const __m256i h = _mm256_hadd_epi32(i8, j8);  // per 128 bits: i pairs, then j pairs
+    __m128i ij = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    ij = _mm_hadd_epi32(ij, ij);  // I, J, I, J
+    const float dx = x.dx[row_sb];
+    acc[r] = std::fma(static_cast<float>(_mm_cvtsi128_si32(ij)), b.g.d * dx, acc[r]);
+    if constexpr (has_mins(KIND))
+      acc[r] = std::fma(static_cast<float>(_mm_extract_epi32(ij, 1)), b.g.e * dx, acc[r]);
+  }
+}
+
+// Rows [x0, x0 + R) of x times raw W rows [n0, n1) into y, each row read as one stream.
+template <int64_t KIND, int R>
+static void raw_rows_times(const Int8Rows& x, int64_t x0, const uint8_t* W, int64_t n0,
+                           int64_t n1, int64_t N, const float* bias, float* y) {
   const int64_t rb = row_bytes(KIND, x.K), nsb = x.K / kSuper;
   for (int64_t n = n0; n < n1; ++n) {
-    Lanes<R> acc;
-    zero(acc);
-    if (tile) add_superblocks<KIND, R, false>(x, x0, nullptr, tile + (n - n0) * nsb, 0, nsb, acc);
-    else add_superblocks<KIND, R, true>(x, x0, W + n * rb, nullptr, 0, nsb, acc);
-    put(acc, x0, n, N, bias, y);
+    float acc[R] = {};
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* p = W + n * rb + sb * block_bytes(KIND);
+      gguf_rows::prefetch_ahead(p, block_bytes(KIND));
+      RawSuperBlock b;
+      decode_raw<KIND>(p, b);
+      raw_superblock<KIND, R>(b, x, x0, sb, acc);
+    }
+    for (int r = 0; r < R; ++r) y[(x0 + r) * N + n] = acc[r] + (bias ? bias[n] : 0.f);
   }
 }
+
+// ---- tiles: kRowsPerVec W rows interleaved, an int32 lane per W row ------------------------
+
+// One super-block of kRowsPerVec W rows: step t's vector holds bytes 4t .. 4t + 3 of each
+// row's values side by side; group g's vector each row's sc_g twice (both int16 of its
+// lane); pair i's vector each row's (a_2i, a_2i+1), a = sc (zero point kinds) or mn; d, e.
+struct TileSuperBlock {
+  IVec v[kSuper / 4], sc[16], a[8];
+  alignas(sizeof(IVec)) float d[kRowsPerVec], e[kRowsPerVec];
+};
+
+// W rows [n0, n1) (n1 - n0 <= kRowsPerVec; missing rows zero) decoded into tile[0 .. nsb).
+template <int64_t KIND>
+static void decode_tile(const uint8_t* W, int64_t K, int64_t n0, int64_t n1,
+                        TileSuperBlock* tile) {
+  const int64_t rb = row_bytes(KIND, K), nsb = K / kSuper;
+  alignas(64) uint8_t values[kRowsPerVec][kSuper];
+  alignas(64) int16_t sc[kRowsPerVec][16], a[kRowsPerVec][16];
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    TileSuperBlock& t = tile[sb];
+    std::memset(values, 0, sizeof(values)), std::memset(sc, 0, sizeof(sc));
+    std::memset(a, 0, sizeof(a));
+    for (int j = 0; j < kRowsPerVec; ++j) {
+      t.d[j] = t.e[j] = 0.f;
+      if (n0 + j >= n1) continue;
+      const uint8_t* p = W + (n0 + j) * rb + sb * block_bytes(KIND);
+      for (int s = 0; s < 8; ++s)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(values[j] + 32 * s), block_values<KIND>(p, s));
+      const GroupScales g = group_scales<KIND>(p, gguf_rows::superblock_scales<KIND>(p));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc[j]), g.sc);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a[j]), zero_of(KIND) ? g.sc : g.mn);
+      t.d[j] = g.d, t.e[j] = g.e;
+    }
+    alignas(64) int32_t lanes[kRowsPerVec];
+    for (int step = 0; step < kSuper / 4; ++step) {
+      for (int j = 0; j < kRowsPerVec; ++j) std::memcpy(&lanes[j], values[j] + 4 * step, 4);
+      t.v[step] = iload(lanes);
+    }
+    for (int gi = 0; gi < 16; ++gi) {
+      for (int j = 0; j < kRowsPerVec; ++j)
+        lanes[j] = static_cast<int32_t>(static_cast<uint16_t>(sc[j][gi]) * 0x10001u);
+      t.sc[gi] = iload(lanes);
+    }
+    for (int i = 0; i < 8; ++i) {
+      for (int j = 0; j < kRowsPerVec; ++j)
+        lanes[j] = static_cast<int32_t>(static_cast<uint16_t>(a[j][2 * i]) |
+                                        (static_cast<uint32_t>(static_cast<uint16_t>(a[j][2 * i + 1])) << 16));
+      t.a[i] = iload(lanes);
+    }
+  }
+}
+
+// acc[r] (a lane per W row) += super-block sb's terms for rows x0 .. x0 + R of x.
+template <int64_t KIND, int R>
+static TM_GGUF_INLINE void tile_superblock(const TileSuperBlock& t, const Int8Rows& x,
+                                           int64_t x0, int64_t sb, FVec (&acc)[R]) {
+  const int64_t K = x.K, nsb = K / kSuper;
+  const int8_t* xr[R];
+  const int16_t* s16[R];
+  for (int r = 0; r < R; ++r) {
+    xr[r] = x.x.data() + ((x0 + r) * nsb + sb) * kSuper;
+    s16[r] = x.s16.data() + ((x0 + r) * nsb + sb) * 16;
+  }
+  IVec I[R][2];  // two partial sums a row: shorter add chains (exact: any order)
+  for (int r = 0; r < R; ++r) I[r][0] = I[r][1] = izero();
+  for (int gi = 0; gi < 16; ++gi) {
+    const IVec sc = t.sc[gi];
+    for (int u = 0; u < 4; ++u) {
+      const IVec v = t.v[4 * gi + u];
+      for (int r = 0; r < R; ++r)
+        I[r][u & 1] = add(I[r][u & 1], madd(maddubs(v, bcast32(xr[r] + 16 * gi + 4 * u)), sc));
+    }
+  }
+  const FVec d = fload(t.d), e = fload(t.e);
+  for (int r = 0; r < R; ++r) {
+    IVec Z = izero();  // sum_g a_g S16_g, a pair of groups a vector
+    for (int i = 0; i < 8; ++i) Z = add(Z, madd(t.a[i], bcast32(s16[r] + 2 * i)));
+    IVec sum = add(I[r][0], I[r][1]);
+    if constexpr (zero_of(KIND) != 0) sum = sub(sum, shl(Z, zero_of(KIND) == 32 ? 5 : 2));
+    const FVec dx = fset1(x.dx[(x0 + r) * nsb + sb]);
+    acc[r] = fmadd(to_float(sum), fmul(d, dx), acc[r]);
+    if constexpr (has_mins(KIND)) acc[r] = fmadd(to_float(Z), fmul(e, dx), acc[r]);
+  }
+}
+
+// Rows [x0, x0 + R) of x times the tile of W rows [n0, n1) into y.
+template <int64_t KIND, int R>
+static void tile_rows_times(const Int8Rows& x, int64_t x0, const TileSuperBlock* tile,
+                            int64_t n0, int64_t n1, int64_t N, const float* bias, float* y) {
+  const int64_t nsb = x.K / kSuper;
+  FVec acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = fzero();
+  for (int64_t sb = 0; sb < nsb; ++sb) tile_superblock<KIND, R>(tile[sb], x, x0, sb, acc);
+  alignas(64) float out[kRowsPerVec];
+  for (int r = 0; r < R; ++r) {
+    fstore(out, acc[r]);
+    for (int64_t n = n0; n < n1; ++n)
+      y[(x0 + r) * N + n] = out[n - n0] + (bias ? bias[n] : 0.f);
+  }
+}
+
+// Raw W rows meet up to kRawRowsX rows of x a pass: a step of up to kRawMaxRows rows (decode
+// steps) takes raw passes over each 8 W rows (the second from cache); larger steps decode
+// interleaved tiles, each meeting kTileRowsX rows of x at a time (from about 12 rows the
+// tiles cost less: benchmarks/gguf_kernels.py).
+constexpr int64_t kRawRowsX = 8, kRawMaxRows = 12, kTileRowsX = 4;
 
 template <int64_t KIND>
 static void rows_times_any(int64_t R, const Int8Rows& x, int64_t x0, const uint8_t* W,
-                           const SuperBlock* tile, int64_t n0, int64_t n1, int64_t N,
+                           const TileSuperBlock* tile, int64_t n0, int64_t n1, int64_t N,
                            const float* bias, float* y) {
-  switch (R) {
+  if (tile) {
+    switch (R) {
 #define TM_ROWS(r) \
-  case r: return rows_times<KIND, r>(x, x0, W, tile, n0, n1, N, bias, y);
-    TM_ROWS(1) TM_ROWS(2) TM_ROWS(3) TM_ROWS(4) TM_ROWS(5) TM_ROWS(6) TM_ROWS(7) TM_ROWS(8)
+  case r: return tile_rows_times<KIND, r>(x, x0, tile, n0, n1, N, bias, y);
+      TM_ROWS(1) TM_ROWS(2) TM_ROWS(3) TM_ROWS(4)
 #undef TM_ROWS
+    }
+  } else {
+    switch (R) {
+#define TM_ROWS(r) \
+  case r: return raw_rows_times<KIND, r>(x, x0, W, n0, n1, N, bias, y);
+      TM_ROWS(1) TM_ROWS(2) TM_ROWS(3) TM_ROWS(4) TM_ROWS(5) TM_ROWS(6) TM_ROWS(7) TM_ROWS(8)
+#undef TM_ROWS
+    }
   }
   TORCH_CHECK(false, "gguf_int8: no kernel for ", R, " rows");
 }
-
-// Raw W rows meet up to kRawRowsX rows of x a pass, decoded in registers as they are read:
-// a step of up to kRawMaxRows rows (decode steps) takes raw passes over each tile of 8 W
-// rows (the second from cache), which cost less than decoding a tile below 16 rows
-// (benchmarks/gguf_kernels.py); larger steps decode a tile of W rows once for every group
-// of kTileRowsX rows of x.
-constexpr int64_t kRawRowsX = 8, kRawMaxRows = 16, kTileRowsX = 4;
 
 template <int64_t KIND>
 static void linear_kind(const Int8Rows& x, const uint8_t* W, int64_t M, int64_t N,
                         const float* bias, float* y) {
   const int64_t K = x.K, nsb = K / kSuper;
-  const bool stream = M <= kRawMaxRows;
-  // a tile: ~96 KB of decoded super-blocks (kept in L2 while every row of x passes)
-  const int64_t tile = stream ? 8 : std::clamp<int64_t>(
-      98304 / (nsb * static_cast<int64_t>(sizeof(SuperBlock))), 1, 16);
+  const bool raw = M <= kRawMaxRows;
+  const int64_t tile = raw ? 8 : kRowsPerVec;
   const int64_t tiles = (N + tile - 1) / tile;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   at::parallel_for(0, tiles, std::max<int64_t>(1, tiles / threads), [&](int64_t t0, int64_t t1) {
-    std::vector<SuperBlock> decoded;
+    std::vector<TileSuperBlock> decoded(raw ? 0 : nsb);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
-      if (stream) {
+      if (raw) {
         for (int64_t m = 0; m < M; m += kRawRowsX)
           rows_times_any<KIND>(std::min(kRawRowsX, M - m), x, m, W, nullptr, n0, n1, N, bias, y);
         continue;
       }
-      decoded.resize((n1 - n0) * nsb);
-      const int64_t rb = row_bytes(KIND, K);
-      for (int64_t n = n0; n < n1; ++n)
-        for (int64_t sb = 0; sb < nsb; ++sb)
-          decode<KIND>(W + n * rb + sb * block_bytes(KIND), decoded[(n - n0) * nsb + sb]);
+      decode_tile<KIND>(W, K, n0, n1, decoded.data());
       for (int64_t m = 0; m < M; m += kTileRowsX)
         rows_times_any<KIND>(std::min(kTileRowsX, M - m), x, m, W, decoded.data(), n0, n1, N,
                              bias, y);

@@ -16,7 +16,9 @@ raw rows needs no requantizing.
     IQ4_XS
            (IQ4: a table's levels)    rounded to int16 per 256 values (SIMD builds,
                                       csrc/linear_gguf_rows.h, linear_gguf_vnni.h), exact
-                                      on the portable build
+                                      on the portable build; with int8_activations the
+                                      K-quants Q2_K .. Q6_K meet x rounded to int8 per 256
+                                      (csrc/linear_gguf_int8.h; GGUFType.int8_activations)
 F32 tensors are served dense, F16 / BF16 ones dense in their own precision (widened to float32
 in registers by the kernels, csrc/linear_half.h; BF16 ones multiplied in bfloat16 under
 ModelConfig.matmul_dtype, by default on AVX512-BF16 CPUs for a file of BF16 tensors,
