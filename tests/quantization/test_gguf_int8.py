@@ -1,12 +1,15 @@
 """GGUF K-quants (Q2_K .. Q6_K) multiplying int8 activations (`int8_activations=True`,
 csrc/linear_gguf_int8.h): x rounded to int8 per 256 values, the file's super-blocks read in
 place. Each product is the gguf package's dequantized weights times the rounded x, up to the
-kernel's float32 sums, in every installed build; a row's result is bitwise the same at every
-step size (raw rows up to 8, decoded tiles above); the int8 sums do not saturate at the
-kinds' extremes; a tiny model of these types serves through the fused decode call with
-logprobs near its float32 expansion's, each prompt's tokens the same alone or batched."""
+kernel's float32 sums, in every installed build, the AVX-512 and AVX2 builds bit for bit; a
+row's result is bitwise the same at every step size (raw rows up to 12, interleaved tiles
+above); the int8 sums do not saturate at the kinds' extremes; a tiny model of these types
+serves through the fused decode call with logprobs near its float32 expansion's, each
+prompt's tokens the same alone or batched."""
 
 from __future__ import annotations
+
+import importlib
 
 import gguf
 import pytest
@@ -22,6 +25,7 @@ from tokenmill.models import cpu_decode
 from tokenmill.quantization.base import CPULinearKernel
 from tokenmill.quantization.blocks import dequantize
 from tokenmill.quantization.gguf import GGUF_TYPES
+from tokenmill.utils.cpp_extension import runtime_isa
 
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
 INT8_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
@@ -61,6 +65,22 @@ def test_products_are_the_weights_times_int8_rounded_activations_at_every_m(ops,
         exact = x.double() @ w.T
         relative = float((y.double() - bias - exact).norm() / exact.norm())
         assert 1e-4 < relative < 2e-2, relative
+
+
+def test_the_avx512_and_avx2_builds_give_the_same_bits():
+    """The same integers and the same float32 operations per output in both SIMD builds."""
+    if runtime_isa() != "avx512":
+        pytest.skip("needs a CPU that runs both builds")
+    try:
+        builds = [importlib.import_module(f"tokenmill._C.cpu_ops_{b}") for b in ("avx512", "avx2")]
+    except ImportError:
+        pytest.skip("both builds are not installed")
+    for type_name in INT8_TYPES:
+        kernel = int8_kernel(type_name, 40, 512, seed=7)
+        for m in (1, 6, 20):
+            x = torch.randn(m, 512)
+            ys = [cpu_ops.linear(x, kernel, None, b) for b in builds]
+            assert torch.equal(ys[0], ys[1]), (type_name, m)
 
 
 # The largest pair sums of vpmaddubsw: Q6_K values 0 and 63 (rows 0, 1) times x8 = +-127,
