@@ -18,6 +18,7 @@ import torch
 from tests.conftest import assert_kv_all_free
 from tests.gguf_writer import write_gguf
 from tests.quantization.test_blocks import round_blocks
+from tests.quantization.test_gguf_kquants import constant_rows, extreme_rows
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.real_gguf import random_blocks
 from tokenmill.layers import cpu_ops
@@ -52,6 +53,7 @@ def expected(x: torch.Tensor, kernel: CPULinearKernel, bias: torch.Tensor) -> to
 
 @pytest.mark.parametrize("type_name", INT8_TYPES)
 def test_products_are_the_weights_times_int8_rounded_activations_at_every_m(ops, type_name):
+    torch.manual_seed(0)
     kernel = int8_kernel(type_name, 73, 768, seed=1)  # odd N; three super-blocks a row
     bias = torch.randn(73)
     w = dequantize(kernel).double()
@@ -61,10 +63,11 @@ def test_products_are_the_weights_times_int8_rounded_activations_at_every_m(ops,
         torch.testing.assert_close(y, expected(x, kernel, bias), atol=1e-4, rtol=1e-5)
         for i in {0, m // 2, m - 1}:
             assert torch.equal(cpu_ops.linear(x[i:i + 1], kernel, bias, ops)[0], y[i])
-        # lossy: the rounding of x to 8 bits, about 0.3% of the product here
+        # lossy: the rounding of x to 8 bits, 0.5-2% of the product here (x's blocks span
+        # 100x in magnitude), far above the float32 sums' 1e-7
         exact = x.double() @ w.T
         relative = float((y.double() - bias - exact).norm() / exact.norm())
-        assert 1e-4 < relative < 2e-2, relative
+        assert 1e-4 < relative < 5e-2, relative
 
 
 def test_the_avx512_and_avx2_builds_give_the_same_bits():
@@ -93,16 +96,10 @@ EXTREMES = {
 
 @pytest.mark.parametrize("type_name", list(EXTREMES))
 def test_sums_at_their_bound_do_not_saturate(ops, type_name):
-    values, low, high, scales, scale = EXTREMES[type_name]
-    raw = random_blocks(type_name, 3, 512, seed=5)
-    blocks = raw.reshape(3, 2, GGUF_TYPES[type_name].nbytes)
-    blocks[0, :, values] = low
-    blocks[1, :, values] = high
-    blocks[:, :, scales] = scale
-    kernel = CPULinearKernel(GGUF_TYPES[type_name].kind, 32, (torch.from_numpy(raw),),
+    kernel = CPULinearKernel(GGUF_TYPES[type_name].kind, 32,
+                             (extreme_rows(type_name, EXTREMES[type_name]),),
                              int8_activations=True)
-    x = torch.full((2, 512), 0.75)
-    x[1] = -0.75
+    x = constant_rows()  # every x8 = +-127
     bias = torch.zeros(3)
     want = expected(x, kernel, bias)
     assert want[:, 1].abs().min() > 1.0  # row 1, the largest values: far from a wrapped sum

@@ -101,19 +101,32 @@ EXTREMES = {
 }
 
 
-@pytest.mark.parametrize("type_name", list(EXTREMES))
-def test_sums_at_their_bound_do_not_overflow(ops, type_name):
-    """x constant (every x16 = +-32767) against the kind's largest weights: the VNNI kernel's
-    int32 lanes then hold up to 16 * 4096 * 32767, just under 2^31."""
-    values, low, high, scales, scale = EXTREMES[type_name]
+def extreme_rows(type_name: str, extremes: tuple) -> torch.Tensor:
+    """Three rows of 512 weights of `type_name`: row 0's value bytes set to `low`, row 1's to
+    `high`, every scale byte to `scale` (extremes: values, low, high, scales, scale)."""
+    values, low, high, scales, scale = extremes
     raw = random_blocks(type_name, 3, 512, seed=5)
     blocks = raw.reshape(3, 2, GGUF_TYPES[type_name].nbytes)
     blocks[0, :, values] = low
     blocks[1, :, values] = high
     blocks[:, :, scales] = scale
-    kernel = CPULinearKernel(GGUF_TYPES[type_name].kind, 32, (torch.from_numpy(raw),))
+    return torch.from_numpy(raw)
+
+
+def constant_rows() -> torch.Tensor:
+    """Two rows of x, +0.75 and -0.75: every rounded value at its largest magnitude."""
     x = torch.full((2, 512), 0.75)
     x[1] = -0.75
+    return x
+
+
+@pytest.mark.parametrize("type_name", list(EXTREMES))
+def test_sums_at_their_bound_do_not_overflow(ops, type_name):
+    """x constant (every x16 = +-32767) against the kind's largest weights: the VNNI kernel's
+    int32 lanes then hold up to 16 * 4096 * 32767, just under 2^31."""
+    raw = extreme_rows(type_name, EXTREMES[type_name])
+    kernel = CPULinearKernel(GGUF_TYPES[type_name].kind, 32, (raw,))
+    x = constant_rows()
     bias = torch.zeros(3)
     y = cpu_ops.linear(x, kernel, bias, ops)
     want = expected_product(ops, x, kernel, bias)

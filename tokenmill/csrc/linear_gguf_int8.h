@@ -93,6 +93,13 @@ static Int8Rows round_rows(const float* x, int64_t M, int64_t K) {
 constexpr int zero_of(int64_t kind) { return kind == kQ6_K ? 32 : kind == kQ3_K ? 4 : 0; }
 constexpr bool has_mins(int64_t kind) { return kind == kQ4_K || kind == kQ5_K || kind == kQ2_K; }
 
+static TM_GGUF_INLINE int32_t load_i32(const void* p) {  // 4 bytes of x, unaligned
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// The vector ops of each build (512-bit with AVX-512BW, else 256-bit AVX2), by one name.
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BW__)
 using IVec = __m512i;  // 64 bytes: stored values, int16 pair scales, or int32 sums
 using FVec = __m512;
@@ -106,12 +113,7 @@ static TM_GGUF_INLINE IVec add(IVec a, IVec b) { return _mm512_add_epi32(a, b); 
 static TM_GGUF_INLINE IVec sub(IVec a, IVec b) { return _mm512_sub_epi32(a, b); }
 static TM_GGUF_INLINE IVec izero() { return _mm512_setzero_si512(); }
 static TM_GGUF_INLINE IVec iload(const void* p) { return _mm512_loadu_si512(p); }
-static TM_GGUF_INLINE void istore(void* p, IVec v) { _mm512_storeu_si512(p, v); }
-static TM_GGUF_INLINE IVec bcast32(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
+static TM_GGUF_INLINE IVec bcast32(const void* p) { return _mm512_set1_epi32(load_i32(p)); }
 static TM_GGUF_INLINE IVec shl(IVec a, int bits) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(bits)); }
 static TM_GGUF_INLINE __m256i fold8(IVec a) {  // 16 int32 lanes summed pairwise to 8
   return _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
@@ -135,14 +137,7 @@ static TM_GGUF_INLINE IVec izero() { return _mm256_setzero_si256(); }
 static TM_GGUF_INLINE IVec iload(const void* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
-static TM_GGUF_INLINE void istore(void* p, IVec v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
-}
-static TM_GGUF_INLINE IVec bcast32(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
+static TM_GGUF_INLINE IVec bcast32(const void* p) { return _mm256_set1_epi32(load_i32(p)); }
 static TM_GGUF_INLINE IVec shl(IVec a, int bits) { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(bits)); }
 static TM_GGUF_INLINE __m256i fold8(IVec a) { return a; }
 static TM_GGUF_INLINE FVec fload(const float* p) { return _mm256_loadu_ps(p); }
