@@ -11,7 +11,7 @@
 //   x8 = round-half-even(x / dx), dx = amax / 127 per 256 values of x (one super-block);
 //   S16 the exact sums of x8 over 16 values. Per super-block, row of x and row of W:
 //     I = sum_g sc_g (sum_{j in g} q_j x8_j - z S16_g)      J = sum_g mn_g S16_g     (int32)
-//     acc = fma(float(I), d dx, acc);  then for Q4_K, Q5_K, Q2_K  acc = fma(float(J), -dmin dx, acc)
+//     acc = fma(float(I), d dx, acc);  then (Q4_K, Q5_K, Q2_K) acc = fma(float(J), -dmin dx, acc)
 //   and y = acc + bias after the last super-block (K order). g: the 16 groups of 16 weights;
 //   sc_g the group's integer scale (Q4_K / Q5_K its sub-block's; Q6_K int8; Q3_K sc - 32;
 //   Q2_K 4-bit), z the zero point (Q6_K 32, Q3_K 4, else 0), mn_g the integer min (Q4_K /
@@ -114,7 +114,9 @@ static TM_GGUF_INLINE IVec sub(IVec a, IVec b) { return _mm512_sub_epi32(a, b); 
 static TM_GGUF_INLINE IVec izero() { return _mm512_setzero_si512(); }
 static TM_GGUF_INLINE IVec iload(const void* p) { return _mm512_loadu_si512(p); }
 static TM_GGUF_INLINE IVec bcast32(const void* p) { return _mm512_set1_epi32(load_i32(p)); }
-static TM_GGUF_INLINE IVec shl(IVec a, int bits) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(bits)); }
+static TM_GGUF_INLINE IVec shl(IVec a, int bits) {
+  return _mm512_sll_epi32(a, _mm_cvtsi32_si128(bits));
+}
 static TM_GGUF_INLINE __m256i fold8(IVec a) {  // 16 int32 lanes summed pairwise to 8
   return _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
 }
@@ -138,7 +140,9 @@ static TM_GGUF_INLINE IVec iload(const void* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 static TM_GGUF_INLINE IVec bcast32(const void* p) { return _mm256_set1_epi32(load_i32(p)); }
-static TM_GGUF_INLINE IVec shl(IVec a, int bits) { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(bits)); }
+static TM_GGUF_INLINE IVec shl(IVec a, int bits) {
+  return _mm256_sll_epi32(a, _mm_cvtsi32_si128(bits));
+}
 static TM_GGUF_INLINE __m256i fold8(IVec a) { return a; }
 static TM_GGUF_INLINE FVec fload(const float* p) { return _mm256_loadu_ps(p); }
 static TM_GGUF_INLINE FVec fset1(float v) { return _mm256_set1_ps(v); }

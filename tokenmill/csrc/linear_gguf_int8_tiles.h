@@ -32,7 +32,8 @@ static void decode_tile(const uint8_t* W, int64_t K, int64_t n0, int64_t n1,
       if (n0 + j >= n1) continue;
       const uint8_t* p = W + (n0 + j) * rb + sb * block_bytes(KIND);
       for (int s = 0; s < 8; ++s)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(values[j] + 32 * s), block_values<KIND>(p, s));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(values[j] + 32 * s),
+                            block_values<KIND>(p, s));
       const GroupScales g = group_scales<KIND>(p, gguf_rows::superblock_scales<KIND>(p));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc[j]), g.sc);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a[j]), zero_of(KIND) ? g.sc : g.mn);
@@ -48,10 +49,12 @@ static void decode_tile(const uint8_t* W, int64_t K, int64_t n0, int64_t n1,
         lanes[j] = static_cast<int32_t>(static_cast<uint16_t>(sc[j][gi]) * 0x10001u);
       t.sc[gi] = iload(lanes);
     }
-    for (int i = 0; i < 8; ++i) {
-      for (int j = 0; j < kRowsPerVec; ++j)
-        lanes[j] = static_cast<int32_t>(static_cast<uint16_t>(a[j][2 * i]) |
-                                        (static_cast<uint32_t>(static_cast<uint16_t>(a[j][2 * i + 1])) << 16));
+    for (int i = 0; i < 8; ++i) {  // (a_2i, a_2i+1): the low and high int16 of a lane
+      for (int j = 0; j < kRowsPerVec; ++j) {
+        const uint32_t lo = static_cast<uint16_t>(a[j][2 * i]);
+        const uint32_t hi = static_cast<uint16_t>(a[j][2 * i + 1]);
+        lanes[j] = static_cast<int32_t>(lo | (hi << 16));
+      }
       t.a[i] = iload(lanes);
     }
   }
