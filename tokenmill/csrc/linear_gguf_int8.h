@@ -90,8 +90,10 @@ static Int8Rows round_rows(const float* x, int64_t M, int64_t K) {
   return r;
 }
 
-constexpr int zero_of(int64_t kind) { return kind == kQ6_K ? 32 : kind == kQ3_K ? 4 : 0; }
-constexpr bool has_mins(int64_t kind) { return kind == kQ4_K || kind == kQ5_K || kind == kQ2_K; }
+// The zero point z (linear_gguf.h zero_point: Q6_K 32, Q3_K 4) as a shift, and the kinds
+// with mins (the K-quants with offsets: Q2_K, Q4_K, Q5_K).
+constexpr int zero_shift(int64_t kind) { return zero_point(kind) == 32 ? 5 : 2; }
+constexpr bool has_mins(int64_t kind) { return is_kquant(kind) && has_offset(kind); }
 
 static TM_GGUF_INLINE int32_t load_i32(const void* p) {  // 4 bytes of x, unaligned
   int32_t v;
@@ -162,36 +164,19 @@ struct GroupScales {
   float d, e;
 };
 
-// 8 int16 (lanes 0..7) each doubled: one per sub-block to one per group.
-static TM_GGUF_INLINE __m256i per_group(__m128i eight) {
-  return _mm256_set_m128i(_mm_unpackhi_epi16(eight, eight), _mm_unpacklo_epi16(eight, eight));
-}
-
+// From the super-block's SuperScales (one unpacking of each layout), with its d.
 template <int64_t KIND>
 static TM_GGUF_INLINE GroupScales group_scales(const uint8_t* p,
                                                const gguf_rows::SuperScales& ss) {
   GroupScales g;
   g.d = half_at(p + d_offset(KIND));
-  g.e = 0.f;
-  g.mn = _mm256_setzero_si256();
   if constexpr (per16(KIND)) {  // lo: groups 0..7 in its low 128 bits, hi: 8..15
     g.sc = _mm256_permute2x128_si256(ss.lo, ss.hi, 0x20);
   } else {
-    g.sc = per_group(_mm256_castsi256_si128(ss.lo));
+    g.sc = gguf_rows::per_group(_mm256_castsi256_si128(ss.lo));
   }
-  if constexpr (KIND == kQ2_K) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    g.mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F)));
-    g.e = -half_at(p + 82);
-  } else if constexpr (KIND == kQ4_K || KIND == kQ5_K) {  // the 6-bit mins (scale_min's bits)
-    constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
-    uint32_t u[3];
-    std::memcpy(u, p + 4, 12);
-    const uint32_t mins_hi = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);
-    const __m128i m8 = _mm_setr_epi32(static_cast<int>(u[1] & k6), static_cast<int>(mins_hi), 0, 0);
-    g.mn = per_group(_mm_cvtepu8_epi16(m8));
-    g.e = -half_at(p + 2);
-  }
+  g.mn = has_mins(KIND) ? ss.mn16 : _mm256_setzero_si256();
+  g.e = has_mins(KIND) ? ss.neg_dmin : 0.f;
   return g;
 }
 
@@ -238,9 +223,9 @@ static TM_GGUF_INLINE void raw_superblock(const RawSuperBlock& b, const Int8Rows
     const __m256i s16 = _mm256_loadu_si256(
         reinterpret_cast<const __m256i*>(x.s16.data() + row_sb * 16));
     __m256i i8 = fold8(part[0]), j8 = _mm256_setzero_si256();
-    if constexpr (zero_of(KIND) != 0)
+    if constexpr (zero_point(KIND) != 0)
       i8 = _mm256_sub_epi32(i8, _mm256_slli_epi32(_mm256_madd_epi16(b.g.sc, s16),
-                                                  zero_of(KIND) == 32 ? 5 : 2));
+                                                  zero_shift(KIND)));
     if constexpr (has_mins(KIND)) j8 = _mm256_madd_epi16(b.g.mn, s16);
     const __m256i h = _mm256_hadd_epi32(i8, j8);  // per 128 bits: i pairs, then j pairs
     __m128i ij = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));

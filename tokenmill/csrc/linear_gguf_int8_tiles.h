@@ -36,7 +36,7 @@ static void decode_tile(const uint8_t* W, int64_t K, int64_t n0, int64_t n1,
                             block_values<KIND>(p, s));
       const GroupScales g = group_scales<KIND>(p, gguf_rows::superblock_scales<KIND>(p));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc[j]), g.sc);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a[j]), zero_of(KIND) ? g.sc : g.mn);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a[j]), zero_point(KIND) ? g.sc : g.mn);
       t.d[j] = g.d, t.e[j] = g.e;
     }
     alignas(64) int32_t lanes[kRowsPerVec];
@@ -86,7 +86,7 @@ static TM_GGUF_INLINE void tile_superblock(const TileSuperBlock& t, const Int8Ro
     IVec Z = izero();  // sum_g a_g S16_g, a pair of groups a vector
     for (int i = 0; i < 8; ++i) Z = add(Z, madd(t.a[i], bcast32(s16[r] + 2 * i)));
     IVec sum = add(I[r][0], I[r][1]);
-    if constexpr (zero_of(KIND) != 0) sum = sub(sum, shl(Z, zero_of(KIND) == 32 ? 5 : 2));
+    if constexpr (zero_point(KIND) != 0) sum = sub(sum, shl(Z, zero_shift(KIND)));
     const FVec dx = fset1(x.dx[(x0 + r) * nsb + sb]);
     acc[r] = fmadd(to_float(sum), fmul(d, dx), acc[r]);
     if constexpr (has_mins(KIND)) acc[r] = fmadd(to_float(Z), fmul(e, dx), acc[r]);

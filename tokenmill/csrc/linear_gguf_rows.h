@@ -157,7 +157,15 @@ struct SuperScales {
   __m256 mins;     // Q4_K / Q5_K: the 8 mins times -dmin
   __m256 off16[2];  // per16 kinds: what each 16 weights' S16 adds (16 floats; -zero d sc, or
                     // Q2_K's -dmin mn)
+  __m256i mn16;     // Q2_K, Q4_K, Q5_K: the integer mins of the 16 groups of 16 weights
+                    // (Q4_K / Q5_K: each sub-block's twice), for linear_gguf_int8.h
+  float neg_dmin;   // and their factor, -dmin
 };
+
+// 8 int16 (lanes 0..7) each doubled: one per sub-block to one per group of 16 weights.
+static TM_GGUF_INLINE __m256i per_group(__m128i eight) {
+  return _mm256_set_m128i(_mm_unpackhi_epi16(eight, eight), _mm_unpacklo_epi16(eight, eight));
+}
 
 // Lanes 0..7 of an int16 vector as floats.
 static TM_GGUF_INLINE __m256 low_floats(__m256i v) {
@@ -207,7 +215,9 @@ static TM_GGUF_INLINE SuperScales superblock_scales(const uint8_t* p) {
     const __m128i nib = _mm_set1_epi8(0x0F);
     scales16(_mm_and_si128(b, nib), r);  // its offsets: the mins times -dmin
     const __m128i mn = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
-    const __m256 by = _mm256_set1_ps(-half_at(p + 82));
+    r.mn16 = _mm256_cvtepu8_epi16(mn);
+    r.neg_dmin = -half_at(p + 82);
+    const __m256 by = _mm256_set1_ps(r.neg_dmin);
     r.off16[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)), by);
     r.off16[1] = _mm256_mul_ps(
         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(mn, mn))), by);
@@ -221,8 +231,10 @@ static TM_GGUF_INLINE SuperScales superblock_scales(const uint8_t* p) {
   const __m128i v = _mm_setr_epi32(static_cast<int>(u[0] & k6), static_cast<int>(scales_hi),
                                    static_cast<int>(u[1] & k6), static_cast<int>(mins_hi));
   r.lo = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(v));
+  r.mn16 = per_group(_mm_cvtepu8_epi16(_mm_unpackhi_epi64(v, v)));
+  r.neg_dmin = -half_at(p + 2);
   r.mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(v, v))),
-                         _mm256_set1_ps(-half_at(p + 2)));
+                         _mm256_set1_ps(r.neg_dmin));
   return r;
 }
 
