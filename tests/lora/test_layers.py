@@ -12,22 +12,23 @@ from tests.lora.test_lora_generate import _prompts, _requests
 from tests.models.test_cpu_decode import _counting_fused_calls
 from tokenmill import LLM, LoRARequest, SamplingParams
 from tokenmill.layers import cpu_ops
-from tokenmill.lora.layers import LinearLoRA, LoRAStep
+from tokenmill.lora.layers import LinearLoRA, LoRAStep, blocked_columns, expand
 from tokenmill.models.cpu_decode import SmallBatchDecode
 
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ kernels not built")
 
 
 def _layer(step: LoRAStep) -> LinearLoRA:
-    """A qkv-like layer (parts of 48, 16, 16 outputs, 40 inputs) with three slots filled:
-    rank 4 on all parts, rank 8 on q and v only, rank 2 on k."""
+    """A qkv-like layer (parts of 80, 16, 16 outputs, 40 inputs: q one full column block of
+    B^T and a narrower one, k and v a narrow one each) with three slots filled: rank 4 on all
+    parts, rank 8 on q and v only, rank 2 on k."""
     torch.manual_seed(0)
-    lora = LinearLoRA(40, [48, 16, 16], max_loras=4, max_rank=8, step=step,
+    lora = LinearLoRA(40, [80, 16, 16], max_loras=4, max_rank=8, step=step,
                       dtype=torch.float32, device=torch.device("cpu"))
     for slot, (rank, parts) in enumerate([(4, [0, 1, 2]), (8, [0, 2]), (2, [1])]):
         lora.set_slot(slot, rank, 0.5 + slot, [(torch.randn(rank, 40), torch.randn(n, rank))
                                    if p in parts else None
-                                   for p, n in enumerate([48, 16, 16])])
+                                   for p, n in enumerate([80, 16, 16])])
     return lora
 
 
@@ -48,7 +49,7 @@ def test_the_cpp_call_is_the_torch_ops_and_each_row_its_own(ops, monkeypatch):
     step = LoRAStep()
     lora = _layer(step)
     slots = [0, -1, 1, 2, 0, 1, 1, -1, 3]  # slot 3 is empty: adds nothing
-    x, base = torch.randn(len(slots), 40), torch.randn(len(slots), 80)
+    x, base = torch.randn(len(slots), 40), torch.randn(len(slots), 112)
     _set_rows(step, slots)
     fused = lora.add(x, base.clone())
     by_torch = base.clone()
@@ -65,11 +66,22 @@ def test_the_cpp_call_is_the_torch_ops_and_each_row_its_own(ops, monkeypatch):
         assert torch.equal(lora.add(x[i:i + 1], base[i:i + 1].clone())[0], fused[i])
 
 
+@pytest.mark.parametrize("n", [16, 64, 200])
+def test_column_blocks_hold_b_exactly(n):
+    """B^T in column blocks (full ones and a narrower last one) multiplies as B^T itself."""
+    bt, h = torch.randn(8, n), torch.randn(3, 8)
+    blocks = blocked_columns(bt)
+    assert torch.equal(blocks.sort().values, bt.flatten().sort().values)
+    width = min(n, 64)  # the first block: its rows one after the other
+    assert torch.equal(blocks[:2 * width], bt[:2, :width].flatten())
+    torch.testing.assert_close(expand(h, blocks, n), h @ bt, rtol=1e-6, atol=1e-5)
+
+
 def test_a_cleared_slot_adds_nothing():
     step = LoRAStep()
     lora = _layer(step)
     lora.clear_slot(0)
-    x, base = torch.randn(2, 40), torch.randn(2, 80)
+    x, base = torch.randn(2, 40), torch.randn(2, 112)
     _set_rows(step, [0, 0])
     assert torch.equal(lora.add(x, base.clone()), base)
 

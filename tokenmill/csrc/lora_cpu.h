@@ -2,9 +2,10 @@
 // LinearLoRA; Punica's shrink / expand, gathered per adapter).
 //
 // The layer holds max_loras slots: slot s's A for all P parts of the layer stacked, rank r
-// leading rows first (a (L, P R K), flat per slot: A_s = (P r, K)), each part's B transposed
-// (b[p] (L, R n_p), flat: B_sp^T = (r, n_p)), both as the adapter's file holds them, and its
-// scaling (alpha / r, or alpha / sqrt(r)). For the rows of each slot, in ascending row order:
+// leading rows first (a (L, P R K), flat per slot: A_s = (P r, K), as the adapter's file holds
+// it), each part's B transposed in column blocks (b[p] (L, R n_p), flat per slot: B_sp^T =
+// (r, n_p) cut into blocks of kCols columns, each block's (r, width) values contiguous), and
+// its scaling (alpha / r, or alpha / sqrt(r)). For the rows of each slot, in ascending row order:
 //
 //     h = (x[rows] @ A_s^T) * scaling_s        (n, P r)     shrink: the dot kernels
 //     y[rows, part p] += h[:, p r:(p+1) r] @ B_sp^T        expand: r fused multiply-adds
@@ -26,6 +27,7 @@
 // threads; a row's sums do not depend on the thread either way.
 #pragma once
 #include "cpu_ops.h"
+#include <algorithm>
 #include <vector>
 
 namespace lora_cpu {
@@ -33,6 +35,9 @@ namespace lora_cpu {
 // Products smaller than this (rows x outputs x inputs) run on the calling thread: a rank-8
 // adapter's products on a small model are a few microseconds, less than waking the threads.
 constexpr int64_t kSerialMacs = 1 << 16;
+
+// B^T's column blocks (lora/layers.py COLUMN_BLOCK): a multiple of every build's vector.
+constexpr int64_t kCols = 64;
 
 inline void product(const dot_form::WeightRows& w, const float* x, int64_t M, int64_t N,
                     float* y) {
@@ -69,59 +74,76 @@ static inline Vec load_widened(const void* base, int64_t at, int64_t w) {
   }
 }
 
-// y[rows[i], :N] += h_i (r) @ bt (r, N) for the n rows (bt of KIND: float32, or half values
-// widened as they are read): per block of columns (bt's block stays in cache across the rows),
-// per row, acc = fmadd(h_ik, bt[k, j], acc) for k ascending, then added to y. Every column
+// One part of a slot's expand: y[rows[i], :N] += h_i (r) @ B^T (r, N), B^T held in column
+// blocks (bt: per block of kCols columns, its (r, width) values contiguous, the last block
+// narrower), of `kind` (float32, or half values widened as they are read).
+struct ExpandPart {
+  const float* h;  // the part's h of row 0; ldh apart
+  const void* bt;
+  int64_t kind, N;
+  float* y;  // the part's first column of y's row 0; ldy apart
+};
+
+// Column block c of a part for the n rows. A decode step streams the slot once, in address
+// order: held as plain (r, N) rows, each block read r short runs N apart, more streams than the
+// prefetchers follow (~16 GB/s of ~39 at one row). Per row, acc = fmadd(h_ik, bt[k, j], acc)
+// for k ascending, then added to y; the block stays in cache across the rows. Every column
 // takes the same vector ops (the last ones partial), so a value does not depend on the block
 // or the rows around it.
 template <int64_t KIND>
-void expand_add(const float* h, int64_t ldh, const int64_t* rows, int64_t n, int64_t r,
-                const void* bt, int64_t N, float* y, int64_t ldy) {
-  constexpr int64_t kCols = 256;
-  constexpr int64_t V = Vec::size();
-  auto columns = [&](int64_t c0, int64_t c1) {
-    for (int64_t i = 0; i < n; ++i) {
-      const float* hi = h + i * ldh;
-      float* yr = y + rows[i] * ldy;
-      int64_t j = c0;
-      // four vectors of columns at a time: four independent chains of fmadds (one would wait
-      // on each fmadd's latency), each column's chain the same as alone
-      for (; j + 4 * V <= c1; j += 4 * V) {
-        Vec acc[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
-        for (int64_t k = 0; k < r; ++k) {
-          const Vec hk(hi[k]);
-          for (int q = 0; q < 4; ++q)
-            acc[q] = at::vec::fmadd(hk, load_widened<KIND>(bt, k * N + j + q * V, V), acc[q]);
-        }
-        for (int q = 0; q < 4; ++q) (Vec::loadu(yr + j + q * V) + acc[q]).store(yr + j + q * V);
+void expand_block(const ExpandPart& part, int64_t c, int64_t ldh, const int64_t* rows,
+                  int64_t n, int64_t r, int64_t ldy) {
+  constexpr int64_t V = Vec::size(), C = kCols / V;
+  const int64_t j0 = c * kCols, w = std::min(kCols, part.N - j0);
+  const int64_t at = j0 * r;  // the block's first value
+  for (int64_t i = 0; i < n; ++i) {
+    const float* hi = part.h + i * ldh;
+    float* yr = part.y + rows[i] * ldy + j0;
+    if (w == kCols) {  // C independent chains of fmadds (one would wait on each latency)
+      Vec acc[C];
+      for (int64_t q = 0; q < C; ++q) acc[q] = Vec(0.f);
+      for (int64_t k = 0; k < r; ++k) {
+        const Vec hk(hi[k]);
+        for (int64_t q = 0; q < C; ++q)
+          acc[q] = at::vec::fmadd(hk, load_widened<KIND>(part.bt, at + k * kCols + q * V, V),
+                                  acc[q]);
       }
-      for (; j < c1; j += V) {
-        const int64_t w = std::min<int64_t>(V, c1 - j);
-        Vec acc(0.f);
-        for (int64_t k = 0; k < r; ++k)
-          acc = at::vec::fmadd(Vec(hi[k]), load_widened<KIND>(bt, k * N + j, w), acc);
-        (Vec::loadu(yr + j, w) + acc).store(yr + j, w);
+      for (int64_t q = 0; q < C; ++q) (Vec::loadu(yr + q * V) + acc[q]).store(yr + q * V);
+      continue;
+    }
+    for (int64_t j = 0; j < w; j += V) {
+      const int64_t v = std::min<int64_t>(V, w - j);
+      Vec acc(0.f);
+      for (int64_t k = 0; k < r; ++k)
+        acc = at::vec::fmadd(Vec(hi[k]), load_widened<KIND>(part.bt, at + k * w + j, v), acc);
+      (Vec::loadu(yr + j, v) + acc).store(yr + j, v);
+    }
+  }
+}
+
+// Every column block of the parts, split over the threads in one parallel region (a region
+// per part cost more than a small adapter's products; blocks are independent).
+inline void expand_parts(const std::vector<ExpandPart>& parts, int64_t ldh, const int64_t* rows,
+                         int64_t n, int64_t r, int64_t ldy) {
+  std::vector<int64_t> first{0};  // each part's first block in the joint numbering
+  int64_t columns = 0;
+  for (const ExpandPart& p : parts)
+    first.push_back(first.back() + (p.N + kCols - 1) / kCols), columns += p.N;
+  auto block_range = [&](int64_t b0, int64_t b1) {
+    size_t p = std::upper_bound(first.begin(), first.end(), b0) - first.begin() - 1;
+    for (int64_t b = b0; b < b1; ++b) {
+      while (b >= first[p + 1]) ++p;
+      const int64_t c = b - first[p];
+      switch (parts[p].kind) {
+        case 0: expand_block<0>(parts[p], c, ldh, rows, n, r, ldy); break;
+        case half_rows::kBF16: expand_block<half_rows::kBF16>(parts[p], c, ldh, rows, n, r, ldy);
+                               break;
+        default: expand_block<half_rows::kF16>(parts[p], c, ldh, rows, n, r, ldy); break;
       }
     }
   };
-  const int64_t blocks = (N + kCols - 1) / kCols;
-  auto block_range = [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) columns(b * kCols, std::min(N, (b + 1) * kCols));
-  };
-  if (n * N * r < kSerialMacs) return block_range(0, blocks);
-  at::parallel_for(0, blocks, 1, block_range);
-}
-
-// expand_add for slot `s` of a (L, X) tensor of B^T slots in its dtype.
-inline void expand_slot(const torch::Tensor& b, int64_t s, const float* h, int64_t ldh,
-                        const int64_t* rows, int64_t n, int64_t r, int64_t N, float* y,
-                        int64_t ldy) {
-  const char* bt = static_cast<const char*>(b.data_ptr()) + s * b.size(1) * b.element_size();
-  switch (slot_kind(b)) {
-    case 0: return expand_add<0>(h, ldh, rows, n, r, bt, N, y, ldy);
-    case half_rows::kBF16: return expand_add<half_rows::kBF16>(h, ldh, rows, n, r, bt, N, y, ldy);
-    default: return expand_add<half_rows::kF16>(h, ldh, rows, n, r, bt, N, y, ldy);
-  }
+  if (n * columns * r < kSerialMacs) return block_range(0, first.back());
+  at::parallel_for(0, first.back(), 1, block_range);
 }
 
 // The first `count` values of slot `s` of a (L, X) tensor of slots as float32: in place, or
@@ -200,11 +222,14 @@ inline void add_(const torch::Tensor& x, torch::Tensor y, const torch::Tensor& a
       std::copy_n(xp + rows[s][i] * K, K, xs.data() + i * K);
     product(slot_rows(a, s, P * r, K, scratch), xs.data(), n, P * r, h.data());
     for (float& v : h) v *= scale[s];
+    std::vector<ExpandPart> parts;
     for (int64_t p = 0; p < P; ++p) {
       if (!has[s * P + p]) continue;
-      expand_slot(b[p], s, h.data() + p * r, P * r, rows[s].data(), n, r, size[p],
-                  yp + offset[p], N);
+      const char* bt = static_cast<const char*>(b[p].data_ptr()) +
+                       s * b[p].size(1) * b[p].element_size();
+      parts.push_back({h.data() + p * r, bt, slot_kind(b[p]), size[p], yp + offset[p]});
     }
+    expand_parts(parts, P * r, rows[s].data(), n, r, N);
   };
   const int64_t count = static_cast<int64_t>(slots.size());
   if (count >= at::get_num_threads() && count > 1) {

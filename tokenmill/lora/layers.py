@@ -11,11 +11,16 @@ product per request):
     h = (x[rows] @ A_s^T) * scaling_s        (n, P r)    shrink, all parts at once
     y[rows, part p] += h[:, p r:(p+1) r] @ B_sp^T        expand, per part (B_sp^T held)
 
+B^T is held in column blocks of COLUMN_BLOCK (per block its (r, width) values contiguous, the
+last block narrower): the C++ expand then streams a slot in address order, which a decode
+step's one row makes bound by memory; held as (r, out) rows it read each block as r runs far
+apart and reached half the memory's rate. The torch ops read the same blocks (`expand`).
+
 Row-parallel layers add the delta to their partial sum before the all-reduce: A is split along
 the input as the weight is, and the sum of the ranks' x_i A_i^T is x A^T. Column-parallel
-layers hold A whole and their share of B's rows. A and B are held as the adapter's file has
-them (in the slots' dtype: exact when it is the file's), the scaling (alpha / r) beside them
-and applied to h.
+layers hold A whole and their share of B's rows. A and B hold the adapter file's values (in
+the slots' dtype: exact when it is the file's; B^T in its blocks), the scaling (alpha / r)
+beside them and applied to h.
 
 On CPU in float32 one C++ call per layer does every slot of the step (csrc/lora_cpu.h, with
 the batch-invariant dot kernels of linear_dot.h: the per-adapter Python loop of small ops cost
@@ -35,6 +40,28 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers import cpu_ops
+
+# B^T's column blocks (csrc/lora_cpu.h kCols): a multiple of every CPU build's vector width.
+COLUMN_BLOCK = 64
+
+
+def blocked_columns(bt: torch.Tensor) -> torch.Tensor:
+    """bt (r, n) as its flat column blocks (r * n,): full blocks of COLUMN_BLOCK columns, then
+    the rest, each block's rows contiguous."""
+    r, n = bt.shape
+    full = n - n % COLUMN_BLOCK
+    head = bt[:, :full].reshape(r, full // COLUMN_BLOCK, COLUMN_BLOCK).transpose(0, 1)
+    return torch.cat([head.reshape(-1), bt[:, full:].reshape(-1)])
+
+
+def expand(h: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """h (m, r) @ B^T (r, n) for B^T held as `blocked_columns` → (m, n)."""
+    m, r = h.shape
+    full = n - n % COLUMN_BLOCK
+    head = torch.einsum("mr,brc->mbc", h,
+                        blocks[:full * r].view(full // COLUMN_BLOCK, r, COLUMN_BLOCK))
+    tail = h @ blocks[full * r:].view(r, n - full)
+    return torch.cat([head.reshape(m, full), tail], dim=1)
 
 
 @dataclass
@@ -57,7 +84,8 @@ class LinearLoRA:
         P = len(part_sizes)
         # flat per slot, so that rank r's leading rows are contiguous
         self.a = torch.zeros(max_loras, P * max_rank * in_features, dtype=dtype, device=device)
-        # B transposed, (rank, out) per slot: the expand runs along the outputs
+        # B transposed, (rank, out) per slot in column blocks: the expand runs along the
+        # outputs, reading the slot in address order
         self.b = [torch.zeros(max_loras, max_rank * n, dtype=dtype, device=device)
                   for n in part_sizes]
         # each slot's rank (0: empty) and the parts its adapter changes, as the C++ call
@@ -77,12 +105,12 @@ class LinearLoRA:
         a = self.a[slot, :P * rank * K].view(P * rank, K)
         a.zero_()
         for p, pair in enumerate(parts):
-            bt = self.b[p][slot, :rank * self.part_sizes[p]].view(rank, self.part_sizes[p])
+            bt = self.b[p][slot, :rank * self.part_sizes[p]]
             if pair is None:
                 bt.zero_()
                 continue
             a[p * rank:(p + 1) * rank].copy_(pair[0])
-            bt.copy_(pair[1].t())
+            bt.copy_(blocked_columns(pair[1].t()))
         self.ranks[slot] = rank
         self.scales[slot] = scaling
         self.present[slot] = torch.tensor([p is not None for p in parts], dtype=torch.uint8)
@@ -119,7 +147,7 @@ class LinearLoRA:
             if not self.present[slot, p]:
                 continue
             o = self.offsets[p]
-            part = h[:, p * r:(p + 1) * r] @ self.b[p][slot, :r * size].view(r, size).to(x.dtype)
+            part = expand(h[:, p * r:(p + 1) * r], self.b[p][slot, :r * size].to(x.dtype), size)
             if isinstance(rows, slice):
                 y[rows, o:o + size] += part
             else:
