@@ -3,7 +3,8 @@ same batch on the base model, and single-stream decode with and without an adapt
 
     python benchmarks/lora.py [--model PATH] [--ranks 8,64] [--adapters 1,4,16]
                               [--lora-dtypes float32,bfloat16] [--batch 32]
-                              [--prompt-len 32] [--tokens 64] [--rounds 2]
+                              [--prompt-len 32] [--tokens 64] [--single-tokens 256]
+                              [--rounds 2]
 
 The model is SmolLM2-135M-Instruct (the default GGUF file, its Q4_1 weights) unless --model
 names another. Adapters are written as peft folders (adapter_config.json and
@@ -12,11 +13,11 @@ adapter_model.safetensors) with random A and B of the model's shapes on all seve
 base model, and the model with enable_lora (max_loras = the largest adapter count,
 max_lora_rank = the largest rank) for each `--lora-dtypes` entry (the slots' dtype: bfloat16
 rounds the adapters, half the bytes each step reads). Rounds alternate every case, so that
-drift hits them alike; each case generates `--tokens` tokens per request, greedy, ignoring
-EOS, after a `--prompt-len`-token prompt, and tokens/s counts the generated tokens over the
-wall time of the generate call. "base, LoRA
-engine" is base requests on the LoRA engine: what enabling adapters costs a request that uses
-none.
+drift hits them alike; each case generates `--tokens` tokens per request (single stream:
+`--single-tokens`, so that a run lasts more than a moment), greedy, ignoring EOS, after a
+`--prompt-len`-token prompt, and tokens/s counts the generated tokens over the wall time of
+the generate call. "base, LoRA engine" is base requests on the LoRA engine: what enabling
+adapters costs a request that uses none.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--single-tokens", type=int, default=256,
+                   help="tokens of each single-stream run (a short one is mostly noise)")
     p.add_argument("--rounds", type=int, default=2)
     return p.parse_args()
 
@@ -133,7 +136,8 @@ def main() -> int:
                for r in range(args.batch)]
     print(f"model {model}: {hf_config.num_hidden_layers} layers, hidden "
           f"{hf_config.hidden_size}; batch {args.batch}, prompt {args.prompt_len}, "
-          f"{args.tokens} tokens each; adapters on all 7 projections")
+          f"{args.tokens} tokens each (single stream {args.single_tokens}); adapters on all 7 "
+          "projections")
     # the adapters (GBs for large models and ranks) are removed when the run ends
     with tempfile.TemporaryDirectory(prefix="tm-lora-bench-") as root:
         adapters = write_adapters(root, hf_config, ranks, max(counts))
@@ -143,7 +147,8 @@ def main() -> int:
         results: dict[str, list[float]] = {name: [] for name in cases}
         for _ in range(args.rounds):
             for name, (llm, ps, loras) in cases.items():
-                results[name].append(run_case(llm, ps, loras, args.tokens))
+                tokens = args.single_tokens if name.startswith("single") else args.tokens
+                results[name].append(run_case(llm, ps, loras, tokens))
     print(f"\n{'case':<56}{'tok/s':>10}{'vs base':>10}")
     for name, values in sorted(results.items(), key=lambda kv: kv[0].startswith("single")):
         tps = statistics.median(values)

@@ -205,8 +205,8 @@ def test_a_kquant_model_serves_its_blocks_by_default_like_its_float32_expansion(
 
 
 def test_int8_activations_are_refused_where_a_type_lacks_them(kquant_file):
-    """Both files hold 32-weight or IQ4 blocks (Q5_0 / Q5_1 / IQ4_*), which have no int8
-    kernel; the message says which types do (test_gguf_int8.py serves those)."""
+    """Both files hold blocks with no int8 kernel (Q5_1, IQ4_XS); the message says which
+    types have one (test_gguf_int8.py serves those, Q5_0 / IQ4_NL as Q8_0 blocks)."""
     with pytest.raises(ValueError,
                        match=r"int8_activations is not implemented for GGUF .*\(.*Q4_K.* have it"):
         LLM(kquant_file[0], quantization="gguf", int8_activations=True, max_model_len=64)

@@ -31,8 +31,9 @@
 //
 // Lossy: x's rounding to 8 bits per 256 values (benchmarks/quant_quality.py measures it);
 // used only where asked for. IQ4's levels (up to 127 in magnitude) and the 32-weight kinds
-// keep the int16 kernels: GGUFBlockMethod refuses them with int8 activations. The AVX-512 and
-// AVX2 builds compute the same integers and the same float32 operations.
+// have no kernel here: Q5_0 and IQ4_NL are held as Q8_0 blocks of the same weights with int8
+// activations (quantization/gguf.py GGUFType.int8_as), Q5_1 and IQ4_XS are refused. The
+// AVX-512 and AVX2 builds compute the same integers and the same float32 operations.
 #pragma once
 #include "linear_gguf_rows.h"
 

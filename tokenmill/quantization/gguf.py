@@ -19,6 +19,10 @@ raw rows needs no requantizing.
                                       on the portable build; with int8_activations the
                                       K-quants Q2_K .. Q6_K meet x rounded to int8 per 256
                                       (csrc/linear_gguf_int8.h; GGUFType.int8_activations)
+    with int8_activations: Q5_0, IQ4_NL → Q8_0 (q - 16 or the level, d)   exact, 34 B a block
+                                      (their values are int8s times the block's d), then
+                                      Q8_0's int8 kernels (GGUFType.int8_as); Q5_1 and
+                                      IQ4_XS have none (refused by name)
 F32 tensors are served dense, F16 / BF16 ones dense in their own precision (widened to float32
 in registers by the kernels, csrc/linear_half.h; BF16 ones multiplied in bfloat16 under
 ModelConfig.matmul_dtype, by default on AVX512-BF16 CPUs for a file of BF16 tensors,
@@ -31,6 +35,7 @@ part's row (`checkpoint_tensor`) and are cut back after loading.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
@@ -48,6 +53,8 @@ from tokenmill.quantization.base import (
 )
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 from tokenmill.utils.cpp_extension import runtime_isa
+
+logger = logging.getLogger(__name__)
 
 Split = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
@@ -71,13 +78,45 @@ def _split_q4_0(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return b[:, :, 2:].reshape(N, -1).contiguous(), d, (d.float() * -8).half()
 
 
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """(N, blocks, 16) bytes → (N, blocks, 32) values: byte j's low nibble is weight j, its
+    high nibble weight j + 16 (ggml's order)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _q5_0_as_q8_0(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q5_0 blocks (d, 32 high bits, 16 B nibbles; w = d (q - 16)) as Q8_0 (q - 16, d):
+    q - 16 is in [-16, 15], so the same d and int8 values give every weight exactly."""
+    N = b.shape[0]
+    d = b[:, :, 0:2].contiguous().view(torch.float16).view(N, -1)
+    qh = b[:, :, 2:6].contiguous().view(torch.int32)  # (N, blocks, 1), bit j: weight j
+    high = (qh >> torch.arange(32, dtype=torch.int32)) & 1  # (N, blocks, 32)
+    q = _nibbles(b[:, :, 6:22]).to(torch.int32) | (high << 4)
+    return (q - 16).to(torch.int8).view(N, -1), d
+
+
+# IQ4_NL's 16 levels (ggml's kvalues_iq4nl): int8 values, a block's weights d * level
+IQ4_NL_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53,
+                              69, 89, 113], dtype=torch.int8)
+
+
+def _iq4_nl_as_q8_0(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """IQ4_NL blocks (d, 16 B nibbles indexing IQ4_NL_LEVELS) as Q8_0 (the levels, d): the
+    levels are int8, so every weight is exact."""
+    N = b.shape[0]
+    d = b[:, :, 0:2].contiguous().view(torch.float16).view(N, -1)
+    return IQ4_NL_LEVELS[_nibbles(b[:, :, 2:18]).long()].view(N, -1), d
+
+
 @dataclass(frozen=True)
 class GGUFType:
     """A GGML block type the kernels read: `weights` per block of `nbytes`, read by kernel
     `kind`; `split` turns raw block rows (N, blocks, nbytes) into the kernel's tensors, None
     where the kernel reads the raw rows themselves; `int8_activations`: whether its kernels
     can multiply int8-rounded activations (raw K-quants: on AVX2 / AVX-512 builds,
-    csrc/linear_gguf_int8.h)."""
+    csrc/linear_gguf_int8.h). `int8_as`: for a type without such kernels whose weights
+    another type holds exactly, that type and the split into its tensors, taken with int8
+    activations (more bytes per weight, the other type's int8 kernels)."""
 
     name: str
     weights: int
@@ -85,16 +124,24 @@ class GGUFType:
     kind: int
     split: Split | None = None
     int8_activations: bool = False
+    int8_as: tuple[str, Split] | None = None
 
     def row_bytes(self, k: int) -> int:
         return k // self.weights * self.nbytes
+
+    def served(self, int8_activations: bool) -> tuple[GGUFType, Split | None]:
+        """The type whose kernel multiplies these blocks, and the split into its tensors."""
+        if int8_activations and self.int8_as is not None:
+            name, split = self.int8_as
+            return GGUF_TYPES[name], split
+        return self, self.split
 
 
 GGUF_TYPES = {t.name: t for t in (
     GGUFType("Q8_0", 32, 34, CPULinearKernel.Q8_0, _split_q8_0, True),
     GGUFType("Q4_1", 32, 20, CPULinearKernel.Q4, _split_q4_1, True),
     GGUFType("Q4_0", 32, 18, CPULinearKernel.Q4, _split_q4_0, True),
-    GGUFType("Q5_0", 32, 22, CPULinearKernel.Q5_0),
+    GGUFType("Q5_0", 32, 22, CPULinearKernel.Q5_0, int8_as=("Q8_0", _q5_0_as_q8_0)),
     GGUFType("Q5_1", 32, 24, CPULinearKernel.Q5_1),
     GGUFType("Q4_K", 256, 144, CPULinearKernel.Q4_K, int8_activations=True),
     GGUFType("Q5_K", 256, 176, CPULinearKernel.Q5_K, int8_activations=True),
@@ -102,30 +149,34 @@ GGUF_TYPES = {t.name: t for t in (
     GGUFType("Q3_K", 256, 110, CPULinearKernel.Q3_K, int8_activations=True),
     GGUFType("Q2_K", 256, 84, CPULinearKernel.Q2_K, int8_activations=True),
     GGUFType("IQ4_XS", 256, 136, CPULinearKernel.IQ4_XS),
-    GGUFType("IQ4_NL", 32, 18, CPULinearKernel.IQ4_NL),
+    GGUFType("IQ4_NL", 32, 18, CPULinearKernel.IQ4_NL, int8_as=("Q8_0", _iq4_nl_as_q8_0)),
 )}
 BLOCK_TYPES = tuple(GGUF_TYPES)
 DENSE_TYPES = ("F32", "F16", "BF16")
 SUPPORTED_TYPES = (*BLOCK_TYPES, *DENSE_TYPES)
 
 
-def kernel_tensors(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, ...]:
-    """Raw block rows (N, K / QK * block bytes) uint8 → the kernel's tensors (module doc)."""
+def kernel_tensors(raw: torch.Tensor, type_name: str,
+                   int8_activations: bool = False) -> tuple[torch.Tensor, ...]:
+    """Raw block rows (N, K / QK * block bytes) uint8 → the tensors of the kernel that serves
+    them (module doc; with int8 activations, GGUFType.int8_as)."""
     t = GGUF_TYPES[type_name]
-    if t.split is None:
+    split = t.served(int8_activations)[1]
+    if split is None:
         return (raw.contiguous(),)
-    return t.split(raw.view(raw.shape[0], -1, t.nbytes))
+    return split(raw.view(raw.shape[0], -1, t.nbytes))
 
 
 
 def _check_int8_activations(type_names: list[str]) -> None:
     """Refuse int8 activations for types whose kernels lack them, by name."""
-    without = sorted({n for n in type_names if not GGUF_TYPES[n].int8_activations})
+    served = {n: GGUF_TYPES[n].served(True)[0] for n in type_names}
+    without = sorted({n for n, t in served.items() if not t.int8_activations})
     if without:
-        have = ", ".join(n for n, t in GGUF_TYPES.items() if t.int8_activations)
+        have = ", ".join(n for n, t in GGUF_TYPES.items() if t.served(True)[0].int8_activations)
         raise ValueError(f"int8_activations is not implemented for GGUF {', '.join(without)} "
                          f"weights ({have} have it); leave it off")
-    raw = sorted({n for n in type_names if GGUF_TYPES[n].split is None})
+    raw = sorted({n for n, t in served.items() if t.split is None})
     if raw and runtime_isa() not in ("avx2", "avx512"):
         raise ValueError(f"int8_activations for GGUF {', '.join(raw)} weights needs an AVX2 "
                          "or AVX-512 CPU; leave it off")
@@ -163,7 +214,7 @@ class GGUFBlockMethod(LinearMethodBase):
         row = 0
         for p, (name, rows) in enumerate(layer.gguf_parts):
             part = raw[row:row + rows, :GGUF_TYPES[name].row_bytes(K)]
-            for i, t in enumerate(kernel_tensors(part, name)):
+            for i, t in enumerate(kernel_tensors(part, name, self.int8_activations)):
                 replace_param(layer, f"blocks_{p}_{i}", t.contiguous())
             row += rows
 
@@ -171,7 +222,8 @@ class GGUFBlockMethod(LinearMethodBase):
         tensors = []  # blocks_{p}_0, _1, ... as process_weights_after_loading registered them
         while (t := getattr(layer, f"blocks_{p}_{len(tensors)}", None)) is not None:
             tensors.append(t)
-        return CPULinearKernel(GGUF_TYPES[name].kind, 32, tuple(tensors),
+        return CPULinearKernel(GGUF_TYPES[name].served(self.int8_activations)[0].kind, 32,
+                               tuple(tensors),
                                self.int8_activations, None, self.batch_invariant)
 
     def cpu_kernel(self, layer: nn.Module) -> CPULinearKernel | None:
@@ -219,6 +271,12 @@ class GGUFConfig(QuantizationConfig):
             raise ValueError(f"GGUF tensor types {', '.join(bad)} cannot be served natively "
                              f"(quantization='gguf' supports {', '.join(SUPPORTED_TYPES)}); "
                              "pass quantization='none' to serve the file dequantized to float32")
+        held_as = sorted({t for t in tensor_types.values()
+                          if t in GGUF_TYPES and GGUF_TYPES[t].int8_as is not None})
+        if int8_activations and held_as:
+            logger.info("int8 activations: the GGUF %s blocks of layers that take them are "
+                        "held as Q8_0 blocks of the same weights (exact; 34 bytes a block)",
+                        " / ".join(held_as))
 
     def _parts_of(self, prefix: str) -> list[str]:
         """The checkpoint tensors (weight names) that make up the module at `prefix`, in the
