@@ -27,7 +27,6 @@
 // threads; a row's sums do not depend on the thread either way.
 #pragma once
 #include "cpu_ops.h"
-#include <algorithm>
 #include <vector>
 
 namespace lora_cpu {
@@ -130,7 +129,7 @@ inline void expand_parts(const std::vector<ExpandPart>& parts, int64_t ldh, cons
   for (const ExpandPart& p : parts)
     first.push_back(first.back() + (p.N + kCols - 1) / kCols), columns += p.N;
   auto block_range = [&](int64_t b0, int64_t b1) {
-    size_t p = std::upper_bound(first.begin(), first.end(), b0) - first.begin() - 1;
+    size_t p = 0;
     for (int64_t b = b0; b < b1; ++b) {
       while (b >= first[p + 1]) ++p;
       const int64_t c = b - first[p];
