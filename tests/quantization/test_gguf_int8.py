@@ -144,13 +144,13 @@ def file_types(path: str) -> dict[str, str]:
 
 def held_with_int8(path: str) -> int:
     """The bytes an int8-activation model of the file holds: its tensors as stored, except
-    Q5_0 / IQ4_NL ones of the layers with int8 activations (not qkv, not the embedding),
+    Q5_0 / IQ4_NL ones of the layers with int8 activations (not qkv, the embedding or head),
     held as Q8_0 blocks (34 bytes per 32 weights)."""
     total = 0
     for t in gguf.GGUFReader(path).tensors:
         kind = t.name.split(".")[-2] if t.name.startswith("blk.") else t.name.split(".")[0]
         as_q8_0 = t.tensor_type.name in ("Q5_0", "IQ4_NL") and kind not in (
-            "attn_q", "attn_k", "attn_v", "token_embd")
+            "attn_q", "attn_k", "attn_v", "token_embd", "output")
         total += t.n_elements * 34 // 32 if as_q8_0 else t.n_bytes
     return total
 
