@@ -59,40 +59,39 @@ logger = logging.getLogger(__name__)
 Split = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
 
+def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 field at byte `at` of every block of b (N, blocks, nbytes) → (N, blocks)."""
+    return b[:, :, at:at + 2].contiguous().view(torch.float16).view(b.shape[0], -1)
+
+
 def _split_q8_0(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    N = b.shape[0]
-    d = b[:, :, 0:2].contiguous().view(torch.float16).view(N, -1)
-    return b[:, :, 2:].contiguous().view(torch.int8).view(N, -1), d
+    return b[:, :, 2:].contiguous().view(torch.int8).view(b.shape[0], -1), _f16(b, 0)
 
 
 def _split_q4_1(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    N = b.shape[0]
-    d = b[:, :, 0:2].contiguous().view(torch.float16).view(N, -1)
-    m = b[:, :, 2:4].contiguous().view(torch.float16).view(N, -1)
-    return b[:, :, 4:].reshape(N, -1).contiguous(), d, m
+    return b[:, :, 4:].reshape(b.shape[0], -1).contiguous(), _f16(b, 0), _f16(b, 2)
 
 
 def _split_q4_0(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    N = b.shape[0]
-    d = b[:, :, 0:2].contiguous().view(torch.float16).view(N, -1)
-    return b[:, :, 2:].reshape(N, -1).contiguous(), d, (d.float() * -8).half()
+    d = _f16(b, 0)
+    return b[:, :, 2:].reshape(b.shape[0], -1).contiguous(), d, (d.float() * -8).half()
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """(N, blocks, 16) bytes → (N, blocks, 32) values: byte j's low nibble is weight j, its
-    high nibble weight j + 16 (ggml's order)."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+    """(N, blocks, 16) bytes → (N, K) values: byte j's low nibble is weight j of its block, its
+    high nibble weight j + 16 (ggml's order; blocks.unpack_q4's, which this module cannot
+    import: blocks.dequantize reads this registry)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1).view(qs.shape[0], -1)
 
 
 def _q5_0_as_q8_0(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Q5_0 blocks (d, 32 high bits, 16 B nibbles; w = d (q - 16)) as Q8_0 (q - 16, d):
     q - 16 is in [-16, 15], so the same d and int8 values give every weight exactly."""
     N = b.shape[0]
-    d = b[:, :, 0:2].contiguous().view(torch.float16).view(N, -1)
     qh = b[:, :, 2:6].contiguous().view(torch.int32)  # (N, blocks, 1), bit j: weight j
-    high = (qh >> torch.arange(32, dtype=torch.int32)) & 1  # (N, blocks, 32)
+    high = ((qh >> torch.arange(32, dtype=torch.int32)) & 1).view(N, -1)  # (N, K)
     q = _nibbles(b[:, :, 6:22]).to(torch.int32) | (high << 4)
-    return (q - 16).to(torch.int8).view(N, -1), d
+    return (q - 16).to(torch.int8), _f16(b, 0)
 
 
 # IQ4_NL's 16 levels (ggml's kvalues_iq4nl): int8 values, a block's weights d * level
@@ -103,9 +102,7 @@ IQ4_NL_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 2
 def _iq4_nl_as_q8_0(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """IQ4_NL blocks (d, 16 B nibbles indexing IQ4_NL_LEVELS) as Q8_0 (the levels, d): the
     levels are int8, so every weight is exact."""
-    N = b.shape[0]
-    d = b[:, :, 0:2].contiguous().view(torch.float16).view(N, -1)
-    return IQ4_NL_LEVELS[_nibbles(b[:, :, 2:18]).long()].view(N, -1), d
+    return IQ4_NL_LEVELS[_nibbles(b[:, :, 2:18]).long()], _f16(b, 0)
 
 
 @dataclass(frozen=True)
@@ -271,12 +268,13 @@ class GGUFConfig(QuantizationConfig):
             raise ValueError(f"GGUF tensor types {', '.join(bad)} cannot be served natively "
                              f"(quantization='gguf' supports {', '.join(SUPPORTED_TYPES)}); "
                              "pass quantization='none' to serve the file dequantized to float32")
-        held_as = sorted({t for t in tensor_types.values()
-                          if t in GGUF_TYPES and GGUF_TYPES[t].int8_as is not None})
-        if int8_activations and held_as:
-            logger.info("int8 activations: the GGUF %s blocks of layers that take them are "
-                        "held as Q8_0 blocks of the same weights (exact; 34 bytes a block)",
-                        " / ".join(held_as))
+        if int8_activations:
+            for name in sorted({t for t in tensor_types.values() if t in GGUF_TYPES}):
+                held, _ = GGUF_TYPES[name].served(True)
+                if held.name != name:
+                    logger.info("int8 activations: the GGUF %s blocks of layers that take them "
+                                "are held as %s blocks of the same weights (exact; %d bytes a "
+                                "block)", name, held.name, held.nbytes)
 
     def _parts_of(self, prefix: str) -> list[str]:
         """The checkpoint tensors (weight names) that make up the module at `prefix`, in the
