@@ -57,13 +57,17 @@ VNNI_BUILD = runtime_isa() == "avx512"
 
 @pytest.mark.parametrize("kind,group", [(CPULinearKernel.Q8_0, 32), (CPULinearKernel.Q4, 32),
                                         (CPULinearKernel.Q4, 64), (CPULinearKernel.Q4, 192)])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 17, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 10, 16, 17, 64])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_equals_dequantized_product(kind, group, m, bias):
+@pytest.mark.parametrize("invariant", [True, False])
+def test_linear_equals_dequantized_product(kind, group, m, bias, invariant):
     # n not a multiple of any tile or thread split; k: 18 blocks (16 + 2), or 21 with 4-bit
-    # groups of 32 (an odd last block, which the VNNI row kernels take alone)
+    # groups of 32 (an odd last block, which the VNNI row kernels take alone and the GEMM's
+    # repack transposes alone). Not invariant: from 10 rows the GEMMs of linear_int8_gemm.h
+    # (AVX-512 VNNI), float32 tiles from 17 (elsewhere).
     n, k = 300, 672 if group == 32 and kind == CPULinearKernel.Q4 and m % 2 else 576
     kernel = random_kernel(kind, n, k, group, seed=m + group)
+    kernel = CPULinearKernel(kind, group, kernel.tensors, batch_invariant=invariant)
     x = torch.randn(m, k) * torch.logspace(-1, 1, k)  # blocks of very different ranges
     b = torch.randn(n) if bias else None
     levels = 32767 if VNNI_BUILD else None
@@ -127,16 +131,18 @@ def test_gguf_blocks_split_bit_for_bit(type_name):
 
 @pytest.mark.parametrize("kind,group", [(CPULinearKernel.Q8_0, 32), (CPULinearKernel.Q4, 32),
                                         (CPULinearKernel.Q4, 64), (CPULinearKernel.Q4, 128)])
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 7, 64])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 7, 10, 64])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int8_activations_round_only_the_activations(kind, group, m, bias):
+@pytest.mark.parametrize("invariant", [True, False])
+def test_int8_activations_round_only_the_activations(kind, group, m, bias, invariant):
     """With int8 activations a product of any size (decode-sized: linear_int8_acts.h; batched:
     linear_int8_gemm.h) equals the float32 one of the same weight on x rounded per 32-block
     (amax / 127 steps), except the 4-bit offsets, which multiply the exact sums of x."""
     # n: a partial group of 16 rows and of 32; k: 36 blocks (16 + 16 + 4), or 37 (odd)
     n, k = 200 if m <= 4 else 305, 1184 if group == 32 and m % 2 else 1152
     kernel = random_kernel(kind, n, k, group, seed=m)
-    fast = CPULinearKernel(kind, group, kernel.tensors, int8_activations=True)
+    fast = CPULinearKernel(kind, group, kernel.tensors, int8_activations=True,
+                           batch_invariant=invariant)
     x = torch.randn(m, k) * torch.logspace(-1, 1, k)  # blocks of very different ranges
     b = torch.randn(n) if bias else None
     expected = expected_product(x, kernel, 127, b)
@@ -144,12 +150,20 @@ def test_int8_activations_round_only_the_activations(kind, group, m, bias):
     assert not torch.allclose(cpu_ops.linear(x, kernel, b), expected, atol=1e-3, rtol=1e-4)
 
 
-def test_batched_int8_activations_equal_the_decode_kernels():
-    """The batched kernel and the decode-sized one are the same math: 64 rows at once equal
-    the same rows four at a time, up to float32 summation order."""
-    for kind, group in [(CPULinearKernel.Q8_0, 32), (CPULinearKernel.Q4, 64)]:
-        kernel = random_kernel(kind, 100, 576, group, seed=group)
-        fast = CPULinearKernel(kind, group, kernel.tensors, int8_activations=True)
-        x = torch.randn(64, 576)
+@pytest.mark.parametrize("int8_acts", [True, False])
+def test_batched_products_equal_the_decode_kernels(int8_acts):
+    """Without batch invariance a step of 64 rows takes the batched kernel (the GEMMs of
+    linear_int8_gemm.h on AVX-512 VNNI builds; elsewhere float32 tiles or AVX2's 4-bit GEMM)
+    and four rows the decode-sized ones: the same math, up to float32 summation order. Shapes
+    where the GEMM's repack meets partial groups of 16 rows, odd block counts and groups of
+    2-6 blocks."""
+    cases = [(CPULinearKernel.Q8_0, 32, 100, 576), (CPULinearKernel.Q4, 64, 100, 576),
+             (CPULinearKernel.Q4, 32, 37, 672), (CPULinearKernel.Q4, 192, 50, 576),
+             (CPULinearKernel.Q8_0, 32, 33, 1568)]
+    for kind, group, n, k in cases:
+        kernel = random_kernel(kind, n, k, group, seed=group + n)
+        fast = CPULinearKernel(kind, group, kernel.tensors, int8_activations=int8_acts,
+                               batch_invariant=False)
+        x = torch.randn(64, k)
         rows = torch.cat([cpu_ops.linear(x[i:i + 4].contiguous(), fast) for i in range(0, 64, 4)])
         torch.testing.assert_close(cpu_ops.linear(x, fast), rows, atol=1e-4, rtol=1e-5)

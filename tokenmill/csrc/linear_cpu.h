@@ -46,9 +46,9 @@
 //   through the row kernels (linear_rows.h; for 4-bit, sum_k (d q + m) x = d sum q x + m sum x
 //   with x's group sums computed once), four rows at a time up to 16 rows; beyond, dense
 //   weights go through oneDNN (Python side), quantized ones with float activations expand
-//   tiles of W to float32 for one GEMM per tile (AVX2) or the int16 VNNI GEMM, int8
-//   activations from 12 rows the GEMMs of linear_int8_gemm.h (AVX-512 VNNI: every kind;
-//   AVX2: 4-bit weights).
+//   tiles of W to float32 for one GEMM per tile (AVX2); on AVX-512 VNNI builds quantized
+//   weights take the GEMMs of linear_int8_gemm.h from 10 rows (int16-rounded float
+//   activations or int8 ones), on AVX2 4-bit weights with int8 activations from 12.
 #pragma once
 #include "linear_bf16.h"
 #include "linear_dot.h"
@@ -61,10 +61,14 @@
 // Up to this many rows of x, float activations go through the row kernels below, four rows
 // at a time: expanding tiles for a GEMM (the larger-M path) cost 2-3x more at 5-16 rows.
 constexpr int64_t kRowKernelMaxRows = 16;
-// From this many rows, int8 activations go through the GEMMs of linear_int8_gemm.h: below it,
-// their per-call repack of W costs more than the row kernels' conversions (measured at 5-8
-// rows on the 49152-row LM head).
-constexpr int64_t kVnniGemmMinRows = 12;
+// From this many rows, quantized weights on AVX-512 VNNI builds (int8 activations, and float
+// ones rounded to int16) go through the GEMMs of linear_int8_gemm.h when a step need not be
+// batch-invariant: below it, their per-call repack of W costs more than the row kernels'
+// conversions (SmolLM2's 30 layers, Zen 4: the GEMMs 0.94-1.16x the row kernels' time at 8
+// rows, 0.72-0.91x at 12, 0.60-0.80x at 16).
+constexpr int64_t kVnniGemmMinRows = 10;
+// AVX2's 4-bit int8 GEMM (its repack copies rows; measured at 5-8 rows on the LM head).
+constexpr int64_t kAvx2Q4GemmMinRows = 12;
 
 // How one call multiplies: the batch-invariant dot kernels (linear_dot.h), the row kernels
 // four rows of x at a time, or a batched GEMM (each has its own summation order: only the
@@ -87,9 +91,9 @@ static LinearPath choose_path(int64_t kind, bool int8_path, int64_t M, bool inva
   }
   if (kind == 0) return M <= 4 ? LinearPath::kRows : LinearPath::kDot;
   if (kVnniGemm && int8_path && M >= kVnniGemmMinRows) return LinearPath::kInt8Gemm;
-  if (kVnniGemm && !int8_path && M > kRowKernelMaxRows) return LinearPath::kInt16Gemm;
+  if (kVnniGemm && !int8_path && M >= kVnniGemmMinRows) return LinearPath::kInt16Gemm;
 #if defined(TOKENMILL_AVX2_Q4_GEMM)
-  if (int8_path && kind == 2 && M >= kVnniGemmMinRows) return LinearPath::kQ4Int8GemmAvx2;
+  if (int8_path && kind == 2 && M >= kAvx2Q4GemmMinRows) return LinearPath::kQ4Int8GemmAvx2;
 #endif
   if (M <= kRowKernelMaxRows || int8_path) return LinearPath::kRows;
   return LinearPath::kFloatTiles;

@@ -12,8 +12,12 @@
 // rows], so that one instruction adds 4 k-steps of 16 output rows for one row of x (that row's
 // 4 bytes broadcast), and the int32 -> float scaling happens once per block for 16 outputs.
 // The repack happens per call, in a thread-local buffer (the weight keeps one layout, shared
-// with the decode kernels; the repack costs one pass over W, which M rows amortize). Measured
-// 2.3-2.7x oneDNN's prepacked float32 GEMM on SmolLM2's shapes at M = 64-256 (Zen 4, 2 threads).
+// with the decode kernels; the repack costs one pass over W, which M rows amortize): 16 rows'
+// bytes transposed in registers, 16 dwords at a time, and their float16 scales (and 4-bit
+// offsets) transposed likewise into vectors of 16 rows (`ScaleLanes`). Measured 2.3-2.7x
+// oneDNN's prepacked float32 GEMM on SmolLM2's shapes at M = 64-256 (Zen 4, 2 threads); the
+// in-register transposes made it 1.15-1.2x faster again at 64 rows and ~1.35x at 24 (they
+// replaced per-row copies and 16-lane gathers, which had cost as much as ~20 rows of x).
 // AVX2 builds have a GEMM for 4-bit weights only (below); otherwise they run the decode
 // kernels four rows at a time (linear_cpu.h).
 //
@@ -46,10 +50,10 @@ constexpr int kLanes = 16;  // output rows per repacked group (one zmm of int32 
 constexpr int kMR = 6;      // rows of x per micro-kernel call
 // Per block of one group: the weights as chunks x 16 rows x 4 bytes (8 chunks of 4 bytes for
 // 8-bit activations, 16 chunks of 2 int16 for 16-bit ones), then 16 int32 (minus the Q8_0
-// offset correction), 16 float scales, 16 float 4-bit offsets.
+// offset correction). The rows' scales and 4-bit offsets are lanes of their own (ScaleLanes).
 constexpr int64_t chunks(int bits) { return bits == 8 ? 8 : 16; }
 constexpr int64_t weight_bytes(int bits) { return chunks(bits) * 64; }
-constexpr int64_t block_bytes(int bits) { return weight_bytes(bits) + 3 * 64; }
+constexpr int64_t block_bytes(int bits) { return weight_bytes(bits) + 64; }
 
 // The weight's tensors as raw pointers (data_ptr<T>() checks cost more than a block's repack).
 struct WeightPtrs {
@@ -58,55 +62,112 @@ struct WeightPtrs {
   const at::Half* m;  // 4-bit offsets, else nullptr
 };
 
-// Rows [n0, n0 + rows) of W (rows <= 16; missing rows are zeros) into `buf`.
-static void repack(int64_t kind, int64_t G, const WeightPtrs& wp, int64_t K, int64_t n0,
-                   int64_t rows, int bits, uint8_t* buf) {
-  const int64_t nb = K / kBlock, wbytes = weight_bytes(bits), bbytes = block_bytes(bits);
-  alignas(64) uint8_t block[kLanes][kBlock];  // one block of each row, bytes in weight order
-  alignas(64) int16_t wide[kLanes][kBlock];   // the same as int16 (16-bit activations)
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  // dwords per row of `block` (8) or `wide` (16)
-  const __m512i gather_idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(bits == 8 ? 8 : 16));
+// r[l] (element c: row l's column c) transposed: store(c, column c's 16 rows) for c < 16.
+template <typename Store>
+static inline void transpose16(__m512 (&r)[16], Store store) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[4j + e]: lane L = column 4L + e of rows 4j .. 4j + 3
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512 v0 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x44);
+    const __m512 v1 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xEE);
+    const __m512 w0 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x44);
+    const __m512 w1 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xEE);
+    store(e, _mm512_shuffle_f32x4(v0, w0, 0x88));
+    store(4 + e, _mm512_shuffle_f32x4(v0, w0, 0xDD));
+    store(8 + e, _mm512_shuffle_f32x4(v1, w1, 0x88));
+    store(12 + e, _mm512_shuffle_f32x4(v1, w1, 0xDD));
+  }
+}
+
+// Columns [0, cols) of `rows` (<= 16) rows of a float16 matrix (row stride `stride`), from
+// row n0, as float32 [cols rounded up to 16][16] (lane l: row n0 + l; missing rows 0).
+static void rows_to_lanes(const at::Half* h, int64_t stride, int64_t n0, int64_t rows,
+                          int64_t cols, float* out) {
+  // the next group's rows: a small stream beside W's, which the hardware prefetchers missed
+  const char* next = reinterpret_cast<const char*>(h + (n0 + kLanes) * stride);
+  for (int64_t o = 0; o < kLanes * stride * 2; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
+  for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, cols - c0)) - 1u);
+    __m512 r[16];
+    for (int l = 0; l < 16; ++l)
+      r[l] = l < rows ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+                            mask, reinterpret_cast<const uint16_t*>(h + (n0 + l) * stride + c0)))
+                      : _mm512_setzero_ps();
+    transpose16(r, [&](int c, __m512 v) { _mm512_store_ps(out + (c0 + c) * 16, v); });
+  }
+}
+
+// A group's scales (and 4-bit offsets) as lanes, one vector per group of G weights.
+struct ScaleLanes {
+  int64_t padded = 0;  // vectors per array: K/G rounded up to 16
+  std::unique_ptr<float[]> storage;
+  float* d = nullptr;
+  float* m = nullptr;
+
+  explicit ScaleLanes(int64_t groups_k, bool offsets)
+      : padded((groups_k + 15) / 16 * 16), storage(new float[2 * padded * kLanes + 16]) {
+    d = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.get()) + 63) & ~uintptr_t(63));
+    m = offsets ? d + padded * kLanes : nullptr;
+  }
+  void fill(const WeightPtrs& wp, int64_t groups_k, int64_t n0, int64_t rows) {
+    rows_to_lanes(wp.d, groups_k, n0, rows, groups_k, d);
+    if (m) rows_to_lanes(wp.m, groups_k, n0, rows, groups_k, m);
+  }
+};
+
+// Row n's 64 bytes of weights from block b (Q8_0: blocks b, b + 1 as stored; 4-bit: block b's
+// and b + 1's nibbles as u8 in weight order; BITS 16: block b's 32 values as int16).
+template <int KIND, int BITS>
+static inline __m512 row_chunk(const WeightPtrs& wp, int64_t K, int64_t n, int64_t b, int count) {
+  if constexpr (BITS == 16) {
+    const __m256i v = KIND == 1
+        ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp.q + n * K + b * kBlock))
+        : nibbles_u8(wp.q + n * (K / 2) + b * (kBlock / 2));
+    return _mm512_castsi512_ps(KIND == 1 ? _mm512_cvtepi8_epi16(v) : _mm512_cvtepu8_epi16(v));
+  } else if constexpr (KIND == 1) {
+    const __mmask64 k = count == 2 ? ~0ull : 0xFFFFFFFFull;
+    return _mm512_castsi512_ps(_mm512_maskz_loadu_epi8(k, wp.q + n * K + b * kBlock));
+  } else {
+    const uint8_t* q = wp.q + n * (K / 2) + b * (kBlock / 2);
+    const __m256i hi = count == 2 ? nibbles_u8(q + kBlock / 2) : _mm256_setzero_si256();
+    return _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(nibbles_u8(q)), hi, 1));
+  }
+}
+
+// Rows [n0, n0 + rows) of W (rows <= 16; missing rows are zeros) into `buf`: 16 rows' bytes
+// transposed in registers, 16 dwords (two 8-bit blocks, or one 16-bit block) at a time.
+template <int KIND, int BITS>
+static void repack_rows(const WeightPtrs& wp, int64_t K, int64_t n0, int64_t rows,
+                        uint8_t* buf) {
+  const int64_t nb = K / kBlock;
+  constexpr int64_t kW = weight_bytes(BITS), kB = block_bytes(BITS);
+  constexpr int64_t step = BITS == 8 ? 2 : 1;  // blocks per transpose
   const __m512i c128 = _mm512_set1_epi8(static_cast<char>(0x80));
-  if (rows < kLanes) std::memset(block, 0, sizeof(block));
-  for (int64_t b = 0; b < nb; ++b) {
-    uint8_t* o = buf + b * bbytes;
-    float* scale = reinterpret_cast<float*>(o + wbytes + 64);
-    float* offset = reinterpret_cast<float*>(o + wbytes + 128);
-    for (int l = 0; l < kLanes; ++l) {
-      const int64_t n = n0 + l;
-      if (l >= rows) {
-        scale[l] = offset[l] = 0.f;
-        continue;
-      }
-      if (kind == 1) {
-        std::memcpy(block[l], wp.q + n * K + b * kBlock, kBlock);
-        scale[l] = half_to_float(wp.d[n * nb + b]);
-        offset[l] = 0.f;
-      } else {
-        _mm256_store_si256(reinterpret_cast<__m256i*>(block[l]),
-                           nibbles_u8(wp.q + n * (K / 2) + b * (kBlock / 2)));
-        const int64_t g = n * (K / G) + b * kBlock / G;
-        scale[l] = half_to_float(wp.d[g]);
-        offset[l] = half_to_float(wp.m[g]);
-      }
+  for (int64_t b = 0; b < nb; b += step) {
+    const int count = static_cast<int>(std::min<int64_t>(step, nb - b));
+    __m512 r[16];
+    for (int l = 0; l < 16; ++l)
+      r[l] = l < rows ? row_chunk<KIND, BITS>(wp, K, n0 + l, b, count) : _mm512_setzero_ps();
+    transpose16(r, [&](int c, __m512 v) {
+      const int64_t blk = b + c / chunks(BITS);
+      if (blk < nb) _mm512_store_ps(reinterpret_cast<float*>(buf + blk * kB + (c % chunks(BITS)) * 64), v);
+    });
+    for (int64_t blk = b; blk < b + count; ++blk) {
+      __m512i comp = _mm512_setzero_si512();  // Q8_0 x u8: 128 * sum(w) per row
+      if (KIND == 1 && BITS == 8)
+        for (int c = 0; c < 8; ++c)
+          comp = _mm512_dpbusd_epi32(comp, c128, _mm512_load_si512(buf + blk * kB + c * 64));
+      _mm512_store_si512(buf + blk * kB + kW, _mm512_sub_epi32(_mm512_setzero_si512(), comp));
     }
-    __m512i comp = _mm512_setzero_si512();
-    if (bits == 8) {
-      for (int c = 0; c < 8; ++c) {
-        const __m512i w = _mm512_i32gather_epi32(gather_idx, block[0] + 4 * c, 4);
-        _mm512_store_si512(o + c * 64, w);
-        if (kind == 1) comp = _mm512_dpbusd_epi32(comp, c128, w);  // 128 * sum(w) per row
-      }
-    } else {  // signed x signed products: no offset to correct
-      for (int l = 0; l < kLanes; ++l) {
-        const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(block[l]));
-        _mm512_store_si512(wide[l], kind == 1 ? _mm512_cvtepi8_epi16(v) : _mm512_cvtepu8_epi16(v));
-      }
-      for (int c = 0; c < 16; ++c)
-        _mm512_store_si512(o + c * 64, _mm512_i32gather_epi32(gather_idx, wide[0] + 2 * c, 4));
-    }
-    _mm512_store_si512(o + wbytes, _mm512_sub_epi32(_mm512_setzero_si512(), comp));
   }
 }
 
@@ -115,8 +176,9 @@ static void repack(int64_t kind, int64_t G, const WeightPtrs& wp, int64_t K, int
 // offset-unsigned (Q8_0 weights).
 template <int KIND, int BITS, int MR, int NT>
 static void micro(int64_t bpg, const uint8_t* xa, const float* dx,
-                  const float* xsum, const uint8_t* buf, int64_t group_bytes, float* y,
-                  const float* bias, int64_t K, int64_t N, int64_t m0, int64_t n0, int valid) {
+                  const float* xsum, const uint8_t* buf, int64_t group_bytes,
+                  const ScaleLanes* const* lanes, float* y, const float* bias, int64_t K,
+                  int64_t N, int64_t m0, int64_t n0, int valid) {
   constexpr int64_t kW = weight_bytes(BITS), kB = block_bytes(BITS), kX = BITS / 8;
   const int64_t nb = K / kBlock, ng = nb / bpg;
   __m512 acc[MR][NT];
@@ -145,8 +207,9 @@ static void micro(int64_t bpg, const uint8_t* xa, const float* dx,
     }
     const bool group_end = KIND == 2 && (b + 1) % bpg == 0;
     for (int j = 0; j < NT; ++j) {
-      const __m512 dw = _mm512_load_ps(reinterpret_cast<const float*>(blk[j] + kW + 64));
-      const __m512 mw = _mm512_load_ps(reinterpret_cast<const float*>(blk[j] + kW + 128));
+      const __m512 dw = _mm512_load_ps(lanes[j]->d + (b / bpg) * kLanes);
+      const __m512 mw = KIND == 2 ? _mm512_load_ps(lanes[j]->m + (b / bpg) * kLanes)
+                                  : _mm512_setzero_ps();
       for (int i = 0; i < MR; ++i) {
         const __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(dx[(m0 + i) * nb + b]));
         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][j]), sc, acc[i][j]);
@@ -167,15 +230,16 @@ static void micro(int64_t bpg, const uint8_t* xa, const float* dx,
 
 template <int KIND, int BITS, int NT>
 static void rows_of_x(int64_t bpg, const uint8_t* xa, const float* dx,
-                      const float* xsum, const uint8_t* buf, int64_t group_bytes, float* y,
-                      const float* bias, int64_t K, int64_t M, int64_t N, int64_t n0,
-                      int valid) {
+                      const float* xsum, const uint8_t* buf, int64_t group_bytes,
+                      const ScaleLanes* const* lanes, float* y, const float* bias, int64_t K,
+                      int64_t M, int64_t N, int64_t n0, int valid) {
   int64_t m = 0;
   for (; m + kMR <= M; m += kMR)
-    micro<KIND, BITS, kMR, NT>(bpg, xa, dx, xsum, buf, group_bytes, y, bias, K, N, m, n0, valid);
+    micro<KIND, BITS, kMR, NT>(bpg, xa, dx, xsum, buf, group_bytes, lanes, y, bias, K, N, m, n0,
+                               valid);
   switch (M - m) {
 #define TM_TAIL(R) \
-  case R: micro<KIND, BITS, R, NT>(bpg, xa, dx, xsum, buf, group_bytes, y, bias, K, N, m, n0, valid); break;
+  case R: micro<KIND, BITS, R, NT>(bpg, xa, dx, xsum, buf, group_bytes, lanes, y, bias, K, N, m, n0, valid); break;
     TM_TAIL(1) TM_TAIL(2) TM_TAIL(3) TM_TAIL(4) TM_TAIL(5)
 #undef TM_TAIL
     default: break;
@@ -193,24 +257,35 @@ static void gemm(int64_t kind, int64_t G, const std::vector<torch::Tensor>& t,
   const int64_t groups = (N + kLanes - 1) / kLanes;
   const int64_t group_bytes = (K / kBlock) * block_bytes(bits);
   const int64_t bpg = kind == 2 ? G / kBlock : 1;
+  const int64_t groups_k = K / kBlock / bpg;
   at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     // pairs of groups (32 rows) per micro-kernel; the last pair may hold one group
     auto storage = std::make_unique<uint8_t[]>(2 * group_bytes + 64);
     uint8_t* buf = reinterpret_cast<uint8_t*>(
         (reinterpret_cast<uintptr_t>(storage.get()) + 63) & ~uintptr_t(63));
+    ScaleLanes lanes0(groups_k, kind == 2), lanes1(groups_k, kind == 2);
+    const ScaleLanes* lanes[2] = {&lanes0, &lanes1};
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * 2 * kLanes;
       const int64_t rows = std::min<int64_t>(2 * kLanes, N - n0);
       const int nt = rows > kLanes ? 2 : 1;
-      for (int j = 0; j < nt; ++j)
-        repack(kind, G, wp, K, n0 + j * kLanes, std::min<int64_t>(kLanes, rows - j * kLanes),
-               bits, buf + j * group_bytes);
+      for (int j = 0; j < nt; ++j) {
+        const int64_t nj = n0 + j * kLanes, rj = std::min<int64_t>(kLanes, rows - j * kLanes);
+        uint8_t* bj = buf + j * group_bytes;
+        (j == 0 ? lanes0 : lanes1).fill(wp, groups_k, nj, rj);
+        const int which = (kind == 1 ? 0 : 2) + (bits == 16 ? 1 : 0);
+        if (which == 0) repack_rows<1, 8>(wp, K, nj, rj, bj);
+        else if (which == 1) repack_rows<1, 16>(wp, K, nj, rj, bj);
+        else if (which == 2) repack_rows<2, 8>(wp, K, nj, rj, bj);
+        else repack_rows<2, 16>(wp, K, nj, rj, bj);
+      }
       const int v = static_cast<int>(rows - (nt - 1) * kLanes);  // valid rows, last group
       const int variant = (kind == 1 ? 0 : 4) + (bits == 16 ? 2 : 0) + (nt == 2 ? 1 : 0);
       switch (variant) {
 #define TM_CASE(I, KIND, BITS, NT)                                                          \
   case I:                                                                                   \
-    rows_of_x<KIND, BITS, NT>(bpg, xa, dx, xsum, buf, group_bytes, y, bias, K, M, N, n0, v); \
+    rows_of_x<KIND, BITS, NT>(bpg, xa, dx, xsum, buf, group_bytes, lanes, y, bias, K, M, N, \
+                              n0, v);                                                       \
     break;
         TM_CASE(0, 1, 8, 1) TM_CASE(1, 1, 8, 2) TM_CASE(2, 1, 16, 1) TM_CASE(3, 1, 16, 2)
         TM_CASE(4, 2, 8, 1) TM_CASE(5, 2, 8, 2) TM_CASE(6, 2, 16, 1) TM_CASE(7, 2, 16, 2)
