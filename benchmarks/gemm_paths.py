@@ -9,6 +9,11 @@ vdpbf16ps where the CPU has AVX512-BF16, csrc/linear_bf16.h); torch's bf16 `F.li
 
     python benchmarks/gemm_paths.py [--rows 1 4 16 64 128 256 512 2048]
         [--paths onednn,mkl,q8,q8+int8acts,q4,q4+int8acts,bf16,bf16-products,torch-bf16]
+        [--no-batch-invariant]
+
+The quantized paths are batch-invariant as the engine's default is (one kernel whatever the
+rows); --no-batch-invariant times the fastest kernel for each row count instead (the GEMMs
+of csrc/linear_int8_gemm.h from 10 rows on AVX-512 VNNI builds).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ def gflops_pair(paths, x: torch.Tensor, calls: int, n: int, reps: int = 7) -> li
     return [2.0 * m * n * k / t / 1e9 for t in alternate(fns, reps, calls, warmup=calls).values()]
 
 
-def path(name: str, w: torch.Tensor):
+def path(name: str, w: torch.Tensor, invariant: bool = True):
     """(gemm, weight) of one named path for the float32 weight w."""
     if name == "onednn":
         return packed_linear, prepack(w)
@@ -58,7 +63,8 @@ def path(name: str, w: torch.Tensor):
                          "q4+int8acts, bf16, bf16-products, torch-bf16")
     kind, tensors = ((CPULinearKernel.Q8_0, quantize_q8_0(w)) if base == "q8"
                      else (CPULinearKernel.Q4, quantize_q4(w, 32)))
-    kernel = CPULinearKernel(kind, 32, tuple(tensors), int8_activations=acts == "int8acts")
+    kernel = CPULinearKernel(kind, 32, tuple(tensors), int8_activations=acts == "int8acts",
+                             batch_invariant=invariant)
     return cpu_ops.linear, kernel
 
 
@@ -69,11 +75,14 @@ def main() -> None:
     ap.add_argument("--paths", default="onednn,mkl",
                     help="comma-separated: onednn, mkl, q8, q4, q8+int8acts, q4+int8acts, "
                          "bf16, bf16-products, torch-bf16")
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                    help="quantized paths: one kernel at every row count (the engine's default)")
     args = ap.parse_args()
     names = args.paths.split(",")
     torch.manual_seed(0)
     print(describe_machine())
-    print(f"GFLOP/s {' / '.join(names)}")
+    print(f"GFLOP/s {' / '.join(names)}; quantized paths "
+          f"{'batch-invariant' if args.batch_invariant else 'not batch-invariant'}")
     width = 6 * len(names) + 4
     print(f"{'rows':>6}" + "".join(f"{name:>{width}}" for name in SHAPES) + f"{'all':>{width}}")
     for m in args.rows:
@@ -82,7 +91,8 @@ def main() -> None:
         for n, k in SHAPES.values():
             w, x = torch.randn(n, k), torch.randn(m, k)
             calls = max(1, 40_000_000 // (m * n * k))  # ~80 MFLOP per timing
-            rates = gflops_pair([path(name, w) for name in names], x, calls, n)
+            paths = [path(name, w, args.batch_invariant) for name in names]
+            rates = gflops_pair(paths, x, calls, n)
             cells.append(" / ".join(f"{r:.0f}" for r in rates))
             flop = 2.0 * m * n * k
             total += flop
