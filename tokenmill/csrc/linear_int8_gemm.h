@@ -159,7 +159,8 @@ static void repack_rows(const WeightPtrs& wp, int64_t K, int64_t n0, int64_t row
       r[l] = l < rows ? row_chunk<KIND, BITS>(wp, K, n0 + l, b, count) : _mm512_setzero_ps();
     transpose16(r, [&](int c, __m512 v) {
       const int64_t blk = b + c / chunks(BITS);
-      if (blk < nb) _mm512_store_ps(reinterpret_cast<float*>(buf + blk * kB + (c % chunks(BITS)) * 64), v);
+      if (blk < nb)
+        _mm512_store_ps(reinterpret_cast<float*>(buf + blk * kB + (c % chunks(BITS)) * 64), v);
     });
     for (int64_t blk = b; blk < b + count; ++blk) {
       __m512i comp = _mm512_setzero_si512();  // Q8_0 x u8: 128 * sum(w) per row
