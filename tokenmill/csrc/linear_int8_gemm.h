@@ -92,7 +92,7 @@ static inline void transpose16(__m512 (&r)[16], Store store) {
 // row n0, as float32 [cols rounded up to 16][16] (lane l: row n0 + l; missing rows 0).
 static void rows_to_lanes(const at::Half* h, int64_t stride, int64_t n0, int64_t rows,
                           int64_t cols, float* out) {
-  // the next group's rows: a small stream beside W's, which the hardware prefetchers missed
+  // the next 16 rows' (the next group this thread reads): a small stream beside W's
   const char* next = reinterpret_cast<const char*>(h + (n0 + kLanes) * stride);
   for (int64_t o = 0; o < kLanes * stride * 2; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
   for (int64_t c0 = 0; c0 < cols; c0 += 16) {
@@ -178,7 +178,7 @@ static void repack_rows(const WeightPtrs& wp, int64_t K, int64_t n0, int64_t row
 template <int KIND, int BITS, int MR, int NT>
 static void micro(int64_t bpg, const uint8_t* xa, const float* dx,
                   const float* xsum, const uint8_t* buf, int64_t group_bytes,
-                  const ScaleLanes* const* lanes, float* y, const float* bias, int64_t K,
+                  const ScaleLanes* lanes, float* y, const float* bias, int64_t K,
                   int64_t N, int64_t m0, int64_t n0, int valid) {
   constexpr int64_t kW = weight_bytes(BITS), kB = block_bytes(BITS), kX = BITS / 8;
   const int64_t nb = K / kBlock, ng = nb / bpg;
@@ -208,8 +208,8 @@ static void micro(int64_t bpg, const uint8_t* xa, const float* dx,
     }
     const bool group_end = KIND == 2 && (b + 1) % bpg == 0;
     for (int j = 0; j < NT; ++j) {
-      const __m512 dw = _mm512_load_ps(lanes[j]->d + (b / bpg) * kLanes);
-      const __m512 mw = KIND == 2 ? _mm512_load_ps(lanes[j]->m + (b / bpg) * kLanes)
+      const __m512 dw = _mm512_load_ps(lanes[j].d + (b / bpg) * kLanes);
+      const __m512 mw = KIND == 2 ? _mm512_load_ps(lanes[j].m + (b / bpg) * kLanes)
                                   : _mm512_setzero_ps();
       for (int i = 0; i < MR; ++i) {
         const __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(dx[(m0 + i) * nb + b]));
@@ -232,7 +232,7 @@ static void micro(int64_t bpg, const uint8_t* xa, const float* dx,
 template <int KIND, int BITS, int NT>
 static void rows_of_x(int64_t bpg, const uint8_t* xa, const float* dx,
                       const float* xsum, const uint8_t* buf, int64_t group_bytes,
-                      const ScaleLanes* const* lanes, float* y, const float* bias, int64_t K,
+                      const ScaleLanes* lanes, float* y, const float* bias, int64_t K,
                       int64_t M, int64_t N, int64_t n0, int valid) {
   int64_t m = 0;
   for (; m + kMR <= M; m += kMR)
@@ -259,26 +259,22 @@ static void gemm(int64_t kind, int64_t G, const std::vector<torch::Tensor>& t,
   const int64_t group_bytes = (K / kBlock) * block_bytes(bits);
   const int64_t bpg = kind == 2 ? G / kBlock : 1;
   const int64_t groups_k = K / kBlock / bpg;
+  const auto repack = kind == 1 ? (bits == 8 ? repack_rows<1, 8> : repack_rows<1, 16>)
+                                : (bits == 8 ? repack_rows<2, 8> : repack_rows<2, 16>);
   at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     // pairs of groups (32 rows) per micro-kernel; the last pair may hold one group
     auto storage = std::make_unique<uint8_t[]>(2 * group_bytes + 64);
     uint8_t* buf = reinterpret_cast<uint8_t*>(
         (reinterpret_cast<uintptr_t>(storage.get()) + 63) & ~uintptr_t(63));
-    ScaleLanes lanes0(groups_k, kind == 2), lanes1(groups_k, kind == 2);
-    const ScaleLanes* lanes[2] = {&lanes0, &lanes1};
+    ScaleLanes lanes[2] = {ScaleLanes(groups_k, kind == 2), ScaleLanes(groups_k, kind == 2)};
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * 2 * kLanes;
       const int64_t rows = std::min<int64_t>(2 * kLanes, N - n0);
       const int nt = rows > kLanes ? 2 : 1;
       for (int j = 0; j < nt; ++j) {
         const int64_t nj = n0 + j * kLanes, rj = std::min<int64_t>(kLanes, rows - j * kLanes);
-        uint8_t* bj = buf + j * group_bytes;
-        (j == 0 ? lanes0 : lanes1).fill(wp, groups_k, nj, rj);
-        const int which = (kind == 1 ? 0 : 2) + (bits == 16 ? 1 : 0);
-        if (which == 0) repack_rows<1, 8>(wp, K, nj, rj, bj);
-        else if (which == 1) repack_rows<1, 16>(wp, K, nj, rj, bj);
-        else if (which == 2) repack_rows<2, 8>(wp, K, nj, rj, bj);
-        else repack_rows<2, 16>(wp, K, nj, rj, bj);
+        lanes[j].fill(wp, groups_k, nj, rj);
+        repack(wp, K, nj, rj, buf + j * group_bytes);
       }
       const int v = static_cast<int>(rows - (nt - 1) * kLanes);  // valid rows, last group
       const int variant = (kind == 1 ? 0 : 4) + (bits == 16 ? 2 : 0) + (nt == 2 ? 1 : 0);
