@@ -3,12 +3,14 @@ oneDNN with the prepacked float32 weight (what dense layers use), F.linear (MKL 
 dense weight, and tokenmill's `linear` op on quantized weights (csrc/linear_cpu.h): Q8_0 and
 4-bit groups of 32, with float activations (int16 per 32-block on AVX-512 VNNI builds;
 elsewhere exact: float32 row kernels up to 16 rows, float32 tiles above) or int8 ones; the
-weight in bfloat16, widened to float32 (bf16) or multiplied in bfloat16 (bf16-products:
-vdpbf16ps where the CPU has AVX512-BF16, csrc/linear_bf16.h); torch's bf16 `F.linear`
-(oneDNN, bf16 outputs) on bf16 activations (torch-bf16).
+weight in bfloat16, widened to float32 (bf16) or multiplied in bfloat16 (bf16-products: AMX
+tiles where the CPU has AMX-BF16, csrc/linear_bf16_amx.h, else vdpbf16ps where it has
+AVX512-BF16, csrc/linear_bf16.h; bf16-products-vdp: vdpbf16ps even on AMX CPUs); torch's bf16
+`F.linear` (oneDNN, bf16 outputs) on bf16 activations (torch-bf16).
 
     python benchmarks/gemm_paths.py [--rows 1 4 16 64 128 256 512 2048]
-        [--paths onednn,mkl,q8,q8+int8acts,q4,q4+int8acts,bf16,bf16-products,torch-bf16]
+        [--paths onednn,mkl,q8,q8+int8acts,q4,q4+int8acts,bf16,bf16-products,
+                 bf16-products-vdp,torch-bf16]
         [--no-batch-invariant]
 
 The quantized paths are batch-invariant as the engine's default is (one kernel whatever the
@@ -46,6 +48,15 @@ def gflops_pair(paths, x: torch.Tensor, calls: int, n: int, reps: int = 7) -> li
     return [2.0 * m * n * k / t / 1e9 for t in alternate(fns, reps, calls, warmup=calls).values()]
 
 
+def _without_amx(x: torch.Tensor, kernel: CPULinearKernel) -> torch.Tensor:
+    """cpu_ops.linear with AMX tiles switched off for the call (vdpbf16ps on AMX CPUs)."""
+    before = cpu_ops.bf16_products_amx(False)
+    try:
+        return cpu_ops.linear(x, kernel)
+    finally:
+        cpu_ops.bf16_products_amx(before)
+
+
 def path(name: str, w: torch.Tensor, invariant: bool = True):
     """(gemm, weight) of one named path for the float32 weight w."""
     if name == "onednn":
@@ -55,12 +66,15 @@ def path(name: str, w: torch.Tensor, invariant: bool = True):
     if name in ("bf16", "bf16-products"):
         kind = CPULinearKernel.BF16 if name == "bf16" else CPULinearKernel.BF16_PRODUCTS
         return cpu_ops.linear, CPULinearKernel(kind, 0, (w.to(torch.bfloat16),))
+    if name == "bf16-products-vdp":
+        return _without_amx, CPULinearKernel(CPULinearKernel.BF16_PRODUCTS, 0,
+                                             (w.to(torch.bfloat16),))
     if name == "torch-bf16":
         return (lambda x, wb: F.linear(x.to(torch.bfloat16), wb)), w.to(torch.bfloat16)
     base, _, acts = name.partition("+")
     if base not in ("q8", "q4") or acts not in ("", "int8acts"):
         raise SystemExit(f"unknown path {name!r}: onednn, mkl, q8, q4, q8+int8acts, "
-                         "q4+int8acts, bf16, bf16-products, torch-bf16")
+                         "q4+int8acts, bf16, bf16-products, bf16-products-vdp, torch-bf16")
     kind, tensors = ((CPULinearKernel.Q8_0, quantize_q8_0(w)) if base == "q8"
                      else (CPULinearKernel.Q4, quantize_q4(w, 32)))
     kernel = CPULinearKernel(kind, 32, tuple(tensors), int8_activations=acts == "int8acts",
@@ -74,7 +88,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="*", default=[16, 64, 128, 256, 512, 2048])
     ap.add_argument("--paths", default="onednn,mkl",
                     help="comma-separated: onednn, mkl, q8, q4, q8+int8acts, q4+int8acts, "
-                         "bf16, bf16-products, torch-bf16")
+                         "bf16, bf16-products, bf16-products-vdp, torch-bf16")
     ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                     help="quantized paths: one kernel at every row count (the engine's default)")
     args = ap.parse_args()

@@ -4,11 +4,19 @@ Checked bit for bit against a torch transcription of the kernel's definition (x 
 torch rounds, each pair's odd product added before its even one, 16 lanes summed in a fixed
 tree), which fixes the order of every sum: so the hardware (AVX512-BF16, where this CPU has
 it), the emulation and every kernel build this CPU runs give the same bits, and a row's result
-does not depend on the rows beside it."""
+does not depend on the rows beside it.
+
+Where the CPU has AMX-BF16 the products run on tiles instead (csrc/linear_bf16_amx.h), whose
+order inside a tile product is the hardware's own: those are checked against the exact
+product within float32's summation bound, and for batch invariance bit for bit; the
+definition tests switch the tiles off to check vdpbf16ps on the same machine."""
 
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -49,8 +57,10 @@ def ops(request):
     except ImportError:
         pytest.skip(f"the {request.param} build is not installed")
     paths = [True, False] if module.bf16_products_hardware(None) else [False]
+    module.bf16_products_amx(False)  # the definition's order: vdpbf16ps, on AMX CPUs too
     yield module, paths
-    module.bf16_products_hardware(True)
+    module.bf16_products_hardware(True)  # both switches' defaults
+    module.bf16_products_amx(True)
 
 
 @pytest.mark.parametrize("shape", [(100, 576), (37, 64), (8, 1536)])  # N: 4-row tiles + tails
@@ -105,3 +115,71 @@ def test_embedding_rows_and_refusals():
         cpu_ops.linear(torch.randn(2, 48), CPULinearKernel(KIND, 0, (w[:, :48].contiguous(),)))
     with pytest.raises(RuntimeError, match="int8 activations"):
         cpu_ops.linear(torch.randn(2, 64), CPULinearKernel(KIND, 0, (w,), int8_activations=True))
+
+
+@pytest.fixture
+def amx():
+    """The AVX-512 build with AMX tiles on, where this CPU has AMX-BF16 (and Linux granted
+    the tile state)."""
+    try:
+        module = _ops_of("avx512")
+    except ImportError:
+        pytest.skip("the avx512 build is not installed")
+    if not module.bf16_products_amx(None):
+        pytest.skip("this CPU has no AMX-BF16 tiles")
+    yield module
+    module.bf16_products_hardware(True)
+    module.bf16_products_amx(True)
+
+
+def _tiles_and_vdpbf16ps(module, x, w, bias):
+    module.bf16_products_amx(True)
+    tiles = module.linear(x, KIND, 0, [w], bias, False, None, True)
+    module.bf16_products_amx(False)
+    vdp = module.linear(x, KIND, 0, [w], bias, False, None, True)
+    module.bf16_products_amx(True)
+    return tiles, vdp
+
+
+# N: whole pairs of tiles, a lone tile, a part tile; K: one tile step, odd and even step counts
+@pytest.mark.parametrize("shape", [(100, 576), (37, 64), (48, 96), (8, 1536), (1536, 576)])
+def test_amx_tiles_are_the_exact_product_within_float32_summation(amx, shape):
+    """Each output within K float32 roundings of the exact product of the rounded inputs
+    (the worst-case bound of a float32 sum of K products, each exact): the tiles sum every
+    product once, the tail rows of W and of x included."""
+    n, k = shape
+    torch.manual_seed(n + k)
+    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(n)
+    for m in (1, 2, 15, 16, 17, 33, 70, 131):
+        x = torch.randn(m, k) * 3
+        tiles, vdp = _tiles_and_vdpbf16ps(amx, x, w, bias)
+        exact = x.to(torch.bfloat16).double() @ w.double().t() + bias.double()
+        bound = (x.to(torch.bfloat16).abs().double() @ w.abs().double().t()) * k * 2.0 ** -24
+        assert ((tiles.double() - exact).abs() <= bound + 1e-7).all(), m
+        assert ((vdp.double() - exact).abs() <= bound + 1e-7).all(), m
+        if k * m * n >= 1536 * 16:  # many outputs: some round differently in the two orders
+            assert not torch.equal(tiles, vdp), m
+
+
+def test_amx_tiles_give_a_row_the_same_bits_in_any_step(amx):
+    """Batch invariance on the tiles: a row alone, at any place among up to 200 others (one x
+    tile or several, a part tile last), and in a large step's blocks of x, bitwise."""
+    w = (torch.randn(100, 1536) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(100)
+    x = torch.randn(401, 1536)
+    full = amx.linear(x, KIND, 0, [w], bias, False, None, True)  # blocks of 160 rows of x
+    for m in (1, 2, 5, 16, 17, 64, 201):
+        assert torch.equal(amx.linear(x[:m], KIND, 0, [w], bias, False, None, True), full[:m])
+    for i in (0, 15, 16, 100, 170, 400):
+        assert torch.equal(amx.linear(x[i:i + 1], KIND, 0, [w], bias, False, None, True),
+                           full[i:i + 1])
+
+
+def test_tokenmill_amx_0_declines_the_tiles(amx):
+    """TOKENMILL_AMX=0 (read once per process) leaves the products on vdpbf16ps."""
+    code = ("import importlib; m = importlib.import_module('tokenmill._C.cpu_ops_avx512'); "
+            "print(m.bf16_products_amx(None), m.bf16_products_hardware(None))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "TOKENMILL_AMX": "0"}, check=True)
+    assert out.stdout.split() == ["False", "True"]

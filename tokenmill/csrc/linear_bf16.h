@@ -20,9 +20,15 @@
 // transcription of the lines above, and the hardware against the emulation). Each output is
 // summed in that one order whatever M, the tiling or the threads: batch-invariant.
 //
+// Where the CPU has AMX-BF16 (and Linux grants the tile state), `linear` runs the same
+// products on AMX tiles instead (linear_bf16_amx.h): the same rounding of x, float32 sums,
+// one kernel at every M (batch-invariant), but the tile unit's order of sums, not the one
+// above; use_amx() off restores vdpbf16ps there.
+//
 // Against float32 on the same weights, the loss is x's rounding to 8 bits of mantissa (the
 // weights are bf16 already): benchmarks/quant_quality.py states the agreement.
 #pragma once
+#include "linear_bf16_amx.h"
 #include "linear_half.h"
 #include "quant_blocks.h"
 #include <c10/util/BFloat16.h>
@@ -224,6 +230,22 @@ inline bool& use_hardware() {
 
 inline bool hardware_active() { return use_hardware() && cpu_has_bf16(); }
 
+// Whether calls with the hardware on take AMX tiles (linear_bf16_amx.h: their own order of
+// sums) where the CPU has them, rather than vdpbf16ps: a switch for the tests of the order
+// above on AMX machines.
+inline bool& use_amx() {
+  static bool on = true;
+  return on;
+}
+
+inline bool amx_active() {
+#ifdef TM_HAVE_AMX_BF16
+  return hardware_active() && use_amx() && bf16_amx::available();
+#else
+  return false;
+#endif
+}
+
 // AVX2's 16 registers hold 2 x 2 tiles of two-vector accumulators.
 static void emulated_range(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* w,
                            int64_t n0, int64_t n1, const float* bias, float* y, int64_t N) {
@@ -255,6 +277,9 @@ inline void linear(const uint16_t* w, const float* x, int64_t M, int64_t K, int6
                    const float* bias, float* y) {
   std::unique_ptr<uint16_t[]> xb(new uint16_t[M * K]);
   round_rows(x, M * K, xb.get());
+#ifdef TM_HAVE_AMX_BF16
+  if (amx_active()) return bf16_amx::linear(w, xb.get(), M, K, N, bias, y);
+#endif
   [[maybe_unused]] const bool hw = hardware_active();
   const int64_t unit = M <= 4 ? 16 : 48, units = (N + unit - 1) / unit;
   const int64_t grain = std::max<int64_t>(1, units / std::max<int64_t>(1, at::get_num_threads()));

@@ -40,4 +40,30 @@ static inline __m128 hsum4(const __m512* a) {
   const __m512 r = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));      // lane 0 of each 128
   return _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, r));
 }
+
+// r[l] (element c: row l's column c) transposed: store(c, column c's 16 rows) for c < 16.
+template <typename Store>
+static inline void transpose16(__m512 (&r)[16], Store store) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[4j + e]: lane L = column 4L + e of rows 4j .. 4j + 3
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512 v0 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x44);
+    const __m512 v1 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xEE);
+    const __m512 w0 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x44);
+    const __m512 w1 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xEE);
+    store(e, _mm512_shuffle_f32x4(v0, w0, 0x88));
+    store(4 + e, _mm512_shuffle_f32x4(v0, w0, 0xDD));
+    store(8 + e, _mm512_shuffle_f32x4(v1, w1, 0x88));
+    store(12 + e, _mm512_shuffle_f32x4(v1, w1, 0xDD));
+  }
+}
 #endif

@@ -77,6 +77,14 @@ def bf16_products_hardware(enable: bool | None = None) -> bool:
     return bool(_ops().bf16_products_hardware(enable))
 
 
+def bf16_products_amx(enable: bool | None = None) -> bool:
+    """Whether weight kind BF16_PRODUCTS runs on AMX tiles here (the CPU has AMX-BF16, Linux
+    granted the tile state, the hardware switch is on): the tile unit's order of sums, still
+    batch-invariant but not vdpbf16ps's bits (csrc/linear_bf16_amx.h). `enable` sets this
+    module's switch (False: vdpbf16ps). Returns the state before."""
+    return bool(_ops().bf16_products_amx(enable))
+
+
 def gather_rows(ids: torch.Tensor, kernel: Any) -> torch.Tensor:
     """Rows `ids` (T,) of a quantized weight as float32 (T, K)."""
     return _ops().gather_rows(ids, kernel.kind, kernel.group, list(kernel.tensors))
