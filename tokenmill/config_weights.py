@@ -140,6 +140,8 @@ def resolve_matmul_dtype(asked: str, model: ModelConfig) -> torch.dtype | None:
     hardware = cpp_extension.has_bf16_instructions()
     if asked == "auto" and not hardware:
         return None
-    logger.info("multiplying %s's bfloat16 weights in bfloat16 (float32 sums%s)", model.path,
-                "" if hardware else "; emulated: this CPU has no AVX512-BF16")
+    how = ("on AMX tiles" if cpp_extension.has_amx_bf16() else "with vdpbf16ps") if hardware \
+        else "emulated: this CPU has no AVX512-BF16"
+    logger.info("multiplying %s's bfloat16 weights in bfloat16 (float32 sums; %s)", model.path,
+                how)
     return torch.bfloat16

@@ -183,3 +183,11 @@ def test_tokenmill_amx_0_declines_the_tiles(amx):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "TOKENMILL_AMX": "0"}, check=True)
     assert out.stdout.split() == ["False", "True"]
+
+
+def test_the_start_up_check_agrees_with_the_kernel():
+    """config_weights logs "on AMX tiles" from cpp_extension.has_amx_bf16 (the CPU's flags);
+    the kernel decides by CPUID and Linux's grant: the two agree here, AMX CPU or not."""
+    from tokenmill.utils import cpp_extension
+
+    assert cpp_extension.has_amx_bf16() == cpu_ops.bf16_products_amx()

@@ -84,6 +84,15 @@ def has_bf16_instructions() -> bool:
     return runtime_isa() == "avx512" and "avx512_bf16" in cpu_flags()
 
 
+def has_amx_bf16() -> bool:
+    """Whether bfloat16 products would take AMX tiles here (csrc/linear_bf16_amx.h): the
+    instructions' build runs, the CPU reports amx_tile and amx_bf16, and TOKENMILL_AMX is not
+    0. The kernel also needs Linux's grant of the tile state, which it asks for itself."""
+    flags = cpu_flags()
+    return (has_bf16_instructions() and "amx_tile" in flags and "amx_bf16" in flags
+            and os.environ.get("TOKENMILL_AMX", "1") != "0")
+
+
 def runnable_isas() -> list[str]:
     """The builds this CPU can execute, fastest first (an AVX-512 CPU runs all three)."""
     return list(ISAS[ISAS.index(runtime_isa()):])
