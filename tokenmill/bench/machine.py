@@ -10,7 +10,7 @@ import torch
 from tokenmill.utils.cpp_extension import cpu_flags, cpuinfo_field
 
 _FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
-                      "avx512_fp16", "avx_vnni", "amx_tile")
+                      "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
 
 
 def describe_machine() -> str:
