@@ -122,8 +122,8 @@ static TM_AMX_INLINE void unrolled(std::integer_sequence<int, I...>, F f) {
 
 // NB (1, 2) tiles of W rows by MB (1, 2) tiles of `cols` rows of x over all of K: the sum of
 // (W tile i, x tile j) in tile i * MB + j, stored to out[i * MB + j] ([16][16] float32, y^T,
-// `cols` columns written). w[i]: W tile i's first row; x[j]: x tile j's packed rows. W tiles in 4, 5, x tiles in 6, 7: at
-// 2 x 2, four products per four loads.
+// `cols` columns written). w[i]: W tile i's first row; x[j]: x tile j's packed rows. W tiles
+// in 4, 5, x tiles in 6, 7: at 2 x 2, four products per four loads.
 template <int NB, int MB>
 static void tile_block(const uint16_t* const* w, int64_t K, const uint16_t* const* x,
                        int64_t cols, float (*out)[kRows * kRows]) {
@@ -250,7 +250,8 @@ inline void linear(const uint16_t* w, const uint16_t* xb, int64_t M, int64_t K, 
     };
     if (whole > 0) {
       const Tiles tiles(kRows);
-      for (int64_t m0 = 0; m0 < whole; m0 += block_m) pass(m0, std::min(whole, m0 + block_m), kRows);
+      for (int64_t m0 = 0; m0 < whole; m0 += block_m)
+        pass(m0, std::min(whole, m0 + block_m), kRows);
     }
     if (whole < M) {
       const Tiles tiles(static_cast<int>(M - whole));
