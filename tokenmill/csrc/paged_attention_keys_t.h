@@ -21,35 +21,6 @@ namespace attention_keys_t {
 constexpr int64_t kTileKeys = 64;  // keys of a tile: four vectors of 16
 constexpr int64_t kHeadDim = 64;   // the head size this path takes
 
-// r[0..16) (16 rows of 16 floats) transposed in place: r[c] lane i = old r[i] lane c.
-static inline void transpose16(__m512* r) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: (a0 b0 a1 b1), (a2 b2 a3 b3)
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // r[4i + c]: column c of rows 4i .. 4i+3, in each lane
-    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
-    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
-    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-  }
-  for (int c = 0; c < 4; ++c) {  // 128-bit lanes: rows 0-7 and 8-15 of columns c, c+4, ...
-    t[c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
-    t[4 + c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
-    t[8 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
-    t[12 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
-  }
-  for (int c = 0; c < 4; ++c) {
-    r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
-    r[c + 8] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xDD);
-    r[c + 4] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0x88);
-    r[c + 12] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0xDD);
-  }
-}
-
 // kT[d * 64 + i] = key i's value d (widened, exact) for keys [0, keys) of one KV head, from
 // its bf16 rows rows[i] (64 values each): 16 keys at a time, their rows read as 32-bit words
 // (two values each), transposed, and each word split into its two floats (low half: d even).
@@ -63,14 +34,13 @@ static inline void widen_keys_t(const uint16_t* const* rows, int64_t keys, float
         w[i] = b * 16 + i < keys
                    ? _mm512_loadu_ps(reinterpret_cast<const float*>(rows[b * 16 + i]) + 16 * half)
                    : _mm512_setzero_ps();
-      transpose16(w);  // w[j]: word 16 half + j of the 16 keys
-      for (int j = 0; j < 16; ++j) {
-        const __m512i x = _mm512_castps_si512(w[j]);
+      transpose16(w, [&](int j, __m512 v) {  // v: word 16 half + j of the 16 keys
+        const __m512i x = _mm512_castps_si512(v);
         const int64_t d = 32 * half + 2 * j;
         _mm512_storeu_ps(kT + d * kTileKeys + 16 * b, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
         _mm512_storeu_ps(kT + (d + 1) * kTileKeys + 16 * b,
                          _mm512_castsi512_ps(_mm512_and_si512(x, high)));
-      }
+      });
     }
   }
 }
