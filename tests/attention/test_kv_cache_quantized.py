@@ -27,6 +27,7 @@ from tests.attention.test_paged_backends import (
     needs_triton,
     run,
 )
+from tokenmill.attention.cpu_kernels import paged_attention_op
 from tokenmill.attention.kv_cache import (
     allocate_kv_cache,
     as_float,
@@ -213,6 +214,34 @@ def test_cpu_kernel_bf16_keys_transposed_for_every_group_size(shape):
     cache, scales, batch, q, k_new, v_new, full_k, full_v = step
     _, out = run_quantized("cpu", bs, cache, scales, batch, q, k_new, v_new)
     check_against_dense(out, batch, q, full_k, full_v, shape[3])
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (9, 3), (8, 2), (10, 2), (12, 2)])
+def test_cpu_kernel_bf16_rows_alone_read_in_place_bitwise(heads):
+    """A row that walks its keys alone (a decode) reads a bf16 cache's rows in place
+    (csrc/paged_attention_keys_t.h: score_raw_t, accumulate_raw); rows that walk them together
+    (decodes sharing cached blocks) read a widened copy. The two must be one arithmetic: each
+    row bitwise the same alone as among the others, for every group size G = 1..6 and tiles
+    ending anywhere in a vector of 16 keys."""
+    op = paged_attention_op()
+    hq, hkv = heads
+    gen = torch.Generator().manual_seed(11)
+    bs, d, nb, seqs = 16, 64, 400, 6
+    k_cache = torch.randn(nb, bs, hkv, d, generator=gen).bfloat16()
+    v_cache = torch.randn(nb, bs, hkv, d, generator=gen).bfloat16()
+    ids = torch.randperm(nb - 1, generator=gen).add(1)
+    # 32 shared blocks (keys [0, 512): the first chunk, read once for all rows) and 12 own
+    tables = torch.cat([ids[:32].repeat(seqs, 1), ids[32:32 + seqs * 12].view(seqs, 12)], 1)
+    rows = torch.arange(seqs)
+    lens = torch.tensor([514, 531, 583, 641, 690, 703])
+    starts = torch.zeros_like(rows)
+    q = torch.randn(seqs, hq, d, generator=gen)
+    out, lse = op(q, k_cache, v_cache, tables, rows, starts, lens, d ** -0.5, None, 0.0, 512)
+    for i in range(seqs):
+        alone = op(q[i:i + 1], k_cache, v_cache, tables, rows[i:i + 1], starts[i:i + 1],
+                   lens[i:i + 1], d ** -0.5, None, 0.0, 512)
+        assert torch.equal(alone[0][0], out[i]) and torch.equal(alone[1][0], lse[i]), i
 
 
 @needs_kernel

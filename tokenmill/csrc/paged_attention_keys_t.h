@@ -9,8 +9,15 @@
 // scale * acc. It is the same for every row and every tile (the widening is exact), so a
 // row's result still depends on its own keys alone: batch invariance holds as with the
 // row-major code, which the other cache formats and head sizes keep.
+//
+// A row that walks its keys alone (a decode) reads the bf16 rows in place instead
+// (score_raw_t, accumulate_raw): the same widening in registers, the same operations in the
+// same order, so bitwise the same results as the widened tile (tests/attention: rows alone
+// and grouped), without writing and re-reading 48 KB of widened K and V per tile of 64 keys
+// (which a lone row uses once: 1.6x on 64 decodes whose cache sits in L3).
 #pragma once
 #include "vec_utils.h"
+#include <algorithm>
 #include <cstdint>
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)
@@ -82,6 +89,96 @@ static void score_keys_t_any(const float* q, const float* kT, float scale, int64
   }
 }
 
+// score_keys_t's scores straight from the bf16 K rows rows[i] (64 values each) of keys i <
+// own (own <= 64): each 16 keys' words transposed in registers and split as widen_keys_t
+// does, then the same fused multiply-adds in the same d order, so the scores are bitwise
+// those of widen_keys_t + score_keys_t. For a query row that walks its keys alone (a
+// decode), whose widened tile would serve no other row, this skips writing and re-reading
+// the tile (one row: 1.6x).
+template <int G>
+static void score_raw_t(const float* q, const uint16_t* const* rows, float scale, int64_t own,
+                        float* scores) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t b = 0; b * 16 < own; ++b) {
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int half = 0; half < 2; ++half) {
+      __m512 w[16], t[16];
+      for (int64_t i = 0; i < 16; ++i)
+        w[i] = b * 16 + i < own
+                   ? _mm512_loadu_ps(reinterpret_cast<const float*>(rows[b * 16 + i]) + 16 * half)
+                   : _mm512_setzero_ps();
+      transpose16(w, [&](int j, __m512 v) { t[j] = v; });
+      for (int j = 0; j < 16; ++j) {  // d = 32 half + 2 j (low half) and d + 1 (high half)
+        const __m512i x = _mm512_castps_si512(t[j]);
+        const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+        const float* qd = q + 32 * half + 2 * j;
+        for (int g = 0; g < G; ++g)
+          acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qd[g * kHeadDim]), lo, acc[g]);
+        for (int g = 0; g < G; ++g)
+          acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qd[g * kHeadDim + 1]), hi, acc[g]);
+      }
+    }
+    const int64_t left = own - 16 * b;
+    const __mmask16 m = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    for (int g = 0; g < G; ++g)
+      _mm512_mask_storeu_ps(scores + g * own + 16 * b, m, _mm512_mul_ps(sv, acc[g]));
+  }
+}
+
+// acc_g (64) = corr_g * acc_g + sum_i p_g[i] * v_i for the G query heads g of one KV head
+// (p_g = p + g * stride, acc_g = acc + g * 64), v_i the bf16 V rows rows[i] (64 values)
+// widened in registers: attention_groups::rescale_accumulate64's operations, in its order,
+// on the same (exactly widened) values. Each 32-value load splits into its even and odd
+// values, so the accumulators hold d in that order over the tile (permuted in and out).
+// The cache lines ahead[0 .. lines) (the next tile's) are prefetched a few per key: spread
+// over the arithmetic, not asked for at once (a burst stalls once the core's outstanding
+// misses are full, and the loads then wait on the memory instead of overlapping it).
+template <int G>
+static void accumulate_raw(const float* p, int64_t stride, const uint16_t* const* rows,
+                           int64_t n, const float* corr, float* acc,
+                           const void* const* ahead, int64_t lines) {
+  const int64_t per_key = (lines + n - 1) / n;
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                         28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+  __m512 a[G][4];  // d of [32 j/2, 32 j/2 + 32): even ones (j even), odd ones (j odd)
+  for (int g = 0; g < G; ++g) {
+    const __m512 c = _mm512_set1_ps(corr[g]);
+    for (int k = 0; k < 2; ++k) {
+      const __m512 x = _mm512_loadu_ps(acc + g * 64 + 32 * k);
+      const __m512 y = _mm512_loadu_ps(acc + g * 64 + 32 * k + 16);
+      a[g][2 * k] = _mm512_mul_ps(_mm512_permutex2var_ps(x, even, y), c);
+      a[g][2 * k + 1] = _mm512_mul_ps(_mm512_permutex2var_ps(x, odd, y), c);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t l = i * per_key; l < std::min(lines, (i + 1) * per_key); ++l)
+      __builtin_prefetch(ahead[l]);
+    __m512 vv[4];
+    for (int k = 0; k < 2; ++k) {
+      const __m512i x = _mm512_loadu_si512(rows[i] + 32 * k);
+      vv[2 * k] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      vv[2 * k + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g * stride + i]);
+      for (int j = 0; j < 4; ++j) a[g][j] = _mm512_fmadd_ps(w, vv[j], a[g][j]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < 2; ++k) {
+      float* o = acc + g * 64 + 32 * k;
+      _mm512_storeu_ps(o, _mm512_permutex2var_ps(a[g][2 * k], lo, a[g][2 * k + 1]));
+      _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(a[g][2 * k], hi, a[g][2 * k + 1]));
+    }
+}
+
 // Whether this path takes a cache of these shapes (bf16 rows of D values, G heads a group).
 static inline bool applies(bool bf16, int64_t D, int64_t G) {
   return bf16 && D == kHeadDim && G >= 1 && G <= 6;
@@ -97,6 +194,33 @@ static inline void score_group_t(int64_t G, const float* q, const float* kT, flo
     case 4: return score_keys_t_any<4>(q, kT, scale, own, scores);
     case 5: return score_keys_t_any<5>(q, kT, scale, own, scores);
     default: return score_keys_t_any<6>(q, kT, scale, own, scores);
+  }
+}
+
+// One KV head's G query heads against keys read in place (score_raw_t, accumulate_raw).
+static inline void score_group_raw(int64_t G, const float* q, const uint16_t* const* rows,
+                                   float scale, int64_t own, float* scores) {
+  switch (G) {
+    case 1: return score_raw_t<1>(q, rows, scale, own, scores);
+    case 2: return score_raw_t<2>(q, rows, scale, own, scores);
+    case 3: return score_raw_t<3>(q, rows, scale, own, scores);
+    case 4: return score_raw_t<4>(q, rows, scale, own, scores);
+    case 5: return score_raw_t<5>(q, rows, scale, own, scores);
+    default: return score_raw_t<6>(q, rows, scale, own, scores);
+  }
+}
+
+static inline void accumulate_group_raw(int64_t G, const float* p, int64_t stride,
+                                        const uint16_t* const* rows, int64_t n,
+                                        const float* corr, float* acc,
+                                        const void* const* ahead, int64_t lines) {
+  switch (G) {
+    case 1: return accumulate_raw<1>(p, stride, rows, n, corr, acc, ahead, lines);
+    case 2: return accumulate_raw<2>(p, stride, rows, n, corr, acc, ahead, lines);
+    case 3: return accumulate_raw<3>(p, stride, rows, n, corr, acc, ahead, lines);
+    case 4: return accumulate_raw<4>(p, stride, rows, n, corr, acc, ahead, lines);
+    case 5: return accumulate_raw<5>(p, stride, rows, n, corr, acc, ahead, lines);
+    default: return accumulate_raw<6>(p, stride, rows, n, corr, acc, ahead, lines);
   }
 }
 

@@ -42,15 +42,16 @@ struct RowState {
 struct PagedScratch {
   std::vector<float> scores, kbuf, vbuf, corr, kT;
   std::vector<const float*> krows, vrows;
-  std::vector<const uint16_t*> kraw;  // keys_t: a tile's bf16 K rows of one head
+  std::vector<const uint16_t*> kraw, vraw;  // keys_t: a tile's bf16 K (V) rows of one head
   std::vector<int64_t> key_rows;      // keys_t: each key's first row (head h0) in the cache
+  std::vector<const void*> ahead;     // direct: the next tile's cache lines, to prefetch
   std::vector<RowState> run;          // attend_runs: the rows of one run
   PagedScratch(const PagedArgs& a, int64_t heads, int64_t tile)
       : scores(heads * a.G * tile),
         kbuf(a.fmt == KVFormat::kFloat32 || a.keys_t ? 0 : tile * heads * a.D),
         vbuf(a.fmt == KVFormat::kFloat32 ? 0 : tile * heads * a.D), corr(heads * a.G),
         kT(a.keys_t ? heads * a.D * tile : 0), krows(tile), vrows(tile), kraw(tile),
-        key_rows(tile) {}
+        vraw(tile), key_rows(tile) {}
 };
 
 // Asks for the K and V rows (heads [h0, h0 + heads), from cache row `row`) of one cached
@@ -74,15 +75,31 @@ static inline void prefetch_first_tile(const PagedArgs& a, int64_t n, int64_t k0
 }
 
 
-// One tile's `keys` keys (rows in s.krows / s.vrows) for one query row: scores, the online
-// softmax's rescale, the weighted sum of V.
+#ifdef TM_ATTENTION_KEYS_T
+// out[i] = the bf16 row of head h0 + h of the tile's key i (i < n), in the cache at `base`.
+static inline void raw_rows(const PagedArgs& a, const uint8_t* base, const int64_t* key_rows,
+                            int64_t h, int64_t n, const uint16_t** out) {
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = reinterpret_cast<const uint16_t*>(base + (key_rows[i] + h) * a.row_bytes);
+}
+#endif
+
+// One tile's `keys` keys (rows in s.krows / s.vrows; `direct`: the bf16 rows of
+// s.key_rows, read in place) for one query row: scores, the online softmax's rescale, the
+// weighted sum of V.
 static void attend_tile(const PagedArgs& a, PagedScratch& s, const RowState& row, int64_t h0,
-                        int64_t heads, int64_t keys) {
+                        int64_t heads, int64_t keys, bool direct) {
   const int64_t rows_q = heads * a.G, D = a.D;
   const float* qn = a.q + (row.n * a.Hq + h0 * a.G) * D;
   float *acc = row.acc, *mx = row.mx, *sum = row.sum;
 #ifdef TM_ATTENTION_KEYS_T
-  if (a.keys_t) {
+  if (direct) {
+    for (int64_t h = 0; h < heads; ++h) {
+      raw_rows(a, a.kb, s.key_rows.data(), h, keys, s.kraw.data());
+      attention_keys_t::score_group_raw(a.G, qn + h * a.G * D, s.kraw.data(), a.scale, keys,
+                                        s.scores.data() + h * a.G * keys);
+    }
+  } else if (a.keys_t) {
     for (int64_t h = 0; h < heads; ++h)
       attention_keys_t::score_group_t(a.G, qn + h * a.G * D, s.kT.data() + h * D * kTileKeys,
                                       a.scale, keys, s.scores.data() + h * a.G * keys);
@@ -102,6 +119,17 @@ static void attend_tile(const PagedArgs& a, PagedScratch& s, const RowState& row
   }
   for (int64_t h = 0; h < heads; ++h) {  // the G heads sharing each V row together
     const int64_t r0 = h * a.G;
+#ifdef TM_ATTENTION_KEYS_T
+    if (direct) {
+      raw_rows(a, a.vb, s.key_rows.data(), h, keys, s.vraw.data());
+      const int64_t lines = static_cast<int64_t>(s.ahead.size());  // a share per head
+      const int64_t l0 = lines * h / heads, l1 = lines * (h + 1) / heads;
+      attention_keys_t::accumulate_group_raw(a.G, s.scores.data() + r0 * keys, keys,
+                                             s.vraw.data(), keys, &s.corr[r0], acc + r0 * D,
+                                             s.ahead.data() + l0, l1 - l0);
+      continue;
+    }
+#endif
 #ifdef TM_ATTENTION_GROUPS
     if (attention_groups::accumulate_group(a.G, s.scores.data() + r0 * keys, keys,
                                            s.vrows.data(), h * D, keys, D, &s.corr[r0],
@@ -116,20 +144,36 @@ static void attend_tile(const PagedArgs& a, PagedScratch& s, const RowState& row
 
 // Keys [t0, t0 + keys) of a sequence (block table `table`), heads [h0, h0 + heads), into s:
 // a float32 cache's rows in place; others widened row by row (s.kbuf, s.vbuf), or with
-// keys_t the V rows widened and the K rows transposed into s.kT (one (D, 64) per head).
-// The rows of keys [t0 + keys, next_end) (the next tile) are prefetched meanwhile.
+// keys_t the V rows widened and the K rows transposed into s.kT (one (D, 64) per head), or
+// (`direct`, keys_t for one row) only each key's cache row noted, in s.key_rows. The rows
+// of keys [t0 + keys, next_end) (the next tile) are prefetched meanwhile.
 static void load_tile(const PagedArgs& a, PagedScratch& s, const int64_t* table, int64_t t0,
-                      int64_t keys, int64_t next_end, int64_t h0, int64_t heads) {
+                      int64_t keys, int64_t next_end, int64_t h0, int64_t heads, bool direct) {
   const int64_t D = a.D;
   int64_t blk = t0 / a.bs, off = t0 % a.bs;  // key t0 + i's block and slot, stepped (a
   int64_t next = t0 + keys;                  // division per key cost ~10% of a decode)
   int64_t nblk = next / a.bs, noff = next % a.bs;
+  s.ahead.clear();
   for (int64_t i = 0; i < keys; ++i) {
     if (off == a.bs) ++blk, off = 0;
     if (noff == a.bs) ++nblk, noff = 0;
-    if (next++ < next_end) prefetch_row(a, (table[nblk] * a.bs + noff) * a.Hkv + h0, heads);
+    if (next++ < next_end) {
+      const int64_t nrow = (table[nblk] * a.bs + noff) * a.Hkv + h0;
+      if (!direct) {
+        prefetch_row(a, nrow, heads);
+      } else {  // asked for during the arithmetic (attention_keys_t::accumulate_raw)
+        for (int64_t o = 0; o < heads * a.row_bytes; o += 64) {
+          s.ahead.push_back(a.kb + nrow * a.row_bytes + o);
+          s.ahead.push_back(a.vb + nrow * a.row_bytes + o);
+        }
+      }
+    }
     ++noff;
     const int64_t row = (table[blk] * a.bs + off++) * a.Hkv + h0;  // first head's
+    if (direct) {
+      s.key_rows[i] = row;
+      continue;
+    }
     if (a.fmt == KVFormat::kFloat32) {  // read in place
       s.krows[i] = reinterpret_cast<const float*>(a.kb) + row * D;
       s.vrows[i] = reinterpret_cast<const float*>(a.vb) + row * D;
@@ -155,7 +199,7 @@ static void load_tile(const PagedArgs& a, PagedScratch& s, const int64_t* table,
     s.krows[i] = kd;
   }
 #ifdef TM_ATTENTION_KEYS_T
-  for (int64_t h = 0; a.keys_t && h < heads; ++h) {  // the tile's keys of head h0 + h
+  for (int64_t h = 0; a.keys_t && !direct && h < heads; ++h) {  // the tile's keys of head h0 + h
     for (int64_t i = 0; i < keys; ++i)
       s.kraw[i] = reinterpret_cast<const uint16_t*>(a.kb + (s.key_rows[i] + h) * a.row_bytes);
     attention_keys_t::widen_keys_t(s.kraw.data(), keys, s.kT.data() + h * D * kTileKeys);
@@ -169,7 +213,8 @@ static void load_tile(const PagedArgs& a, PagedScratch& s, const int64_t* table,
 // item) are read from memory (and widened) once for every row and stay in cache while each
 // query head of each row uses them; a row's arithmetic is that of the row alone (its tiles
 // are [k0 + 64 j, min(k1, k0 + 64 (j + 1))) whatever the group), so grouping changes no
-// result.
+// result. A bf16 cache's rows are read in place for a row alone (`direct`) and widened once
+// for a group's rows otherwise: the same arithmetic either way.
 static void attend_keys(const PagedArgs& a, PagedScratch& s, const RowState* rows, int64_t R,
                         int64_t h0, int64_t heads, int64_t k0) {
   const int64_t rows_q = heads * a.G, D = a.D;
@@ -181,12 +226,13 @@ static void attend_keys(const PagedArgs& a, PagedScratch& s, const RowState* row
     std::fill_n(rows[r].sum, rows_q, 0.f);
     k1 = std::max(k1, rows[r].k1);
   }
+  const bool direct = a.keys_t && R == 1;
   for (int64_t t0 = k0; t0 < k1; t0 += kTileKeys) {
     const int64_t keys = std::min(kTileKeys, k1 - t0);
-    load_tile(a, s, table, t0, keys, std::min(k1, t0 + 2 * kTileKeys), h0, heads);
+    load_tile(a, s, table, t0, keys, std::min(k1, t0 + 2 * kTileKeys), h0, heads, direct);
     for (int64_t r = 0; r < R; ++r) {
       const int64_t own = std::min(kTileKeys, rows[r].k1 - t0);  // this row's keys of the tile
-      if (own > 0) attend_tile(a, s, rows[r], h0, heads, own);
+      if (own > 0) attend_tile(a, s, rows[r], h0, heads, own, direct);
     }
   }
 }
