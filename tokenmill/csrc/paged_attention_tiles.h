@@ -227,12 +227,24 @@ static void attend_keys(const PagedArgs& a, PagedScratch& s, const RowState* row
     k1 = std::max(k1, rows[r].k1);
   }
   const bool direct = a.keys_t && R == 1;
+  // Rows walking a tile together take a widened cache one KV head at a time, so that the
+  // head's widened K and V (32 KB: bf16, D = 64) stay in L1 while every row reads them; all
+  // heads at once (96 KB) were re-read from L2 by each row. Each query head's arithmetic is
+  // the same either way.
+  const bool per_head = !direct && R > 1 && heads > 1 && a.fmt != KVFormat::kFloat32;
   for (int64_t t0 = k0; t0 < k1; t0 += kTileKeys) {
-    const int64_t keys = std::min(kTileKeys, k1 - t0);
-    load_tile(a, s, table, t0, keys, std::min(k1, t0 + 2 * kTileKeys), h0, heads, direct);
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t own = std::min(kTileKeys, rows[r].k1 - t0);  // this row's keys of the tile
-      if (own > 0) attend_tile(a, s, rows[r], h0, heads, own, direct);
+    const int64_t keys = std::min(kTileKeys, k1 - t0), next_end = std::min(k1, t0 + 2 * kTileKeys);
+    for (int64_t h = 0; h < (per_head ? heads : 1); ++h) {
+      const int64_t first = per_head ? h0 + h : h0, count = per_head ? 1 : heads;
+      load_tile(a, s, table, t0, keys, next_end, first, count, direct);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t own = std::min(kTileKeys, rows[r].k1 - t0);  // the row's keys of the tile
+        if (own <= 0) continue;
+        const int64_t q = (first - h0) * a.G;  // the row state's first query head here
+        const RowState part{rows[r].n, rows[r].k1, rows[r].acc + q * D, rows[r].mx + q,
+                            rows[r].sum + q};
+        attend_tile(a, s, part, first, count, own, direct);
+      }
     }
   }
 }
