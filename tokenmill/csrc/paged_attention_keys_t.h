@@ -19,6 +19,7 @@
 #include "vec_utils.h"
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)
 #define TM_ATTENTION_KEYS_T 1
@@ -184,44 +185,39 @@ static inline bool applies(bool bf16, int64_t D, int64_t G) {
   return bf16 && D == kHeadDim && G >= 1 && G <= 6;
 }
 
-// The scores of one KV head's G query heads (see score_keys_t); G as `applies` allows.
+// f(std::integral_constant<int, G>{}) for a runtime G as `applies` allows (1 .. 6): the
+// kernels take G as a template parameter, so that their G accumulators live in registers.
+template <class F>
+static inline void with_group(int64_t G, F f) {
+  switch (G) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    default: return f(std::integral_constant<int, 6>{});
+  }
+}
+
+// The scores of one KV head's G query heads (see score_keys_t).
 static inline void score_group_t(int64_t G, const float* q, const float* kT, float scale,
                                  int64_t own, float* scores) {
-  switch (G) {
-    case 1: return score_keys_t_any<1>(q, kT, scale, own, scores);
-    case 2: return score_keys_t_any<2>(q, kT, scale, own, scores);
-    case 3: return score_keys_t_any<3>(q, kT, scale, own, scores);
-    case 4: return score_keys_t_any<4>(q, kT, scale, own, scores);
-    case 5: return score_keys_t_any<5>(q, kT, scale, own, scores);
-    default: return score_keys_t_any<6>(q, kT, scale, own, scores);
-  }
+  with_group(G, [&](auto g) { score_keys_t_any<g.value>(q, kT, scale, own, scores); });
 }
 
 // One KV head's G query heads against keys read in place (score_raw_t, accumulate_raw).
 static inline void score_group_raw(int64_t G, const float* q, const uint16_t* const* rows,
                                    float scale, int64_t own, float* scores) {
-  switch (G) {
-    case 1: return score_raw_t<1>(q, rows, scale, own, scores);
-    case 2: return score_raw_t<2>(q, rows, scale, own, scores);
-    case 3: return score_raw_t<3>(q, rows, scale, own, scores);
-    case 4: return score_raw_t<4>(q, rows, scale, own, scores);
-    case 5: return score_raw_t<5>(q, rows, scale, own, scores);
-    default: return score_raw_t<6>(q, rows, scale, own, scores);
-  }
+  with_group(G, [&](auto g) { score_raw_t<g.value>(q, rows, scale, own, scores); });
 }
 
 static inline void accumulate_group_raw(int64_t G, const float* p, int64_t stride,
                                         const uint16_t* const* rows, int64_t n,
                                         const float* corr, float* acc,
                                         const void* const* ahead, int64_t lines) {
-  switch (G) {
-    case 1: return accumulate_raw<1>(p, stride, rows, n, corr, acc, ahead, lines);
-    case 2: return accumulate_raw<2>(p, stride, rows, n, corr, acc, ahead, lines);
-    case 3: return accumulate_raw<3>(p, stride, rows, n, corr, acc, ahead, lines);
-    case 4: return accumulate_raw<4>(p, stride, rows, n, corr, acc, ahead, lines);
-    case 5: return accumulate_raw<5>(p, stride, rows, n, corr, acc, ahead, lines);
-    default: return accumulate_raw<6>(p, stride, rows, n, corr, acc, ahead, lines);
-  }
+  with_group(G, [&](auto g) {
+    accumulate_raw<g.value>(p, stride, rows, n, corr, acc, ahead, lines);
+  });
 }
 
 }  // namespace attention_keys_t
