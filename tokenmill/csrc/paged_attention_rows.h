@@ -128,9 +128,22 @@ static inline void rescale_accumulate(const float* p, const float* const* vrows,
   for (int64_t i = 0; i < n; ++i) axpy(p[i], vrows[i] + offset, acc, D);
 }
 
+// The largest of s[0 .. n). Maxima are exact, so any order gives the same value.
 static inline float max_of(const float* s, int64_t n) {
   int64_t t = 0;
   float m = -std::numeric_limits<float>::infinity();
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)
+  // One vector of running maxima, the tail as a masked load, one reduction tree: the scalar
+  // chain below (16 maxima of 4 cycles each, then the tail's) ran once per query head and
+  // tile: 6% of a prefill chunk's attention (benchmarks/RESULTS.md, thirty-fourth session).
+  const __m512 lowest = _mm512_set1_ps(m);
+  __m512 mv = lowest;
+  for (; t + 16 <= n; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + t));
+  if (t < n)
+    mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(lowest, static_cast<__mmask16>((1u << (n - t)) - 1),
+                                                s + t));
+  return _mm512_reduce_max_ps(mv);
+#else
   if (n >= Vec::size()) {
     Vec mv = Vec::loadu(s);
     for (t = Vec::size(); t + Vec::size() <= n; t += Vec::size())
@@ -141,6 +154,7 @@ static inline float max_of(const float* s, int64_t n) {
   }
   for (; t < n; ++t) m = std::max(m, s[t]);
   return m;
+#endif
 }
 
 // A running softmax state over keys: per query head, the unnormalised output (D), max, sum.
