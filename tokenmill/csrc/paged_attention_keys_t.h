@@ -13,8 +13,8 @@
 // A row that walks its keys alone (a decode) reads the bf16 rows in place instead
 // (score_raw_t, accumulate_raw): the same widening in registers, the same operations in the
 // same order, so bitwise the same results as the widened tile (tests/attention: rows alone
-// and grouped), without writing and re-reading 48 KB of widened K and V per tile of 64 keys
-// (which a lone row uses once: 1.6x on 64 decodes whose cache sits in L3).
+// and grouped), without writing and re-reading 32 KB of widened K and V per KV head and tile
+// of 64 keys (which a lone row uses once: 1.5x on 64 decodes whose cache sits in L3).
 #pragma once
 #include "vec_utils.h"
 #include <algorithm>
