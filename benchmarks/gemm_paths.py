@@ -4,8 +4,9 @@ dense weight, and tokenmill's `linear` op on quantized weights (csrc/linear_cpu.
 4-bit groups of 32, with float activations (int16 per 32-block on AVX-512 VNNI builds;
 elsewhere exact: float32 row kernels up to 16 rows, float32 tiles above) or int8 ones; the
 weight in bfloat16, widened to float32 (bf16) or multiplied in bfloat16 (bf16-products: AMX
-tiles where the CPU has AMX-BF16, csrc/linear_bf16_amx.h, else vdpbf16ps where it has
-AVX512-BF16, csrc/linear_bf16.h; bf16-products-vdp: vdpbf16ps even on AMX CPUs); torch's bf16
+tiles where the CPU has AMX-BF16, the weight packed for them as the loader packs it,
+csrc/linear_bf16_amx.h, else vdpbf16ps where it has AVX512-BF16, csrc/linear_bf16.h;
+bf16-products-vdp: vdpbf16ps even on AMX CPUs); torch's bf16
 `F.linear` (oneDNN, bf16 outputs) on bf16 activations (torch-bf16).
 
     python benchmarks/gemm_paths.py [--rows 1 4 16 64 128 256 512 2048]
@@ -48,27 +49,20 @@ def gflops_pair(paths, x: torch.Tensor, calls: int, n: int, reps: int = 7) -> li
     return [2.0 * m * n * k / t / 1e9 for t in alternate(fns, reps, calls, warmup=calls).values()]
 
 
-def _without_amx(x: torch.Tensor, kernel: CPULinearKernel) -> torch.Tensor:
-    """cpu_ops.linear with AMX tiles switched off for the call (vdpbf16ps on AMX CPUs)."""
-    before = cpu_ops.bf16_products_amx(False)
-    try:
-        return cpu_ops.linear(x, kernel)
-    finally:
-        cpu_ops.bf16_products_amx(before)
-
-
 def path(name: str, w: torch.Tensor, invariant: bool = True):
     """(gemm, weight) of one named path for the float32 weight w."""
     if name == "onednn":
         return packed_linear, prepack(w)
     if name == "mkl":
         return F.linear, w
-    if name in ("bf16", "bf16-products"):
-        kind = CPULinearKernel.BF16 if name == "bf16" else CPULinearKernel.BF16_PRODUCTS
-        return cpu_ops.linear, CPULinearKernel(kind, 0, (w.to(torch.bfloat16),))
-    if name == "bf16-products-vdp":
-        return _without_amx, CPULinearKernel(CPULinearKernel.BF16_PRODUCTS, 0,
-                                             (w.to(torch.bfloat16),))
+    if name == "bf16":
+        return cpu_ops.linear, CPULinearKernel(CPULinearKernel.BF16, 0, (w.to(torch.bfloat16),))
+    if name == "bf16-products" and cpu_ops.bf16_products_amx():  # as the loader packs it
+        return cpu_ops.linear, CPULinearKernel(CPULinearKernel.BF16_TILES, 0,
+                                               (cpu_ops.bf16_tiles(w.to(torch.bfloat16)),))
+    if name in ("bf16-products", "bf16-products-vdp"):
+        return cpu_ops.linear, CPULinearKernel(CPULinearKernel.BF16_PRODUCTS, 0,
+                                               (w.to(torch.bfloat16),))
     if name == "torch-bf16":
         return (lambda x, wb: F.linear(x.to(torch.bfloat16), wb)), w.to(torch.bfloat16)
     base, _, acts = name.partition("+")

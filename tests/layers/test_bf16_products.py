@@ -6,10 +6,10 @@ tree), which fixes the order of every sum: so the hardware (AVX512-BF16, where t
 it), the emulation and every kernel build this CPU runs give the same bits, and a row's result
 does not depend on the rows beside it.
 
-Where the CPU has AMX-BF16 the products run on tiles instead (csrc/linear_bf16_amx.h), whose
-order inside a tile product is the hardware's own: those are checked against the exact
-product within float32's summation bound, and for batch invariance bit for bit; the
-definition tests switch the tiles off to check vdpbf16ps on the same machine."""
+Where the CPU has AMX-BF16 the loader packs such weights for tiles instead (kind BF16_TILES,
+csrc/linear_bf16_amx.h), whose order inside a tile product is the hardware's own: those are
+checked against the exact product within float32's summation bound, and for batch invariance
+bit for bit; kind BF16_PRODUCTS stays vdpbf16ps on the same machine."""
 
 from __future__ import annotations
 
@@ -57,10 +57,8 @@ def ops(request):
     except ImportError:
         pytest.skip(f"the {request.param} build is not installed")
     paths = [True, False] if module.bf16_products_hardware(None) else [False]
-    module.bf16_products_amx(False)  # the definition's order: vdpbf16ps, on AMX CPUs too
     yield module, paths
-    module.bf16_products_hardware(True)  # both switches' defaults
-    module.bf16_products_amx(True)
+    module.bf16_products_hardware(True)  # the switch's default
 
 
 @pytest.mark.parametrize("shape", [(100, 576), (37, 64), (8, 1536)])  # N: 4-row tiles + tails
@@ -119,41 +117,50 @@ def test_embedding_rows_and_refusals():
 
 @pytest.fixture
 def amx():
-    """The AVX-512 build with AMX tiles on, where this CPU has AMX-BF16 (and Linux granted
-    the tile state)."""
+    """The AVX-512 build, where this CPU has AMX-BF16 (and Linux granted the tile state)."""
     try:
         module = _ops_of("avx512")
     except ImportError:
         pytest.skip("the avx512 build is not installed")
     if not module.bf16_products_amx(None):
         pytest.skip("this CPU has no AMX-BF16 tiles")
-    yield module
-    module.bf16_products_hardware(True)
-    module.bf16_products_amx(True)
+    return module
 
 
-def _tiles_and_vdpbf16ps(module, x, w, bias):
-    module.bf16_products_amx(True)
-    tiles = module.linear(x, KIND, 0, [w], bias, False, None, True)
-    module.bf16_products_amx(False)
-    vdp = module.linear(x, KIND, 0, [w], bias, False, None, True)
-    module.bf16_products_amx(True)
-    return tiles, vdp
+TILES = CPULinearKernel.BF16_TILES
 
 
-# N: whole pairs of tiles, a lone tile, a part tile; K: one tile step, odd and even step counts
-@pytest.mark.parametrize("shape", [(100, 576), (37, 64), (48, 96), (8, 1536), (1536, 576)])
+def test_amx_tiles_pack_w_as_documented(amx):
+    """Row 16 g + j's pair p of k at [g, p, j]; the layer's dense view undoes it; shapes that
+    do not tile whole are refused."""
+    from tokenmill.quantization.unquantized import dense_weight
+
+    w = (torch.randn(48, 96) * 0.05).to(torch.bfloat16)
+    t = amx.bf16_tiles(w)
+    assert t.shape == (3, 48, 16, 2)
+    assert torch.equal(t[2, 7, 5], w[2 * 16 + 5, 14:16])
+    assert torch.equal(dense_weight(t), w)
+    with pytest.raises(RuntimeError, match="divisible by 16"):
+        amx.bf16_tiles(w[:40].contiguous())
+    with pytest.raises(RuntimeError, match="kind 16"):
+        amx.linear(torch.randn(2, 96), TILES, 0, [w], None, False, None, True)
+
+
+# N: whole pairs of tiles and a lone one; K: one tile step, odd and even step counts
+@pytest.mark.parametrize("shape", [(96, 576), (16, 64), (48, 96), (32, 1536), (1536, 576)])
 def test_amx_tiles_are_the_exact_product_within_float32_summation(amx, shape):
     """Each output within K float32 roundings of the exact product of the rounded inputs
     (the worst-case bound of a float32 sum of K products, each exact): the tiles sum every
-    product once, the tail rows of W and of x included."""
+    product once, the tail rows of x included; not vdpbf16ps's bits (kind BF16_PRODUCTS)."""
     n, k = shape
     torch.manual_seed(n + k)
     w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    tiles_w = amx.bf16_tiles(w)
     bias = torch.randn(n)
     for m in (1, 2, 15, 16, 17, 33, 70, 131):
         x = torch.randn(m, k) * 3
-        tiles, vdp = _tiles_and_vdpbf16ps(amx, x, w, bias)
+        tiles = amx.linear(x, TILES, 0, [tiles_w], bias, False, None, True)
+        vdp = amx.linear(x, KIND, 0, [w], bias, False, None, True)
         exact = x.to(torch.bfloat16).double() @ w.double().t() + bias.double()
         bound = (x.to(torch.bfloat16).abs().double() @ w.abs().double().t()) * k * 2.0 ** -24
         assert ((tiles.double() - exact).abs() <= bound + 1e-7).all(), m
@@ -163,16 +170,16 @@ def test_amx_tiles_are_the_exact_product_within_float32_summation(amx, shape):
 
 
 def test_amx_tiles_give_a_row_the_same_bits_in_any_step(amx):
-    """Batch invariance on the tiles: a row alone, at any place among up to 200 others (one x
+    """Batch invariance on the tiles: a row alone, at any place among up to 400 others (one x
     tile or several, a part tile last), and in a large step's blocks of x, bitwise."""
-    w = (torch.randn(100, 1536) * 0.05).to(torch.bfloat16)
-    bias = torch.randn(100)
+    w = amx.bf16_tiles((torch.randn(112, 1536) * 0.05).to(torch.bfloat16))
+    bias = torch.randn(112)
     x = torch.randn(401, 1536)
-    full = amx.linear(x, KIND, 0, [w], bias, False, None, True)  # blocks of 160 rows of x
+    full = amx.linear(x, TILES, 0, [w], bias, False, None, True)  # blocks of 160 rows of x
     for m in (1, 2, 5, 16, 17, 64, 201):
-        assert torch.equal(amx.linear(x[:m], KIND, 0, [w], bias, False, None, True), full[:m])
+        assert torch.equal(amx.linear(x[:m], TILES, 0, [w], bias, False, None, True), full[:m])
     for i in (0, 15, 16, 100, 170, 400):
-        assert torch.equal(amx.linear(x[i:i + 1], KIND, 0, [w], bias, False, None, True),
+        assert torch.equal(amx.linear(x[i:i + 1], TILES, 0, [w], bias, False, None, True),
                            full[i:i + 1])
 
 

@@ -5,7 +5,9 @@ equal its float32 load's and Hugging Face's (float32, same weights).
 
 matmul_dtype bfloat16 (by default where the CPU has AVX512-BF16) multiplies bfloat16 weights in
 bfloat16 (csrc/linear_bf16.h; the kernel's own tests: tests/layers/test_bf16_products.py) with
-a bfloat16 KV cache: lossy, its top-1 agreement with the float32 products is tested here."""
+a bfloat16 KV cache: lossy, its top-1 agreement with the float32 products is tested here. Where
+the CPU has AMX-BF16 the loader packs those weights for tiles in place (kind BF16_TILES,
+csrc/linear_bf16_amx.h), a tied table too."""
 
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ from tokenmill.quantization.base import CPULinearKernel
 
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
 HALF = {torch.bfloat16: CPULinearKernel.BF16, torch.float16: CPULinearKernel.F16}
+# the kind a bf16 weight multiplied in bf16 takes here (whole tiles: the tiny models' shapes)
+PRODUCTS = CPULinearKernel.BF16_TILES if cpu_ops.ops_available() and \
+    cpu_ops.bf16_products_amx() else CPULinearKernel.BF16_PRODUCTS
 
 
 @pytest.mark.parametrize("dtype", list(HALF))
@@ -136,8 +141,7 @@ def test_bf16_products_run_every_path_with_a_bf16_cache(bf16_checkpoint, monkeyp
     assert config.cache.kv_cache_dtype == "bfloat16"  # auto: the products' dtype
     model = fast.engine.runner.model
     mlp = model.model.layers[0].mlp
-    assert mlp.down_proj.quant_method.cpu_kernel(mlp.down_proj).kind == \
-        CPULinearKernel.BF16_PRODUCTS
+    assert mlp.down_proj.quant_method.cpu_kernel(mlp.down_proj).kind == PRODUCTS
     assert model.model.norm.weight.dtype == torch.float32
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 3000, (80,), generator=g).tolist() for _ in range(30)]
@@ -150,6 +154,36 @@ def test_bf16_products_run_every_path_with_a_bf16_cache(bf16_checkpoint, monkeyp
     assert_kv_all_free(fast.engine)
     alone = [fast.generate([p], params, use_tqdm=False)[0] for p in prompts[:3]]
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_amx_tiles_hold_each_weight_once_and_a_tied_table_looks_up_from_them(bf16_checkpoint):
+    """Where the CPU has AMX-BF16, every projection and the tied embedding table are packed
+    in place (no dense copy beside them); lookups give the checkpoint's rows. Switched off
+    (cpu_ops.bf16_products_amx(False), as TOKENMILL_AMX=0), the loader keeps kind
+    BF16_PRODUCTS."""
+    from safetensors.torch import load_file
+
+    if not cpu_ops.bf16_products_amx():
+        pytest.skip("this CPU has no AMX-BF16 tiles")
+    table = load_file(f"{bf16_checkpoint}/model.safetensors")["model.embed_tokens.weight"]
+    model = LLM(bf16_checkpoint, matmul_dtype="bfloat16", num_kv_blocks=64).engine.runner.model
+    linears = [m for m in model.modules() if hasattr(m, "quant_method") and
+               any(True for _ in m.parameters(recurse=False))]
+    assert len(linears) > 4
+    for layer in linears:
+        assert layer.weight.dim() == 4, layer
+        assert layer.quant_method.cpu_kernel(layer).kind == CPULinearKernel.BF16_TILES
+    ids = torch.tensor([[0, 7, 16], [table.shape[0] - 1, 31, 7]])
+    assert torch.equal(model.model.embed_tokens(ids), table.float()[ids])
+    before = cpu_ops.bf16_products_amx(False)
+    try:
+        kept = LLM(bf16_checkpoint, matmul_dtype="bfloat16", num_kv_blocks=64)
+    finally:
+        cpu_ops.bf16_products_amx(before)
+    mlp = kept.engine.runner.model.model.layers[0].mlp
+    assert mlp.down_proj.weight.dim() == 2
+    assert mlp.down_proj.quant_method.cpu_kernel(mlp.down_proj).kind == \
+        CPULinearKernel.BF16_PRODUCTS
 
 
 def test_a_bf16_gguf_file_multiplies_like_its_bf16_checkpoint(bf16_checkpoint, tiny_model,
@@ -176,8 +210,7 @@ def test_a_bf16_gguf_file_multiplies_like_its_bf16_checkpoint(bf16_checkpoint, t
     native = LLM(path, matmul_dtype="bfloat16", num_kv_blocks=64)
     assert native.engine.config.cache.kv_cache_dtype == "bfloat16"
     mlp = native.engine.runner.model.model.layers[1].mlp
-    assert mlp.down_proj.quant_method.cpu_kernel(mlp.down_proj).kind == \
-        CPULinearKernel.BF16_PRODUCTS
+    assert mlp.down_proj.quant_method.cpu_kernel(mlp.down_proj).kind == PRODUCTS
     prompts = [[1, 504, 3458, 282, 4649, 314], list(range(2000, 2030))]
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
     got = native.generate(prompts, params, use_tqdm=False)

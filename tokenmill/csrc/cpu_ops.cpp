@@ -26,14 +26,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     if (enable.has_value()) bf16_products::use_hardware() = *enable;
     return before;
   }, py::arg("enable") = py::none());
-  // Likewise for AMX tiles (csrc/linear_bf16_amx.h) within the hardware path: whether calls
-  // take them (the CPU has AMX-BF16, Linux granted the tile state, both switches on) and,
-  // given `enable`, this switch set (off: vdpbf16ps, whose order the tests transcribe).
+  // Likewise for AMX tiles (csrc/linear_bf16_amx.h) within the hardware path: whether the
+  // loader packs bfloat16 weights for them (kind 16: the CPU has AMX-BF16, Linux granted the
+  // tile state, both switches on) and, given `enable`, this switch set (off: kind 10 stays,
+  // vdpbf16ps, whose order the tests transcribe).
   m.def("bf16_products_amx", [](c10::optional<bool> enable) {
     const bool before = bf16_products::amx_active();
     if (enable.has_value()) bf16_products::use_amx() = *enable;
     return before;
   }, py::arg("enable") = py::none());
+  m.def("bf16_tiles", &bf16_products::pack_tiles,
+        "W (N, K) bfloat16 packed for AMX tiles (kind 16): (N / 16, K / 2, 16, 2)", release());
   m.def("gather_rows", &gather_rows, "rows of a quantized weight as float32", release());
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual) * weight, x + residual)",
         release());

@@ -20,10 +20,10 @@
 // transcription of the lines above, and the hardware against the emulation). Each output is
 // summed in that one order whatever M, the tiling or the threads: batch-invariant.
 //
-// Where the CPU has AMX-BF16 (and Linux grants the tile state), `linear` runs the same
-// products on AMX tiles instead (linear_bf16_amx.h): the same rounding of x, float32 sums,
-// one kernel at every M (batch-invariant), but the tile unit's order of sums, not the one
-// above; use_amx() off restores vdpbf16ps there.
+// Where the CPU has AMX-BF16 (and Linux grants the tile state), the model's loader packs such
+// weights for AMX tiles instead (kind 16, `linear_tiles`; linear_bf16_amx.h): the same
+// rounding of x, float32 sums, one kernel at every M (batch-invariant), but the tile unit's
+// order of sums, not the one above. use_amx() off: the loader keeps kind 10 (vdpbf16ps).
 //
 // Against float32 on the same weights, the loss is x's rounding to 8 bits of mantissa (the
 // weights are bf16 already): benchmarks/quant_quality.py states the agreement.
@@ -37,6 +37,7 @@
 namespace bf16_products {
 
 constexpr int64_t kKind = half_rows::kBF16Products;
+constexpr int64_t kTilesKind = half_rows::kBF16Tiles;
 constexpr int64_t kStep = 32;    // weights per dot step: 16 lanes of 2
 constexpr int kLanes = 16;
 
@@ -230,9 +231,9 @@ inline bool& use_hardware() {
 
 inline bool hardware_active() { return use_hardware() && cpu_has_bf16(); }
 
-// Whether calls with the hardware on take AMX tiles (linear_bf16_amx.h: their own order of
-// sums) where the CPU has them, rather than vdpbf16ps: a switch for the tests of the order
-// above on AMX machines.
+// Whether bfloat16 weights are packed for AMX tiles (kind 16, linear_bf16_amx.h: their own
+// order of sums) where the CPU has them, rather than kept for vdpbf16ps (kind 10): the
+// loader asks (cpu_ops.bf16_products_amx); off for the tests of kind 10 on AMX machines.
 inline bool& use_amx() {
   static bool on = true;
   return on;
@@ -277,9 +278,6 @@ inline void linear(const uint16_t* w, const float* x, int64_t M, int64_t K, int6
                    const float* bias, float* y) {
   std::unique_ptr<uint16_t[]> xb(new uint16_t[M * K]);
   round_rows(x, M * K, xb.get());
-#ifdef TM_HAVE_AMX_BF16
-  if (amx_active()) return bf16_amx::linear(w, xb.get(), M, K, N, bias, y);
-#endif
   [[maybe_unused]] const bool hw = hardware_active();
   const int64_t unit = M <= 4 ? 16 : 48, units = (N + unit - 1) / unit;
   const int64_t grain = std::max<int64_t>(1, units / std::max<int64_t>(1, at::get_num_threads()));
@@ -290,6 +288,39 @@ inline void linear(const uint16_t* w, const float* x, int64_t M, int64_t K, int6
 #endif
     emulated_range(xb.get(), M, K, w, n0, n1, bias, y, N);
   });
+}
+
+// Kind 16: y (M, N) = x (M, K) @ W^T (+ bias) for W packed by bf16_amx::pack_weight, on AMX
+// tiles (the CPU must have them: packed weights exist only where it does).
+inline void linear_tiles(const uint16_t* wt, const float* x, int64_t M, int64_t K, int64_t N,
+                         const float* bias, float* y) {
+#ifdef TM_HAVE_AMX_BF16
+  TORCH_CHECK(bf16_amx::available(), "bfloat16 weights packed for AMX tiles (kind 16) need "
+              "a CPU with AMX-BF16 and Linux's grant of the tile state");
+  std::unique_ptr<uint16_t[]> xb(new uint16_t[M * K]);
+  round_rows(x, M * K, xb.get());
+  bf16_amx::linear(wt, xb.get(), M, K, N, bias, y);
+#else
+  (void)wt, (void)x, (void)M, (void)K, (void)N, (void)bias, (void)y;
+  TORCH_CHECK(false, "bfloat16 weights packed for AMX tiles (kind 16) need the AVX-512 build");
+#endif
+}
+
+// W (N, K) bfloat16 packed for kind 16: (N / 16, K / 2, 16, 2) (linear_bf16_amx.h).
+inline torch::Tensor pack_tiles(const torch::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 2 && w.is_contiguous() &&
+              w.device().is_cpu(), "pack_tiles takes a contiguous (N, K) bfloat16 CPU weight");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % 16 == 0 && K % 32 == 0, "AMX tiles need N divisible by 16 and K by 32; got ",
+              N, " x ", K);
+  auto out = torch::empty({N / 16, K / 2, 16, 2}, w.options());
+#ifdef TM_HAVE_AMX_BF16
+  bf16_amx::pack_weight(static_cast<const uint16_t*>(w.data_ptr()), N, K,
+                        static_cast<uint16_t*>(out.data_ptr()));
+#else
+  TORCH_CHECK(false, "AMX tiles need the AVX-512 build");
+#endif
+  return out;
 }
 
 }  // namespace bf16_products

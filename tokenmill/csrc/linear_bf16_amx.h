@@ -1,27 +1,30 @@
-// Weight kind 10 (BF16_PRODUCTS) on AMX tiles, where the CPU has AMX-BF16 (Intel Xeon from
-// Sapphire Rapids) and Linux grants this process the tile state: the products of
-// linear_bf16.h (bf16 weights, x rounded to bf16 once per call, float32 sums) by tdpbf16ps.
+// Weight kind 16 (BF16_TILES): a bf16 checkpoint's weights (kind 10's W) packed once at load
+// for AMX tiles, where the CPU has AMX-BF16 (Intel Xeon from Sapphire Rapids) and Linux grants
+// this process the tile state; multiplied as kind 10 is (x rounded to bf16 once per call,
+// float32 sums) by tdpbf16ps.
 //
-//   W tile (16 rows of W x 32 k, read where it is stored: row stride 2K bytes)
-//   x tile (16 pairs of k x 16 rows of x x 2: x repacked per call, see pack_rows)
-//   y^T tile (16 rows of W x 16 rows of x, float32) += W tile . x tile, k = 0, 32, .. K - 32
+//   packed W: Wt[g][p][j][e] = W[16 g + j][2 p + e]   ((N / 16, K / 2, 16, 2) bfloat16)
+//     so that 16 pairs of k of 16 rows of W are one contiguous KiB: tdpbf16ps's B layout.
+//   x tile (rows of x x 32 k: 64 bytes of each row of x, read where they lie)
+//   y tile (rows of x x 16 rows of W, float32) += x tile . W tile, k = 0, 32, .. K - 32,
+//   stored into y as it is, then + bias.
 //
 // Each output is one tile element summed over k in that order. Inside one tdpbf16ps the 32
 // products reach the sum in the tile unit's own order (measured on a Sapphire Rapids class
 // Xeon: neither pair order of vdpbf16ps nor an exact sum reproduces it), the same for every
 // element of every tile. So a row of x gets the same bits whatever M, its place in the step,
-// the tiling or the threads (batch-invariant), but not the bits of the vdpbf16ps order
-// (linear_bf16.h's header), which the tests check on the other paths. Inputs' denormals read
-// as zero and outputs' are flushed, as with vdpbf16ps.
+// the tiling or the threads (batch-invariant), but not the bits of kind 10's vdpbf16ps order
+// (linear_bf16.h's header). Inputs' denormals read as zero and outputs' are flushed, as with
+// vdpbf16ps. A step's last tile of fewer than 16 rows of x (a decode step's one row) is
+// configured that narrow: per element the same products in the same order as in a whole one.
 //
-// Decode steps take the same tiles, configured as narrow as their rows of x (a one-row step's
-// x tile is 16 pairs x 4 bytes): per element the same products in the same order as in a
-// whole tile (the tests compare a row alone with it among 200), and at one row about
-// vdpbf16ps's rate (the x tiles padded to 16 rows had made it half: 16x the x bytes per
-// step). From 4 rows the tiles lead, 2.7x at 4 and 4-6x at 16-256 rows (benchmarks/RESULTS.md,
-// thirty-third session). A W tile's 16 rows are 16 lines 2K bytes apart, loaded at ~19 cycles
-// per KiB from L2 (a tile product ~11); software prefetches and double-buffered tiles did not
-// change that.
+// Why packed (thirty-fifth session): the first tile kernel read W where kind 10 stores it (as
+// the A operand, 16 rows 2K bytes apart) and repacked x per call into the B layout, so each
+// sum tile was y^T. At 256 rows on SmolLM2's shapes, one thread, the transposes into y took
+// 9.5% of the time and the serial repack of x 3% (the tile products 76%); with two threads
+// the second waited on that repack. With W as the B operand, x is read as rounded and the
+// sums are y: 1.13-1.35x the products at 1-1024 rows (benchmarks/RESULTS.md). Tied embedding
+// tables packed so are looked up from the tiles (quantization/unquantized.py).
 #pragma once
 #include "vec_utils.h"
 #include <ATen/Parallel.h>
@@ -29,7 +32,6 @@
 #include <array>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
 #include <string>
 #include <utility>
 
@@ -65,8 +67,8 @@ inline bool available() {
 #pragma GCC target("amx-tile,amx-bf16")
 #define TM_AMX_INLINE inline __attribute__((always_inline))
 
-// LDTILECFG's 64 bytes (palette 1): tiles 0-7 of 16 rows; W tiles (4, 5) 64 bytes wide, the
-// sums (0-3) and x tiles (6, 7) 4 bytes per row of x they hold (`cols` <= 16).
+// LDTILECFG's 64 bytes (palette 1): tiles 0-7, 64 bytes a row; the sums (0-3) and x tiles
+// (4, 5) `rows` rows (<= 16: a step's last tile may hold fewer rows of x), W tiles (6, 7) 16.
 struct alignas(64) TileConfig {
   uint8_t palette, start_row, reserved[14];
   uint16_t colsb[16];
@@ -74,10 +76,10 @@ struct alignas(64) TileConfig {
 };
 static std::array<TileConfig, kRows + 1> tile_configs() {
   std::array<TileConfig, kRows + 1> all{};
-  for (int cols = 1; cols <= kRows; ++cols) {
-    all[cols].palette = 1;
+  for (int rows = 1; rows <= kRows; ++rows) {
+    all[rows].palette = 1;
     for (int t = 0; t < 8; ++t)
-      all[cols].rows[t] = kRows, all[cols].colsb[t] = t == 4 || t == 5 ? 64 : 4 * cols;
+      all[rows].rows[t] = t >= 6 ? kRows : rows, all[rows].colsb[t] = 64;
   }
   return all;
 }
@@ -85,11 +87,11 @@ static std::array<TileConfig, kRows + 1> tile_configs() {
 // stores of a local's other 56 were dropped as dead (and the first tile instruction faulted).
 static const std::array<TileConfig, kRows + 1> kTileConfigs = tile_configs();
 
-// The tile registers of a thread, configured for its part of one call and x tiles of `cols`
-// rows: 0-3 sums, 4-5 W, 6-7 x. The configuration is per thread, so each part sets it.
+// The tile registers of a thread, configured for its part of one call and x tiles of `rows`
+// rows: 0-3 sums, 4-5 x, 6-7 W. The configuration is per thread, so each part sets it.
 class Tiles {
  public:
-  explicit Tiles(int cols) { _tile_loadconfig(&kTileConfigs[cols]); }
+  explicit Tiles(int rows) { _tile_loadconfig(&kTileConfigs[rows]); }
   ~Tiles() { _tile_release(); }
   Tiles(const Tiles&) = delete;
   Tiles& operator=(const Tiles&) = delete;
@@ -120,142 +122,101 @@ static TM_AMX_INLINE void unrolled(std::integer_sequence<int, I...>, F f) {
   (f(std::integral_constant<int, I>{}), ...);
 }
 
-// NB (1, 2) tiles of W rows by MB (1, 2) tiles of `cols` rows of x over all of K: the sum of
-// (W tile i, x tile j) in tile i * MB + j, stored to out[i * MB + j] ([16][16] float32, y^T,
-// `cols` columns written). w[i]: W tile i's first row; x[j]: x tile j's packed rows. W tiles
-// in 4, 5, x tiles in 6, 7: at 2 x 2, four products per four loads.
-template <int NB, int MB>
-static void tile_block(const uint16_t* const* w, int64_t K, const uint16_t* const* x,
-                       int64_t cols, float (*out)[kRows * kRows]) {
+// MB (1, 2) x tiles by NB (1, 2) W tiles over all of K: the sum of (x tile j, W tile i) in
+// tile j * NB + i, stored to y[j * NB + i] (row stride ldy floats). x[j]: x tile j's first
+// row (row stride K); w[i]: W tile i's packed group. x tiles in 4, 5, W tiles in 6, 7: at
+// 2 x 2, four products per four loads.
+template <int MB, int NB>
+static void tile_block(const uint16_t* const* x, const uint16_t* const* w, int64_t K,
+                       float* const* y, int64_t ldy) {
   static_assert(NB >= 1 && NB <= 2 && MB >= 1 && MB <= 2);
-  using Sums = std::make_integer_sequence<int, NB * MB>;
-  using WTiles = std::make_integer_sequence<int, NB>;
+  using Sums = std::make_integer_sequence<int, MB * NB>;
+  using XTiles = std::make_integer_sequence<int, MB>;
   unrolled(Sums{}, [](auto c) { zero<c.value>(); });
-  const int64_t stride = 2 * K;  // bytes from one row of W to the next
+  const int64_t x_stride = 2 * K;  // bytes from one row of x to the next
   for (int64_t k = 0; k < K; k += kStepK) {
-    // packed x: pair p of the tile's rows at element 2 cols p: the 16 pairs from k / 2 at cols k
-    load<6>(x[0] + cols * k, 4 * cols);
-    if constexpr (MB > 1) load<7>(x[1] + cols * k, 4 * cols);
-    unrolled(WTiles{}, [&](auto i) {
-      load<4 + i.value>(w[i.value] + k, stride);
-      dot<i.value * MB, 4 + i.value, 6>();
-      if constexpr (MB > 1) dot<i.value * MB + 1, 4 + i.value, 7>();
+    // W tile for k: pairs k / 2 .. k / 2 + 15 of the group, 16 x 2 values each
+    load<6>(w[0] + 16 * k, 64);
+    if constexpr (NB > 1) load<7>(w[1] + 16 * k, 64);
+    unrolled(XTiles{}, [&](auto j) {
+      load<4 + j.value>(x[j.value] + k, x_stride);
+      dot<j.value * NB, 4 + j.value, 6>();
+      if constexpr (NB > 1) dot<j.value * NB + 1, 4 + j.value, 7>();
     });
   }
-  unrolled(Sums{}, [&](auto c) { store<c.value>(out[c.value], 64); });
+  unrolled(Sums{}, [&](auto c) { store<c.value>(y[c.value], 4 * ldy); });
 }
 #pragma GCC pop_options
 
-// xb (M, K) bf16 bits as tiles of 16 rows: tile t holds, for each pair p of k, the pair's two
-// values of rows 16 t .. 16 t + cols - 1 (32 bits each; cols = 16 but in a last tile of fewer
-// rows, which is that narrow): [K / 2][cols] from uint32 16 t (K / 2).
-static void pack_rows(const uint16_t* xb, int64_t M, int64_t K, uint32_t* out) {
-  const int64_t pairs = K / 2, tiles = (M + kRows - 1) / kRows;
-  const auto* rows = reinterpret_cast<const uint32_t*>(xb);
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t valid = std::min<int64_t>(kRows, M - t * kRows);
-    uint32_t* tile = out + t * pairs * kRows;
-    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {  // pairs is a multiple of 16: K of 32
-      __m512 r[16];
-      for (int l = 0; l < 16; ++l)
-        r[l] = l < valid ? _mm512_loadu_ps(rows + (t * kRows + l) * pairs + p0)
-                         : _mm512_setzero_ps();
-      const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1u);
-      transpose16(r, [&](int c, __m512 v) {
-        _mm512_mask_storeu_ps(tile + (p0 + c) * valid, keep, v);
-      });
-    }
-  }
-}
-
-// y[m, n0 + i] = tile[i][m - m0] (+ bias) for the tile's rows of W (i < n_valid) and of x.
-static void store_transposed(const float* tile, int64_t m0, int64_t m_valid, int64_t n0,
-                             int64_t n_valid, const float* bias, float* y, int64_t N) {
-  if (m_valid <= 2) {  // decode steps: a column or two, cheaper than the transpose
-    for (int64_t m = 0; m < m_valid; ++m)
-      for (int64_t i = 0; i < n_valid; ++i)
-        y[(m0 + m) * N + n0 + i] = bias ? tile[i * kRows + m] + bias[n0 + i] : tile[i * kRows + m];
-    return;
-  }
-  __m512 r[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(tile + i * kRows);
-  const __mmask16 keep = static_cast<__mmask16>((1u << n_valid) - 1u);
-  const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
-  transpose16(r, [&](int m, __m512 v) {
-    if (m < m_valid)
-      _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, keep, bias ? _mm512_add_ps(v, b) : v);
+// W (N, K) bf16 bits into the packed layout of the header (N a multiple of 16, K of 32):
+// per group of 16 rows, the (16, K / 2) pairs transposed to (K / 2, 16), 16 x 16 at a time.
+inline void pack_weight(const uint16_t* w, int64_t N, int64_t K, uint16_t* out) {
+  const int64_t pairs = K / 2;
+  const auto* rows = reinterpret_cast<const uint32_t*>(w);
+  auto* packed = reinterpret_cast<uint32_t*>(out);
+  at::parallel_for(0, N / kRows, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t p0 = 0; p0 < pairs; p0 += 16) {  // pairs is a multiple of 16
+        __m512 r[16];
+        for (int l = 0; l < 16; ++l)
+          r[l] = _mm512_loadu_ps(rows + (g * kRows + l) * pairs + p0);
+        transpose16(r, [&](int c, __m512 v) {
+          _mm512_storeu_ps(packed + (g * pairs + p0 + c) * kRows, v);
+        });
+      }
   });
 }
 
-// W rows [n0, n0 + 16 * NB) (the last tile may hold fewer: n_valid rows in all, read from
-// `w` as given) against the x tiles of rows [m0, m1) (each of `cols` rows), MB at a time.
-template <int NB, int MB>
-static void rows_of_w(const uint16_t* const* w, int64_t n0, int64_t n_valid, const uint32_t* xp,
-                      int64_t M, int64_t K, int64_t m0, int64_t m1, int64_t cols,
-                      const float* bias, float* y, int64_t N) {
-  alignas(64) float out[4][kRows * kRows];
-  const int64_t tile_elems = K / 2 * kRows;  // uint32 from one packed x tile to the next
-  for (int64_t m = m0; m < m1; m += MB * kRows) {
-    const bool two = MB == 2 && m + kRows < m1;
-    const uint32_t* first = xp + m / kRows * tile_elems;
-    const uint16_t* x[2] = {reinterpret_cast<const uint16_t*>(first),
-                            reinterpret_cast<const uint16_t*>(two ? first + tile_elems : first)};
-    if (two) tile_block<NB, MB>(w, K, x, cols, out); else tile_block<NB, 1>(w, K, x, cols, out);
-    const int mb = two ? 2 : 1;
-    for (int i = 0; i < NB; ++i) {
-      const int64_t rows_n = std::min<int64_t>(kRows, n_valid - i * kRows);
-      for (int j = 0; j < mb; ++j) {
-        const int64_t mt = m + j * kRows;
-        store_transposed(out[i * mb + j], mt, std::min<int64_t>(kRows, M - mt), n0 + i * kRows,
-                         rows_n, bias, y, N);
-      }
+// Rows [m0, m1) of x (whole tiles of `rows` rows but the last) against W groups [g0, g1),
+// two of each at a time; y's tiles stored as summed, then + bias.
+static void rows_of_x(const uint16_t* wt, const uint16_t* xb, int64_t K, int64_t N,
+                      int64_t m0, int64_t m1, int64_t g0, int64_t g1, const float* bias,
+                      float* y) {
+  const int64_t group = K / 2 * 32;  // bf16 values from one packed group of W to the next
+  for (int64_t g = g0; g < g1; g += 2) {
+    const bool two_w = g + 1 < g1;
+    const uint16_t* w[2] = {wt + g * group, wt + (two_w ? g + 1 : g) * group};
+    for (int64_t m = m0; m < m1; m += 2 * kRows) {
+      const bool two_x = m + kRows < m1;
+      const uint16_t* x[2] = {xb + m * K, xb + (two_x ? m + kRows : m) * K};
+      float* out = y + m * N + g * kRows;
+      float* const sums[4] = {out, out + kRows, out + kRows * N, out + kRows * N + kRows};
+      float* const one_w[2] = {out, out + kRows * N};  // tiles (0, 0), (1, 0)
+      if (two_x && two_w) tile_block<2, 2>(x, w, K, sums, N);
+      else if (two_x) tile_block<2, 1>(x, w, K, one_w, N);
+      else if (two_w) tile_block<1, 2>(x, w, K, sums, N);
+      else tile_block<1, 1>(x, w, K, sums, N);
+    }
+    if (bias) {
+      const int64_t n0 = g * kRows, cols = (two_w ? 2 : 1) * kRows;
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t c = 0; c < cols; c += 16)
+          _mm512_storeu_ps(y + m * N + n0 + c, _mm512_add_ps(_mm512_loadu_ps(y + m * N + n0 + c),
+                                                             _mm512_loadu_ps(bias + n0 + c)));
     }
   }
 }
 
-// y (M, N) = xb (M, K, bf16 bits) @ W^T (+ bias), K a multiple of 32. Threads take ranges of
-// 32 rows of W; each output is one thread's, whole. The whole tiles of x are read in blocks of
-// ~512 KiB (L2), W once per block; a last tile of fewer rows (a decode step's one row) in a
-// pass of its own, its tiles configured that narrow: 4 bytes of x per pair, not 64.
-inline void linear(const uint16_t* w, const uint16_t* xb, int64_t M, int64_t K, int64_t N,
+// y (M, N) = xb (M, K, bf16 bits) @ W^T (+ bias) for W packed (pack_weight), N a multiple of
+// 16, K of 32. Threads take ranges of 32 rows of W; each output is one thread's, whole. The
+// whole tiles of x are read in blocks of ~512 KiB (L2), W once per block; a last tile of
+// fewer rows (a decode step's one row) in a pass of its own, its tiles configured that narrow.
+inline void linear(const uint16_t* wt, const uint16_t* xb, int64_t M, int64_t K, int64_t N,
                    const float* bias, float* y) {
-  const int64_t tiles_m = (M + kRows - 1) / kRows, whole = M / kRows * kRows;
-  std::unique_ptr<uint32_t[]> xp(new uint32_t[tiles_m * kRows * (K / 2)]);
-  pack_rows(xb, M, K, xp.get());
+  const int64_t whole = M / kRows * kRows, groups = N / kRows;
   const int64_t block_m = std::max<int64_t>(2 * kRows, (int64_t{1} << 19) / (2 * K) / 32 * 32);
-  constexpr int64_t kUnit = 2 * kRows;
-  const int64_t units = (N + kUnit - 1) / kUnit;
+  const int64_t units = (groups + 1) / 2;  // pairs of groups: 32 rows of W
   const int64_t grain = std::max<int64_t>(1, units / std::max<int64_t>(1, at::get_num_threads()));
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
-    const int64_t n_begin = u0 * kUnit, n_end = std::min(N, u1 * kUnit);
-    std::unique_ptr<uint16_t[]> tail;  // W's last rows, zero-padded to a tile
-    auto pass = [&](int64_t m0, int64_t m1, int64_t cols) {  // x rows [m0, m1), all of W's
-      int64_t n = n_begin;
-      for (; n + kUnit <= n_end; n += kUnit) {
-        const uint16_t* rows[2] = {w + n * K, w + (n + kRows) * K};
-        rows_of_w<2, 2>(rows, n, kUnit, xp.get(), M, K, m0, m1, cols, bias, y, N);
-      }
-      for (; n < n_end; n += kRows) {
-        const int64_t valid = std::min<int64_t>(kRows, n_end - n);
-        const uint16_t* rows[1] = {w + n * K};
-        if (valid < kRows) {
-          if (!tail) {
-            tail.reset(new uint16_t[kRows * K]());
-            std::memcpy(tail.get(), w + n * K, valid * K * sizeof(uint16_t));
-          }
-          rows[0] = tail.get();
-        }
-        rows_of_w<1, 2>(rows, n, valid, xp.get(), M, K, m0, m1, cols, bias, y, N);
-      }
-    };
+    const int64_t g0 = 2 * u0, g1 = std::min(groups, 2 * u1);
     if (whole > 0) {
       const Tiles tiles(kRows);
       for (int64_t m0 = 0; m0 < whole; m0 += block_m)
-        pass(m0, std::min(whole, m0 + block_m), kRows);
+        rows_of_x(wt, xb, K, N, m0, std::min(whole, m0 + block_m), g0, g1, bias, y);
     }
     if (whole < M) {
       const Tiles tiles(static_cast<int>(M - whole));
-      pass(whole, M, M - whole);
+      rows_of_x(wt, xb, K, N, whole, M, g0, g1, bias, y);
     }
   });
 }

@@ -26,6 +26,10 @@
 //   kind 10  dense bfloat16 multiplied in bfloat16: tensors = {W (N, K) bfloat16}; x
 //                              rounded to bfloat16, vdpbf16ps's products and float32 sums
 //                              at every M (linear_bf16.h; emulated without AVX512-BF16)
+//   kind 16  kind 10's W packed for AMX tiles at load (where the CPU has AMX-BF16):
+//                              tensors = {W tiles (N / 16, K / 2, 16, 2) bfloat16}; x
+//                              rounded to bfloat16, tdpbf16ps's products and float32 sums
+//                              at every M (linear_bf16_amx.h)
 //   kind 15  parts             a merged layer (qkv, gate_up) whose parts differ in kind:
 //                              tensors = {meta (P, 3) int64: kind, group, tensor count of
 //                              each part; then each part's tensors}; y = their outputs side
@@ -208,7 +212,8 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
   if (kind == kPartsKind) return linear_parts(x, t, bias, int8_acts, input_scale, invariant);
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2 && !t.empty(), "linear takes x (M, K) and a weight");
-  const int64_t M = x.size(0), K = x.size(1), N = t[0].size(0);
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t N = t[0].size(0) * (kind == bf16_products::kTilesKind ? 16 : 1);
   check_weight(kind, G, t, K);
   if (input_scale.has_value()) {
     check_f32(*input_scale, "input_scale");
@@ -239,8 +244,14 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
                 " on this build (Q2_K .. Q6_K have them on AVX2 and AVX-512 CPUs)");
   }
   TORCH_CHECK(!(int8_acts && (dot_form::dot_only_kind(kind) ||
-                               kind == bf16_products::kKind)),
+                               kind == bf16_products::kKind ||
+                               kind == bf16_products::kTilesKind)),
               "int8 activations are not implemented for weight kind ", kind);
+  if (kind == bf16_products::kTilesKind) {  // one kernel at every M
+    bf16_products::linear_tiles(static_cast<const uint16_t*>(t[0].data_ptr()), xp, M, K, N, b,
+                                yp);
+    return y;
+  }
   if (kind == bf16_products::kKind) {  // one kernel at every M
     bf16_products::linear(static_cast<const uint16_t*>(t[0].data_ptr()), xp, M, K, N, b, yp);
     return y;
@@ -304,7 +315,8 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
 // Rows `ids` of a quantized weight as float32 (ids.size(), K): embedding lookups.
 inline torch::Tensor gather_rows(torch::Tensor ids, int64_t kind, int64_t G,
                                  const std::vector<torch::Tensor>& t) {
-  TORCH_CHECK(kind != 0 && !t.empty(), "gather_rows is for quantized weights");
+  TORCH_CHECK(kind != 0 && kind != bf16_products::kTilesKind && !t.empty(),
+              "gather_rows is for quantized weights (kind 16's tiles: look rows up in Python)");
   const int64_t K = gguf_blocks::is_gguf_kind(kind)  // raw blocks; 4-bit: two weights a byte
       ? t[0].size(1) / gguf_blocks::block_bytes(kind) * gguf_blocks::block_weights(kind)
       : t[0].size(1) * (kind == 2 ? 2 : 1);

@@ -20,6 +20,8 @@ constexpr bool is_half_kind(int64_t kind) { return kind == kBF16 || kind == kF16
 // kind 10: the same bfloat16 W multiplied in bfloat16 (linear_bf16.h); read as kind 8 where
 // rows are expanded (embedding lookups).
 constexpr int64_t kBF16Products = 10;
+// kind 16: kind 10's W packed for AMX tiles (linear_bf16_amx.h), multiplied there only.
+constexpr int64_t kBF16Tiles = 16;
 
 struct Block {
   const uint16_t* p;  // 32 weights

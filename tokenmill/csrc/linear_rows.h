@@ -162,6 +162,13 @@ static void check_weight(int64_t kind, int64_t G, const std::vector<torch::Tenso
     return;
   }
   TORCH_CHECK(K % kBlock == 0, "quantized weights need K divisible by 32");
+  if (kind == half_rows::kBF16Tiles) {
+    TORCH_CHECK(t.size() == 1 && t[0].scalar_type() == torch::kBFloat16 && t[0].dim() == 4 &&
+                t[0].size(1) == K / 2 && t[0].size(2) == 16 && t[0].size(3) == 2 &&
+                t[0].is_contiguous() && t[0].device().is_cpu(),
+                "bfloat16 tiles: W packed (N / 16, K / 2, 16, 2) bfloat16 (kind 16)");
+    return;
+  }
   const int64_t N = t[0].size(0);
   if (half_rows::is_half_kind(kind) || kind == half_rows::kBF16Products) {
     TORCH_CHECK(t.size() == 1 && t[0].scalar_type() == (kind == half_rows::kF16

@@ -78,11 +78,19 @@ def bf16_products_hardware(enable: bool | None = None) -> bool:
 
 
 def bf16_products_amx(enable: bool | None = None) -> bool:
-    """Whether weight kind BF16_PRODUCTS runs on AMX tiles here (the CPU has AMX-BF16, Linux
-    granted the tile state, the hardware switch is on): the tile unit's order of sums, still
-    batch-invariant but not vdpbf16ps's bits (csrc/linear_bf16_amx.h). `enable` sets this
-    module's switch (False: vdpbf16ps). Returns the state before."""
+    """Whether bfloat16 weights multiplied in bfloat16 are packed at load for AMX tiles here
+    (kind BF16_TILES: the CPU has AMX-BF16, Linux granted the tile state, the hardware switch
+    is on): the tile unit's order of sums, still batch-invariant but not vdpbf16ps's bits
+    (csrc/linear_bf16_amx.h). `enable` sets this module's switch (False: the loader keeps
+    kind BF16_PRODUCTS, vdpbf16ps). Returns the state before."""
     return bool(_ops().bf16_products_amx(enable))
+
+
+def bf16_tiles(w: torch.Tensor) -> torch.Tensor:
+    """W (N, K) bfloat16 (N a multiple of 16, K of 32) packed for AMX tiles: (N / 16, K / 2,
+    16, 2), row 16 g + j's pair of k p at [g, p, j] (weight kind BF16_TILES;
+    csrc/linear_bf16_amx.h)."""
+    return _ops().bf16_tiles(w)
 
 
 def gather_rows(ids: torch.Tensor, kernel: Any) -> torch.Tensor:

@@ -49,6 +49,10 @@ class CPULinearKernel:
     # dense bfloat16 weights multiplied in bfloat16: x rounded to bf16, vdpbf16ps's products,
     # float32 sums (csrc/linear_bf16.h; emulated without AVX512-BF16): (W (N, K) bfloat16,)
     BF16_PRODUCTS = 10
+    # BF16_PRODUCTS's W packed at load for AMX tiles where the CPU has AMX-BF16, multiplied
+    # there (csrc/linear_bf16_amx.h): (W tiles (N/16, K/2, 16, 2) bfloat16,), row 16 g + j's
+    # pair p at [g, p, j]
+    BF16_TILES = 16
     # a merged layer of parts of different kinds: (meta (P, 3) int64 [kind, group, tensor
     # count], then each part's tensors); outputs side by side
     PARTS = 15

@@ -21,7 +21,11 @@ layer whose input size is not a multiple of 32 keeps float32 weights.
 multiplies those bfloat16 weights in bfloat16 instead: each step's activations rounded to
 bf16, vdpbf16ps's products, float32 sums (csrc/linear_bf16.h, batch-invariant; emulated
 bit for bit elsewhere): about 2x the widened kernels' speed in batched steps, lossy against
-float32 by the activations' rounding (tests/quantization/test_half_weights.py states it).
+float32 by the activations' rounding (tests/quantization/test_half_weights.py states it). Where
+the CPU has AMX-BF16 those weights are packed once, in place, into AMX tiles' layout (kind
+BF16_TILES, csrc/linear_bf16_amx.h; N a multiple of 16, else kind BF16_PRODUCTS stays): the
+parameter then holds (N / 16, K / 2, 16, 2), a tied table is looked up from it (`embed`), and
+`dense_weight` gives W back for the rare float path.
 """
 
 from __future__ import annotations
@@ -73,6 +77,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w = layer.weight
         if w.dtype in _HALF_KINDS and w.is_cpu:
+            # runs_gemm False: an embedding table only looked up (layers/vocab_embedding.py)
+            if getattr(layer, "runs_gemm", True) and _packs_for_amx(w, self.matmul_dtype):
+                w.data = cpu_ops.bf16_tiles(w.data)  # in place of W: no second copy
             return  # the kernels read it as stored
         # runs_gemm False: an embedding table only looked up (layers/vocab_embedding.py).
         if self.prepack and getattr(layer, "runs_gemm", True) and \
@@ -86,7 +93,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if w is None or not w.is_cpu:
             return None
         if w.dtype == self.matmul_dtype:  # bfloat16 products (one kernel at every M)
-            return CPULinearKernel(CPULinearKernel.BF16_PRODUCTS, 0, (w,))
+            kind = CPULinearKernel.BF16_TILES if w.dim() == 4 else CPULinearKernel.BF16_PRODUCTS
+            return CPULinearKernel(kind, 0, (w,))
         if w.dtype in _HALF_KINDS and self.weight_dtype is not None:
             return CPULinearKernel(_HALF_KINDS[w.dtype], 0, (w,),
                                    batch_invariant=self.batch_invariant)
@@ -105,11 +113,33 @@ class UnquantizedLinearMethod(LinearMethodBase):
                 return cpu_ops.linear(x, kernel, bias)
         if layer.packed_weight is not None:
             return packed_linear(x, layer.packed_weight, bias)
-        return F.linear(x, layer.weight, bias)
+        return F.linear(x, dense_weight(layer.weight), bias)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        rows = F.embedding(ids, layer.weight)
+        w = layer.weight
+        if w.dim() == 4:  # a tied table packed for AMX tiles: its rows as stored there
+            flat = ids.reshape(-1)
+            rows = w[flat // 16, :, flat % 16, :].reshape(*ids.shape, 2 * w.shape[1])
+        else:
+            rows = F.embedding(ids, w)
         return rows.float() if self.weight_dtype is not None else rows  # widening is exact
+
+
+def _packs_for_amx(w: torch.Tensor, matmul_dtype: torch.dtype | None) -> bool:
+    """Whether a weight multiplied in bfloat16 is packed for AMX tiles (kind BF16_TILES): the
+    CPU has them (and the switch is on: cpu_ops.bf16_products_amx) and its shape tiles whole
+    (N a multiple of 16, K of 32). Others keep kind BF16_PRODUCTS (vdpbf16ps)."""
+    return (w.dtype == matmul_dtype == torch.bfloat16 and w.dim() == 2
+            and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0 and cpu_ops.ops_available()
+            and cpu_ops.bf16_products_amx())
+
+
+def dense_weight(w: torch.Tensor) -> torch.Tensor:
+    """W (N, K) of a weight as the layer holds it: AMX tiles (N / 16, K / 2, 16, 2) unpacked
+    (a copy), any other as is."""
+    if w.dim() != 4:
+        return w
+    return w.permute(0, 2, 1, 3).reshape(w.shape[0] * 16, w.shape[1] * 2)
 
 
 class UnquantizedConfig(QuantizationConfig):
