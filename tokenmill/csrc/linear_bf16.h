@@ -272,12 +272,18 @@ static void round_rows(const float* x, int64_t count, uint16_t* out) {
   });
 }
 
+// x's `count` values rounded to bfloat16 bits (round_rows), once per call: both kinds'.
+static std::unique_ptr<uint16_t[]> rounded(const float* x, int64_t count) {
+  std::unique_ptr<uint16_t[]> xb(new uint16_t[count]);
+  round_rows(x, count, xb.get());
+  return xb;
+}
+
 // y (M, N) = x (M, K) @ W^T (+ bias) in the order of the header. Threads take contiguous
 // ranges of W's rows; each output is one thread's, whole.
 inline void linear(const uint16_t* w, const float* x, int64_t M, int64_t K, int64_t N,
                    const float* bias, float* y) {
-  std::unique_ptr<uint16_t[]> xb(new uint16_t[M * K]);
-  round_rows(x, M * K, xb.get());
+  const std::unique_ptr<uint16_t[]> xb = rounded(x, M * K);
   [[maybe_unused]] const bool hw = hardware_active();
   const int64_t unit = M <= 4 ? 16 : 48, units = (N + unit - 1) / unit;
   const int64_t grain = std::max<int64_t>(1, units / std::max<int64_t>(1, at::get_num_threads()));
@@ -297,8 +303,7 @@ inline void linear_tiles(const uint16_t* wt, const float* x, int64_t M, int64_t 
 #ifdef TM_HAVE_AMX_BF16
   TORCH_CHECK(bf16_amx::available(), "bfloat16 weights packed for AMX tiles (kind 16) need "
               "a CPU with AMX-BF16 and Linux's grant of the tile state");
-  std::unique_ptr<uint16_t[]> xb(new uint16_t[M * K]);
-  round_rows(x, M * K, xb.get());
+  const std::unique_ptr<uint16_t[]> xb = rounded(x, M * K);
   bf16_amx::linear(wt, xb.get(), M, K, N, bias, y);
 #else
   (void)wt, (void)x, (void)M, (void)K, (void)N, (void)bias, (void)y;

@@ -31,7 +31,6 @@
 #include <algorithm>
 #include <array>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <utility>
 
@@ -99,7 +98,7 @@ class Tiles {
 
 // The tile instructions with the tile numbers as template arguments (GCC's macros paste
 // literal digits into their assembly). Loads and stores clobber memory, so that the compiler
-// keeps them in order with the stores that fill x and the reads of the sums.
+// keeps them in order with the writes of x's rounded rows and the bias added to y's sums.
 template <int T>
 static TM_AMX_INLINE void zero() {
   asm volatile("tilezero %%tmm%c0" ::"i"(T));
@@ -167,8 +166,8 @@ inline void pack_weight(const uint16_t* w, int64_t N, int64_t K, uint16_t* out) 
   });
 }
 
-// Rows [m0, m1) of x (whole tiles of `rows` rows but the last) against W groups [g0, g1),
-// two of each at a time; y's tiles stored as summed, then + bias.
+// Rows [m0, m1) of x (tiles of 16 rows, or one of the thread's configured narrower rows)
+// against W groups [g0, g1), two of each at a time; y's tiles stored as summed, then + bias.
 static void rows_of_x(const uint16_t* wt, const uint16_t* xb, int64_t K, int64_t N,
                       int64_t m0, int64_t m1, int64_t g0, int64_t g1, const float* bias,
                       float* y) {

@@ -26,14 +26,14 @@
 //   kind 10  dense bfloat16 multiplied in bfloat16: tensors = {W (N, K) bfloat16}; x
 //                              rounded to bfloat16, vdpbf16ps's products and float32 sums
 //                              at every M (linear_bf16.h; emulated without AVX512-BF16)
-//   kind 16  kind 10's W packed for AMX tiles at load (where the CPU has AMX-BF16):
-//                              tensors = {W tiles (N / 16, K / 2, 16, 2) bfloat16}; x
-//                              rounded to bfloat16, tdpbf16ps's products and float32 sums
-//                              at every M (linear_bf16_amx.h)
 //   kind 15  parts             a merged layer (qkv, gate_up) whose parts differ in kind:
 //                              tensors = {meta (P, 3) int64: kind, group, tensor count of
 //                              each part; then each part's tensors}; y = their outputs side
 //                              by side
+//   kind 16  kind 10's W packed for AMX tiles at load (where the CPU has AMX-BF16):
+//                              tensors = {W tiles (N / 16, K / 2, 16, 2) bfloat16}; x
+//                              rounded to bfloat16, tdpbf16ps's products and float32 sums
+//                              at every M (linear_bf16_amx.h)
 //
 // How a call multiplies (`choose_path`):
 // - GGUF block kinds (3-7, 11-14), whatever the mode: one kernel at every M (above), so a row's

@@ -76,13 +76,13 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w = layer.weight
+        # runs_gemm False: an embedding table only looked up (layers/vocab_embedding.py).
+        runs_gemm = getattr(layer, "runs_gemm", True)
         if w.dtype in _HALF_KINDS and w.is_cpu:
-            # runs_gemm False: an embedding table only looked up (layers/vocab_embedding.py)
-            if getattr(layer, "runs_gemm", True) and _packs_for_amx(w, self.matmul_dtype):
+            if runs_gemm and _packs_for_amx(w, self.matmul_dtype):
                 w.data = cpu_ops.bf16_tiles(w.data)  # in place of W: no second copy
             return  # the kernels read it as stored
-        # runs_gemm False: an embedding table only looked up (layers/vocab_embedding.py).
-        if self.prepack and getattr(layer, "runs_gemm", True) and \
+        if self.prepack and runs_gemm and \
                 onednn_available(w.device, w.dtype):
             layer.packed_weight = prepack(w)
             if not cpu_ops.ops_available() and not getattr(layer, "looks_up_rows", False):
@@ -117,11 +117,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         w = layer.weight
-        if w.dim() == 4:  # a tied table packed for AMX tiles: its rows as stored there
-            flat = ids.reshape(-1)
-            rows = w[flat // 16, :, flat % 16, :].reshape(*ids.shape, 2 * w.shape[1])
-        else:
-            rows = F.embedding(ids, w)
+        rows = tile_rows(w, ids) if w.dim() == 4 else F.embedding(ids, w)
         return rows.float() if self.weight_dtype is not None else rows  # widening is exact
 
 
@@ -134,12 +130,22 @@ def _packs_for_amx(w: torch.Tensor, matmul_dtype: torch.dtype | None) -> bool:
             and cpu_ops.bf16_products_amx())
 
 
+# Weights packed for AMX tiles hold W (N, K) as (N / 16, K / 2, 16, 2): row 16 g + j's pair
+# of k p at [g, p, j] (csrc/linear_bf16_amx.h). The two readers of that layout here:
+
 def dense_weight(w: torch.Tensor) -> torch.Tensor:
-    """W (N, K) of a weight as the layer holds it: AMX tiles (N / 16, K / 2, 16, 2) unpacked
-    (a copy), any other as is."""
+    """W (N, K) of a weight as the layer holds it: AMX tiles unpacked (a copy), any other as
+    is."""
     if w.dim() != 4:
         return w
     return w.permute(0, 2, 1, 3).reshape(w.shape[0] * 16, w.shape[1] * 2)
+
+
+def tile_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (any shape) of W packed for AMX tiles, as W's rows: (*ids.shape, K) (a tied
+    table's lookups)."""
+    flat = ids.reshape(-1)
+    return w[flat // 16, :, flat % 16, :].reshape(*ids.shape, 2 * w.shape[1])
 
 
 class UnquantizedConfig(QuantizationConfig):
