@@ -2,7 +2,9 @@
 oneDNN with the prepacked float32 weight (what dense layers use), F.linear (MKL sgemm) on the
 dense weight, and tokenmill's `linear` op on quantized weights (csrc/linear_cpu.h): Q8_0 and
 4-bit groups of 32, with float activations (int16 per 32-block on AVX-512 VNNI builds;
-elsewhere exact: float32 row kernels up to 16 rows, float32 tiles above) or int8 ones; the
+elsewhere exact: float32 row kernels up to 16 rows, float32 tiles above) or int8 ones, held
+as the loader holds them (q8, q4: packed for AMX-INT8 tiles where the CPU has them,
+csrc/linear_block_tiles.h) or as stored (q8-blocks, q4-blocks: the row kernels); the
 weight in bfloat16, widened to float32 (bf16) or multiplied in bfloat16 (bf16-products: AMX
 tiles where the CPU has AMX-BF16, the weight packed for them as the loader packs it,
 csrc/linear_bf16_amx.h, else vdpbf16ps where it has AVX512-BF16, csrc/linear_bf16.h;
@@ -10,8 +12,8 @@ bf16-products-vdp: vdpbf16ps even on AMX CPUs); torch's bf16
 `F.linear` (oneDNN, bf16 outputs) on bf16 activations (torch-bf16).
 
     python benchmarks/gemm_paths.py [--rows 1 4 16 64 128 256 512 2048]
-        [--paths onednn,mkl,q8,q8+int8acts,q4,q4+int8acts,bf16,bf16-products,
-                 bf16-products-vdp,torch-bf16]
+        [--paths onednn,mkl,q8,q8+int8acts,q4,q4+int8acts,q8-blocks,q4-blocks,bf16,
+                 bf16-products,bf16-products-vdp,torch-bf16]
         [--no-batch-invariant]
 
 The quantized paths are batch-invariant as the engine's default is (one kernel whatever the
@@ -33,7 +35,7 @@ from tokenmill.bench.alternate import alternate  # noqa: E402
 from tokenmill.bench.machine import describe_machine  # noqa: E402
 from tokenmill.layers import cpu_ops  # noqa: E402
 from tokenmill.layers.cpu_gemm import packed_linear, prepack  # noqa: E402
-from tokenmill.quantization import CPULinearKernel  # noqa: E402
+from tokenmill.quantization import CPULinearKernel, block_tiles  # noqa: E402
 from tokenmill.quantization.blocks import quantize_q4, quantize_q8_0  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -66,13 +68,16 @@ def path(name: str, w: torch.Tensor, invariant: bool = True):
     if name == "torch-bf16":
         return (lambda x, wb: F.linear(x.to(torch.bfloat16), wb)), w.to(torch.bfloat16)
     base, _, acts = name.partition("+")
-    if base not in ("q8", "q4") or acts not in ("", "int8acts"):
-        raise SystemExit(f"unknown path {name!r}: onednn, mkl, q8, q4, q8+int8acts, "
-                         "q4+int8acts, bf16, bf16-products, bf16-products-vdp, torch-bf16")
-    kind, tensors = ((CPULinearKernel.Q8_0, quantize_q8_0(w)) if base == "q8"
+    if base not in ("q8", "q4", "q8-blocks", "q4-blocks") or acts not in ("", "int8acts"):
+        raise SystemExit(f"unknown path {name!r}: onednn, mkl, q8, q4, q8-blocks, q4-blocks "
+                         "(each also +int8acts), bf16, bf16-products, bf16-products-vdp, "
+                         "torch-bf16")
+    kind, tensors = ((CPULinearKernel.Q8_0, quantize_q8_0(w)) if base.startswith("q8")
                      else (CPULinearKernel.Q4, quantize_q4(w, 32)))
     kernel = CPULinearKernel(kind, 32, tuple(tensors), int8_activations=acts == "int8acts",
                              batch_invariant=invariant)
+    if not base.endswith("-blocks") and block_tiles.packs(kernel):  # as the loader packs it
+        kernel = block_tiles.pack(kernel)
     return cpu_ops.linear, kernel
 
 
@@ -81,8 +86,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="*", default=[16, 64, 128, 256, 512, 2048])
     ap.add_argument("--paths", default="onednn,mkl",
-                    help="comma-separated: onednn, mkl, q8, q4, q8+int8acts, q4+int8acts, "
-                         "bf16, bf16-products, bf16-products-vdp, torch-bf16")
+                    help="comma-separated: onednn, mkl, q8, q4, q8-blocks, q4-blocks (each "
+                         "also +int8acts), bf16, bf16-products, bf16-products-vdp, torch-bf16")
     ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                     help="quantized paths: one kernel at every row count (the engine's default)")
     args = ap.parse_args()

@@ -37,6 +37,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, py::arg("enable") = py::none());
   m.def("bf16_tiles", &bf16_products::pack_tiles,
         "W (N, K) bfloat16 packed for AMX tiles (kind 16): (N / 16, K / 2, 16, 2)", release());
+  // Weight kinds 1 and 2 (csrc/linear_block_tiles.h): whether the loader packs Q8_0 and 4-bit
+  // blocks into tiles of 16 rows (kinds 17, 18: an AVX-512 VNNI build, the switch on; AMX-INT8
+  // multiplies them where the CPU has it) and, given `enable`, the switch set; returns the
+  // state before.
+  m.def("block_tiles", [](c10::optional<bool> enable) {
+    const bool before = block_tiles::active();
+    if (enable.has_value()) block_tiles::use_tiles() = *enable;
+    return before;
+  }, py::arg("enable") = py::none());
+  // Whether the products of those tiles run on AMX-INT8 here (the CPU has it, Linux granted
+  // the tile state, TOKENMILL_AMX is not 0); elsewhere vpdpbusd, the same bits.
+  m.def("block_tiles_amx", [] {
+#if defined(TM_HAVE_BLOCK_TILES)
+    return amx::available(amx::kInt8);
+#else
+    return false;
+#endif
+  });
   m.def("gather_rows", &gather_rows, "rows of a quantized weight as float32", release());
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual) * weight, x + residual)",
         release());

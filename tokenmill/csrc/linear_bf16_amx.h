@@ -26,53 +26,25 @@
 // sums are y: 1.13-1.35x the products at 1-1024 rows (benchmarks/RESULTS.md). Tied embedding
 // tables packed so are looked up from the tiles (quantization/unquantized.py).
 #pragma once
+#include "amx_tiles.h"
 #include "vec_utils.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
-#include <array>
-#include <cstdlib>
-#include <string>
-#include <utility>
 
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__) && defined(__x86_64__) && \
-    defined(__linux__)
+#if defined(TM_HAVE_AMX)
 #define TM_HAVE_AMX_BF16 1
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 namespace bf16_amx {
+using namespace amx;
 
 constexpr int kRows = 16;       // rows of W, and of x, per tile
 constexpr int64_t kStepK = 32;  // k per tile product: 16 pairs, 64 bytes a row
 
-// The CPU's AMX-TILE and AMX-BF16 bits (CPUID 7.0: EDX 24, 22), and Linux's grant of the tile
-// state (XTILEDATA, asked once per process: it is off until a process requests it).
-// TOKENMILL_AMX=0 declines them (vdpbf16ps instead), as ONEDNN_MAX_CPU_ISA does for oneDNN.
-inline bool available() {
-  static const bool ok = [] {
-    const char* env = std::getenv("TOKENMILL_AMX");
-    if (env && std::string(env) == "0") return false;
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
+// The CPU's AMX-BF16 and Linux's grant of the tile state (amx_tiles.h; TOKENMILL_AMX=0: no).
+inline bool available() { return amx::available(amx::kBF16); }
 
-#pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16")
-#define TM_AMX_INLINE inline __attribute__((always_inline))
-
-// LDTILECFG's 64 bytes (palette 1): tiles 0-7, 64 bytes a row; the sums (0-3) and x tiles
-// (4, 5) `rows` rows (<= 16: a step's last tile may hold fewer rows of x), W tiles (6, 7) 16.
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+// Per count of x rows (1-16): tiles 0-7, 64 bytes a row; the sums (0-3) and x tiles (4, 5)
+// `rows` rows (a step's last tile may hold fewer rows of x), W tiles (6, 7) 16.
 static std::array<TileConfig, kRows + 1> tile_configs() {
   std::array<TileConfig, kRows + 1> all{};
   for (int rows = 1; rows <= kRows; ++rows) {
@@ -82,43 +54,11 @@ static std::array<TileConfig, kRows + 1> tile_configs() {
   }
   return all;
 }
-// A global, not a local: GCC's _tile_loadconfig tells the compiler it reads 8 bytes, so the
-// stores of a local's other 56 were dropped as dead (and the first tile instruction faulted).
 static const std::array<TileConfig, kRows + 1> kTileConfigs = tile_configs();
 
-// The tile registers of a thread, configured for its part of one call and x tiles of `rows`
-// rows: 0-3 sums, 4-5 x, 6-7 W. The configuration is per thread, so each part sets it.
-class Tiles {
- public:
-  explicit Tiles(int rows) { _tile_loadconfig(&kTileConfigs[rows]); }
-  ~Tiles() { _tile_release(); }
-  Tiles(const Tiles&) = delete;
-  Tiles& operator=(const Tiles&) = delete;
-};
-
-// The tile instructions with the tile numbers as template arguments (GCC's macros paste
-// literal digits into their assembly). Loads and stores clobber memory, so that the compiler
-// keeps them in order with the writes of x's rounded rows and the bias added to y's sums.
-template <int T>
-static TM_AMX_INLINE void zero() {
-  asm volatile("tilezero %%tmm%c0" ::"i"(T));
-}
-template <int T>
-static TM_AMX_INLINE void load(const void* p, int64_t stride) {
-  asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(stride), "i"(T) : "memory");
-}
-template <int T>
-static TM_AMX_INLINE void store(void* p, int64_t stride) {
-  asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(p), "r"(stride), "i"(T) : "memory");
-}
 template <int C, int A, int B>  // tile C += tile A . tile B
 static TM_AMX_INLINE void dot() {
   asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
-}
-
-template <int... I, class F>
-static TM_AMX_INLINE void unrolled(std::integer_sequence<int, I...>, F f) {
-  (f(std::integral_constant<int, I>{}), ...);
 }
 
 // MB (1, 2) x tiles by NB (1, 2) W tiles over all of K: the sum of (x tile j, W tile i) in
@@ -145,7 +85,6 @@ static void tile_block(const uint16_t* const* x, const uint16_t* const* w, int64
   }
   unrolled(Sums{}, [&](auto c) { store<c.value>(y[c.value], 4 * ldy); });
 }
-#pragma GCC pop_options
 
 // W (N, K) bf16 bits into the packed layout of the header (N a multiple of 16, K of 32):
 // per group of 16 rows, the (16, K / 2) pairs transposed to (K / 2, 16), 16 x 16 at a time.
@@ -209,12 +148,12 @@ inline void linear(const uint16_t* wt, const uint16_t* xb, int64_t M, int64_t K,
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
     const int64_t g0 = 2 * u0, g1 = std::min(groups, 2 * u1);
     if (whole > 0) {
-      const Tiles tiles(kRows);
+      const Tiles tiles(kTileConfigs[kRows]);
       for (int64_t m0 = 0; m0 < whole; m0 += block_m)
         rows_of_x(wt, xb, K, N, m0, std::min(whole, m0 + block_m), g0, g1, bias, y);
     }
     if (whole < M) {
-      const Tiles tiles(static_cast<int>(M - whole));
+      const Tiles tiles(kTileConfigs[M - whole]);
       rows_of_x(wt, xb, K, N, whole, M, g0, g1, bias, y);
     }
   });

@@ -34,6 +34,13 @@
 //                              tensors = {W tiles (N / 16, K / 2, 16, 2) bfloat16}; x
 //                              rounded to bfloat16, tdpbf16ps's products and float32 sums
 //                              at every M (linear_bf16_amx.h)
+//   kind 17, 18  kinds 1 and 2 packed at load into tiles of 16 rows (AVX-512 VNNI builds;
+//                              multiplied on AMX-INT8 where the CPU has it):
+//                              tensors = {q tiles (N / 16, K / 32, 512 int8 | 256 uint8),
+//                                         d (, m) (N / 16, K / G, 16) float16}; x rounded
+//                              per 32-block as for kinds 1 and 2 (int16, or int8 with int8
+//                              activations), exact int32 block sums, one arithmetic at every
+//                              M (linear_block_tiles.h)
 //
 // How a call multiplies (`choose_path`):
 // - GGUF block kinds (3-7, 11-14), whatever the mode: one kernel at every M (above), so a row's
@@ -55,6 +62,7 @@
 //   activations or int8 ones), on AVX2 4-bit weights with int8 activations from 12.
 #pragma once
 #include "linear_bf16.h"
+#include "linear_block_tiles.h"
 #include "linear_dot.h"
 #include "linear_gguf_rows.h"
 #include "linear_gguf_vnni.h"
@@ -213,8 +221,9 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2 && !t.empty(), "linear takes x (M, K) and a weight");
   const int64_t M = x.size(0), K = x.size(1);
-  const int64_t N = t[0].size(0) * (kind == bf16_products::kTilesKind ? 16 : 1);
-  check_weight(kind, G, t, K);
+  const bool tiles = kind == bf16_products::kTilesKind || block_tiles::is_tiles_kind(kind);
+  const int64_t N = t[0].size(0) * (tiles ? 16 : 1);
+  if (!block_tiles::is_tiles_kind(kind)) check_weight(kind, G, t, K);
   if (input_scale.has_value()) {
     check_f32(*input_scale, "input_scale");
     TORCH_CHECK(input_scale->numel() == K, "input_scale must have one value per input");
@@ -247,6 +256,17 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
                                kind == bf16_products::kKind ||
                                kind == bf16_products::kTilesKind)),
               "int8 activations are not implemented for weight kind ", kind);
+  if (block_tiles::is_tiles_kind(kind)) {  // one arithmetic at every M
+#if defined(TM_HAVE_BLOCK_TILES)
+    const block_tiles::Weight w = block_tiles::weight(kind, G, t, K);
+    const std::vector<float> xsum = w.q4 ? group_sums(xp, M, K, G) : std::vector<float>();
+    block_tiles::linear(w, xp, M, xsum.data(), int8_acts, b, yp);
+    return y;
+#else
+    TORCH_CHECK(false, "weights packed into block tiles (kinds 17, 18) need the AVX-512 VNNI "
+                "build");
+#endif
+  }
   if (kind == bf16_products::kTilesKind) {  // one kernel at every M
     bf16_products::linear_tiles(static_cast<const uint16_t*>(t[0].data_ptr()), xp, M, K, N, b,
                                 yp);
@@ -317,18 +337,23 @@ inline torch::Tensor gather_rows(torch::Tensor ids, int64_t kind, int64_t G,
                                  const std::vector<torch::Tensor>& t) {
   TORCH_CHECK(kind != 0 && kind != bf16_products::kTilesKind && !t.empty(),
               "gather_rows is for quantized weights (kind 16's tiles: look rows up in Python)");
+  const bool tiles = block_tiles::is_tiles_kind(kind);
   const int64_t K = gguf_blocks::is_gguf_kind(kind)  // raw blocks; 4-bit: two weights a byte
       ? t[0].size(1) / gguf_blocks::block_bytes(kind) * gguf_blocks::block_weights(kind)
-      : t[0].size(1) * (kind == 2 ? 2 : 1);
-  check_weight(kind, G, t, K);
+      : tiles ? t[0].size(1) * kBlock : t[0].size(1) * (kind == 2 ? 2 : 1);
+  if (!tiles) check_weight(kind, G, t, K);
+  else TORCH_CHECK(t[0].dim() == 3 && t.size() == (kind == block_tiles::kQ4Kind ? 3u : 2u),
+                   "weight kind ", kind, ": packed q tiles and scales");
   auto idx = ids.to(torch::kInt64).contiguous().view({-1});
-  const int64_t count = idx.numel(), N = t[0].size(0);
+  const int64_t count = idx.numel(), N = t[0].size(0) * (tiles ? block_tiles::kRows : 1);
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t i = 0; i < count; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "row out of range");
   auto out = torch::empty({count, K}, torch::dtype(torch::kFloat32));
   float* op = out.data_ptr<float>();
   at::parallel_for(0, count, 16, [&](int64_t i0, int64_t i1) {
-    expand_rows(kind, G, t, ip + i0, i1 - i0, K, op + i0 * K);
+    if (tiles)
+      for (int64_t i = i0; i < i1; ++i) block_tiles::expand_row(kind, G, t, ip[i], K, op + i * K);
+    else expand_rows(kind, G, t, ip + i0, i1 - i0, K, op + i0 * K);
   });
   return out;
 }

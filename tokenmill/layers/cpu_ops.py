@@ -86,6 +86,21 @@ def bf16_products_amx(enable: bool | None = None) -> bool:
     return bool(_ops().bf16_products_amx(enable))
 
 
+def block_tiles(enable: bool | None = None) -> bool:
+    """Whether Q8_0 and 4-bit block weights are packed at load into tiles of 16 rows here
+    (kinds Q8_0_TILES, Q4_TILES: an AVX-512 VNNI build; the same rounding of x and integers
+    as kinds Q8_0 and Q4, batch-invariant, another float32 order; csrc/linear_block_tiles.h).
+    `enable` sets the switch (False: the loader keeps kinds Q8_0 and Q4). Returns the state
+    before."""
+    return bool(_ops().block_tiles(enable))
+
+
+def block_tiles_amx() -> bool:
+    """Whether those tiles are multiplied on AMX-INT8 here (the CPU has it, Linux granted the
+    tile state, TOKENMILL_AMX is not 0); elsewhere by vpdpbusd, with the same bits."""
+    return bool(_ops().block_tiles_amx())
+
+
 def bf16_tiles(w: torch.Tensor) -> torch.Tensor:
     """W (N, K) bfloat16 (N a multiple of 16, K of 32) packed for AMX tiles: (N / 16, K / 2,
     16, 2), row 16 g + j's pair of k p at [g, p, j] (weight kind BF16_TILES;

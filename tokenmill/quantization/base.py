@@ -53,6 +53,11 @@ class CPULinearKernel:
     # there (csrc/linear_bf16_amx.h): (W tiles (N/16, K/2, 16, 2) bfloat16,), row 16 g + j's
     # pair p at [g, p, j]
     BF16_TILES = 16
+    # Q8_0's and Q4's blocks packed at load for AMX-INT8 tiles where the CPU has them, x
+    # rounded per 32-block as for those kinds (csrc/linear_block_tiles.h;
+    # quantization/block_tiles.py): Q8_0_TILES (q tiles (N/16, K/32, 512) int8, d (N/16, K/32,
+    # 16) float16), Q4_TILES (q tiles (N/16, K/32, 256) uint8, d, m (N/16, K/G, 16) float16)
+    Q8_0_TILES, Q4_TILES = 17, 18
     # a merged layer of parts of different kinds: (meta (P, 3) int64 [kind, group, tensor
     # count], then each part's tensors); outputs side by side
     PARTS = 15

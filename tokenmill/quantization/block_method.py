@@ -5,7 +5,9 @@ Subclasses differ only in what the checkpoint holds and how `process_weights_aft
 turns it into blocks (`set_blocks`); the kernel descriptor, `apply` (the C++ `linear`
 op at every M) and row lookups are shared. The blocks are the layer's parameters `blocks_q`,
 `blocks_d` and, for 4-bit, `blocks_m` (and `input_scale` where an activation-aware search
-scaled the weight's input channels); no float copy of the weight is kept. On CUDA the same
+scaled the weight's input channels); no float copy of the weight is kept. Where the CPU has
+AMX-INT8 they are packed for its tiles as they are set (quantization/block_tiles.py: kinds
+Q8_0_TILES and Q4_TILES, `blocks_q` 3-D), except in a table that is only looked up. On CUDA the same
 blocks are multiplied by a Triton GEMM (quantization/triton_block_gemm.py) and embedding rows
 are dequantized with PyTorch's ops (blocks.dequantize), in the dtype the layer was built with.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.quantization import block_tiles
 from tokenmill.quantization.base import CPULinearKernel, LinearMethodBase, replace_param
 from tokenmill.quantization.blocks import dequantize
 
@@ -34,10 +37,14 @@ class BlockLinearMethod(LinearMethodBase):
         self.int8_activations = int8_activations
         self.batch_invariant = batch_invariant
 
-    @staticmethod
-    def set_blocks(layer: nn.Module, q: torch.Tensor, d: torch.Tensor,
+    def set_blocks(self, layer: nn.Module, q: torch.Tensor, d: torch.Tensor,
                    m: torch.Tensor | None = None) -> None:
-        for name, value in (("blocks_q", q), ("blocks_d", d), ("blocks_m", m)):
+        blocks = (q, d) if m is None else (q, d, m)
+        kernel = CPULinearKernel(self.kind, getattr(layer, "group_size", self.group), blocks)
+        if getattr(layer, "runs_gemm", True) and block_tiles.packs(kernel):
+            blocks = block_tiles.pack(kernel).tensors
+        names = ("blocks_q", "blocks_d", "blocks_m")
+        for name, value in zip(names, (*blocks, None)[:3], strict=True):
             replace_param(layer, name, None if value is None else value.contiguous())
 
     def cpu_kernel(self, layer: nn.Module) -> CPULinearKernel | None:
@@ -50,7 +57,8 @@ class BlockLinearMethod(LinearMethodBase):
         names = ("blocks_q", "blocks_d") + (("blocks_m",) if self.kind == CPULinearKernel.Q4
                                              else ())
         group = getattr(layer, "group_size", self.group)  # set where it varies by layer
-        return CPULinearKernel(self.kind, group, tuple(getattr(layer, n) for n in names),
+        kind = block_tiles.PACKED_KIND[self.kind] if layer.blocks_q.dim() == 3 else self.kind
+        return CPULinearKernel(kind, group, tuple(getattr(layer, n) for n in names),
                                self.int8_activations, getattr(layer, "input_scale", None),
                                self.batch_invariant)
 
@@ -64,13 +72,13 @@ class BlockLinearMethod(LinearMethodBase):
               bias: torch.Tensor | None) -> torch.Tensor:
         from tokenmill.quantization.triton_block_gemm import block_linear
 
-        k = self._blocks(layer)
+        k = block_tiles.unpack(self._blocks(layer))  # (CPU tensors routed here by tests)
         return block_linear(x, k.kind, k.group, *k.tensors[:2],
                             k.tensors[2] if len(k.tensors) > 2 else None, k.input_scale, bias)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if not on_cuda(ids):
             return super().embed(layer, ids)
-        k = self._blocks(layer)
+        k = block_tiles.unpack(self._blocks(layer))
         rows = CPULinearKernel(k.kind, k.group, tuple(t[ids] for t in k.tensors))
         return dequantize(rows).to(getattr(layer, "compute_dtype", torch.float32))

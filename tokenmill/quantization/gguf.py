@@ -43,6 +43,7 @@ from fractions import Fraction
 import torch
 from torch import nn
 
+from tokenmill.quantization import block_tiles
 from tokenmill.quantization.base import (
     CPULinearKernel,
     LinearMethodBase,
@@ -211,7 +212,11 @@ class GGUFBlockMethod(LinearMethodBase):
         row = 0
         for p, (name, rows) in enumerate(layer.gguf_parts):
             part = raw[row:row + rows, :GGUF_TYPES[name].row_bytes(K)]
-            for i, t in enumerate(kernel_tensors(part, name, self.int8_activations)):
+            kernel = CPULinearKernel(GGUF_TYPES[name].served(self.int8_activations)[0].kind, 32,
+                                     kernel_tensors(part, name, self.int8_activations))
+            if getattr(layer, "runs_gemm", True) and block_tiles.packs(kernel):
+                kernel = block_tiles.pack(kernel)  # Q8_0 and Q4_0 / Q4_1 blocks, on AMX CPUs
+            for i, t in enumerate(kernel.tensors):
                 replace_param(layer, f"blocks_{p}_{i}", t.contiguous())
             row += rows
 
@@ -219,8 +224,10 @@ class GGUFBlockMethod(LinearMethodBase):
         tensors = []  # blocks_{p}_0, _1, ... as process_weights_after_loading registered them
         while (t := getattr(layer, f"blocks_{p}_{len(tensors)}", None)) is not None:
             tensors.append(t)
-        return CPULinearKernel(GGUF_TYPES[name].served(self.int8_activations)[0].kind, 32,
-                               tuple(tensors),
+        kind = GGUF_TYPES[name].served(self.int8_activations)[0].kind
+        if tensors[0].dim() == 3:  # packed for AMX-INT8 tiles (process_weights_after_loading)
+            kind = block_tiles.PACKED_KIND[kind]
+        return CPULinearKernel(kind, 32, tuple(tensors),
                                self.int8_activations, None, self.batch_invariant)
 
     def cpu_kernel(self, layer: nn.Module) -> CPULinearKernel | None:

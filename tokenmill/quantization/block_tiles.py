@@ -1,0 +1,73 @@
+"""Q8_0 and 4-bit blocks packed once at load into tiles of 16 rows (weight kinds Q8_0_TILES
+and Q4_TILES, csrc/linear_block_tiles.h) on CPUs that run the AVX-512 VNNI build: multiplied
+by AMX-INT8's tile unit where the CPU has it, by vpdpbusd elsewhere (the same bits).
+
+Packing is a permutation of the blocks' bytes and scales, nothing recomputed: 16 rows of W
+(a group g) side by side, 4 bytes of each row a time, so that each 32-block of the group is
+one B tile of the tile unit's int8 products (and 16 outputs of one vpdpbusd):
+
+    Q8_0:  q (N, K) int8      -> (N/16, K/32, 512): [g, b, 64c + 4j + e] = q[16g + j, 32b + 4c + e]
+    4-bit: q (N, K/2) uint8   -> (N/16, K/32, 256): [g, b, 64s + 4j + e] = q[16g + j, 16b + 4s + e]
+           (a byte holds weights 32b + 4s + e and 32b + 16 + 4s + e: llama.cpp's nibble order)
+    scales d, m (N, groups)   -> (N/16, groups, 16): [g, h, j] = d[16g + j, h]
+
+Invariant: `unpack(pack(k))` is `k`, bit for bit, so every reader of kinds Q8_0 and Q4 (the
+CUDA GEMM, dequantize) can read a packed weight through `unpack`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.layers import cpu_ops
+from tokenmill.quantization.base import CPULinearKernel
+
+PACKED_KIND = {CPULinearKernel.Q8_0: CPULinearKernel.Q8_0_TILES,
+               CPULinearKernel.Q4: CPULinearKernel.Q4_TILES}
+BLOCK_KIND = {v: k for k, v in PACKED_KIND.items()}
+ROWS, BLOCK = 16, 32
+
+
+def packs(kernel: CPULinearKernel) -> bool:
+    """Whether the loader packs this weight: a Q8_0 or 4-bit block weight on the CPU, its rows
+    a multiple of 16, where the AVX-512 VNNI build runs (and the switch is on:
+    cpu_ops.block_tiles)."""
+    q = kernel.tensors[0]
+    return (kernel.kind in PACKED_KIND and q.is_cpu and q.dim() == 2 and q.shape[0] % ROWS == 0
+            and kernel.group % BLOCK == 0 and cpu_ops.ops_available()
+            and cpu_ops.block_tiles())
+
+
+def _bytes_per_block(kind: int) -> int:
+    return 16 if kind in (CPULinearKernel.Q4, CPULinearKernel.Q4_TILES) else 32
+
+
+def pack(kernel: CPULinearKernel) -> CPULinearKernel:
+    """The weight in its packed kind (module doc); same group, activations and options."""
+    q, *scales = kernel.tensors
+    N, nbytes = q.shape
+    per = _bytes_per_block(kernel.kind)
+    nb = nbytes // per
+    tiles = q.view(N // ROWS, ROWS, nb, per // 4, 4).permute(0, 2, 3, 1, 4)
+    packed = (tiles.reshape(N // ROWS, nb, ROWS * per), *(
+        s.view(N // ROWS, ROWS, s.shape[1]).transpose(1, 2).contiguous() for s in scales))
+    return _with(kernel, PACKED_KIND[kernel.kind], packed)
+
+
+def unpack(kernel: CPULinearKernel) -> CPULinearKernel:
+    """A packed weight back in its block kind (a copy); any other kernel as it is."""
+    if kernel.kind not in BLOCK_KIND:
+        return kernel
+    q, *scales = kernel.tensors
+    groups, nb, _ = q.shape
+    per = _bytes_per_block(kernel.kind)
+    rows = q.view(groups, nb, per // 4, ROWS, 4).permute(0, 3, 1, 2, 4)
+    unpacked = (rows.reshape(groups * ROWS, nb * per),
+                *(s.transpose(1, 2).reshape(groups * ROWS, s.shape[1]) for s in scales))
+    return _with(kernel, BLOCK_KIND[kernel.kind], unpacked)
+
+
+def _with(kernel: CPULinearKernel, kind: int,
+          tensors: tuple[torch.Tensor, ...]) -> CPULinearKernel:
+    return CPULinearKernel(kind, kernel.group, tuple(t.contiguous() for t in tensors),
+                           kernel.int8_activations, kernel.input_scale, kernel.batch_invariant)
