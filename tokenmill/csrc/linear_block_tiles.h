@@ -195,18 +195,25 @@ static TM_BT_INLINE __m512i bcast4(const void* p) {
   return _mm512_set1_epi32(v);
 }
 
+// A 4-bit block's 256 stored bytes as its 8 chunks of 4 k x 16 outputs: the low nibbles
+// chunks 0-3, the high ones 4-7 (the B tile's rows, and vpdpbusd's operands).
+static TM_BT_INLINE void split_nibbles(const uint8_t* p, __m512i* chunks) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int s = 0; s < 4; ++s) {
+    const __m512i v = _mm512_loadu_si512(p + 64 * s);
+    chunks[s] = _mm512_and_si512(v, nibble);
+    chunks[s + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+  }
+}
+
 // Block b of group g as 8 vectors of 4 k x 16 outputs: w (signed) and w as vpdpbusd's
 // unsigned operand against signed x (4-bit: the same; Q8_0: w + 128).
 static TM_BT_INLINE void block_vectors(const Weight& w, int64_t g, int64_t b, __m512i* sw,
                                        __m512i* uw) {
   const uint8_t* p = w.block(g, b);
   if (w.q4) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    for (int s = 0; s < 4; ++s) {
-      const __m512i v = _mm512_loadu_si512(p + 64 * s);
-      sw[s] = uw[s] = _mm512_and_si512(v, nibble);
-      sw[s + 4] = uw[s + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-    }
+    split_nibbles(p, sw);
+    for (int c = 0; c < 8; ++c) uw[c] = sw[c];
   } else {
     for (int c = 0; c < 8; ++c) {
       sw[c] = _mm512_loadu_si512(p + 64 * c);
@@ -215,45 +222,43 @@ static TM_BT_INLINE void block_vectors(const Weight& w, int64_t g, int64_t b, __
   }
 }
 
-// Rows [m0, m0 + R) of x times W groups [g0, g1) into y.
+// Rows [m0, m0 + R) of x times W group g (16 outputs) into y.
 template <int R>
-static void vector_rows(const Weight& w, const Acts& a, int64_t m0, int64_t g0, int64_t g1,
+static void vector_rows(const Weight& w, const Acts& a, int64_t m0, int64_t g,
                         const float* bias, float* y) {
   const int64_t K = w.K, nb = w.nb;
-  for (int64_t g = g0; g < g1; ++g) {
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      __m512i sw[8], uw[8];
-      block_vectors(w, g, b, sw, uw);
-      const __m512 d = w.scales(w.d, g, b / w.gb);
-      for (int r = 0; r < R; ++r) {
-        const int64_t m = m0 + r;
-        const int8_t* xh = a.hi.get() + m * K + b * kBlock;
-        __m512i ih = _mm512_setzero_si512(), il = _mm512_setzero_si512();
-        for (int c = 0; c < 8; ++c) ih = _mm512_dpbusd_epi32(ih, uw[c], bcast4(xh + 4 * c));
-        if (!w.q4) ih = _mm512_sub_epi32(ih, _mm512_set1_epi32(a.hsum[m * nb + b]));
-        if (a.wide) {
-          const uint8_t* xl = a.lo.get() + m * K + b * kBlock;
-          for (int c = 0; c < 8; ++c) il = _mm512_dpbusd_epi32(il, bcast4(xl + 4 * c), sw[c]);
-          ih = _mm512_add_epi32(_mm512_slli_epi32(ih, 8), il);
-        }
-        acc[r] = block_term(acc[r], ih, d, a.dx[m * nb + b]);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i sw[8], uw[8];
+    block_vectors(w, g, b, sw, uw);
+    const __m512 d = w.scales(w.d, g, b / w.gb);
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const int8_t* xh = a.hi.get() + m * K + b * kBlock;
+      __m512i ih = _mm512_setzero_si512(), il = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) ih = _mm512_dpbusd_epi32(ih, uw[c], bcast4(xh + 4 * c));
+      if (!w.q4) ih = _mm512_sub_epi32(ih, _mm512_set1_epi32(a.hsum[m * nb + b]));
+      if (a.wide) {
+        const uint8_t* xl = a.lo.get() + m * K + b * kBlock;
+        for (int c = 0; c < 8; ++c) il = _mm512_dpbusd_epi32(il, bcast4(xl + 4 * c), sw[c]);
+        ih = _mm512_add_epi32(_mm512_slli_epi32(ih, 8), il);
       }
-      if (w.q4 && (b + 1) % w.gb == 0) {
-        const int64_t h = b / w.gb;
-        const __m512 mn = w.scales(w.m, g, h);
-        for (int r = 0; r < R; ++r) acc[r] = offset_term(acc[r], mn, a.xsum[(m0 + r) * w.ng + h]);
-      }
+      acc[r] = block_term(acc[r], ih, d, a.dx[m * nb + b]);
     }
-    for (int r = 0; r < R; ++r)
-      store_row(y + (m0 + r) * w.N + g * kRows, acc[r], bias ? bias + g * kRows : nullptr);
+    if (w.q4 && (b + 1) % w.gb == 0) {
+      const int64_t h = b / w.gb;
+      const __m512 mn = w.scales(w.m, g, h);
+      for (int r = 0; r < R; ++r) acc[r] = offset_term(acc[r], mn, a.xsum[(m0 + r) * w.ng + h]);
+    }
   }
+  for (int r = 0; r < R; ++r)
+    store_row(y + (m0 + r) * w.N + g * kRows, acc[r], bias ? bias + g * kRows : nullptr);
 }
 
 // ---- tiles ---------------------------------------------------------------------------------
 // Tiles: 0, 5 sums of hi (or x8), 1, 6 sums of lo (two pairs: consecutive blocks alternate,
-// so that one block's products run while the previous one's sums are scaled), 2 x hi, 3 x lo
+// so that a block's products need not wait for the sums stored just before), 2 x hi, 3 x lo
 // (`rows` rows, 32 bytes each), 4 W (8 rows of 64 bytes). One configuration per count of
 // rows of x (1-16).
 static std::array<amx::TileConfig, kRows + 1> tile_configs() {
@@ -282,15 +287,10 @@ static TM_BT_INLINE void dot_us() {
 // stored; 4-bit ones' nibbles split into buf.
 static const uint8_t* group_tiles(const Weight& w, int64_t c0, int64_t c1, uint8_t* buf) {
   if (!w.q4) return w.block(c0, 0);
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t i = 0; i < (c1 - c0) * w.nb; ++i) {
-    const uint8_t* p = w.q + (c0 * w.nb + i) * 256;
-    uint8_t* out = buf + i * 512;
-    for (int s = 0; s < 4; ++s) {
-      const __m512i v = _mm512_loadu_si512(p + 64 * s);
-      _mm512_storeu_si512(out + 64 * s, _mm512_and_si512(v, nibble));
-      _mm512_storeu_si512(out + 64 * (s + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
-    }
+    __m512i chunks[8];
+    split_nibbles(w.q + (c0 * w.nb + i) * 256, chunks);
+    for (int c = 0; c < 8; ++c) _mm512_storeu_si512(buf + i * 512 + 64 * c, chunks[c]);
   }
   return buf;
 }
@@ -380,11 +380,11 @@ inline void linear(const Weight& w, const float* x, int64_t M, const float* xsum
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {  // a group's blocks stay in L1 for every row of x
         int64_t m = 0;
-        for (; m + 4 <= M; m += 4) vector_rows<4>(w, a, m, g, g + 1, bias, y);
+        for (; m + 4 <= M; m += 4) vector_rows<4>(w, a, m, g, bias, y);
         switch (M - m) {
-          case 1: vector_rows<1>(w, a, m, g, g + 1, bias, y); break;
-          case 2: vector_rows<2>(w, a, m, g, g + 1, bias, y); break;
-          case 3: vector_rows<3>(w, a, m, g, g + 1, bias, y); break;
+          case 1: vector_rows<1>(w, a, m, g, bias, y); break;
+          case 2: vector_rows<2>(w, a, m, g, bias, y); break;
+          case 3: vector_rows<3>(w, a, m, g, bias, y); break;
           default: break;
         }
       }

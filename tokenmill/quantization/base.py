@@ -53,8 +53,9 @@ class CPULinearKernel:
     # there (csrc/linear_bf16_amx.h): (W tiles (N/16, K/2, 16, 2) bfloat16,), row 16 g + j's
     # pair p at [g, p, j]
     BF16_TILES = 16
-    # Q8_0's and Q4's blocks packed at load for AMX-INT8 tiles where the CPU has them, x
-    # rounded per 32-block as for those kinds (csrc/linear_block_tiles.h;
+    # Q8_0's and Q4's blocks packed at load into tiles of 16 rows on AVX-512 VNNI builds
+    # (multiplied on AMX-INT8 where the CPU has it), x rounded per 32-block as for those
+    # kinds (csrc/linear_block_tiles.h;
     # quantization/block_tiles.py): Q8_0_TILES (q tiles (N/16, K/32, 512) int8, d (N/16, K/32,
     # 16) float16), Q4_TILES (q tiles (N/16, K/32, 256) uint8, d, m (N/16, K/G, 16) float16)
     Q8_0_TILES, Q4_TILES = 17, 18

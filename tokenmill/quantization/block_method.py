@@ -5,11 +5,12 @@ Subclasses differ only in what the checkpoint holds and how `process_weights_aft
 turns it into blocks (`set_blocks`); the kernel descriptor, `apply` (the C++ `linear`
 op at every M) and row lookups are shared. The blocks are the layer's parameters `blocks_q`,
 `blocks_d` and, for 4-bit, `blocks_m` (and `input_scale` where an activation-aware search
-scaled the weight's input channels); no float copy of the weight is kept. Where the CPU has
-AMX-INT8 they are packed for its tiles as they are set (quantization/block_tiles.py: kinds
-Q8_0_TILES and Q4_TILES, `blocks_q` 3-D), except in a table that is only looked up. On CUDA the same
-blocks are multiplied by a Triton GEMM (quantization/triton_block_gemm.py) and embedding rows
-are dequantized with PyTorch's ops (blocks.dequantize), in the dtype the layer was built with.
+scaled the weight's input channels); no float copy of the weight is kept. On AVX-512 VNNI
+builds they are packed into tiles of 16 rows as they are set (quantization/block_tiles.py:
+kinds Q8_0_TILES and Q4_TILES, `blocks_q` 3-D), except in a table that is only looked up.
+On CUDA the same blocks are multiplied by a Triton GEMM (quantization/triton_block_gemm.py)
+and embedding rows are dequantized with PyTorch's ops (blocks.dequantize), in the dtype the
+layer was built with.
 """
 
 from __future__ import annotations
@@ -39,10 +40,9 @@ class BlockLinearMethod(LinearMethodBase):
 
     def set_blocks(self, layer: nn.Module, q: torch.Tensor, d: torch.Tensor,
                    m: torch.Tensor | None = None) -> None:
-        blocks = (q, d) if m is None else (q, d, m)
-        kernel = CPULinearKernel(self.kind, getattr(layer, "group_size", self.group), blocks)
-        if getattr(layer, "runs_gemm", True) and block_tiles.packs(kernel):
-            blocks = block_tiles.pack(kernel).tensors
+        kernel = CPULinearKernel(self.kind, getattr(layer, "group_size", self.group),
+                                 (q, d) if m is None else (q, d, m))
+        blocks = block_tiles.packed_for(layer, kernel).tensors
         names = ("blocks_q", "blocks_d", "blocks_m")
         for name, value in zip(names, (*blocks, None)[:3], strict=True):
             replace_param(layer, name, None if value is None else value.contiguous())
@@ -57,10 +57,9 @@ class BlockLinearMethod(LinearMethodBase):
         names = ("blocks_q", "blocks_d") + (("blocks_m",) if self.kind == CPULinearKernel.Q4
                                              else ())
         group = getattr(layer, "group_size", self.group)  # set where it varies by layer
-        kind = block_tiles.PACKED_KIND[self.kind] if layer.blocks_q.dim() == 3 else self.kind
-        return CPULinearKernel(kind, group, tuple(getattr(layer, n) for n in names),
-                               self.int8_activations, getattr(layer, "input_scale", None),
-                               self.batch_invariant)
+        return CPULinearKernel(block_tiles.held_kind(self.kind, layer.blocks_q), group,
+                               tuple(getattr(layer, n) for n in names), self.int8_activations,
+                               getattr(layer, "input_scale", None), self.batch_invariant)
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,6 +18,7 @@ CUDA GEMM, dequantize) can read a packed weight through `unpack`.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from tokenmill.layers import cpu_ops
 from tokenmill.quantization.base import CPULinearKernel
@@ -36,6 +37,18 @@ def packs(kernel: CPULinearKernel) -> bool:
     return (kernel.kind in PACKED_KIND and q.is_cpu and q.dim() == 2 and q.shape[0] % ROWS == 0
             and kernel.group % BLOCK == 0 and cpu_ops.ops_available()
             and cpu_ops.block_tiles())
+
+
+def packed_for(layer: nn.Module, kernel: CPULinearKernel) -> CPULinearKernel:
+    """A layer's blocks as the loader holds them: packed where `packs` says so, except in a
+    table that is only looked up (`runs_gemm` False: lookups read the stored rows directly)."""
+    return pack(kernel) if getattr(layer, "runs_gemm", True) and packs(kernel) else kernel
+
+
+def held_kind(kind: int, q: torch.Tensor) -> int:
+    """The kind of block kind `kind`'s weight whose quantized tensor the layer holds is q:
+    packed when q is 3-D (pack's shape), else as stored."""
+    return PACKED_KIND[kind] if q.dim() == 3 else kind
 
 
 def _bytes_per_block(kind: int) -> int:

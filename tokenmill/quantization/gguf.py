@@ -214,8 +214,7 @@ class GGUFBlockMethod(LinearMethodBase):
             part = raw[row:row + rows, :GGUF_TYPES[name].row_bytes(K)]
             kernel = CPULinearKernel(GGUF_TYPES[name].served(self.int8_activations)[0].kind, 32,
                                      kernel_tensors(part, name, self.int8_activations))
-            if getattr(layer, "runs_gemm", True) and block_tiles.packs(kernel):
-                kernel = block_tiles.pack(kernel)  # Q8_0 and Q4_0 / Q4_1 blocks, on AMX CPUs
+            kernel = block_tiles.packed_for(layer, kernel)  # Q8_0, Q4_0 / Q4_1: VNNI builds
             for i, t in enumerate(kernel.tensors):
                 replace_param(layer, f"blocks_{p}_{i}", t.contiguous())
             row += rows
@@ -225,9 +224,7 @@ class GGUFBlockMethod(LinearMethodBase):
         while (t := getattr(layer, f"blocks_{p}_{len(tensors)}", None)) is not None:
             tensors.append(t)
         kind = GGUF_TYPES[name].served(self.int8_activations)[0].kind
-        if tensors[0].dim() == 3:  # packed for AMX-INT8 tiles (process_weights_after_loading)
-            kind = block_tiles.PACKED_KIND[kind]
-        return CPULinearKernel(kind, 32, tuple(tensors),
+        return CPULinearKernel(block_tiles.held_kind(kind, tensors[0]), 32, tuple(tensors),
                                self.int8_activations, None, self.batch_invariant)
 
     def cpu_kernel(self, layer: nn.Module) -> CPULinearKernel | None:
