@@ -62,7 +62,7 @@ def main() -> None:
         extra = {"load_format": "dummy"}
     (req,) = load_workload(model, "single-stream", 0)
     llm = LLM(model, quantization=args.quantization, **extra)
-    decode = llm.engine.runner.model.model.small_batch_decode
+    decode = llm.engine.runner.model.model.fused_layers
     print(describe_machine())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.rounds} rounds "
           f"of {args.tokens} tokens per way")

@@ -5,7 +5,7 @@
                                       [--quantization none|int8|gguf...] [--int8-activations]
                                       [--matmul-dtype auto|float32|bfloat16]
                                       [--kv-cache-dtype auto|bfloat16|int8|fp8]
-                                      [--json out.json]
+                                      [--json out.json] [--ops N]
 
 Scenarios (SmolLM2 in the default weight format unless --model / --quantization):
 - single:   one request, 128 prompt tokens, decode steps (batch 1);
@@ -17,10 +17,10 @@ Each scenario first times --steps steps without the profiler (the honest wall ti
 replays the same steps under the profiler (prefix caching off, so the replay does the same
 work) and splits them into the engine's named scopes (schedule,
 prepare_inputs, forward, logits, sample, process_outputs) and, inside forward, into GEMMs,
-attention and the rest (norms, RoPE, activations, copies). A small decode step whose layers
-run in one C++ call (models/cpu_decode.py) shows that call as forward.fused_layers (its GEMMs,
-attention and ops are not split); --no-fused-decode runs those steps through the modules,
-which the profiler can split.
+attention and the rest (norms, RoPE, activations, copies). A step whose layers run in one C++
+call (models/cpu_decode.py: by default every CPU step its kernels cover) shows that call as
+forward.fused_layers (its GEMMs, attention and ops are not split); --no-fused-decode runs those
+steps through the modules, which the profiler can split.
 """
 
 from __future__ import annotations
@@ -110,11 +110,13 @@ def run_scenario(llm: LLM, name: str, steps: int, vocab: int, special: set[int])
         for _ in range(steps):
             llm.engine.step()
     _drain(llm)
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     return {"scenario": name, "wall_ms_per_step": wall_ms,
-            "profiled_ms_per_step": breakdown(prof, steps)}
+            "profiled_ms_per_step": breakdown(prof, steps),
+            "top_ops_ms_per_step": {e.key: e.self_cpu_time_total / 1e3 / steps for e in ops[:30]}}
 
 
-def print_result(r: dict) -> None:
+def print_result(r: dict, top_ops: int = 0) -> None:
     b = r["profiled_ms_per_step"]
     total = sum(b[s] for s in SCOPES)
     print(f"\n{r['scenario']}: {r['wall_ms_per_step']:.1f} ms a step without the profiler; "
@@ -125,6 +127,10 @@ def print_result(r: dict) -> None:
             continue
         indent = "    " if key.startswith("forward.") else "  "
         print(f"{indent}{key:<22}{b[key]:>9.1f} ms {100 * b[key] / total:>6.1f}%")
+    if top_ops:
+        print("  ops by self time:")
+        for op, ms in list(r["top_ops_ms_per_step"].items())[:top_ops]:
+            print(f"    {op:<40}{ms:>9.2f} ms")
 
 
 def main() -> None:
@@ -136,19 +142,20 @@ def main() -> None:
     ap.add_argument("--no-prepack-weights", dest="prepack", action="store_false")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
     ap.add_argument("--no-fused-decode", dest="fused", action="store_false",
-                    help="small decode steps through the Python loop, not one C++ call")
+                    help="steps through the modules' Python loop, not one C++ call")
     ap.add_argument("--quantization", default=None,
                     help="weight format (tokenmill serve's --quantization); default: the model's")
     ap.add_argument("--int8-activations", action="store_true")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--matmul-dtype", default="auto")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ops", type=int, default=0, help="also print the N ops of most self time")
     args = ap.parse_args()
     llm = LLM(args.model, prepack_weights=args.prepack, attention_backend=args.attention_backend,
               enable_prefix_caching=False, quantization=args.quantization,
               int8_activations=args.int8_activations, kv_cache_dtype=args.kv_cache_dtype,
               matmul_dtype=args.matmul_dtype)
-    llm.engine.runner.model.model.small_batch_decode.enabled = args.fused
+    llm.engine.runner.model.model.fused_layers.enabled = args.fused
     tok = llm.get_tokenizer()
     vocab = llm.engine.config.model.vocab_size
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
@@ -160,7 +167,7 @@ def main() -> None:
     results = []
     for name in names:
         results.append(run_scenario(llm, name, args.steps, vocab, set(tok.all_special_ids)))
-        print_result(results[-1])
+        print_result(results[-1], args.ops)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

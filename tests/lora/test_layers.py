@@ -13,7 +13,7 @@ from tests.models.test_cpu_decode import _counting_fused_calls
 from tokenmill import LLM, LoRARequest, SamplingParams
 from tokenmill.layers import cpu_ops
 from tokenmill.lora.layers import LinearLoRA, LoRAStep, blocked_columns, expand
-from tokenmill.models.cpu_decode import SmallBatchDecode
+from tokenmill.models.cpu_decode import FusedLayers
 
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ kernels not built")
 
@@ -102,7 +102,7 @@ def test_the_fused_decode_call_adds_the_adapters_as_the_modules(adapters, monkey
     calls = _counting_fused_calls(monkeypatch)
     fast = run()
     assert {1, 3} <= set(calls)  # batch-3 and batch-1 decode steps with adapters took it
-    monkeypatch.setattr(SmallBatchDecode, "applies", lambda self, hidden, meta: False)
+    monkeypatch.setattr(FusedLayers, "applies", lambda self, hidden, meta: False)
     assert run() == fast
     assert [t for t, _ in fast] == [adapters.reference(n, p, 8)
                                     for n, p in zip(names + ["mlp16"], prompts, strict=True)]
@@ -113,7 +113,7 @@ def test_the_torch_ops_path_end_to_end(adapters, monkeypatch):
     from tokenmill.lora import layers
 
     monkeypatch.setattr(layers.cpu_ops, "fused", lambda x: False)
-    monkeypatch.setattr(SmallBatchDecode, "applies", lambda self, hidden, meta: False)
+    monkeypatch.setattr(FusedLayers, "applies", lambda self, hidden, meta: False)
     names = ["all4", None, "qv8", "all4", "ko2"]
     prompts = _prompts(len(names))
     llm = LLM(adapters.base_path, dtype="float32", enable_lora=True, max_loras=3,

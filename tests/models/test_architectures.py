@@ -36,7 +36,7 @@ def test_greedy_matches_hf_under_chunking_prefix_hits_and_preemption(tiny_model,
         assert type(engine.runner.backend).__name__.lower().startswith(ARCHITECTURES[kind])
         # the others' layers are not the fused call's (q/k norms, partial rotary, Gemma's
         # norms and mixed windows, Granite's multipliers)
-        plan = engine.runner.model.model.small_batch_decode._plan
+        plan = engine.runner.model.model.fused_layers._plan
         assert (plan is not None) == (kind in FUSED_DECODE)
         assert_kv_all_free(engine)
     finally:
@@ -103,7 +103,7 @@ def fused_then_modules(path: str, cases, monkeypatch) -> tuple[list, list]:
                         or real(*a))
     fused = run()
     assert calls
-    monkeypatch.setattr(cpu_decode.SmallBatchDecode, "applies", lambda *a: False)
+    monkeypatch.setattr(cpu_decode.FusedLayers, "applies", lambda *a: False)
     return fused, run()
 
 

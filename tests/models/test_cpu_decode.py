@@ -1,7 +1,8 @@
-"""The small-batch CPU decode path (models/cpu_decode.py) against the modules' own forward:
-the same greedy tokens and bitwise the same logprobs, for dense and quantized weights, taken
-exactly where it applies (layers stating only ops the call computes, plain decode steps),
-declining anything else."""
+"""The fused CPU layers call (models/cpu_decode.py) against the modules' own forward: the same
+greedy tokens and bitwise the same logprobs, for dense and quantized weights, taken exactly
+where it applies (layers stating only ops the call computes, steps of the CPU paged kernel,
+decodes and prefill chunks, no larger than every linear's stated kernel takes), declining
+anything else."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.conftest import assert_kv_all_free, hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers import cpu_ops
 from tokenmill.models import cpu_decode
-from tokenmill.models.cpu_decode import SmallBatchDecode
+from tokenmill.models.cpu_decode import FusedLayers
 
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
 
@@ -69,8 +70,9 @@ def test_same_outputs_as_module_path(kind, quantization, kv, tiny_model, tmp_pat
     single = [[rng.randrange(3, 49152) for _ in range(23)]]
     fused_calls = _counting_fused_calls(monkeypatch)
     fast = run(path, batch, quantization, kv) + run(path, single, quantization, kv)
-    assert set(fused_calls) >= {1, 3}  # batch-1 and batch-3 decode steps took the call
-    monkeypatch.setattr(SmallBatchDecode, "applies", lambda self, hidden, meta: False)
+    # batch-1 and batch-3 decode steps took the call, and so did the 23-token prefill step
+    assert set(fused_calls) >= {1, 3, 23}
+    monkeypatch.setattr(FusedLayers, "applies", lambda self, hidden, meta: False)
     assert run(path, batch, quantization, kv) + run(path, single, quantization, kv) == fast
     if quantization is None and kv == "auto":
         assert [t for t, _ in fast] == [hf_greedy(hf, p, 10) for p in batch + single]
@@ -104,8 +106,29 @@ def test_gelu_models_decode_through_the_fused_call(kind, tiny_model, tmp_path, m
     fast = run(path, prompts[:2]) + run(path, prompts[2:3]) + run(path, prompts[3:])
     assert 1 in calls and 2 in calls  # batch-1 and batch-2 decode steps took the call
     assert [t for t, _ in fast] == [hf_greedy(hf, p, 10) for p in prompts]
-    monkeypatch.setattr(SmallBatchDecode, "applies", lambda self, hidden, meta: False)
+    monkeypatch.setattr(FusedLayers, "applies", lambda self, hidden, meta: False)
     assert run(path, prompts[:2]) + run(path, prompts[2:3]) + run(path, prompts[3:]) == fast
+
+
+def test_steps_a_stated_kernel_does_not_take_run_the_modules(tiny_model, monkeypatch):
+    """Without batch invariance a float32 weight goes through the C++ kernel it states only in
+    steps of up to cpu_ops.SMALL_M rows (larger ones take oneDNN's prepacked copy): the call
+    takes the decode steps and leaves the 21-token prefill to the modules; batch-invariant,
+    the same model's prefill takes the call. Greedy output is HF's either way."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model("llama")[0]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [list(range(40, 61)), list(range(70, 73))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    calls = _counting_fused_calls(monkeypatch)
+    for invariant in (False, True):
+        calls.clear()
+        llm = LLM(path, batch_invariant=invariant)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]
+        assert 2 in calls  # the decode steps of both
+        assert (max(calls) > cpu_ops.SMALL_M) == invariant, calls
 
 
 def test_a_subclass_that_redefines_forward_states_nothing(tiny_model):
@@ -124,14 +147,14 @@ def test_a_subclass_that_redefines_forward_states_nothing(tiny_model):
 
     llm = LLM(tiny_model("llama")[0])
     model = llm.engine.runner.model.model
-    assert model.small_batch_decode._plan is not None
+    assert model.fused_layers._plan is not None
     mlp = model.layers[1].mlp
     mlp.__class__ = SameMLP
     assert spec_of(mlp) is not None
-    assert SmallBatchDecode(model.layers, model.rotary_embs)._plan is not None
+    assert FusedLayers(model.layers, model.rotary_embs)._plan is not None
     mlp.__class__ = ScaledMLP
     assert spec_of(mlp) is None and spec_of(model.layers[1]) is None
-    assert SmallBatchDecode(model.layers, model.rotary_embs)._plan is None
+    assert FusedLayers(model.layers, model.rotary_embs)._plan is None
 
 
 def test_a_spec_the_call_does_not_compute_makes_it_decline(tiny_model, monkeypatch):
@@ -163,7 +186,7 @@ def test_a_spec_the_call_does_not_compute_makes_it_decline(tiny_model, monkeypat
         layer.mlp.act_fn = ReluSquaredAndMul()
     made_up = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert calls == []  # every decode step declined the call
-    assert llm.engine.runner.model.model.small_batch_decode._plan is None
+    assert llm.engine.runner.model.model.fused_layers._plan is None
     plain = [o.outputs[0] for o in LLM(path).generate(prompts, params, use_tqdm=False)]
     assert calls  # the same model with SiLU takes it
     # the modules computed the made-up activation: other logits than SiLU's
@@ -229,7 +252,7 @@ def _tp_rank_main(rank: int, world: int, path: str, init: str, shm_path: str, q)
                              runner.block_size, runner.device)
     meta = runner.backend.build_metadata(batch)
     model = runner.model
-    fused_path = model.model.small_batch_decode
+    fused_path = model.model.fused_layers
     with torch.inference_mode():
         applies = fused_path.applies(model.model.embed_tokens(batch.input_ids), meta)
         fused = model(batch.input_ids, batch.positions, meta)
@@ -277,7 +300,7 @@ def test_the_runner_not_the_model_attaches_the_fused_call(tiny_model):
 
     path = tiny_model("llama")[0]
     model = load_model(engine_config(path).model, torch.device("cpu"))
-    assert model.model.small_batch_decode is None
+    assert model.model.fused_layers is None
     runner_model = LLM(path).engine.runner.model
-    assert isinstance(runner_model.model.small_batch_decode, SmallBatchDecode)
-    assert runner_model.model.small_batch_decode._plan is not None
+    assert isinstance(runner_model.model.fused_layers, FusedLayers)
+    assert runner_model.model.fused_layers._plan is not None

@@ -88,7 +88,7 @@ def test_mixtral_greedy_is_identical_to_hf(tiny_model, tp):
         engine = llm.engine
         assert engine.scheduler.num_preemptions > 0 and engine.kv.prefix_hits > 0
         if tp == 1:  # the MoE block states its op: the fused CPU decode call runs it
-            assert engine.runner.model.model.small_batch_decode._plan is not None
+            assert engine.runner.model.model.fused_layers._plan is not None
     finally:
         llm.engine.shutdown()
     assert got == [hf_greedy(hf, p, m) for p, m in cases + cases[-1:]]

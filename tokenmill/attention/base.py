@@ -17,7 +17,7 @@ Contract:
   (`features`: e.g. a windowed model plans no cascades, whose shared prefix could lie outside a
   window).
 - Hooks for code outside the backends, instead of reading its metadata: `fused_decode_queries`
-  (can this step go through the fused small-batch decode call, and with which queries) and
+  (can this step go through the fused CPU layers call, and with which queries) and
   `decode_graph_state` (static buffers and padding for decode steps replayed as CUDA graphs).
   Both default to "not supported": a backend opts in by implementing them.
 """
@@ -93,7 +93,7 @@ class AttentionBackend(ABC):
 
     def fused_decode_queries(self, meta: AttentionMetadata, num_tokens: int) -> Any | None:
         """When every one of the step's `num_tokens` queries can go to the CPU paged-attention
-        kernel (csrc/paged_attention_cpu.h) from inside the fused small-batch decode call
+        kernel (csrc/paged_attention_cpu.h) from inside the fused CPU layers call
         (models/cpu_decode.py), which runs that kernel itself: the kernel's queries; else
         None. Default: never (a backend without that kernel keeps its own forward)."""
         return None

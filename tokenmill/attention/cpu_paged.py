@@ -115,6 +115,6 @@ class CPUPagedAttention(AttentionBackend):
 
     def fused_decode_queries(self, meta: CPUAttentionMetadata,
                              num_tokens: int) -> PagedQueries | None:
-        """Every step's queries go to the kernel: the fused small-batch decode call
-        (models/cpu_decode.py) may run it itself."""
+        """Every step's queries (decodes and prefill chunks) go to the kernel: the fused CPU
+        layers call (models/cpu_decode.py) may run it itself."""
         return meta.paged

@@ -1,18 +1,20 @@
-// All decoder layers of a small decode step (1-4 tokens) in one C++ call.
+// All decoder layers of a CPU step (decodes and prefill chunks) in one C++ call.
 //
 // At batch 1 a layer's math is its four weight reads and a little vector work; called op by
 // op from Python, each layer also paid about 80 us of interpreter, binding and dispatch cost
-// (2.5 ms a step over 30 layers, benchmarks/RESULTS.md). This runs the same ops as the
+// (2.5 ms a step over 30 layers, benchmarks/RESULTS.md), and at 64 decodes about 150 us while
+// the second core waited (8-12% of the step). This runs the same ops as the
 // modules' forward, in the same order and with the same kernels (cpu_ops.h, linear_cpu.h,
 // paged_attention_cpu.h), so its results are bitwise equal to the modules'
-// (tests/models/test_cpu_decode.py). Each linear layer comes as its quantization method's
+// (tests/models/test_cpu_decode.py) at every step size the caller admits (each linear
+// layer's method takes the same kernel at that size). Each linear layer comes as its quantization method's
 // descriptor (kind, group, tensors): any weight format `linear` knows runs here unchanged.
 //
 // What it computes is a fixed set of ops, `kOps` below, published to Python as OPS: the
 // caller (models/cpu_decode.py) builds its plan from what each module states it computes
 // (layers/op_spec.py) and runs this call only when every stated op and variant is in the set;
 // anything else runs the modules. The caller also guarantees float32 activations and a step
-// whose every query goes to the paged-attention kernel (no cascade, no prefill chunk).
+// whose every query (a decode's or a prefill chunk's) goes to the paged-attention kernel.
 //
 // Per layer ("pre_norm_block"), with hidden (T, H) and residual (T, H):
 //   h, residual = add_rms_norm(hidden, residual, in_norm)   (layer 0: rms_norm, residual = x)
@@ -117,8 +119,8 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> decode_layers(
   TORCH_CHECK(qk_norms.empty() || qk_norms.size() == 2 * L,
               "decode_layers: q and k norms for every layer, or none");
   TORCH_CHECK(clip_qkv == 0 || clip_qkv > 0, "decode_layers: clip_qkv > 0, or 0 for none");
-  TORCH_CHECK(hidden.dim() == 2 && hidden.size(0) >= 1 && hidden.size(0) <= 4,
-              "decode_layers takes 1 to 4 tokens");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.size(0) >= 1,
+              "decode_layers takes (tokens, hidden), 1 token or more");
   const int64_t T = hidden.size(0), Hq = num_heads, Hkv = num_kv_heads, D = head_dim;
   const int64_t H = hidden.size(1);
   torch::Tensor residual;
@@ -193,7 +195,7 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t> decode_layers(
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released: a server's event loop keeps running during the step.
-  m.def("decode_layers", &decode_layers, "all decoder layers of a 1-4 token decode step",
+  m.def("decode_layers", &decode_layers, "all decoder layers of a CPU step",
         py::call_guard<py::gil_scoped_release>());
   m.attr("OPS") = py::cast(kOps);
   // An MoE layer's experts as the call takes them (the same class as cpu_ops'; this

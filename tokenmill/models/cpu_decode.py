@@ -1,13 +1,14 @@
-"""Small-batch decode on CPU: all decoder layers of a 1-4 token step in one C++ call.
+"""The decoder layers of a CPU step in one C++ call.
 
-A decode step of a few tokens reads each weight once (about 22 ms for SmolLM2 in float32 on a
-2-core machine), and the layers' own ops cost little; through the modules, each of the 30
-layers also pays about 150 µs of Python (ten module calls, wrappers, checks). The C++ call
-(csrc/decode_layers_cpu.cpp) runs the same ops in the same order with the same kernels and
-releases the GIL while it runs; each linear layer's weight comes from its quantization
-method object (`cpu_kernel`: dense float32, Q8_0, 4-bit blocks), so every weight format the
-methods know takes this path and none is written twice. Results are bitwise equal to the
-modules' forward (tests/models/test_cpu_decode.py).
+Called op by op from Python, each of a layer's ten module calls pays its interpreter, wrapper
+and check cost: about 150 µs a layer, 4.5 ms a step over SmolLM2's 30 layers, while the
+second core waits (a single-stream decode step reads its weights in about 22 ms in float32;
+a 64-sequence decode step took 8-12% less time in one call, benchmarks/RESULTS.md). The C++
+call (csrc/decode_layers_cpu.cpp) runs the same ops in the same order with the same kernels
+and releases the GIL while it runs; each linear layer's weight comes from its quantization
+method object (`cpu_kernel`: dense float32, half precision, Q8_0, 4-bit blocks, K-quants), so
+every weight format the methods know takes this path and none is written twice. Results are
+bitwise equal to the modules' forward (tests/models/test_cpu_decode.py).
 
 What it runs is what the modules state they compute (layers/op_spec.py), never what their
 types suggest: the plan is built from each layer's `OpSpec` tree and the model's RoPE table,
@@ -19,12 +20,15 @@ biases, LoRA adapter slots (a step's rows' deltas: csrc/lora_cpu.h, as lora/laye
 them) and the shared-memory all-reduce, a gated MLP with SiLU, GELU or GELU-tanh, or a mixture
 of experts: a router, then the experts' C++ loop of layers/fused_moe.py, and a shared expert
 where the block has one), for float32 activations on CPU, with all layers alike in what the
-call takes once (heads, eps, scale, window, backend) and a step whose every query goes to the
-CPU paged-attention kernel (the attention backend says so through `fused_decode_queries`).
+call takes once (heads, eps, scale, window, backend), a step whose every query goes to the
+CPU paged-attention kernel (the attention backend says so through `fused_decode_queries`:
+decodes and prefill chunks alike), and at most as many rows as every linear layer's method
+multiplies through the kernel it states (`CPULinearKernel.max_rows`: a float32 weight
+without batch invariance takes oneDNN above 4 rows, so those steps run the modules).
 Anything else (another op, a variant, a subclass that redefines a forward) runs the modules,
 whose layers call the same kernels through the same method objects.
 
-The runner attaches it (`attach_fused_decode`, worker/model_runner.py and the draft model's
+The runner attaches it (`attach_fused_layers`, worker/model_runner.py and the draft model's
 runner): a model declares its layers and never builds or picks a fast path itself.
 """
 
@@ -95,21 +99,21 @@ class _Plan:
     window: int | None  # every layer's sliding window (Mistral), or None
     rope_key: str  # the one RoPE table all layers read
     lora_step: Any  # the step's rows by adapter (lora/layers.py LoRAStep), or None
+    max_rows: int | None  # the most rows every linear layer's stated kernel takes; None: any
 
 
-def attach_fused_decode(model: nn.Module, device: torch.device) -> None:
+def attach_fused_layers(model: nn.Module, device: torch.device) -> None:
     """Give a model's decoder stack (LlamaModel and the stacks built on it) the fused call on
     its layers, on CPU; the call itself declines at its first step what it does not compute."""
     stack = getattr(model, "model", None)
-    if device.type != "cpu" or not hasattr(stack, "small_batch_decode"):
+    if device.type != "cpu" or not hasattr(stack, "fused_layers"):
         return
     here = stack.layer_range
-    stack.small_batch_decode = SmallBatchDecode(stack.layers[here.start:here.stop],
-                                                stack.rotary_embs)
+    stack.fused_layers = FusedLayers(stack.layers[here.start:here.stop], stack.rotary_embs)
 
 
-class SmallBatchDecode:
-    """The decoder layers of a model, run for a small decode batch (see module doc)."""
+class FusedLayers:
+    """The decoder layers of a model, run for a CPU step in one call (see module doc)."""
 
     def __init__(self, layers: nn.ModuleList, rotary_embs: nn.ModuleDict) -> None:
         self.layers = layers
@@ -117,8 +121,9 @@ class SmallBatchDecode:
         self.enabled = True  # off: the modules (benchmarks/decode_paths.py compares them)
 
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
-        if not (self.enabled and 0 < hidden.shape[0] <= cpu_ops.SMALL_M
-                and cpu_ops.fused(hidden) and self._plan is not None):
+        rows = hidden.shape[0]
+        if not (self.enabled and rows > 0 and cpu_ops.fused(hidden) and self._plan is not None
+                and (self._plan.max_rows is None or rows <= self._plan.max_rows)):
             return False
         return self._queries(meta, hidden.shape[0]) is not None
 
@@ -243,7 +248,10 @@ def _plan_of(specs: list[OpSpec]) -> _Plan | None:
                  eps=eps, scale=first["scale"],
                  comm=attn[0].parts["o_proj"].params["comm"] if _split(attn[0]) else None,
                  window=first["window"], rope_key=specs[0].params["rope_key"],
-                 lora_step=next(iter(steps.values()), None))
+                 lora_step=next(iter(steps.values()), None),
+                 max_rows=min((k.max_rows for spec in linear_specs
+                               if (k := spec.params["kernel"]).max_rows is not None),
+                              default=None))
 
 
 def _experts_args(spec: OpSpec) -> tuple[Any, int, bool]:

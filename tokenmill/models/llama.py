@@ -189,10 +189,10 @@ class LlamaModel(nn.Module):
         self.rotary_embs = nn.ModuleDict({
             key: RotaryEmbedding(head_dim, config.max_position_embeddings, config, key)
             for key in sorted({rope_key(config, i) for i in here})})
-        # The same layers for a CPU decode step of a few tokens, in one C++ call, where it
-        # computes everything they state: set by the runner (models/cpu_decode.py
-        # attach_fused_decode); None runs the modules
-        self.small_batch_decode: Any = None
+        # The same layers for a CPU step in one C++ call, where it computes everything they
+        # state: set by the runner (models/cpu_decode.py
+        # attach_fused_layers); None runs the modules
+        self.fused_layers: Any = None
 
     def local_layers(self) -> Iterator[nn.Module]:
         """This stage's decoder layers, in order."""
@@ -214,7 +214,7 @@ class LlamaModel(nn.Module):
         residual = None
         # rope key → cos, sin (T, 1, D)
         tables = {key: emb(positions, hidden.dtype) for key, emb in self.rotary_embs.items()}
-        fused = self.small_batch_decode
+        fused = self.fused_layers
         if fused is not None and fused.applies(hidden, meta):
             hidden, residual = fused.run(hidden, tables, meta)
         else:

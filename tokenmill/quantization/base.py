@@ -77,6 +77,14 @@ class CPULinearKernel:
     # a request's result does not depend on its neighbours. False: the fastest kernel for
     # each M (EngineConfig.batch_invariant).
     batch_invariant: bool = True
+    # The method multiplies through this kernel only in steps of at most this many rows (a
+    # float32 weight without batch invariance: larger steps take oneDNN's prepacked copy);
+    # None: in every step. The fused CPU layers call (models/cpu_decode.py) reads it too.
+    max_rows: int | None = None
+
+    def runs(self, rows: int) -> bool:
+        """Whether the method takes this kernel for a step of `rows` rows."""
+        return self.max_rows is None or rows <= self.max_rows
 
     def as_args(self) -> tuple[int, int, list[torch.Tensor], bool, torch.Tensor | None, bool]:
         return (self.kind, self.group, list(self.tensors), self.int8_activations,

@@ -101,16 +101,14 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if w.dtype != torch.float32:
             return None
         return CPULinearKernel(CPULinearKernel.DENSE, 0, (w,),
-                               batch_invariant=self.batch_invariant)
+                               batch_invariant=self.batch_invariant,
+                               max_rows=None if self.batch_invariant else cpu_ops.SMALL_M)
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        small = x.shape[0] <= cpu_ops.SMALL_M
-        half = self.weight_dtype is not None and layer.weight.dtype == self.weight_dtype
-        if (self.batch_invariant or small or half) and x.shape[0] > 0 and cpu_ops.fused(x):
-            kernel = self.cpu_kernel(layer)
-            if kernel is not None:
-                return cpu_ops.linear(x, kernel, bias)
+        kernel = self.cpu_kernel(layer) if x.shape[0] > 0 and cpu_ops.fused(x) else None
+        if kernel is not None and kernel.runs(x.shape[0]):
+            return cpu_ops.linear(x, kernel, bias)
         if layer.packed_weight is not None:
             return packed_linear(x, layer.packed_weight, bias)
         return F.linear(x, dense_weight(layer.weight), bias)

@@ -37,7 +37,7 @@ from tokenmill.layers import cpu_ops
 from tokenmill.layers.sampler import Sampler
 from tokenmill.layers.sampling_batch import SamplingBatch
 from tokenmill.model_loader.loader import load_model
-from tokenmill.models.cpu_decode import attach_fused_decode
+from tokenmill.models.cpu_decode import attach_fused_layers
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.utils.huge_pages import move_parameters_to_huge_pages
 
@@ -65,7 +65,7 @@ class DraftModelProposer:
                  batch_invariant: bool = True) -> None:
         self.config, self.block_size, self.device = config, block_size, device
         self.model = load_model(config, device, prepack=prepack, batch_invariant=batch_invariant)
-        attach_fused_decode(self.model, device)
+        attach_fused_layers(self.model, device)
         if device.type == "cpu":
             move_parameters_to_huge_pages(self.model)
         self.kv_cache = allocate_kv_cache(config.num_layers, num_blocks, block_size,

@@ -49,7 +49,7 @@ from tokenmill.layers.sampler import Sampler, gather_logprobs
 from tokenmill.layers.token_bitmask import apply_token_bitmask_
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.model_loader.loader import load_model
-from tokenmill.models.cpu_decode import attach_fused_decode
+from tokenmill.models.cpu_decode import attach_fused_layers
 from tokenmill.spec_decode.cost_model import measure_spec_costs
 from tokenmill.spec_decode.draft_model import DraftModelProposer
 from tokenmill.spec_decode.policy import SpecCosts
@@ -117,7 +117,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = load_model(mc, self.device, self.ps, prepack=config.prepack_weights,
                                 batch_invariant=config.batch_invariant)
-        attach_fused_decode(self.model, self.device)
+        attach_fused_layers(self.model, self.device)
         # this rank's share of the KV heads (all of them at tp 1), for its stage's layers
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads
         self.num_layers = len(self.model.attention_layers())
