@@ -15,6 +15,7 @@ vLLM's single-stream figure is its decode rate after the first token, as tokenmi
 time of a 1-token run of the same prompt is taken off the full run's.
 
     python benchmarks/checkpoint_formats.py FOLDER --formats auto,float32,model.Q4_1.gguf
+        [--workloads uniform,mixed] [--vllm-python PYTHON | --no-vllm]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -37,7 +39,6 @@ def write_bf16_folder(gguf_path: str, out: str) -> str:
     """A GGUF model written as a Hugging Face folder in bfloat16 (its float32 expansion rounded
     to bf16, as a bf16 checkpoint of it would hold), with its config, tokenizer and chat
     template: the form vLLM-CPU and the bf16 paths take. Returns `out`."""
-    import shutil
     from pathlib import Path
 
     import torch
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--vllm-python", default=sys.executable,
                    help="the Python of a venv with vLLM's CPU build (default: this one)")
+    p.add_argument("--no-vllm", action="store_true", help="tokenmill's formats only")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     workloads = args.workloads.split(",")
@@ -176,8 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(tokenmill.__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
-    for fmt in [*args.formats.split(","), "vllm"]:
+    for fmt in [*args.formats.split(","), *([] if args.no_vllm else ["vllm"])]:
         python = args.vllm_python if fmt == "vllm" else sys.executable
+        if shutil.which(python) is None:
+            print(f"{fmt}: no Python at {python}; skipped")
+            continue
         out = subprocess.run([python, "-m", "tokenmill.bench.checkpoint_formats",
                               args.folder, "--child", fmt, "--workloads", args.workloads],
                              capture_output=True, text=True,
