@@ -3,12 +3,12 @@
 // At batch 1 a layer's math is its four weight reads and a little vector work; called op by
 // op from Python, each layer also paid about 80 us of interpreter, binding and dispatch cost
 // (2.5 ms a step over 30 layers, benchmarks/RESULTS.md), and at 64 decodes about 150 us while
-// the second core waited (8-12% of the step). This runs the same ops as the
-// modules' forward, in the same order and with the same kernels (cpu_ops.h, linear_cpu.h,
-// paged_attention_cpu.h), so its results are bitwise equal to the modules'
-// (tests/models/test_cpu_decode.py) at every step size the caller admits (each linear
-// layer's method takes the same kernel at that size). Each linear layer comes as its quantization method's
-// descriptor (kind, group, tensors): any weight format `linear` knows runs here unchanged.
+// the second core waited (6-19% of the step). This runs the same ops as the modules' forward,
+// in the same order and with the same kernels (cpu_ops.h, linear_cpu.h, paged_attention_cpu.h),
+// so its results are bitwise equal to the modules' (tests/models/test_cpu_decode.py) at every
+// step size the caller admits (each linear layer's method takes the same kernel at that
+// size). Each linear layer comes as its quantization method's descriptor (kind, group,
+// tensors): any weight format `linear` knows runs here unchanged.
 //
 // What it computes is a fixed set of ops, `kOps` below, published to Python as OPS: the
 // caller (models/cpu_decode.py) builds its plan from what each module states it computes

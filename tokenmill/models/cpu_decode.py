@@ -3,7 +3,7 @@
 Called op by op from Python, each of a layer's ten module calls pays its interpreter, wrapper
 and check cost: about 150 µs a layer, 4.5 ms a step over SmolLM2's 30 layers, while the
 second core waits (a single-stream decode step reads its weights in about 22 ms in float32;
-a 64-sequence decode step took 8-12% less time in one call, benchmarks/RESULTS.md). The C++
+a 64-sequence decode step took 6-19% less time in one call, benchmarks/RESULTS.md). The C++
 call (csrc/decode_layers_cpu.cpp) runs the same ops in the same order with the same kernels
 and releases the GIL while it runs; each linear layer's weight comes from its quantization
 method object (`cpu_kernel`: dense float32, half precision, Q8_0, 4-bit blocks, K-quants), so
@@ -125,7 +125,7 @@ class FusedLayers:
         if not (self.enabled and rows > 0 and cpu_ops.fused(hidden) and self._plan is not None
                 and (self._plan.max_rows is None or rows <= self._plan.max_rows)):
             return False
-        return self._queries(meta, hidden.shape[0]) is not None
+        return self._queries(meta, rows) is not None
 
     def _queries(self, meta: AttentionMetadata, num_tokens: int) -> Any | None:
         """The attention kernel's queries for this step, when its backend lets the fused call

@@ -190,8 +190,8 @@ class LlamaModel(nn.Module):
             key: RotaryEmbedding(head_dim, config.max_position_embeddings, config, key)
             for key in sorted({rope_key(config, i) for i in here})})
         # The same layers for a CPU step in one C++ call, where it computes everything they
-        # state: set by the runner (models/cpu_decode.py
-        # attach_fused_layers); None runs the modules
+        # state: set by the runner (models/cpu_decode.py attach_fused_layers); None runs the
+        # modules
         self.fused_layers: Any = None
 
     def local_layers(self) -> Iterator[nn.Module]:
