@@ -20,14 +20,14 @@ import torch
 from tests.attention.test_paged_backends import (
     BACKENDS,
     MIXED,
+    assert_attention_close,
     build_step,
-    dense_reference,
     kernel_device,
     needs_kernel,
     needs_triton,
     run,
 )
-from tokenmill.attention.cpu_kernels import paged_attention_op
+from tokenmill.attention.cpu_kernels import bf16_on_tiles, paged_attention_op
 from tokenmill.attention.kv_cache import (
     allocate_kv_cache,
     as_float,
@@ -176,11 +176,17 @@ def run_quantized(backend_name, bs, cache, scales, batch, q, k_new, v_new):
     return run(backend_name, bs, cache, batch, q, k_new, v_new, kv_scales=scales)
 
 
-def check_against_dense(out, batch, q, full_k, full_v, d):
+def check_against_dense(out, batch, q, full_k, full_v, d, on_tiles=False):
+    """on_tiles: the kernel attended a bfloat16 cache on the AMX tile unit (q and p rounded)."""
     for i in range(len(batch.query_lens)):
         s, e = batch.query_start_locs[i], batch.query_start_locs[i + 1]
-        ref = dense_reference(q[s:e], full_k[i], full_v[i], d ** -0.5)
-        torch.testing.assert_close(out[s:e], ref, atol=1e-5, rtol=1e-5)
+        assert_attention_close(out[s:e], q[s:e], full_k[i], full_v[i], d ** -0.5, on_tiles)
+
+
+def kernel_on_tiles(fmt, d, module=None):
+    """Whether the C++ kernel (the runtime build's, or `module`'s) attends this cache on tiles."""
+    on = module.bf16_on_tiles(d) if module is not None else bf16_on_tiles(d)
+    return fmt == "bfloat16" and on
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -197,7 +203,8 @@ def test_every_backend_reads_the_quantized_cache(backend, fmt, shape):
     meta, out = run_quantized(backend, bs, cache, scales, batch, q, k_new, v_new)
     if backend == "cpu":  # every query went to the kernel
         assert meta.paged.seq_rows.numel() == batch.num_tokens
-    check_against_dense(out, batch, q, full_k, full_v, d)
+    check_against_dense(out, batch, q, full_k, full_v, d,
+                        backend == "cpu" and kernel_on_tiles(fmt, d))
 
 
 @needs_kernel
@@ -213,7 +220,8 @@ def test_cpu_kernel_bf16_keys_transposed_for_every_group_size(shape):
     step = quantized_step("bfloat16", shape, seqs, shared_prefix=4 * bs, seed=3)
     cache, scales, batch, q, k_new, v_new, full_k, full_v = step
     _, out = run_quantized("cpu", bs, cache, scales, batch, q, k_new, v_new)
-    check_against_dense(out, batch, q, full_k, full_v, shape[3])
+    check_against_dense(out, batch, q, full_k, full_v, shape[3],
+                        kernel_on_tiles("bfloat16", shape[3]))
 
 
 @needs_kernel
@@ -255,7 +263,7 @@ def test_cpu_kernel_long_decodes_and_batch(fmt, cached):
     cache, scales, batch, q, k_new, v_new, full_k, full_v = quantized_step(fmt, shape, seqs,
                                                                            seed=5)
     _, out = run_quantized("cpu", 16, cache, scales, batch, q, k_new, v_new)
-    check_against_dense(out, batch, q, full_k, full_v, 64)
+    check_against_dense(out, batch, q, full_k, full_v, 64, kernel_on_tiles(fmt, 64))
 
 
 def test_bad_formats_are_refused():
@@ -289,8 +297,9 @@ def test_every_kernel_build_this_cpu_runs_reads_it(fmt, shape):
     for i, (c, _) in enumerate(seqs):
         store_kv(cache, full_k[i][c:], full_v[i][c:], batch.slot_mapping[i:i + 1], scales)
     for isa in runnable_isas():
-        op = importlib.import_module(f"tokenmill._C.paged_attention_cpu_{isa}").paged_attention
+        module = importlib.import_module(f"tokenmill._C.paged_attention_cpu_{isa}")
+        op = module.paged_attention
         rows = torch.arange(len(seqs))
         out, _ = op(q, cache[0], cache[1], batch.block_tables, rows, torch.zeros_like(rows),
                     batch.seq_lens_t, d ** -0.5, scales)
-        check_against_dense(out, batch, q, full_k, full_v, d)
+        check_against_dense(out, batch, q, full_k, full_v, d, kernel_on_tiles(fmt, d, module))

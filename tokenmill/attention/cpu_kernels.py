@@ -20,3 +20,11 @@ def paged_attention_op() -> Callable[..., torch.Tensor] | None:
     attends cached tokens [start_lens[n], ctx_lens[n]); None if the kernel is unavailable."""
     module = load_cpu_extension("paged_attention_cpu")
     return None if module is None else module.paged_attention
+
+
+def bf16_on_tiles(head_size: int) -> bool:
+    """Whether the kernel attends a bfloat16 cache with heads of `head_size` on the AMX tile unit,
+    rounding q and the softmax's p to bfloat16 (csrc/paged_attention_amx.h): CPUs with AMX-BF16,
+    heads of 64 or 128, unless TOKENMILL_AMX=0."""
+    module = load_cpu_extension("paged_attention_cpu")
+    return module is not None and module.bf16_on_tiles(head_size)

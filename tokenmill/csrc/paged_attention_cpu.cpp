@@ -9,4 +9,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("kv_scales") = py::none(), py::arg("soft_cap") = 0.0,
         py::arg("split_keys") = 0,
         py::call_guard<py::gil_scoped_release>());  // (the event loop runs meanwhile)
+  m.def("bf16_on_tiles", [](int64_t head_size) { return on_tiles(KVFormat::kBf16, head_size); },
+        "whether a bfloat16 cache with heads of this size is attended on the AMX tile unit "
+        "(q and p rounded to bfloat16: paged_attention_amx.h)", py::arg("head_size"));
 }

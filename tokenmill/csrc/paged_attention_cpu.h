@@ -51,10 +51,6 @@ struct KeyChunks {
   }
 };
 
-// Up to this many consecutive query rows (one sequence's, or sequences' sharing cached
-// blocks) form a work item (attend_group).
-constexpr int64_t kGroupRows = 16;
-
 // A work item's buffers: each row's running state, a later chunk's state, the rows' shares.
 struct GroupBuffers {
   std::vector<float> acc, mx, sum, run, run_max, run_sum;
@@ -147,6 +143,15 @@ inline bool keys_transposed(KVFormat fmt, int64_t D, int64_t G) {
 #endif
 }
 
+// Whether a cache of this format and head size is attended on the AMX tile unit.
+inline bool on_tiles(KVFormat fmt, int64_t D) {
+#ifdef TM_ATTENTION_AMX
+  return attention_amx::applies(fmt == KVFormat::kBf16, D);
+#else
+  return false;
+#endif
+}
+
 inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cache,
                                            torch::Tensor v_cache, torch::Tensor block_tables,
                                            torch::Tensor seq_rows, torch::Tensor start_lens,
@@ -173,7 +178,7 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
                     lens.data_ptr<int64_t>(), kv_head_scales(fmt, kv_scales, Hkv), fmt, Hq, Hkv,
                     Hq / Hkv, D, bs, tables.size(1), kv_row_bytes(fmt, D),
                     static_cast<float>(scale), static_cast<float>(soft_cap),
-                    keys_transposed(fmt, D, Hq / Hkv)};
+                    keys_transposed(fmt, D, Hq / Hkv), on_tiles(fmt, D)};
   auto out = torch::empty_like(q);
   auto lse = torch::empty({N, Hq}, q.options());
   int64_t longest = 0;

@@ -6,6 +6,7 @@
 // its own, whatever other rows walk the same keys with it.
 #pragma once
 #include "kv_formats.h"
+#include "paged_attention_amx_walk.h"
 #include "paged_attention_keys_t.h"
 #include "paged_attention_rows.h"
 #include "vec_utils.h"
@@ -24,11 +25,18 @@ struct PagedArgs {
   int64_t Hq, Hkv, G, D, bs, max_blocks, row_bytes;
   float scale, cap;
   bool keys_t;  // bf16 keys read transposed (paged_attention_keys_t.h), else row-major
+  bool tiles;   // bf16 on the AMX tile unit (paged_attention_amx.h): every row, keys_t unused
 };
 
 constexpr int64_t kTileKeys = 64;  // keys of a tile of the online softmax
+// Up to this many consecutive query rows (one sequence's, or sequences' sharing cached
+// blocks) form a work item (attend_group).
+constexpr int64_t kGroupRows = 16;
 #ifdef TM_ATTENTION_KEYS_T
 static_assert(kTileKeys == attention_keys_t::kTileKeys, "one tile size");
+#endif
+#ifdef TM_ATTENTION_AMX
+static_assert(kTileKeys == attention_amx::kKeys, "one tile size");
 #endif
 
 // One query row's share of a group walking the same keys (attend_keys): its row, its keys'
@@ -46,12 +54,27 @@ struct PagedScratch {
   std::vector<int64_t> key_rows;      // keys_t: each key's first row (head h0) in the cache
   std::vector<const void*> ahead;     // direct: the next tile's cache lines, to prefetch
   std::vector<RowState> run;          // attend_runs: the rows of one run
+#ifdef TM_ATTENTION_AMX
+  // tiles: the buffers of paged_attention_amx.h, and an item's columns (query row, query head)
+  attention_amx::Scratch* tiles = nullptr;
+  std::vector<const float*> cols_q;
+  std::vector<float*> cols_mx, cols_sum, cols_acc;
+#endif
   PagedScratch(const PagedArgs& a, int64_t heads, int64_t tile)
-      : scores(heads * a.G * tile),
-        kbuf(a.fmt == KVFormat::kFloat32 || a.keys_t ? 0 : tile * heads * a.D),
-        vbuf(a.fmt == KVFormat::kFloat32 ? 0 : tile * heads * a.D), corr(heads * a.G),
-        kT(a.keys_t ? heads * a.D * tile : 0), krows(tile), vrows(tile), kraw(tile),
-        vraw(tile), key_rows(tile) {}
+      : scores(a.tiles ? 0 : heads * a.G * tile),  // (tiles: their own buffers)
+        kbuf(a.fmt == KVFormat::kFloat32 || a.keys_t || a.tiles ? 0 : tile * heads * a.D),
+        vbuf(a.fmt == KVFormat::kFloat32 || a.tiles ? 0 : tile * heads * a.D),
+        corr(heads * a.G), kT(a.keys_t && !a.tiles ? heads * a.D * tile : 0), krows(tile),
+        vrows(tile), kraw(tile),
+        vraw(tile), key_rows(tile) {
+#ifdef TM_ATTENTION_AMX
+    if (!a.tiles) return;
+    const int64_t columns = kGroupRows * a.G;  // per KV head, at most
+    tiles = &attention_amx::Scratch::of_thread(heads, (columns + 15) / 16, a.D);
+    cols_q.resize(heads * columns), cols_mx.resize(heads * columns);
+    cols_sum.resize(heads * columns), cols_acc.resize(heads * columns);
+#endif
+  }
 };
 
 // Asks for the K and V rows (heads [h0, h0 + heads), from cache row `row`) of one cached
@@ -207,6 +230,51 @@ static void load_tile(const PagedArgs& a, PagedScratch& s, const int64_t* table,
 #endif
 }
 
+#ifdef TM_ATTENTION_AMX
+// attend_keys on the tile unit (paged_attention_amx.h): the rows' columns (query row, query
+// head) per KV head, each tile of keys read where it lies in the cache.
+static void attend_keys_tiles(const PagedArgs& a, PagedScratch& s, const RowState* rows,
+                              int64_t R, int64_t h0, int64_t heads, int64_t k0, int64_t k1) {
+  namespace am = attention_amx;
+  const int64_t G = a.G, J = R * G;
+  const int64_t* table = a.tables + a.rows[rows[0].n] * a.max_blocks;
+  std::vector<const float*>& q = s.cols_q;
+  std::vector<float*>&mx = s.cols_mx, &sum = s.cols_sum, &acc = s.cols_acc;
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t c = 0; c < J; ++c) {
+      const RowState& row = rows[c / G];
+      const int64_t qh = h * G + c % G, i = h * J + c;
+      q[i] = a.q + (row.n * a.Hq + h0 * G + qh) * a.D;
+      mx[i] = row.mx + qh, sum[i] = row.sum + qh, acc[i] = row.acc + qh * a.D;
+    }
+  int64_t* own = s.tiles->own.data();
+  const am::Columns cols{heads, J, own, mx.data(), sum.data(), acc.data()};
+  am::item_q_tiles(q.data(), cols, a.D, *s.tiles);
+  am::Config config;
+  // key i of the tile at t0: its cache row (head h0's) in rows[i]; then the next tile's
+  auto note_rows = [&](int64_t t0, int64_t keys, int64_t* out) {
+    int64_t blk = t0 / a.bs, off = t0 % a.bs;  // stepped: a division per key costs
+    for (int64_t i = 0; i < keys; ++i, ++off) {
+      if (off == a.bs) ++blk, off = 0;
+      out[i] = (table[blk] * a.bs + off) * a.Hkv + h0;
+    }
+  };
+  int64_t* cur = s.key_rows.data();
+  int64_t* next = s.tiles->next_rows.data();
+  note_rows(k0, std::min(kTileKeys, k1 - k0), cur);
+  for (int64_t t0 = k0; t0 < k1; t0 += kTileKeys) {
+    const int64_t keys = std::min(kTileKeys, k1 - t0);
+    const int64_t next_keys = std::clamp<int64_t>(k1 - t0 - kTileKeys, 0, kTileKeys);
+    note_rows(t0 + kTileKeys, next_keys, next);
+    for (int64_t c = 0; c < J; ++c) own[c] = std::min(kTileKeys, rows[c / G].k1 - t0);
+    const am::TileKeys tk{a.kb, a.vb, a.row_bytes, a.Hkv, a.D, cur, keys, a.scale, a.cap,
+                          next, next_keys};
+    am::attend_tile(tk, cols, *s.tiles, config);
+    std::swap(cur, next);
+  }
+}
+#endif
+
 // Keys [k0, rows[r].k1) of each query row r (the same k0; rows reading the same cache rows,
 // rows[0]'s block table serving all), for KV heads [h0, h0 + heads), as an online softmax
 // over tiles of kTileKeys keys starting at k0. Each tile's K and V rows (all heads of the
@@ -226,6 +294,9 @@ static void attend_keys(const PagedArgs& a, PagedScratch& s, const RowState* row
     std::fill_n(rows[r].sum, rows_q, 0.f);
     k1 = std::max(k1, rows[r].k1);
   }
+#ifdef TM_ATTENTION_AMX
+  if (a.tiles) return attend_keys_tiles(a, s, rows, R, h0, heads, k0, k1);
+#endif
   const bool direct = a.keys_t && R == 1;
   // Rows walking a tile together take a widened cache one KV head at a time, so that the
   // head's widened K and V (32 KB: bf16, D = 64) stay in L1 while every row reads them; all
