@@ -23,7 +23,9 @@
 // of mantissa), as the bf16 attention of vLLM and of flash attention does (q is bf16 there
 // already); K and V are the cache's own values. benchmarks/quant_quality.py states the loss.
 // Why (thirty-eighth session): with float32 FMAs (~120 GFLOP/s hot on two cores) a bf16
-// prefill step's attention took as long as all of its GEMMs.
+// prefill step's attention took as long as all of its GEMMs; here prefill chunks take
+// 0.5-0.6x the time, decodes 0.85-1.0x (benchmarks/attention_kernel.py, RESULTS.md).
+// TOKENMILL_AMX=0 turns the tile unit off for the GEMMs and this path alike.
 #pragma once
 #include "amx_tiles.h"
 #include "vec_utils.h"
