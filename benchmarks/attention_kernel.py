@@ -2,10 +2,11 @@
 against other versions of its source, timed interleaved in one process.
 
     python benchmarks/attention_kernel.py [--compare OLD_CSRC_DIR|OLD.cpp ...] [--reps 7]
-        [--kv-cache-dtype float32|bfloat16] [--layers 8]
+        [--kv-cache-dtype float32|bfloat16] [--layers 8] [--heads 32,8,128]
 
-SmolLM2's heads (9 query heads, 3 KV heads of 64), 16-token blocks scattered through a 200 MB
-pool (float32; 100 MB in bf16), one per --layers (the calls cycle through them). Shapes: 64
+SmolLM2's heads (9 query heads, 3 KV heads of 64; --heads for another model's), 16-token
+blocks scattered through a pool of 8,000 (200 MB in float32 at SmolLM2's heads, 100 MB in
+bf16), one per --layers (the calls cycle through them). Shapes: 64
 decodes over 1,100 / 320 / 80 cached tokens, 64 decodes' own 76 tokens after a cascade's
 shared prefix, one decode over 1,000 tokens (keys split across threads), 64 decodes over
 1,100 tokens whose first 1,024 are the same blocks for all (a shared prefix, attended whole by
@@ -93,6 +94,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--calls", type=int, default=10, help="calls per timing")
+    ap.add_argument("--heads", default="9,3,64",
+                    help="query heads, KV heads, head size (default SmolLM2's; e.g. 32,8,128 "
+                         "for Llama-3.1-8B's)")
     ap.add_argument("--layers", type=int, default=1,
                     help="caches (layers) the calls cycle through: with 8, a case's K/V no "
                          "longer fit the last-level cache and are read from memory, as in a "
@@ -102,14 +106,16 @@ def main() -> None:
     versions.update({os.path.basename(os.path.normpath(p)): version(p) for p in args.compare})
     ops = {name: build(*v).paged_attention for name, v in versions.items()}
 
-    num_blocks, bs, hkv, d, hq = 8000, 16, 3, 64, 9
+    hq, hkv, d = (int(x) for x in args.heads.split(","))
+    num_blocks, bs = 8000, 16
     dtype = getattr(torch, args.kv_cache_dtype)
     gen = torch.Generator().manual_seed(0)
     caches = [(torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype),
                torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype))
               for _ in range(args.layers)]
     print(describe_machine())
-    print(f"{args.kv_cache_dtype} cache, {args.layers} layer(s); median ms per call")
+    print(f"{args.kv_cache_dtype} cache, {hq} / {hkv} heads of {d}, {args.layers} layer(s); "
+          "median ms per call")
     print(f"{'rows x keys':<22}" + "".join(f"{n:>16}" for n in ops))
     for label, (rows, tables, seq_rows, starts, lens) in cases(gen, num_blocks, bs):
         q = torch.randn(rows, hq, d, generator=gen)
