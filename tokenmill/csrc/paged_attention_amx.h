@@ -142,7 +142,8 @@ static inline void softmax_rows(float* s, int64_t n, const int64_t* own, float* 
     if (own[j] > 0) {
       const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
       __m512 m = lowest;
-      for (int v = 0; v < 4; ++v) m = _mm512_mask_max_ps(m, valid[v], m, _mm512_loadu_ps(row + 16 * v));
+      for (int v = 0; v < 4; ++v)
+        m = _mm512_mask_max_ps(m, valid[v], m, _mm512_loadu_ps(row + 16 * v));
       const float top = std::max(*mx[j], _mm512_reduce_max_ps(m));
       corr[j] = std::exp(*mx[j] - top);
       const Vec tv(top);
@@ -170,7 +171,6 @@ static inline void softmax_rows(float* s, int64_t n, const int64_t* own, float* 
     }
   }
 }
-
 
 }  // namespace attention_amx
 #endif

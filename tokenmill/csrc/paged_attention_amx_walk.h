@@ -21,11 +21,11 @@ struct TileKeys {
 };
 
 // The next tile's cache lines (`heads` heads of each key's K and V rows), asked for a few at
-// a time, in order.
+// a time, in order: each step one line of K's rows and the same line of V's.
 class Ahead {
  public:
   Ahead(const TileKeys& t, int64_t heads) : t_(t), bytes_(heads * t.row_bytes) {}
-  int64_t lines() const { return t_.next_keys * 2 * ((bytes_ + 63) / 64); }
+  int64_t steps() const { return t_.next_keys * ((bytes_ + 63) / 64); }
   void ask(int64_t n) {
     for (; n > 0 && key_ < t_.next_keys; --n) {
       const int64_t row = t_.next[key_] * t_.row_bytes + offset_;
@@ -61,6 +61,8 @@ struct Scratch {
   std::vector<const uint8_t*> kp, vp;    // per (head, 16 keys): where its rows lie
   std::vector<int64_t> ks, vs, own;      // their strides; own: a tile's keys per column
   std::vector<int64_t> next_rows;        // the next tile's keys' cache rows
+  std::vector<const float*> q;           // per (head, column): q, and the state (Columns)
+  std::vector<float*> mx, sum, acc;
 
   static Scratch& of_thread(int64_t heads, int64_t blocks, int64_t D) {
     static thread_local Scratch s;
@@ -80,7 +82,9 @@ struct Scratch {
     at_least(sT, units * 1024), at_least(st, 1024), at_least(ot, units * 16 * D);
     at_least(corr, units * 16), at_least(kp, heads * 4), at_least(vp, heads * 4);
     at_least(ks, heads * 4), at_least(vs, heads * 4), at_least(own, blocks * kCols);
-    at_least(next_rows, kKeys);
+    at_least(next_rows, kKeys), at_least(q, blocks * kCols * heads);
+    at_least(mx, blocks * kCols * heads), at_least(sum, blocks * kCols * heads);
+    at_least(acc, blocks * kCols * heads);
   }
 };
 
@@ -134,7 +138,7 @@ static inline void softmax_units(const TileKeys& t, const Columns& c, Scratch& s
   const int64_t kbs = (t.keys + 15) / 16, units = c.heads * c.blocks();
   const __m512 scale = _mm512_set1_ps(t.scale);
   Ahead ahead(t, c.heads);
-  const int64_t per_call = (ahead.lines() / 2 + units * kbs * 16 - 1) / (units * kbs * 16);
+  const int64_t calls = units * kbs * 16, per_call = (ahead.steps() + calls - 1) / calls;
   for (int64_t u = 0; u < units; ++u) {
     const int64_t h = u % c.heads, cb = u / c.heads, n = c.width(cb), c0 = h * c.J + kCols * cb;
     for (int64_t kb = 0; kb < kbs; ++kb) {

@@ -172,13 +172,14 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
   TORCH_CHECK(kv_head_dim(fmt, k_cache.size(3)) == D && Hq % Hkv == 0,
               "head shapes do not match");
+  const bool tiles = on_tiles(fmt, D);  // (every row there: the transposed keys unused)
   const PagedArgs a{q.data_ptr<float>(), static_cast<const uint8_t*>(k_cache.data_ptr()),
                     static_cast<const uint8_t*>(v_cache.data_ptr()), tables.data_ptr<int64_t>(),
                     rows.data_ptr<int64_t>(), starts.data_ptr<int64_t>(),
                     lens.data_ptr<int64_t>(), kv_head_scales(fmt, kv_scales, Hkv), fmt, Hq, Hkv,
                     Hq / Hkv, D, bs, tables.size(1), kv_row_bytes(fmt, D),
                     static_cast<float>(scale), static_cast<float>(soft_cap),
-                    keys_transposed(fmt, D, Hq / Hkv), on_tiles(fmt, D)};
+                    keys_transposed(fmt, D, Hq / Hkv) && !tiles, tiles};
   auto out = torch::empty_like(q);
   auto lse = torch::empty({N, Hq}, q.options());
   int64_t longest = 0;

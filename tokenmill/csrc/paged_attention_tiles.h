@@ -25,7 +25,7 @@ struct PagedArgs {
   int64_t Hq, Hkv, G, D, bs, max_blocks, row_bytes;
   float scale, cap;
   bool keys_t;  // bf16 keys read transposed (paged_attention_keys_t.h), else row-major
-  bool tiles;   // bf16 on the AMX tile unit (paged_attention_amx.h): every row, keys_t unused
+  bool tiles;   // bf16 on the AMX tile unit (paged_attention_amx.h): every row (keys_t off)
 };
 
 constexpr int64_t kTileKeys = 64;  // keys of a tile of the online softmax
@@ -55,24 +55,18 @@ struct PagedScratch {
   std::vector<const void*> ahead;     // direct: the next tile's cache lines, to prefetch
   std::vector<RowState> run;          // attend_runs: the rows of one run
 #ifdef TM_ATTENTION_AMX
-  // tiles: the buffers of paged_attention_amx.h, and an item's columns (query row, query head)
-  attention_amx::Scratch* tiles = nullptr;
-  std::vector<const float*> cols_q;
-  std::vector<float*> cols_mx, cols_sum, cols_acc;
+  attention_amx::Scratch* tiles = nullptr;  // tiles: the thread's buffers (amx_walk.h)
 #endif
   PagedScratch(const PagedArgs& a, int64_t heads, int64_t tile)
       : scores(a.tiles ? 0 : heads * a.G * tile),  // (tiles: their own buffers)
         kbuf(a.fmt == KVFormat::kFloat32 || a.keys_t || a.tiles ? 0 : tile * heads * a.D),
         vbuf(a.fmt == KVFormat::kFloat32 || a.tiles ? 0 : tile * heads * a.D),
-        corr(heads * a.G), kT(a.keys_t && !a.tiles ? heads * a.D * tile : 0), krows(tile),
-        vrows(tile), kraw(tile),
-        vraw(tile), key_rows(tile) {
+        corr(heads * a.G), kT(a.keys_t ? heads * a.D * tile : 0), krows(tile), vrows(tile),
+        kraw(tile), vraw(tile), key_rows(tile) {
 #ifdef TM_ATTENTION_AMX
     if (!a.tiles) return;
     const int64_t columns = kGroupRows * a.G;  // per KV head, at most
     tiles = &attention_amx::Scratch::of_thread(heads, (columns + 15) / 16, a.D);
-    cols_q.resize(heads * columns), cols_mx.resize(heads * columns);
-    cols_sum.resize(heads * columns), cols_acc.resize(heads * columns);
 #endif
   }
 };
@@ -238,8 +232,8 @@ static void attend_keys_tiles(const PagedArgs& a, PagedScratch& s, const RowStat
   namespace am = attention_amx;
   const int64_t G = a.G, J = R * G;
   const int64_t* table = a.tables + a.rows[rows[0].n] * a.max_blocks;
-  std::vector<const float*>& q = s.cols_q;
-  std::vector<float*>&mx = s.cols_mx, &sum = s.cols_sum, &acc = s.cols_acc;
+  std::vector<const float*>& q = s.tiles->q;
+  std::vector<float*>&mx = s.tiles->mx, &sum = s.tiles->sum, &acc = s.tiles->acc;
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t c = 0; c < J; ++c) {
       const RowState& row = rows[c / G];
