@@ -22,7 +22,8 @@ def test_a_cache_tensor_names_its_format(name):
     that maps back to that format, and its bytes are what sizing counts."""
     fmt = kv_format(name)
     cache = allocate_kv_cache(2, 3, 4, 2, 8, torch.float32, torch.device("cpu"), name)
-    assert format_of_storage(cache.dtype) is fmt
+    # "float32" names a float32 model's "auto" cache: the same storage, read as "auto"
+    assert format_of_storage(cache.dtype) is (kv_format("auto") if name == "float32" else fmt)
     assert cache.nelement() * cache.element_size() == bytes_per_block(2, 4, 2, 8, torch.float32,
                                                                       name) * 3
     assert cache.shape[-1] == fmt.row(8, torch.float32)[0]
@@ -43,7 +44,7 @@ def test_rows_written_read_back_within_the_formats_step(name):
     slots = torch.tensor([0, 3, 6, 9, 15])
     store_kv(cache, kv[0], kv[1], slots, scales)
     back = as_float(cache.view(2, -1, 2, cache.shape[-1])[:, slots], scales, torch.float32)
-    if name == "auto":
+    if name in ("auto", "float32"):
         assert torch.equal(back, kv)
         return
     bound = {"bfloat16": kv.abs() * 2.0 ** -8,
@@ -55,11 +56,12 @@ def test_rows_written_read_back_within_the_formats_step(name):
 
 def test_names_aliases_and_refusals():
     assert kv_format("fp8_e4m3") is kv_format("fp8")
-    assert set(kv_format_names()) == {"auto", "bfloat16", "int8", "fp8", "fp8_e4m3"}
+    assert set(kv_format_names()) == {"auto", "float32", "bfloat16", "int8", "fp8",
+                                     "fp8_e4m3"}
     for name in PLANNED_KV_FORMATS:
         with pytest.raises(ValueError, match="not built yet"):
             kv_format(name)
-    known = "'auto' or 'bfloat16' or 'int8' or 'fp8' or 'fp8_e4m3'"
+    known = "'auto' or 'float32' or 'bfloat16' or 'int8' or 'fp8' or 'fp8_e4m3'"
     with pytest.raises(ValueError, match=f"{known}, got 'int4'"):
         kv_format("int4")
 

@@ -41,7 +41,8 @@ def test_gguf_experts_serve_their_blocks_like_the_float32_expansion(expert_files
     path = expert_files[name]
     prompts = [[1, 504, 3458, 282, 4649, 314], list(range(2000, 2040))]
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=2, ignore_eos=True)
-    native = LLM(path, max_model_len=256, num_kv_blocks=64)
+    # a float32 cache as the expansion's (the default is bf16): the weights alone compare
+    native = LLM(path, max_model_len=256, num_kv_blocks=64, kv_cache_dtype="float32")
     assert native.engine.config.model.quantization == "gguf"  # by default, experts too
     experts = native.engine.runner.model.model.layers[0].mlp.experts
     assert isinstance(experts.quant_method, GGUFExpertsMethod)

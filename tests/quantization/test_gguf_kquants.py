@@ -171,7 +171,8 @@ def test_a_kquant_model_serves_its_blocks_by_default_like_its_float32_expansion(
     prompts = [[1, 504, 3458, 282, 4649, 314], list(range(2000, 2040))]
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
     path, types = kquant_file
-    native = LLM(path, max_model_len=256, num_kv_blocks=64)
+    # a float32 cache as the expansion's (the default is bf16): the weights alone compare
+    native = LLM(path, max_model_len=256, num_kv_blocks=64, kv_cache_dtype="float32")
     assert native.engine.config.model.quantization == "gguf"  # the default for these types
     model = native.engine.runner.model
     qkv = model.model.layers[0].self_attn.qkv_proj

@@ -91,7 +91,7 @@ def test_an_f16_gguf_file_keeps_its_weights_in_f16(tiny_model, smollm2_path, tmp
     write_gguf("llama", folder, hf, smollm2_path, tmp_path / "tiny-F16.gguf",
                {n: "F16" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
                                    "ffn_up", "ffn_down", "token_embd")})
-    native = LLM(path, num_kv_blocks=64)
+    native = LLM(path, num_kv_blocks=64, kv_cache_dtype="float32")  # the expansion's cache
     assert native.engine.config.model.quantization == "gguf"  # its own F16, by default
     mlp = native.engine.runner.model.model.layers[1].mlp
     assert mlp.gate_up_proj.weight.dtype == torch.float16

@@ -6,7 +6,11 @@ back, and the fixed per-layer state it needs. Everything else asks the registry:
 check (config.py), the CLI's choices, the cache's layout and sizing (kv_cache.py), the torch
 paths that write and read rows, and the Triton kernels' KV_FORMAT code.
 
-    "auto"             the model's dtype, R = head_dim (ModelDtypeKV)
+    "auto"             the model's dtype, R = head_dim (ModelDtypeKV); config_factory resolves
+                       it to "bfloat16" where the products are bf16 or the weights are a GGUF
+                       file's blocks (llama.cpp's 16-bit cache)
+    "float32"          float32 values, R = head_dim: a float32 model's K and V as computed (its
+                       "auto" before that resolution; Float32KV)
     "bfloat16"         bfloat16 values, R = head_dim: a float32 model's cache (a bf16
                        checkpoint computed in float32) at half the bytes; written rounded to
                        nearest even, read widened exactly (BFloat16KV)
@@ -94,6 +98,25 @@ class ModelDtypeKV(KVFormat):
         return rows
 
 
+class Float32KV(KVFormat):
+    """A float32 model's cache named explicitly (the exact choice where "auto" resolves to
+    bfloat16): the same storage and reads as "auto" on a float32 model, so a float32 tensor
+    still reads as "auto" (format_of_storage)."""
+
+    name = "float32"
+    quantized = False
+    kernel_id = 0
+
+    def row(self, head_dim: int, model_dtype: torch.dtype) -> tuple[int, torch.dtype]:
+        return head_dim, torch.float32
+
+    def quantize(self, x: torch.Tensor, head_scales: torch.Tensor | None) -> torch.Tensor:
+        return x.float()
+
+    def dequantize(self, rows: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        return rows
+
+
 class BFloat16KV(KVFormat):
     name = "bfloat16"
     quantized = False  # 8 bits of mantissa on every value: no outlier channel sets a step
@@ -160,8 +183,8 @@ class Fp8E4M3KV(KVFormat):
         return t.view(torch.uint8)
 
 
-KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (ModelDtypeKV(), BFloat16KV(), Int8KV(),
-                                                         Fp8E4M3KV())}
+KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (ModelDtypeKV(), Float32KV(), BFloat16KV(),
+                                                         Int8KV(), Fp8E4M3KV())}
 _BY_NAME = {alias: f for f in KV_FORMATS.values() for alias in (f.name, *f.aliases)}
 
 
