@@ -27,7 +27,7 @@ from tests.attention.test_paged_backends import (
     needs_triton,
     run,
 )
-from tokenmill.attention.cpu_kernels import bf16_on_tiles, paged_attention_op
+from tokenmill.attention.cpu_kernels import bf16_rounds_qp, paged_attention_op
 from tokenmill.attention.kv_cache import (
     allocate_kv_cache,
     as_float,
@@ -177,15 +177,18 @@ def run_quantized(backend_name, bs, cache, scales, batch, q, k_new, v_new):
 
 
 def check_against_dense(out, batch, q, full_k, full_v, d, on_tiles=False):
-    """on_tiles: the kernel attended a bfloat16 cache on the AMX tile unit (q and p rounded)."""
+    """on_tiles: the kernel attended a bfloat16 cache with q and p rounded (the AMX tile unit
+    or vdpbf16ps: kernel_rounds_qp)."""
     for i in range(len(batch.query_lens)):
         s, e = batch.query_start_locs[i], batch.query_start_locs[i + 1]
         assert_attention_close(out[s:e], q[s:e], full_k[i], full_v[i], d ** -0.5, on_tiles)
 
 
-def kernel_on_tiles(fmt, d, module=None):
-    """Whether the C++ kernel (the runtime build's, or `module`'s) attends this cache on tiles."""
-    on = module.bf16_on_tiles(d) if module is not None else bf16_on_tiles(d)
+def kernel_rounds_qp(fmt, shape, module=None):
+    """Whether the C++ kernel (the runtime build's, or `module`'s) attends this cache (shape:
+    block size, Hq, Hkv, D) with q and p rounded to bfloat16."""
+    d, g = shape[3], shape[1] // shape[2]
+    on = module.bf16_rounds_qp(d, g) if module is not None else bf16_rounds_qp(d, g)
     return fmt == "bfloat16" and on
 
 
@@ -204,7 +207,7 @@ def test_every_backend_reads_the_quantized_cache(backend, fmt, shape):
     if backend == "cpu":  # every query went to the kernel
         assert meta.paged.seq_rows.numel() == batch.num_tokens
     check_against_dense(out, batch, q, full_k, full_v, d,
-                        backend == "cpu" and kernel_on_tiles(fmt, d))
+                        backend == "cpu" and kernel_rounds_qp(fmt, shape))
 
 
 @needs_kernel
@@ -221,7 +224,7 @@ def test_cpu_kernel_bf16_keys_transposed_for_every_group_size(shape):
     cache, scales, batch, q, k_new, v_new, full_k, full_v = step
     _, out = run_quantized("cpu", bs, cache, scales, batch, q, k_new, v_new)
     check_against_dense(out, batch, q, full_k, full_v, shape[3],
-                        kernel_on_tiles("bfloat16", shape[3]))
+                        kernel_rounds_qp("bfloat16", shape))
 
 
 @needs_kernel
@@ -263,7 +266,7 @@ def test_cpu_kernel_long_decodes_and_batch(fmt, cached):
     cache, scales, batch, q, k_new, v_new, full_k, full_v = quantized_step(fmt, shape, seqs,
                                                                            seed=5)
     _, out = run_quantized("cpu", 16, cache, scales, batch, q, k_new, v_new)
-    check_against_dense(out, batch, q, full_k, full_v, 64, kernel_on_tiles(fmt, 64))
+    check_against_dense(out, batch, q, full_k, full_v, 64, kernel_rounds_qp(fmt, shape))
 
 
 def test_bad_formats_are_refused():
@@ -302,4 +305,5 @@ def test_every_kernel_build_this_cpu_runs_reads_it(fmt, shape):
         rows = torch.arange(len(seqs))
         out, _ = op(q, cache[0], cache[1], batch.block_tables, rows, torch.zeros_like(rows),
                     batch.seq_lens_t, d ** -0.5, scales)
-        check_against_dense(out, batch, q, full_k, full_v, d, kernel_on_tiles(fmt, d, module))
+        check_against_dense(out, batch, q, full_k, full_v, d,
+                            kernel_rounds_qp(fmt, shape, module))

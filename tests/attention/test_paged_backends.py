@@ -16,7 +16,7 @@ import torch
 
 from tokenmill.attention import get_attention_backend
 from tokenmill.attention.base import AttentionVariant
-from tokenmill.attention.cpu_kernels import bf16_on_tiles, paged_attention_op
+from tokenmill.attention.cpu_kernels import bf16_rounds_qp, paged_attention_op
 from tokenmill.attention.input_batch import InputBatch
 from tokenmill.attention.kv_cache import allocate_kv_cache
 from tokenmill.attention.triton_paged import PREFILL_TILE, triton_available
@@ -49,9 +49,10 @@ def dense_reference(q, k, v, scale):
 
 
 def assert_attention_close(out, q, k, v, scale, on_tiles=False):
-    """out (Lq, Hq, D) against dense_reference, to 1e-5. On the tile unit (a bfloat16 cache on
-    AMX-BF16 CPUs: csrc/paged_attention_amx.h) against q rounded to bfloat16 as the kernel
-    rounds it, to 2^-8 absolute and relative: the rest is p's rounding (2^-9 relative each)."""
+    """out (Lq, Hq, D) against dense_reference, to 1e-5. Where the kernel rounds q and p (a
+    bfloat16 cache on the AMX tile unit or on vdpbf16ps: cpu_kernels.bf16_rounds_qp) against q
+    rounded to bfloat16 as the kernel rounds it, to 2^-8 absolute and relative: the rest is
+    p's rounding (2^-9 relative each)."""
     if on_tiles:
         ref = dense_reference(q.bfloat16().float(), k, v, scale)
         torch.testing.assert_close(out, ref, atol=2 ** -8, rtol=2 ** -8)
@@ -309,4 +310,4 @@ def test_kernel_rows_sharing_cached_blocks_are_bitwise_the_same_alone(dtype):
         slots = (tables[rows[i]].repeat_interleave(bs) * bs
                  + torch.arange(bs).repeat(tables.shape[1]))[:n]
         assert_attention_close(out[i:i + 1], q[i:i + 1], flat_k[slots], flat_v[slots], d ** -0.5,
-                               on_tiles=dtype == torch.bfloat16 and bf16_on_tiles(d))
+                               on_tiles=dtype == torch.bfloat16 and bf16_rounds_qp(d, hq // hkv))

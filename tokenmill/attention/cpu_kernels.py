@@ -28,3 +28,12 @@ def bf16_on_tiles(head_size: int) -> bool:
     heads of 64 or 128, unless TOKENMILL_AMX=0."""
     module = load_cpu_extension("paged_attention_cpu")
     return module is not None and module.bf16_on_tiles(head_size)
+
+
+def bf16_rounds_qp(head_size: int, group: int) -> bool:
+    """Whether the kernel attends a bfloat16 cache with heads of `head_size` and `group` query
+    heads per KV head with q and the softmax's p rounded to bfloat16: on the AMX tile unit
+    (bf16_on_tiles) or on AVX512-BF16's vdpbf16ps (csrc/paged_attention_keys_dp.h: heads of
+    64, groups of 1-6, unless TOKENMILL_BF16_DOT_ATTENTION=0)."""
+    module = load_cpu_extension("paged_attention_cpu")
+    return module is not None and module.bf16_rounds_qp(head_size, group)

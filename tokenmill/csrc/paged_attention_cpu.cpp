@@ -12,4 +12,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_on_tiles", [](int64_t head_size) { return on_tiles(KVFormat::kBf16, head_size); },
         "whether a bfloat16 cache with heads of this size is attended on the AMX tile unit "
         "(q and p rounded to bfloat16: paged_attention_amx.h)", py::arg("head_size"));
+  m.def("bf16_rounds_qp", [](int64_t head_size, int64_t group) {
+          return on_tiles(KVFormat::kBf16, head_size) ||
+                 keys_dot(KVFormat::kBf16, head_size, group);
+        },
+        "whether a bfloat16 cache with heads of this size, `group` query heads per KV head, is "
+        "attended with q and p rounded to bfloat16 (the AMX tile unit, or vdpbf16ps: "
+        "paged_attention_keys_dp.h)", py::arg("head_size"), py::arg("group"));
+  // The vdpbf16ps path's switch (tests compare it with the float32 one on the same machine);
+  // returns the state before. TOKENMILL_BF16_DOT_ATTENTION=0 sets it off at start-up.
+  m.def("bf16_dot_attention", [](c10::optional<bool> enable) {
+#ifdef TM_ATTENTION_KEYS_DP
+    const bool before = attention_keys_dp::use_dot();
+    if (enable.has_value()) attention_keys_dp::use_dot() = *enable;
+    return before;
+#else
+    return false;
+#endif
+  }, py::arg("enable") = py::none());
 }

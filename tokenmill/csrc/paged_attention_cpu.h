@@ -143,6 +143,15 @@ inline bool keys_transposed(KVFormat fmt, int64_t D, int64_t G) {
 #endif
 }
 
+// Whether such a cache's transposed keys are scored on vdpbf16ps (q and p rounded to bf16).
+inline bool keys_dot(KVFormat fmt, int64_t D, int64_t G) {
+#ifdef TM_ATTENTION_KEYS_DP
+  return keys_transposed(fmt, D, G) && attention_keys_dp::active();
+#else
+  return false;
+#endif
+}
+
 // Whether a cache of this format and head size is attended on the AMX tile unit.
 inline bool on_tiles(KVFormat fmt, int64_t D) {
 #ifdef TM_ATTENTION_AMX
@@ -179,7 +188,8 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
                     lens.data_ptr<int64_t>(), kv_head_scales(fmt, kv_scales, Hkv), fmt, Hq, Hkv,
                     Hq / Hkv, D, bs, tables.size(1), kv_row_bytes(fmt, D),
                     static_cast<float>(scale), static_cast<float>(soft_cap),
-                    keys_transposed(fmt, D, Hq / Hkv) && !tiles, tiles};
+                    keys_transposed(fmt, D, Hq / Hkv) && !tiles, tiles,
+                    keys_dot(fmt, D, Hq / Hkv) && !tiles};
   auto out = torch::empty_like(q);
   auto lse = torch::empty({N, Hq}, q.options());
   int64_t longest = 0;

@@ -7,6 +7,7 @@
 #pragma once
 #include "kv_formats.h"
 #include "paged_attention_amx_walk.h"
+#include "paged_attention_keys_dp.h"
 #include "paged_attention_keys_t.h"
 #include "paged_attention_rows.h"
 #include "vec_utils.h"
@@ -26,6 +27,7 @@ struct PagedArgs {
   float scale, cap;
   bool keys_t;  // bf16 keys read transposed (paged_attention_keys_t.h), else row-major
   bool tiles;   // bf16 on the AMX tile unit (paged_attention_amx.h): every row (keys_t off)
+  bool dot;     // keys_t on vdpbf16ps (paged_attention_keys_dp.h): q and p rounded to bf16
 };
 
 constexpr int64_t kTileKeys = 64;  // keys of a tile of the online softmax
@@ -48,7 +50,8 @@ struct RowState {
 
 // Per-thread buffers of an item covering `heads` KV heads (G query heads each).
 struct PagedScratch {
-  std::vector<float> scores, kbuf, vbuf, corr, kT;
+  std::vector<float> scores, kbuf, vbuf, corr, kT;  // kT: a.dot's word pairs (uint32) there
+  std::vector<uint32_t> qp;           // dot: the item's q rounded, (heads G, 32) bf16 pairs
   std::vector<const float*> krows, vrows;
   std::vector<const uint16_t*> kraw, vraw;  // keys_t: a tile's bf16 K (V) rows of one head
   std::vector<int64_t> key_rows;      // keys_t: each key's first row (head h0) in the cache
@@ -60,8 +63,9 @@ struct PagedScratch {
   PagedScratch(const PagedArgs& a, int64_t heads, int64_t tile)
       : scores(a.tiles ? 0 : heads * a.G * tile),  // (tiles: their own buffers)
         kbuf(a.fmt == KVFormat::kFloat32 || a.keys_t || a.tiles ? 0 : tile * heads * a.D),
-        vbuf(a.fmt == KVFormat::kFloat32 || a.tiles ? 0 : tile * heads * a.D),
-        corr(heads * a.G), kT(a.keys_t ? heads * a.D * tile : 0), krows(tile), vrows(tile),
+        vbuf(a.fmt == KVFormat::kFloat32 || a.tiles || a.dot ? 0 : tile * heads * a.D),
+        corr(heads * a.G), kT(a.keys_t ? heads * a.D * tile : 0),
+        qp(a.dot ? heads * a.G * a.D / 2 : 0), krows(tile), vrows(tile),
         kraw(tile), vraw(tile), key_rows(tile) {
 #ifdef TM_ATTENTION_AMX
     if (!a.tiles) return;
@@ -101,14 +105,62 @@ static inline void raw_rows(const PagedArgs& a, const uint8_t* base, const int64
 }
 #endif
 
+// The online softmax's step over a tile's scores (s.scores, rows_q rows of `keys`): each
+// row's max, its rescale factor (s.corr) and sum; the scores become exp(s - max).
+static void softmax_tile(const PagedArgs& a, PagedScratch& s, const RowState& row,
+                         int64_t rows_q, int64_t keys) {
+  if (a.cap > 0.f) {  // Gemma 2's soft cap, before the softmax
+    for (int64_t j = 0; j < rows_q * keys; ++j)
+      s.scores[j] = a.cap * std::tanh(s.scores[j] / a.cap);
+  }
+  for (int64_t r = 0; r < rows_q; ++r) {
+    float* sc = s.scores.data() + r * keys;
+    const float m = std::max(row.mx[r], max_of(sc, keys));
+    s.corr[r] = std::exp(row.mx[r] - m);  // 0 on the first tile (-inf)
+    row.sum[r] = row.sum[r] * s.corr[r] + exp_minus_max(sc, m, keys);
+    row.mx[r] = m;
+  }
+}
+
+#if defined(TM_ATTENTION_KEYS_T) && defined(TM_ATTENTION_KEYS_DP)
+// attend_tile on vdpbf16ps (paged_attention_keys_dp.h): a row alone scores the K rows in
+// place (`direct`), a group's rows the tile's word pairs in s.kT; V is read in place by both.
+static void attend_tile_dot(const PagedArgs& a, PagedScratch& s, const RowState& row,
+                            int64_t h0, int64_t heads, int64_t keys, bool direct) {
+  namespace dp = attention_keys_dp;
+  const int64_t G = a.G, D = a.D;
+  dp::round_q(a.q + (row.n * a.Hq + h0 * G) * D, heads * G, s.qp.data());
+  for (int64_t h = 0; h < heads; ++h) {
+    const uint32_t* kP = nullptr;
+    if (direct)
+      raw_rows(a, a.kb, s.key_rows.data(), h, keys, s.kraw.data());
+    else
+      kP = reinterpret_cast<const uint32_t*>(s.kT.data() + h * D * kTileKeys);  // load_tile's
+    dp::score_group(G, s.qp.data() + h * G * dp::kPairs, kP, s.kraw.data(), a.scale, keys,
+                    s.scores.data() + h * G * keys);
+  }
+  softmax_tile(a, s, row, heads * G, keys);
+  const int64_t lines = static_cast<int64_t>(s.ahead.size());  // direct only: a share per head
+  for (int64_t h = 0; h < heads; ++h) {
+    raw_rows(a, a.vb, s.key_rows.data(), h, keys, s.vraw.data());
+    const int64_t l0 = lines * h / heads, l1 = lines * (h + 1) / heads;
+    dp::accumulate_group(G, s.scores.data() + h * G * keys, keys, s.vraw.data(), keys,
+                         &s.corr[h * G], row.acc + h * G * D, s.ahead.data() + l0, l1 - l0);
+  }
+}
+#endif
+
 // One tile's `keys` keys (rows in s.krows / s.vrows; `direct`: the bf16 rows of
 // s.key_rows, read in place) for one query row: scores, the online softmax's rescale, the
 // weighted sum of V.
 static void attend_tile(const PagedArgs& a, PagedScratch& s, const RowState& row, int64_t h0,
                         int64_t heads, int64_t keys, bool direct) {
+#if defined(TM_ATTENTION_KEYS_T) && defined(TM_ATTENTION_KEYS_DP)
+  if (a.dot) return attend_tile_dot(a, s, row, h0, heads, keys, direct);
+#endif
   const int64_t rows_q = heads * a.G, D = a.D;
   const float* qn = a.q + (row.n * a.Hq + h0 * a.G) * D;
-  float *acc = row.acc, *mx = row.mx, *sum = row.sum;
+  float* acc = row.acc;
 #ifdef TM_ATTENTION_KEYS_T
   if (direct) {
     for (int64_t h = 0; h < heads; ++h) {
@@ -123,17 +175,7 @@ static void attend_tile(const PagedArgs& a, PagedScratch& s, const RowState& row
   } else
 #endif
   score_keys_any(qn, s.krows.data(), heads, keys, a.G, D, a.scale, s.scores.data());
-  if (a.cap > 0.f) {  // Gemma 2's soft cap, before the softmax
-    for (int64_t j = 0; j < rows_q * keys; ++j)
-      s.scores[j] = a.cap * std::tanh(s.scores[j] / a.cap);
-  }
-  for (int64_t r = 0; r < rows_q; ++r) {
-    float* sc = s.scores.data() + r * keys;
-    const float m = std::max(mx[r], max_of(sc, keys));
-    s.corr[r] = std::exp(mx[r] - m);  // 0 on the first tile (-inf)
-    sum[r] = sum[r] * s.corr[r] + exp_minus_max(sc, m, keys);
-    mx[r] = m;
-  }
+  softmax_tile(a, s, row, rows_q, keys);
   for (int64_t h = 0; h < heads; ++h) {  // the G heads sharing each V row together
     const int64_t r0 = h * a.G;
 #ifdef TM_ATTENTION_KEYS_T
@@ -196,16 +238,17 @@ static void load_tile(const PagedArgs& a, PagedScratch& s, const int64_t* table,
       s.vrows[i] = reinterpret_cast<const float*>(a.vb) + row * D;
       continue;
     }
-    float* vd = &s.vbuf[i * heads * D];
-    s.vrows[i] = vd;
-    if (a.keys_t) {  // K transposed below (its rows asked for now); V widened row by row
-      s.key_rows[i] = row;
+    if (a.keys_t) {  // K transposed below (its rows asked for now); V widened row by row,
+      s.key_rows[i] = row;  // or with a.dot read in place (attend_tile_dot)
       for (int64_t o = 0; o < heads * a.row_bytes; o += 64)
         __builtin_prefetch(a.kb + row * a.row_bytes + o);
-      for (int64_t h = 0; h < heads; ++h)
-        bf16_load_row(a.vb + (row + h) * a.row_bytes, D, vd + h * D);
+      for (int64_t h = 0; !a.dot && h < heads; ++h)
+        bf16_load_row(a.vb + (row + h) * a.row_bytes, D, &s.vbuf[(i * heads + h) * D]);
+      s.vrows[i] = a.dot ? nullptr : &s.vbuf[i * heads * D];
       continue;
     }
+    float* vd = &s.vbuf[i * heads * D];
+    s.vrows[i] = vd;
     float* kd = &s.kbuf[i * heads * D];
     for (int64_t h = 0; h < heads; ++h) {
       const float ks = a.head_scales ? a.head_scales[h0 + h] : 0.f;
@@ -219,7 +262,14 @@ static void load_tile(const PagedArgs& a, PagedScratch& s, const int64_t* table,
   for (int64_t h = 0; a.keys_t && !direct && h < heads; ++h) {  // the tile's keys of head h0 + h
     for (int64_t i = 0; i < keys; ++i)
       s.kraw[i] = reinterpret_cast<const uint16_t*>(a.kb + (s.key_rows[i] + h) * a.row_bytes);
-    attention_keys_t::widen_keys_t(s.kraw.data(), keys, s.kT.data() + h * D * kTileKeys);
+    float* kT = s.kT.data() + h * D * kTileKeys;
+#ifdef TM_ATTENTION_KEYS_DP
+    if (a.dot) {
+      attention_keys_dp::pair_keys_t(s.kraw.data(), keys, reinterpret_cast<uint32_t*>(kT));
+      continue;
+    }
+#endif
+    attention_keys_t::widen_keys_t(s.kraw.data(), keys, kT);
   }
 #endif
 }
