@@ -17,8 +17,9 @@ from tests.attention.test_kv_cache_quantized import (
     quantized_step,
     run_quantized,
 )
-from tests.attention.test_paged_attention_tiles import capped_reference
-from tests.attention.test_paged_backends import dense_reference
+from tests.attention.test_paged_attention_tiles import (
+    check_rows_bitwise_alone_together_and_rechunked,
+)
 from tokenmill.attention.cpu_kernels import bf16_on_tiles, bf16_rounds_qp, paged_attention_op
 from tokenmill.utils.cpp_extension import load_cpu_extension
 
@@ -74,41 +75,8 @@ def test_dot_mixed_step_against_dense(shape, dot_switch):
 @needs_dot
 @pytest.mark.parametrize("cap", [0.0, 8.0])
 def test_dot_rows_bitwise_alone_together_and_rechunked(cap, dot_switch):
-    """Batch-invariant mode (split_keys 512): a prefill chunk of 40 queries (positions 37-76,
-    a group reading the tile's transposed keys), decodes of sequences sharing 32 cached
-    blocks with it, two of them attending from keys 5 and 21 (odd key counts: a pair with a
-    zero row); every row bitwise the same alone (keys transposed in registers), in the batch
-    and with the chunk cut elsewhere; all of them dense attention's answer."""
+    """check_rows_bitwise_alone_together_and_rechunked on vdpbf16ps, G = 3: the chunk's rows
+    a group reading the tile's transposed keys, the decodes rows alone (keys transposed in
+    registers), an odd key count (701: a last pair with a zero row)."""
     dot_switch(True)
-    op = paged_attention_op()
-    gen = torch.Generator().manual_seed(5)
-    bs, hq, hkv, d, nb = 16, 9, 3, 64, 300
-    k_cache = torch.randn(nb, bs, hkv, d, generator=gen).bfloat16()
-    v_cache = torch.randn(nb, bs, hkv, d, generator=gen).bfloat16()
-    ids = torch.randperm(nb - 1, generator=gen).add(1)
-    tables = torch.cat([ids[:32].repeat(4, 1), ids[32:32 + 4 * 14].view(4, 14)], 1)
-    rows = torch.tensor([0] * 40 + [1, 2, 3])
-    lens = torch.tensor(list(range(38, 78)) + [530, 611, 701])
-    starts = torch.tensor([0] * 40 + [5, 21, 0])
-    q = torch.randn(len(rows), hq, d, generator=gen)
-    scale = d ** -0.5
-
-    def attend(idx):
-        return op(q[idx], k_cache, v_cache, tables, rows[idx], starts[idx], lens[idx], scale,
-                  None, cap, 512)
-
-    out, lse = attend(torch.arange(len(rows)))
-    for i in range(len(rows)):
-        alone = attend(torch.tensor([i]))
-        assert torch.equal(alone[0][0], out[i]) and torch.equal(alone[1][0], lse[i]), i
-    first, second = attend(torch.arange(23)), attend(torch.arange(23, len(rows)))
-    assert torch.equal(torch.cat([first[0], second[0]]), out)
-    flat_k, flat_v = k_cache.float().view(-1, hkv, d), v_cache.float().view(-1, hkv, d)
-    for i in range(len(rows)):
-        n, start = int(lens[i]), int(starts[i])
-        slots = (tables[rows[i]].repeat_interleave(bs) * bs
-                 + torch.arange(bs).repeat(tables.shape[1]))[start:n]
-        qb = q[i:i + 1].bfloat16().float()
-        ref = (capped_reference(qb, flat_k[slots], flat_v[slots], scale, cap) if cap
-               else dense_reference(qb, flat_k[slots], flat_v[slots], scale))
-        torch.testing.assert_close(out[i:i + 1], ref, atol=2 ** -8, rtol=2 ** -8)
+    check_rows_bitwise_alone_together_and_rechunked(64, 9, 3, cap, 701, 23)

@@ -56,18 +56,15 @@ def capped_reference(q, k, v, scale, cap):
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(mask, float("-inf")).softmax(-1), v)
 
 
-@needs_tiles
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("cap", [0.0, 8.0])
-def test_tiles_rows_bitwise_alone_together_and_rechunked(d, cap):
+def check_rows_bitwise_alone_together_and_rechunked(d, hq, hkv, cap, last_len, cut):
     """Batch-invariant mode (split_keys 512): a prefill chunk of 40 queries (positions 37-76),
     decodes of sequences sharing 32 cached blocks with it, two of them attending from keys 5
-    and 21 (a cascade's own part: tiles of 16 keys straddling blocks, copied); every row
-    bitwise the same alone, in the batch, and with the chunk cut in two at another point; and
-    all of them dense attention's answer on the cache's values."""
+    and 21 (a cascade's own part: tiles of keys straddling blocks); every row bitwise the same
+    alone, in the batch, and with the chunk cut in two at `cut`; and all of them dense
+    attention's answer on the cache's values with q rounded to bf16, to 2^-8."""
     op = paged_attention_op()
     gen = torch.Generator().manual_seed(5)
-    bs, hq, hkv, nb = 16, 8, 2, 300
+    bs, nb = 16, 300
     k_cache = torch.randn(nb, bs, hkv, d, generator=gen).bfloat16()
     v_cache = torch.randn(nb, bs, hkv, d, generator=gen).bfloat16()
     ids = torch.randperm(nb - 1, generator=gen).add(1)
@@ -75,7 +72,7 @@ def test_tiles_rows_bitwise_alone_together_and_rechunked(d, cap):
     # rows 0-39: sequence 0's queries at keys 37..76; then decodes of sequences 1-3 (1 and 2
     # share their first 32 blocks with 0; 3 too, as prefix caching leaves them)
     rows = torch.tensor([0] * 40 + [1, 2, 3])
-    lens = torch.tensor(list(range(38, 78)) + [530, 611, 700])
+    lens = torch.tensor(list(range(38, 78)) + [530, 611, last_len])
     starts = torch.tensor([0] * 40 + [5, 21, 0])
     q = torch.randn(len(rows), hq, d, generator=gen)
     scale = d ** -0.5
@@ -88,7 +85,7 @@ def test_tiles_rows_bitwise_alone_together_and_rechunked(d, cap):
     for i in range(len(rows)):
         alone = attend(torch.tensor([i]))
         assert torch.equal(alone[0][0], out[i]) and torch.equal(alone[1][0], lse[i]), i
-    first, second = attend(torch.arange(17)), attend(torch.arange(17, len(rows)))
+    first, second = attend(torch.arange(cut)), attend(torch.arange(cut, len(rows)))
     assert torch.equal(torch.cat([first[0], second[0]]), out)
     flat_k, flat_v = k_cache.float().view(-1, hkv, d), v_cache.float().view(-1, hkv, d)
     for i in range(len(rows)):
@@ -99,3 +96,12 @@ def test_tiles_rows_bitwise_alone_together_and_rechunked(d, cap):
         ref = (capped_reference(qb, flat_k[slots], flat_v[slots], scale, cap) if cap
                else dense_reference(qb, flat_k[slots], flat_v[slots], scale))
         torch.testing.assert_close(out[i:i + 1], ref, atol=2 ** -8, rtol=2 ** -8)
+
+
+@needs_tiles
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("cap", [0.0, 8.0])
+def test_tiles_rows_bitwise_alone_together_and_rechunked(d, cap):
+    """check_rows_bitwise_alone_together_and_rechunked on the tile unit: G = 4, the tiles of
+    16 keys that straddle blocks copied."""
+    check_rows_bitwise_alone_together_and_rechunked(d, 8, 2, cap, 700, 17)

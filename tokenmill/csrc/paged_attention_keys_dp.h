@@ -23,14 +23,14 @@
 // widened every bf16 value before its FMAs, and read the cache at ~15 GB/s against ~21 GB/s
 // for a float32 cache; one vdpbf16ps does the work of two FMAs and needs no widening.
 #pragma once
+#include "paged_attention_keys_t.h"
 #include "vec_utils.h"
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <type_traits>
 
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(TM_ATTENTION_KEYS_T) && defined(__AVX512BW__)
 #define TM_ATTENTION_KEYS_DP 1
 
 namespace attention_keys_dp {
@@ -167,15 +167,7 @@ static void accumulate(const float* p, int64_t stride, const uint16_t* const* ro
   const __m512i load_lo = idx(0, 8, 16, 24), load_hi = idx(4, 12, 20, 28);
   const __m512i store0 = idx(0, 16, 4, 20), store1 = idx(8, 24, 12, 28);
   __m512 a[G][4];  // [2k]: half k's lo words, [2k + 1]: its hi words
-  for (int g = 0; g < G; ++g) {
-    const __m512 c = _mm512_set1_ps(corr[g]);
-    for (int k = 0; k < 2; ++k) {
-      const __m512 x = _mm512_loadu_ps(acc + g * 64 + 32 * k);
-      const __m512 y = _mm512_loadu_ps(acc + g * 64 + 32 * k + 16);
-      a[g][2 * k] = _mm512_mul_ps(_mm512_permutex2var_ps(x, load_lo, y), c);
-      a[g][2 * k + 1] = _mm512_mul_ps(_mm512_permutex2var_ps(x, load_hi, y), c);
-    }
-  }
+  attention_keys_t::load_split<G>(acc, corr, load_lo, load_hi, a);
   const int64_t pairs = (n + 1) / 2, per_pair = (lines + pairs - 1) / std::max<int64_t>(pairs, 1);
   for (int64_t u = 0; u < pairs; ++u) {
     for (int64_t l = u * per_pair; l < std::min(lines, (u + 1) * per_pair); ++l)
@@ -194,30 +186,13 @@ static void accumulate(const float* p, int64_t stride, const uint16_t* const* ro
       }
     }
   }
-  for (int g = 0; g < G; ++g)
-    for (int k = 0; k < 2; ++k) {
-      float* o = acc + g * 64 + 32 * k;
-      _mm512_storeu_ps(o, _mm512_permutex2var_ps(a[g][2 * k], store0, a[g][2 * k + 1]));
-      _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(a[g][2 * k], store1, a[g][2 * k + 1]));
-    }
-}
-
-template <class F>
-static inline void with_group(int64_t G, F f) {  // G = 1 .. 6 (keys_t's `applies`)
-  switch (G) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    default: return f(std::integral_constant<int, 6>{});
-  }
+  attention_keys_t::store_split<G>(a, store0, store1, acc);
 }
 
 // One KV head's G query heads: scores from kP (a group's tile) or from rows read in place.
 static void score_group(int64_t G, const uint32_t* qp, const uint32_t* kP,
                         const uint16_t* const* rows, float scale, int64_t own, float* scores) {
-  with_group(G, [&](auto g) {
+  attention_keys_t::with_group(G, [&](auto g) {  // G = 1 .. 6: keys_t's `applies`
     if (kP != nullptr)
       score_pairs<g.value>(qp, kP, scale, own, scores);
     else
@@ -228,7 +203,8 @@ static void score_group(int64_t G, const uint32_t* qp, const uint32_t* kP,
 static void accumulate_group(int64_t G, const float* p, int64_t stride,
                              const uint16_t* const* rows, int64_t n, const float* corr,
                              float* acc, const void* const* ahead, int64_t lines) {
-  with_group(G, [&](auto g) { accumulate<g.value>(p, stride, rows, n, corr, acc, ahead, lines); });
+  attention_keys_t::with_group(
+      G, [&](auto g) { accumulate<g.value>(p, stride, rows, n, corr, acc, ahead, lines); });
 }
 
 #pragma GCC pop_options

@@ -129,6 +129,36 @@ static void score_raw_t(const float* q, const uint16_t* const* rows, float scale
   }
 }
 
+// The G heads' accumulators (64 floats each, acc + g * 64) held in registers in another
+// order of d: a[g][2k] and a[g][2k + 1] = corr_g times half k's 32 values gathered by the
+// permutations first and second (_mm512_permutex2var_ps over the half's two vectors).
+template <int G>
+static inline void load_split(const float* acc, const float* corr, __m512i first,
+                              __m512i second, __m512 (&a)[G][4]) {
+  for (int g = 0; g < G; ++g) {
+    const __m512 c = _mm512_set1_ps(corr[g]);
+    for (int k = 0; k < 2; ++k) {
+      const __m512 x = _mm512_loadu_ps(acc + g * 64 + 32 * k);
+      const __m512 y = _mm512_loadu_ps(acc + g * 64 + 32 * k + 16);
+      a[g][2 * k] = _mm512_mul_ps(_mm512_permutex2var_ps(x, first, y), c);
+      a[g][2 * k + 1] = _mm512_mul_ps(_mm512_permutex2var_ps(x, second, y), c);
+    }
+  }
+}
+
+// load_split's inverse: half k's two vectors gathered from a[g][2k], a[g][2k + 1] by the
+// permutations first and second.
+template <int G>
+static inline void store_split(const __m512 (&a)[G][4], __m512i first, __m512i second,
+                               float* acc) {
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < 2; ++k) {
+      float* o = acc + g * 64 + 32 * k;
+      _mm512_storeu_ps(o, _mm512_permutex2var_ps(a[g][2 * k], first, a[g][2 * k + 1]));
+      _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(a[g][2 * k], second, a[g][2 * k + 1]));
+    }
+}
+
 // acc_g (64) = corr_g * acc_g + sum_i p_g[i] * v_i for the G query heads g of one KV head
 // (p_g = p + g * stride, acc_g = acc + g * 64), v_i the bf16 V rows rows[i] (64 values)
 // widened in registers: attention_groups::rescale_accumulate64's operations, in its order,
@@ -149,15 +179,7 @@ static void accumulate_raw(const float* p, int64_t stride, const uint16_t* const
   const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
   const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
   __m512 a[G][4];  // d of [32 j/2, 32 j/2 + 32): even ones (j even), odd ones (j odd)
-  for (int g = 0; g < G; ++g) {
-    const __m512 c = _mm512_set1_ps(corr[g]);
-    for (int k = 0; k < 2; ++k) {
-      const __m512 x = _mm512_loadu_ps(acc + g * 64 + 32 * k);
-      const __m512 y = _mm512_loadu_ps(acc + g * 64 + 32 * k + 16);
-      a[g][2 * k] = _mm512_mul_ps(_mm512_permutex2var_ps(x, even, y), c);
-      a[g][2 * k + 1] = _mm512_mul_ps(_mm512_permutex2var_ps(x, odd, y), c);
-    }
-  }
+  load_split<G>(acc, corr, even, odd, a);
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t l = i * per_key; l < std::min(lines, (i + 1) * per_key); ++l)
       __builtin_prefetch(ahead[l]);
@@ -172,12 +194,7 @@ static void accumulate_raw(const float* p, int64_t stride, const uint16_t* const
       for (int j = 0; j < 4; ++j) a[g][j] = _mm512_fmadd_ps(w, vv[j], a[g][j]);
     }
   }
-  for (int g = 0; g < G; ++g)
-    for (int k = 0; k < 2; ++k) {
-      float* o = acc + g * 64 + 32 * k;
-      _mm512_storeu_ps(o, _mm512_permutex2var_ps(a[g][2 * k], lo, a[g][2 * k + 1]));
-      _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(a[g][2 * k], hi, a[g][2 * k + 1]));
-    }
+  store_split<G>(a, lo, hi, acc);
 }
 
 // Whether this path takes a cache of these shapes (bf16 rows of D values, G heads a group).
