@@ -128,7 +128,11 @@ def resolve_kv_cache_dtype(asked: str, model: ModelConfig) -> str:
                          f"computed; this model computes in {model.dtype}: use 'auto'")
     if asked != "auto":
         return asked
-    if model.matmul_dtype == torch.bfloat16 or model.quantization == "gguf":
+    if model.matmul_dtype == torch.bfloat16:
+        return "bfloat16"
+    if model.quantization == "gguf":
+        logger.info("KV cache in bfloat16 for the GGUF blocks (llama.cpp's cache is 16-bit; "
+                    "--kv-cache-dtype float32 keeps the float32 expansion's exact cache)")
         return "bfloat16"
     return asked
 
