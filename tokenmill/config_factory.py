@@ -120,9 +120,9 @@ def resolve_kv_cache_dtype(asked: str, model: ModelConfig) -> str:
     """The KV cache format `asked` ("auto" resolved) for `model`: "auto" is bfloat16 where
     the products are (matmul_dtype bfloat16: the cache in their dtype) and for a GGUF file
     served in its blocks (llama.cpp's cache is 16-bit by default, vLLM's the checkpoint's
-    half precision: +20-38% batched on SmolLM2 Q4_1, RESULTS.md; top-1 99.85% against a
-    float32 cache, quant_quality.py); else the model's dtype. "float32" keeps a float32
-    model's cache exact, and needs a float32 model."""
+    half precision: +20-38% batched on SmolLM2 Q4_1 on an AMX Xeon, RESULTS.md; top-1
+    99.66-99.85% against a float32 cache, quant_quality.py); else the model's dtype.
+    "float32" keeps a float32 model's cache exact, and needs a float32 model."""
     if asked == "float32" and model.dtype != torch.float32:
         raise ValueError(f"kv_cache_dtype 'float32' keeps a float32 model's K and V as "
                          f"computed; this model computes in {model.dtype}: use 'auto'")

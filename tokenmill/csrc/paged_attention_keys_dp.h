@@ -35,8 +35,9 @@
 
 namespace attention_keys_dp {
 
-constexpr int64_t kTileKeys = 64;
-constexpr int64_t kHeadDim = 64;
+using attention_keys_t::kHeadDim;   // the shapes keys_t takes, its tiles
+using attention_keys_t::kTileKeys;
+using attention_keys_t::words_t;
 constexpr int64_t kPairs = kHeadDim / 2;  // words of a row
 
 // Whether calls take this path where the CPU has the instruction: on by default,
@@ -55,21 +56,6 @@ inline bool cpu_has_dot() {
 }
 
 inline bool active() { return use_dot() && cpu_has_dot(); }
-
-// The 16 words [16 half, 16 half + 16) of keys [16 b, 16 b + 16) (rows[i]; zeros past
-// `keys`), transposed: out[j] holds word 16 half + j of the 16 keys. (Outside the
-// avx512bf16 region below: the transposes use none of its instructions, and a lambda of that
-// target cannot be inlined into transpose16's default-target code: an out-of-line call per
-// vector had made decodes slower than the float32 path.)
-static inline void words_t(const uint16_t* const* rows, int64_t keys, int64_t b, int half,
-                           __m512 (&out)[16]) {
-  __m512 w[16];
-  for (int64_t i = 0; i < 16; ++i)
-    w[i] = b * 16 + i < keys
-               ? _mm512_loadu_ps(reinterpret_cast<const float*>(rows[b * 16 + i]) + 16 * half)
-               : _mm512_setzero_ps();
-  transpose16(w, [&](int j, __m512 v) { out[j] = v; });
-}
 
 // kP[c * 64 + i] = word c of key i (keys [0, keys); zeros up to a multiple of 16).
 static void pair_keys_t(const uint16_t* const* rows, int64_t keys, uint32_t* kP) {
@@ -140,7 +126,7 @@ static void score_raw(const uint32_t* qp, const uint16_t* const* rows, float sca
 
 // o's layout in registers: the even-pair unpack of two rows' 32 values gives, in 128-bit
 // lane L, d = 8L + 0..3 (lo) and the odd one d = 8L + 4..7 (hi), per half k of the row.
-// kLoad*: natural d order → (lo, hi); kStore*: back.
+// accumulate's load_lo / load_hi gather natural d order into (lo, hi); store0 / store1 back.
 static inline __m512i idx(int a, int b, int c, int d) {  // four runs of 4 from a, b, c, d
   return _mm512_setr_epi32(a, a + 1, a + 2, a + 3, b, b + 1, b + 2, b + 3, c, c + 1, c + 2,
                            c + 3, d, d + 1, d + 2, d + 3);

@@ -29,6 +29,20 @@ namespace attention_keys_t {
 constexpr int64_t kTileKeys = 64;  // keys of a tile: four vectors of 16
 constexpr int64_t kHeadDim = 64;   // the head size this path takes
 
+// The 16 words [16 half, 16 half + 16) of keys [16 b, 16 b + 16) (rows[i]; zeros past
+// `keys`), transposed: out[j] holds word 16 half + j of the 16 keys. (Default target: the
+// vdpbf16ps path calls it too, and a lambda compiled for avx512bf16 could not be inlined into
+// transpose16, an out-of-line call per vector that had made its decodes slower.)
+static inline void words_t(const uint16_t* const* rows, int64_t keys, int64_t b, int half,
+                           __m512 (&out)[16]) {
+  __m512 w[16];
+  for (int64_t i = 0; i < 16; ++i)
+    w[i] = b * 16 + i < keys
+               ? _mm512_loadu_ps(reinterpret_cast<const float*>(rows[b * 16 + i]) + 16 * half)
+               : _mm512_setzero_ps();
+  transpose16(w, [&](int j, __m512 v) { out[j] = v; });
+}
+
 // kT[d * 64 + i] = key i's value d (widened, exact) for keys [0, keys) of one KV head, from
 // its bf16 rows rows[i] (64 values each): 16 keys at a time, their rows read as 32-bit words
 // (two values each), transposed, and each word split into its two floats (low half: d even).
@@ -37,18 +51,15 @@ static inline void widen_keys_t(const uint16_t* const* rows, int64_t keys, float
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t b = 0; b * 16 < keys; ++b) {
     for (int half = 0; half < 2; ++half) {  // words [16 half, 16 half + 16): d in 32 half ..
-      __m512 w[16];
-      for (int64_t i = 0; i < 16; ++i)
-        w[i] = b * 16 + i < keys
-                   ? _mm512_loadu_ps(reinterpret_cast<const float*>(rows[b * 16 + i]) + 16 * half)
-                   : _mm512_setzero_ps();
-      transpose16(w, [&](int j, __m512 v) {  // v: word 16 half + j of the 16 keys
-        const __m512i x = _mm512_castps_si512(v);
+      __m512 t[16];
+      words_t(rows, keys, b, half, t);
+      for (int j = 0; j < 16; ++j) {  // t[j]: word 16 half + j of the 16 keys
+        const __m512i x = _mm512_castps_si512(t[j]);
         const int64_t d = 32 * half + 2 * j;
         _mm512_storeu_ps(kT + d * kTileKeys + 16 * b, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
         _mm512_storeu_ps(kT + (d + 1) * kTileKeys + 16 * b,
                          _mm512_castsi512_ps(_mm512_and_si512(x, high)));
-      });
+      }
     }
   }
 }
@@ -105,12 +116,8 @@ static void score_raw_t(const float* q, const uint16_t* const* rows, float scale
     __m512 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
     for (int half = 0; half < 2; ++half) {
-      __m512 w[16], t[16];
-      for (int64_t i = 0; i < 16; ++i)
-        w[i] = b * 16 + i < own
-                   ? _mm512_loadu_ps(reinterpret_cast<const float*>(rows[b * 16 + i]) + 16 * half)
-                   : _mm512_setzero_ps();
-      transpose16(w, [&](int j, __m512 v) { t[j] = v; });
+      __m512 t[16];
+      words_t(rows, own, b, half, t);
       for (int j = 0; j < 16; ++j) {  // d = 32 half + 2 j (low half) and d + 1 (high half)
         const __m512i x = _mm512_castps_si512(t[j]);
         const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));

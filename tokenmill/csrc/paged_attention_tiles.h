@@ -122,7 +122,7 @@ static void softmax_tile(const PagedArgs& a, PagedScratch& s, const RowState& ro
   }
 }
 
-#if defined(TM_ATTENTION_KEYS_T) && defined(TM_ATTENTION_KEYS_DP)
+#ifdef TM_ATTENTION_KEYS_DP  // (implies TM_ATTENTION_KEYS_T)
 // attend_tile on vdpbf16ps (paged_attention_keys_dp.h): a row alone scores the K rows in
 // place (`direct`), a group's rows the tile's word pairs in s.kT; V is read in place by both.
 static void attend_tile_dot(const PagedArgs& a, PagedScratch& s, const RowState& row,
@@ -155,7 +155,7 @@ static void attend_tile_dot(const PagedArgs& a, PagedScratch& s, const RowState&
 // weighted sum of V.
 static void attend_tile(const PagedArgs& a, PagedScratch& s, const RowState& row, int64_t h0,
                         int64_t heads, int64_t keys, bool direct) {
-#if defined(TM_ATTENTION_KEYS_T) && defined(TM_ATTENTION_KEYS_DP)
+#ifdef TM_ATTENTION_KEYS_DP  // (implies TM_ATTENTION_KEYS_T)
   if (a.dot) return attend_tile_dot(a, s, row, h0, heads, keys, direct);
 #endif
   const int64_t rows_q = heads * a.G, D = a.D;
