@@ -208,10 +208,11 @@ static TM_BT_INLINE void split_nibbles(const uint8_t* p, __m512i* chunks) {
 
 // Block b of group g as 8 vectors of 4 k x 16 outputs: w (signed) and w as vpdpbusd's
 // unsigned operand against signed x (4-bit: the same; Q8_0: w + 128).
+template <bool Q4>
 static TM_BT_INLINE void block_vectors(const Weight& w, int64_t g, int64_t b, __m512i* sw,
                                        __m512i* uw) {
   const uint8_t* p = w.block(g, b);
-  if (w.q4) {
+  if constexpr (Q4) {
     split_nibbles(p, sw);
     for (int c = 0; c < 8; ++c) uw[c] = sw[c];
   } else {
@@ -222,38 +223,78 @@ static TM_BT_INLINE void block_vectors(const Weight& w, int64_t g, int64_t b, __
   }
 }
 
-// Rows [m0, m0 + R) of x times W group g (16 outputs) into y.
-template <int R>
+// Rows [m0, m0 + R) of x times W group g (16 outputs) into y. The format (Q4) and the
+// rounding of x (WIDE: int16) are template arguments and the rows' loops fully unrolled, so
+// that the R accumulators stay in registers across the blocks and a block costs no branch
+// or division (a runtime-dispatched build kept them on the stack: a store and a reload per
+// row and block; benchmarks/RESULTS.md, fortieth session).
+template <int R, bool Q4, bool WIDE>
 static void vector_rows(const Weight& w, const Acts& a, int64_t m0, int64_t g,
                         const float* bias, float* y) {
-  const int64_t K = w.K, nb = w.nb;
+  const int64_t K = w.K, nb = w.nb, gb = Q4 ? w.gb : 1;  // Q8_0: a scale a block
+  const int8_t* xh[R];
+  const uint8_t* xl[R];
+  const float* dx[R];
   __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512i sw[8], uw[8];
-    block_vectors(w, g, b, sw, uw);
-    const __m512 d = w.scales(w.d, g, b / w.gb);
-    for (int r = 0; r < R; ++r) {
-      const int64_t m = m0 + r;
-      const int8_t* xh = a.hi.get() + m * K + b * kBlock;
-      __m512i ih = _mm512_setzero_si512(), il = _mm512_setzero_si512();
-      for (int c = 0; c < 8; ++c) ih = _mm512_dpbusd_epi32(ih, uw[c], bcast4(xh + 4 * c));
-      if (!w.q4) ih = _mm512_sub_epi32(ih, _mm512_set1_epi32(a.hsum[m * nb + b]));
-      if (a.wide) {
-        const uint8_t* xl = a.lo.get() + m * K + b * kBlock;
-        for (int c = 0; c < 8; ++c) il = _mm512_dpbusd_epi32(il, bcast4(xl + 4 * c), sw[c]);
-        ih = _mm512_add_epi32(_mm512_slli_epi32(ih, 8), il);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    xh[r] = a.hi.get() + (m0 + r) * K;
+    xl[r] = WIDE ? a.lo.get() + (m0 + r) * K : nullptr;
+    dx[r] = a.dx.data() + (m0 + r) * nb;
+    acc[r] = _mm512_setzero_ps();
+  }
+  for (int64_t h = 0; h < w.ng; ++h) {  // a scale group: gb blocks (Q8_0: one)
+    for (int64_t b = h * gb; b < (h + 1) * gb; ++b) {
+      __m512i sw[8], uw[8];
+      block_vectors<Q4>(w, g, b, sw, uw);
+      const __m512 d = w.scales(w.d, g, h);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xb = xh[r] + b * kBlock;
+        __m512i ih = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) ih = _mm512_dpbusd_epi32(ih, uw[c], bcast4(xb + 4 * c));
+        if constexpr (!Q4)
+          ih = _mm512_sub_epi32(ih, _mm512_set1_epi32(a.hsum[(m0 + r) * nb + b]));
+        if constexpr (WIDE) {
+          const uint8_t* lb = xl[r] + b * kBlock;
+          __m512i il = _mm512_setzero_si512();
+#pragma GCC unroll 8
+          for (int c = 0; c < 8; ++c) il = _mm512_dpbusd_epi32(il, bcast4(lb + 4 * c), sw[c]);
+          ih = _mm512_add_epi32(_mm512_slli_epi32(ih, 8), il);
+        }
+        acc[r] = block_term(acc[r], ih, d, dx[r][b]);
       }
-      acc[r] = block_term(acc[r], ih, d, a.dx[m * nb + b]);
     }
-    if (w.q4 && (b + 1) % w.gb == 0) {
-      const int64_t h = b / w.gb;
+    if constexpr (Q4) {
       const __m512 mn = w.scales(w.m, g, h);
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) acc[r] = offset_term(acc[r], mn, a.xsum[(m0 + r) * w.ng + h]);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
     store_row(y + (m0 + r) * w.N + g * kRows, acc[r], bias ? bias + g * kRows : nullptr);
+}
+
+// Every row of x times W groups [g0, g1): eight rows at a time (a block's weight vectors
+// decoded once for eight; sixteen outputs of eight rows fill the registers), then four, then
+// the rest; a group's blocks stay in L1 for every row of x. Each row's sums are its own, in
+// the same order whatever the rows beside it.
+template <bool Q4, bool WIDE>
+static void vector_groups(const Weight& w, const Acts& a, int64_t M, int64_t g0, int64_t g1,
+                          const float* bias, float* y) {
+  for (int64_t g = g0; g < g1; ++g) {
+    int64_t m = 0;
+    for (; m + 8 <= M; m += 8) vector_rows<8, Q4, WIDE>(w, a, m, g, bias, y);
+    for (; m + 4 <= M; m += 4) vector_rows<4, Q4, WIDE>(w, a, m, g, bias, y);
+    switch (M - m) {
+      case 1: vector_rows<1, Q4, WIDE>(w, a, m, g, bias, y); break;
+      case 2: vector_rows<2, Q4, WIDE>(w, a, m, g, bias, y); break;
+      case 3: vector_rows<3, Q4, WIDE>(w, a, m, g, bias, y); break;
+      default: break;
+    }
+  }
 }
 
 // ---- tiles ---------------------------------------------------------------------------------
@@ -378,16 +419,10 @@ inline void linear(const Weight& w, const float* x, int64_t M, const float* xsum
   const int64_t groups = w.N / kRows;
   if (!tiles) {  // a decode step (W streamed once), or a CPU without the tile unit
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) {  // a group's blocks stay in L1 for every row of x
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4) vector_rows<4>(w, a, m, g, bias, y);
-        switch (M - m) {
-          case 1: vector_rows<1>(w, a, m, g, bias, y); break;
-          case 2: vector_rows<2>(w, a, m, g, bias, y); break;
-          case 3: vector_rows<3>(w, a, m, g, bias, y); break;
-          default: break;
-        }
-      }
+      if (w.q4 && a.wide) vector_groups<true, true>(w, a, M, g0, g1, bias, y);
+      else if (w.q4) vector_groups<true, false>(w, a, M, g0, g1, bias, y);
+      else if (a.wide) vector_groups<false, true>(w, a, M, g0, g1, bias, y);
+      else vector_groups<false, false>(w, a, M, g0, g1, bias, y);
     });
     return;
   }
