@@ -31,8 +31,7 @@ from collections.abc import Callable
 import torch
 
 from tokenmill.bench.machine import describe_machine
-from tokenmill.bench.quant_quality import compare, score_windows
-from tokenmill.quantization.awq_search import calibration_text
+from tokenmill.bench.quant_quality import compare, score_windows, text_windows
 
 BLOCK = 32
 Rule = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -118,14 +117,7 @@ def main(argv: list[str] | None = None) -> int:
               max_num_batched_tokens=args.window)
     # The layers' own products: the fused CPU call would not see the wrapped inputs.
     llm.engine.runner.model.model.fused_layers.enabled = False
-    tok = llm.engine.tokenizer
-    ids: list[int] = []
-    chars = 4 * args.tokens
-    while len(ids) < args.tokens:
-        ids = tok.encode(calibration_text(chars), add_special_tokens=False)
-        chars *= 2
-    windows = [w for w in (ids[i:i + args.window] for i in range(0, args.tokens, args.window))
-               if len(w) > 1]
+    windows = text_windows(llm.engine.tokenizer, args.tokens, args.window)
     layers = [m for m in llm.engine.runner.model.modules()
               if isinstance(m, LinearBase) and getattr(m, "quant_method", None) is not None]
     ref = score_windows(llm, windows)

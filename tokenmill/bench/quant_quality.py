@@ -73,6 +73,18 @@ def score_windows(llm, windows: list[list[int]]) -> list[torch.Tensor]:
         runner._prompt_logprobs = real_prompt_logprobs
 
 
+def text_windows(tokenizer, tokens: int, window: int) -> list[list[int]]:
+    """`tokens` tokens of the standard library's docstrings (module doc) cut into windows of
+    `window` tokens (a last one of a single token dropped: nothing to score)."""
+    ids: list[int] = []
+    chars = 4 * tokens
+    while len(ids) < tokens:
+        ids = tokenizer.encode(calibration_text(chars), add_special_tokens=False)
+        chars *= 2
+    windows = [ids[i:i + window] for i in range(0, tokens, window)]
+    return [w for w in windows if len(w) > 1]
+
+
 def compare(ref: list[torch.Tensor], got: list[torch.Tensor],
             windows: list[list[int]]) -> dict[str, float]:
     kl = agree = nll = n = 0.0
@@ -134,14 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_num_batched_tokens=args.step_tokens)
     t0 = time.perf_counter()
     ref_llm = LLM(args.model, quantization="none", matmul_dtype="float32", **opts)
-    tok = ref_llm.engine.tokenizer
-    ids: list[int] = []
-    chars = 4 * args.tokens
-    while len(ids) < args.tokens:
-        ids = tok.encode(calibration_text(chars), add_special_tokens=False)
-        chars *= 2
-    windows = [ids[i:i + args.window] for i in range(0, args.tokens, args.window)]
-    windows = [w for w in windows if len(w) > 1]
+    windows = text_windows(ref_llm.engine.tokenizer, args.tokens, args.window)
     print(f"text: {sum(len(w) - 1 for w in windows)} scored tokens of standard-library "
           f"docstrings (Python {sys.version.split()[0]}), windows of {args.window}")
     ref = score_windows(ref_llm, windows)
