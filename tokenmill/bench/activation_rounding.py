@@ -118,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     # The layers' own products: the fused CPU call would not see the wrapped inputs.
     llm.engine.runner.model.model.fused_layers.enabled = False
     windows = text_windows(llm.engine.tokenizer, args.tokens, args.window)
-    layers = [m for m in llm.engine.runner.model.modules()
-              if isinstance(m, LinearBase) and getattr(m, "quant_method", None) is not None]
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
     ref = score_windows(llm, windows)
     print(f"{len(layers)} linear layers; {sum(len(w) - 1 for w in windows)} scored tokens")
     print(f"{'rule':<8} {'mean KL':>9} {'top-1 agree':>12} {'perplexity':>11} "

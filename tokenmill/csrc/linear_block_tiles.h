@@ -244,10 +244,10 @@ static void vector_rows(const Weight& w, const Acts& a, int64_t m0, int64_t g,
     acc[r] = _mm512_setzero_ps();
   }
   for (int64_t h = 0; h < w.ng; ++h) {  // a scale group: gb blocks (Q8_0: one)
+    const __m512 d = w.scales(w.d, g, h);
     for (int64_t b = h * gb; b < (h + 1) * gb; ++b) {
       __m512i sw[8], uw[8];
       block_vectors<Q4>(w, g, b, sw, uw);
-      const __m512 d = w.scales(w.d, g, h);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int8_t* xb = xh[r] + b * kBlock;
