@@ -8,7 +8,8 @@ its half-precision weights), `float32` (dtype=float32: the weights widened at lo
 file path (a GGUF file of the same model, served by default in its own blocks), optionally
 `PATH@int8` (or `auto@int8`: the folder) for another weight format, `@kv=bfloat16` (any
 `kv_cache_dtype`) for another KV cache format, e.g. `auto@kv=bfloat16`, and `@matmul=float32`
-(any `matmul_dtype`) for a bf16 checkpoint's products in float32. Each runs in a child
+(any `matmul_dtype`) for a bf16 checkpoint's products in float32, `@block=64` for another KV
+`block_size`. Each runs in a child
 process of its own. vLLM runs under `--vllm-python` (default: this interpreter), so it can live
 in a venv of its own (this checkout is put on its PYTHONPATH for the shared workloads).
 vLLM's single-stream figure is its decode rate after the first token, as tokenmill's is: the
@@ -58,14 +59,15 @@ def write_bf16_folder(gguf_path: str, out: str) -> str:
 
 
 def _engine_args(folder: str, fmt: str) -> tuple[str, dict]:
-    """FORMAT[@QUANTIZATION][@kv=KV_CACHE_DTYPE][@matmul=MATMUL_DTYPE] → (model, LLM
-    options)."""
+    """FORMAT[@QUANTIZATION][@kv=KV_CACHE_DTYPE][@matmul=MATMUL_DTYPE][@block=BLOCK_SIZE] →
+    (model, LLM options)."""
     path, *extras = fmt.split("@")
     options: dict = {}
     for extra in extras:
         key, _, value = extra.rpartition("=")
-        options[{"": "quantization", "kv": "kv_cache_dtype", "matmul": "matmul_dtype"}[key]] = \
-            value
+        name = {"": "quantization", "kv": "kv_cache_dtype", "matmul": "matmul_dtype",
+                "block": "block_size"}[key]
+        options[name] = int(value) if name == "block_size" else value
     if path == "auto":
         return folder, options
     if path == "float32":

@@ -86,6 +86,36 @@ static inline void prefetch_row(const PagedArgs& a, int64_t row, int64_t heads) 
   }
 }
 
+// A row walking its keys alone over every KV head (a decode among many: attend_keys) asks for
+// a window of its keys ahead into L2: the window's first keys as it starts, then a tile's more
+// as it reaches each tile. A tile's 64 keys span four scattered 16-token blocks of a few pages
+// each, and with only the next tile asked for (into L1, load_tile) the reads still waited on
+// memory: 64 decodes over 320 keys of a bf16 cache in DRAM ran at ~8 GB/s against ~20 from L3
+// (Zen 4; 1.3-1.4x with the window, bf16 and float32 caches alike). Prefetches only: no
+// arithmetic changes.
+constexpr int64_t kL2WindowBytes = 256 << 10;  // K and V: a quarter of a 1 MB L2
+
+static inline int64_t l2_window_keys(const PagedArgs& a, int64_t heads) {
+  const int64_t per_key = 2 * heads * a.row_bytes;
+  return std::max<int64_t>(1, kL2WindowBytes / per_key / kTileKeys) * kTileKeys;
+}
+
+// Keys [k0, k1) of a sequence (block table `table`; heads [h0, h0 + heads)) into L2: in each
+// block the bytes from the first key's row to the last one's, in address order.
+static inline void prefetch_keys_l2(const PagedArgs& a, const int64_t* table, int64_t k0,
+                                    int64_t k1, int64_t h0, int64_t heads) {
+  for (int64_t k = k0; k < k1;) {
+    const int64_t blk = k / a.bs, end = std::min(k1, (blk + 1) * a.bs);
+    const int64_t first = (table[blk] * a.bs + k % a.bs) * a.Hkv + h0;
+    const int64_t bytes = ((end - k - 1) * a.Hkv + heads) * a.row_bytes;
+    for (int64_t o = 0; o < bytes; o += 64) {
+      prefetch_l2(a.kb + first * a.row_bytes + o);
+      prefetch_l2(a.vb + first * a.row_bytes + o);
+    }
+    k = end;
+  }
+}
+
 // The first tile's rows of query row n's keys from k0 (heads [h0, h0 + heads)): the next
 // work item's, prefetched as a thread starts an item.
 static inline void prefetch_first_tile(const PagedArgs& a, int64_t n, int64_t k0, int64_t h0,
@@ -347,8 +377,14 @@ static void attend_keys(const PagedArgs& a, PagedScratch& s, const RowState* row
   // heads at once (96 KB) were re-read from L2 by each row. Each query head's arithmetic is
   // the same either way.
   const bool per_head = !direct && R > 1 && heads > 1 && a.fmt != KVFormat::kFloat32;
+  // A row alone over every KV head (a decode among many): its window of keys into L2
+  const bool window_ahead = R == 1 && heads == a.Hkv;
+  const int64_t window = window_ahead ? l2_window_keys(a, heads) : 0;
+  if (window_ahead) prefetch_keys_l2(a, table, k0, std::min(k1, k0 + window), h0, heads);
   for (int64_t t0 = k0; t0 < k1; t0 += kTileKeys) {
     const int64_t keys = std::min(kTileKeys, k1 - t0), next_end = std::min(k1, t0 + 2 * kTileKeys);
+    if (window_ahead && t0 + window < k1)  // the window moves on by this tile
+      prefetch_keys_l2(a, table, t0 + window, std::min(k1, t0 + window + kTileKeys), h0, heads);
     for (int64_t h = 0; h < (per_head ? heads : 1); ++h) {
       const int64_t first = per_head ? h0 + h : h0, count = per_head ? 1 : heads;
       load_tile(a, s, table, t0, keys, next_end, first, count, direct);

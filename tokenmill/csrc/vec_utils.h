@@ -4,6 +4,18 @@
 
 using Vec = at::vec::Vectorized<float>;
 
+// A prefetch into L2 that the compiler keeps. GCC 12 deletes a loop whose body is only
+// __builtin_prefetch (_mm_prefetch) when it sits in another loop (the lines of each block of a
+// sequence's keys, say) as free of side effects: the attention kernel's window of keys asked
+// for into L2 compiled to nothing. An asm volatile statement is never removed.
+static inline void prefetch_l2(const void* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
 // Horizontal sum. NOTE: at::vec::vec_reduce_all goes through memory and costs several times
 // more, which dominated the attention kernel (three reductions per cached token).
 static inline float hsum(const Vec& v) {
