@@ -21,13 +21,13 @@
 // Two ways to the same integers and the same float32 operations, so a row's result is
 // bitwise the same at every M, with any neighbours, chunking or threads
 // (tests/quantization/test_gguf_int8.py):
-// - raw rows (steps of up to 12 rows of x: decode): a W row's super-block decoded in
-//   registers as it is read, lanes along its weights, I and J summed across the lanes;
+// - raw rows (decode steps: up to raw_max_rows rows of x): a W row's super-block decoded
+//   in registers as it is read, lanes along its weights, I and J summed across the lanes;
 // - tiles (larger steps): kRowsPerVec W rows decoded once into an interleaved tile, 4 bytes
 //   of each row side by side, so that one vpmaddubsw multiplies 4 weights of every row by the
-//   same 4 values of x (broadcast) and each int32 lane is one output: the float work of a
-//   super-block is one vector op for kRowsPerVec outputs (llama.cpp's repacked layouts;
-//   linear_gguf_int8_tiles.h).
+//   same 4 values of x (broadcast; with AVX-512 VNNI one vpdpbusd) and each int32 lane is
+//   one output: the float work of a super-block is one vector op for kRowsPerVec outputs
+//   (llama.cpp's repacked layouts; linear_gguf_int8_tiles.h).
 //
 // Lossy: x's rounding to 8 bits per 256 values (benchmarks/quant_quality.py measures it);
 // used only where asked for. IQ4's levels (up to 127 in magnitude) and the 32-weight kinds
@@ -261,11 +261,13 @@ static void raw_rows_times(const Int8Rows& x, int64_t x0, const uint8_t* W, int6
 
 namespace gguf_int8 {
 
-// Raw W rows meet up to kRawRowsX rows of x a pass: a step of up to kRawMaxRows rows (decode
+// Raw W rows meet up to kRawRowsX rows of x a pass: a step of up to raw_max_rows rows (decode
 // steps) takes raw passes over each 8 W rows (the second from cache); larger steps decode
-// interleaved tiles, each meeting kTileRowsX rows of x at a time (from about 12 rows the
-// tiles cost less: benchmarks/gguf_kernels.py).
-constexpr int64_t kRawRowsX = 8, kRawMaxRows = 12, kTileRowsX = 4;
+// interleaved tiles, each meeting kTileRowsX rows of x at a time. Where tiles start to cost
+// less (benchmarks/gguf_kernels.py, W from memory, Zen 4): Q4_K from 6 rows, Q6_K (whose
+// tiles' decoding costs more) past 12; the other kinds are kept at 12, unmeasured.
+constexpr int64_t kRawRowsX = 8, kTileRowsX = 4;
+constexpr int64_t raw_max_rows(int64_t kind) { return kind == kQ4_K ? 5 : 12; }
 
 template <int64_t KIND>
 static void rows_times_any(int64_t R, const Int8Rows& x, int64_t x0, const uint8_t* W,
@@ -293,7 +295,7 @@ template <int64_t KIND>
 static void linear_kind(const Int8Rows& x, const uint8_t* W, int64_t M, int64_t N,
                         const float* bias, float* y) {
   const int64_t K = x.K, nsb = K / kSuper;
-  const bool raw = M <= kRawMaxRows;
+  const bool raw = M <= raw_max_rows(KIND);
   const int64_t tile = raw ? 8 : kRowsPerVec;
   const int64_t tiles = (N + tile - 1) / tile;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
