@@ -69,8 +69,8 @@ def test_products_are_the_weights_times_int8_rounded_activations_at_every_m(ops,
     kernel = int8_kernel(type_name, 73, 768, seed=1)  # odd N; three super-blocks a row
     bias = torch.randn(73)
     w = dequantize(kernel).double()
-    # raw passes up to 5 rows (Q4_K) or 12, tiles above
-    for m in (1, 2, 3, 5, 6, 8, 9, 12, 13, 17, 70):
+    # raw passes up to 5, 7 (Q3_K) or 12 rows (Q6_K), tiles above
+    for m in (1, 2, 3, 5, 6, 7, 8, 9, 12, 13, 17, 70):
         x = torch.randn(m, 768) * torch.logspace(-1, 1, 768)  # blocks of very different ranges
         y = cpu_ops.linear(x, kernel, bias, ops)
         torch.testing.assert_close(y, expected(x, kernel, bias), atol=1e-4, rtol=1e-5)

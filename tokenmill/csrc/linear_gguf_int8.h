@@ -264,10 +264,12 @@ namespace gguf_int8 {
 // Raw W rows meet up to kRawRowsX rows of x a pass: a step of up to raw_max_rows rows (decode
 // steps) takes raw passes over each 8 W rows (the second from cache); larger steps decode
 // interleaved tiles, each meeting kTileRowsX rows of x at a time. Where tiles start to cost
-// less (benchmarks/gguf_kernels.py, W from memory, Zen 4): Q4_K from 6 rows, Q6_K (whose
-// tiles' decoding costs more) past 12; the other kinds are kept at 12, unmeasured.
+// less (a 14336 x 4096 layer from memory, two threads, Zen 4; RESULTS.md): Q2_K, Q4_K and
+// Q5_K from 6 rows, Q3_K from about 8, Q6_K (whose tiles' decoding costs most) about 12.
 constexpr int64_t kRawRowsX = 8, kTileRowsX = 4;
-constexpr int64_t raw_max_rows(int64_t kind) { return kind == kQ4_K ? 5 : 12; }
+constexpr int64_t raw_max_rows(int64_t kind) {
+  return kind == kQ6_K ? 12 : kind == kQ3_K ? 7 : 5;
+}
 
 template <int64_t KIND>
 static void rows_times_any(int64_t R, const Int8Rows& x, int64_t x0, const uint8_t* W,
