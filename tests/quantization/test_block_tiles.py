@@ -123,7 +123,9 @@ def test_products_follow_their_definition_bit_for_bit(kind, group, int8):
     p = CPULinearKernel(p.kind, group, p.tensors, int8)
     g = torch.Generator().manual_seed(3)
     bias = torch.randn(48, generator=g)
-    for m in (1, 2, 3, 4, 5, 16, 37):  # the vector rows, whole tiles, a narrower last tile
+    # the vector rows, whole tiles, a narrower last tile; 700 rows: blocks of x of ~256 KB
+    # (336 rows with int16 x, 680 with int8) and a short last block
+    for m in (1, 2, 3, 4, 5, 16, 37, 700):
         x = torch.randn(m, 384, generator=g) * 3
         x[0, :32] = 0  # a block of zeros (dx 0)
         assert torch.equal(cpu_ops.linear(x, p, bias), reference(x, k, int8, bias)), m

@@ -90,6 +90,21 @@ def test_products_are_the_dequantized_weights_times_the_rounded_activations(
         assert 1e-7 < relative < 1e-4, relative
 
 
+@pytest.mark.parametrize("type_name,k", [("Q4_K", 4608), ("Q6_K", 4608), ("Q5_0", 4640)])
+def test_a_large_step_in_blocks_of_x_changes_no_row(ops, type_name, k):
+    """Large steps take x in blocks of rows (~1 MB: 112 rows at this K), each met by all of a
+    thread's tiles of W: 230 rows are two whole blocks and a short one (4640 = 145 blocks of
+    32: one dx per 32 values). No row may change."""
+    kernel = kernel_of(type_name, 37, k, seed=2)  # tiles of 14 rows and a short last one
+    bias = torch.randn(37)
+    x = torch.randn(230, k) * torch.logspace(-1, 1, k)
+    y = cpu_ops.linear(x, kernel, bias, ops)
+    torch.testing.assert_close(y, expected_product(ops, x, kernel, bias), atol=1e-4, rtol=1e-5)
+    for i in (0, 111, 112, 200, 229):  # each block's edges
+        assert torch.equal(cpu_ops.linear(x[i:i + 1], kernel, bias, ops)[0], y[i])
+    assert torch.equal(cpu_ops.linear(x[112:224], kernel, bias, ops), y[112:224])
+
+
 # Each kind's largest int16 weights (VNNI kernel: sub-block scale times value): bytes of
 # W row 0 set to `low`, of row 1 to `high`, the scale bytes to `scale` (each slice of a block).
 EXTREMES = {

@@ -284,15 +284,22 @@ static void vector_rows(const Weight& w, const Acts& a, int64_t m0, int64_t g,
 template <bool Q4, bool WIDE>
 static void vector_groups(const Weight& w, const Acts& a, int64_t M, int64_t g0, int64_t g1,
                           const float* bias, float* y) {
-  for (int64_t g = g0; g < g1; ++g) {
-    int64_t m = 0;
-    for (; m + 8 <= M; m += 8) vector_rows<8, Q4, WIDE>(w, a, m, g, bias, y);
-    for (; m + 4 <= M; m += 4) vector_rows<4, Q4, WIDE>(w, a, m, g, bias, y);
-    switch (M - m) {
-      case 1: vector_rows<1, Q4, WIDE>(w, a, m, g, bias, y); break;
-      case 2: vector_rows<2, Q4, WIDE>(w, a, m, g, bias, y); break;
-      case 3: vector_rows<3, Q4, WIDE>(w, a, m, g, bias, y); break;
-      default: break;
+  // x's rows in blocks of ~256 KB (int8 hi and, WIDE, lo per value): with W's rows of the
+  // thread (vector rows: no decoded tile) they stay in L2. 2048 rows of SmolLM2's Q8_0
+  // 576 x 1536: 115 -> 163 G products/s on two Zen 4 cores; 1 MB blocks: 131.
+  const int64_t xblock = x_block_rows(w.K * (WIDE ? 2 : 1), 8, 1 << 18);
+  for (int64_t m0 = 0; m0 < M; m0 += xblock) {
+    const int64_t m1 = std::min(M, m0 + xblock);
+    for (int64_t g = g0; g < g1; ++g) {
+      int64_t m = m0;
+      for (; m + 8 <= m1; m += 8) vector_rows<8, Q4, WIDE>(w, a, m, g, bias, y);
+      for (; m + 4 <= m1; m += 4) vector_rows<4, Q4, WIDE>(w, a, m, g, bias, y);
+      switch (m1 - m) {
+        case 1: vector_rows<1, Q4, WIDE>(w, a, m, g, bias, y); break;
+        case 2: vector_rows<2, Q4, WIDE>(w, a, m, g, bias, y); break;
+        case 3: vector_rows<3, Q4, WIDE>(w, a, m, g, bias, y); break;
+        default: break;
+      }
     }
   }
 }

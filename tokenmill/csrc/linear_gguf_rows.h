@@ -53,8 +53,8 @@ using namespace gguf_blocks;
 // M rows of x rounded to int16 per XB values, as the kernels read them.
 struct SplitRows {
   int64_t K = 0, XB = 0;
-  std::vector<int8_t> hi;    // (M, K) x16 >> 8
-  std::vector<uint8_t> lo;   // (M, K) x16 & 255
+  AlignedVector<int8_t> hi;    // (M, K) x16 >> 8
+  AlignedVector<uint8_t> lo;   // (M, K) x16 & 255
   std::vector<float> d;      // (M, K / XB) dx
   std::vector<float> s16;    // (M, K / 16) sums of x16, integers held exactly as floats
   std::vector<float> s32;    // (M, K / 32)
@@ -480,14 +480,20 @@ inline void linear(int64_t kind, const uint8_t* W, const float* xp, int64_t M, i
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const bool stream = M <= 4;
   const RowsTimes rows_times_kind = rows_times_of(kind);
+  // x in blocks of ~1 MB (two bytes a value): 2048 rows of a 2048 x 8192 Q4_K layer, AVX2
+  // build on Zen 4: 57 -> 65 G products/s; 256 KB blocks 63
+  const int64_t xblock = x_block_rows(2 * K, 4, 1 << 20);
   at::parallel_for(0, tiles, std::max<int64_t>(1, tiles / threads), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * kTileRows, n1 = std::min(N, n0 + kTileRows);
-      for (int64_t m = 0; m < M; m += 4) {
-        const RowsX x = rows_at(xr, m);
-        const int64_t mr = std::min<int64_t>(4, M - m);
-        float* ym = y + m * N;
-        rows_times_kind(mr, W, row_bytes, x, bias, ym, N, n0, n1, stream);
+    for (int64_t m0 = 0; m0 < M; m0 += xblock) {
+      const int64_t m1 = std::min(M, m0 + xblock);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * kTileRows, n1 = std::min(N, n0 + kTileRows);
+        for (int64_t m = m0; m < m1; m += 4) {
+          const RowsX x = rows_at(xr, m);
+          const int64_t mr = std::min<int64_t>(4, m1 - m);
+          float* ym = y + m * N;
+          rows_times_kind(mr, W, row_bytes, x, bias, ym, N, n0, n1, stream);
+        }
       }
     }
   });

@@ -7,7 +7,7 @@
 // into 16 int32 lanes: 1.6-2x at 16-128 rows, where vpdpwssd's own throughput (one a cycle
 // per Zen 5 core) is the bound (benchmarks/gguf_kernels.py). A step of up to 8 rows of x (a
 // decode step: W read once) decodes each block in registers as it reads it; larger steps
-// decode a tile of W rows once for every row of x.
+// decode a tile of W rows once for every block of rows of x (linear_kind).
 //
 //   x16 = round-half-even(x / dx), dx = amax / 32767 per XB values of x (XB = 256 where K
 //   allows, else 32: the rounding of linear_gguf_rows.h and of gguf_activation_block), S32
@@ -41,7 +41,7 @@ using namespace gguf_blocks;
 // M rows of x rounded to int16 per XB values.
 struct Int16Rows {
   int64_t K = 0, XB = 0;
-  std::vector<int16_t> x;  // (M, K) x16
+  AlignedVector<int16_t> x;  // (M, K) x16
   std::vector<float> dx;   // (M, K / XB)
   std::vector<float> s16;  // (M, K / 16) S16, integers held exactly as floats
   std::vector<float> s32;  // (M, K / 32) S32
@@ -170,7 +170,7 @@ static TM_GGUF_INLINE void decode_group(const uint8_t* row, int64_t gi, Group<G>
 // A tile of W rows decoded: per row K int16 weights, per group its G (K-quants 1) scales and
 // its offsets_per_group offsets.
 struct DecodedRows {
-  std::vector<int16_t> w;
+  AlignedVector<int16_t> w;
   std::vector<float> d, offs;
 };
 
@@ -390,8 +390,10 @@ static void rows_times_any(int64_t R, const Int16Rows& x, int64_t m, const Decod
 
 // y (M, N) = x @ W^T (+ bias) for a GGUF block kind's raw rows W (N, row_bytes), x (M, K)
 // float32. A step of up to 8 rows (decode: W read once) multiplies each raw row as it decodes
-// it; larger steps decode a tile of W rows once (as many as fit ~128 KB of int16, kept in L2)
-// for every group of 4 rows of x. Threads take contiguous ranges of tiles.
+// it; larger steps decode a tile of W rows (as many as fit ~128 KB of int16, kept in L2) once
+// per block of x (x_block_rows: ~1 MB, kept in L2) for every group of 4 rows of the block.
+// Threads take contiguous ranges of tiles. The blocking changes no result: each output's
+// lanes take the same terms in the same order.
 template <int64_t KIND, int G>
 static void linear_kind(const Int16Rows& x, const uint8_t* W, int64_t M, int64_t K, int64_t N,
                         const float* bias, float* y) {
@@ -400,18 +402,23 @@ static void linear_kind(const Int16Rows& x, const uint8_t* W, int64_t M, int64_t
   const int64_t tile = stream ? 8 : std::clamp<int64_t>((65536 / K) & ~int64_t{1}, 2, 16);
   const int64_t tiles = (N + tile - 1) / tile;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  // x in blocks of ~1 MB (512 KB and 2 MB: within 2%), each met by all of a thread's tiles
+  const int64_t xblock = stream ? M : x_block_rows(2 * K, kTileRowsX, 1 << 20);
   at::parallel_for(0, tiles, std::max<int64_t>(1, tiles / threads), [&](int64_t t0, int64_t t1) {
     DecodedRows w;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
-      if (stream) {
-        rows_times_any<KIND, G, true>(M, x, 0, nullptr, W, row_bytes, n0, n1, K, N, bias, y);
-        continue;
+    for (int64_t m0 = 0; m0 < M; m0 += xblock) {
+      const int64_t m1 = std::min(M, m0 + xblock);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
+        if (stream) {
+          rows_times_any<KIND, G, true>(M, x, 0, nullptr, W, row_bytes, n0, n1, K, N, bias, y);
+          continue;
+        }
+        decode_rows<KIND, G>(W, row_bytes, K, n0, n1, w);  // once per block of x
+        for (int64_t m = m0; m < m1; m += kTileRowsX)
+          rows_times_any<KIND, G, false>(std::min(kTileRowsX, m1 - m), x, m, &w, W, row_bytes,
+                                         n0, n1, K, N, bias, y);
       }
-      decode_rows<KIND, G>(W, row_bytes, K, n0, n1, w);
-      for (int64_t m = 0; m < M; m += kTileRowsX)
-        rows_times_any<KIND, G, false>(std::min(kTileRowsX, M - m), x, m, &w, W, row_bytes, n0,
-                                       n1, K, N, bias, y);
     }
   });
 }
