@@ -169,7 +169,7 @@ static void range(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* w, i
     default: break;
   }
   constexpr int64_t kPanel = 48;  // a multiple of every NR
-  const int64_t block = std::max<int64_t>(MR, (int64_t{1} << 17) / K / MR * MR);
+  const int64_t block = x_block_rows(2 * K, MR, 1 << 18);  // bf16 x: 2 bytes a value
   for (int64_t m0 = 0; m0 < M; m0 += block) {
     const int64_t m1 = std::min(M, m0 + block);
     for (int64_t p0 = n0; p0 < n1; p0 += kPanel) {

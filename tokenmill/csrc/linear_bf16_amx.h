@@ -142,7 +142,7 @@ static void rows_of_x(const uint16_t* wt, const uint16_t* xb, int64_t K, int64_t
 inline void linear(const uint16_t* wt, const uint16_t* xb, int64_t M, int64_t K, int64_t N,
                    const float* bias, float* y) {
   const int64_t whole = M / kRows * kRows, groups = N / kRows;
-  const int64_t block_m = std::max<int64_t>(2 * kRows, (int64_t{1} << 19) / (2 * K) / 32 * 32);
+  const int64_t block_m = x_block_rows(2 * K, 2 * kRows, 1 << 19);
   const int64_t units = (groups + 1) / 2;  // pairs of groups: 32 rows of W
   const int64_t grain = std::max<int64_t>(1, units / std::max<int64_t>(1, at::get_num_threads()));
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {

@@ -2,7 +2,9 @@
 #pragma once
 #include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <new>
 #include <vector>
 
@@ -30,7 +32,8 @@ using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
 // of one kernel call): each thread's tiles of W meet a step's x a block of about `bytes` at a
 // time, so a tile re-reads its block from L2 rather than all of x from L3 or memory (a
 // 2048-row prefill's 8192-wide down projection is 32 MB of int16 x: it had run at 0.6x the
-// rate of the other layers). The best size is the kernel's: measured per kernel.
+// rate of the other layers). The best size is the kernel's: measured per kernel (the bf16
+// kernels' too: linear_bf16.h 256 KB, linear_bf16_amx.h 512 KB).
 inline int64_t x_block_rows(int64_t row_bytes, int64_t multiple, int64_t bytes) {
   return std::max<int64_t>(multiple, bytes / row_bytes / multiple * multiple);
 }
