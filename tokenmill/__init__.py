@@ -1,6 +1,11 @@
 """tokenmill: a readable, measured engine for serving generative language models.
 
     from tokenmill import LLM, SamplingParams
+
+Importing it points threads started afterwards (the kernels' build threads, the server's
+engine thread) at glibc's main arena, so that CPU steps can reuse what earlier steps freed
+(utils/heap.py; TOKENMILL_KEEP_HEAP=0 leaves glibc's defaults). Nothing imported here starts a
+thread.
 """
 
 from tokenmill.config import EngineConfig
@@ -19,6 +24,9 @@ from tokenmill.outputs import (
 from tokenmill.pooling_params import PoolerConfig, PoolingParams
 from tokenmill.sampling_params import BeamSearchParams, SamplingParams
 from tokenmill.structured_output.params import StructuredOutputsParams
+from tokenmill.utils import heap
+
+heap.share_main_arena()
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",

@@ -27,7 +27,7 @@ from tokenmill.models import resolve_model_class
 from tokenmill.quantization import WEIGHT_FORMATS, quantization_config
 from tokenmill.quantization.gguf import BLOCK_TYPES
 from tokenmill.quantization.unquantized import PREPACK_AUTO_MAX_BYTES
-from tokenmill.utils.huge_pages import trim_heap
+from tokenmill.utils.heap import returning_freed_memory, trim_heap
 
 
 @contextlib.contextmanager
@@ -65,7 +65,14 @@ def prepack_decision(config: ModelConfig, prepack: bool | str) -> bool:
 def load_model(config: ModelConfig, device: torch.device, tp: ParallelState = ParallelState(),
                prepack: bool | str = "auto", batch_invariant: bool = True) -> nn.Module:
     """The model with its weights; batch_invariant: its linear layers' kernels sum every row
-    in one order at every step size (EngineConfig.batch_invariant)."""
+    in one order at every step size (EngineConfig.batch_invariant). Its temporaries go back
+    to the OS as they are freed, whatever a running engine asked of the heap (utils/heap.py)."""
+    with returning_freed_memory():
+        return _load_model(config, device, tp, prepack, batch_invariant)
+
+
+def _load_model(config: ModelConfig, device: torch.device, tp: ParallelState, prepack: bool | str,
+                batch_invariant: bool) -> nn.Module:
     cls = resolve_model_class(config.architecture)
     quant = quantization_config(config, device, prepack_decision(config, prepack),
                                 batch_invariant and device.type == "cpu")

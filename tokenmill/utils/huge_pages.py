@@ -26,6 +26,8 @@ import mmap
 import torch
 from torch import nn
 
+from tokenmill.utils.heap import trim_heap
+
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
@@ -93,23 +95,7 @@ def move_parameters_to_huge_pages(module: nn.Module, min_bytes: int = 1 << 20) -
     return total
 
 
-# Parameters below glibc's mmap threshold (32 MiB at most) live on the heap, whose freed
-# pages stay in the process until trimmed.
+# Parameters below glibc's mmap threshold (by default 32 MiB at most; 1 GiB once a previous
+# engine set utils/heap.py's policy) live on the heap, whose freed pages stay in the process
+# until trimmed.
 _TRIM_EVERY = 256 << 20
-
-
-def trim_heap() -> None:
-    """glibc's malloc_trim(0): return the heap's free pages to the OS (a no-op elsewhere)."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = lambda _pad: 0  # noqa: E731 (not glibc)
-    _malloc_trim(0)
-
-
-_malloc_trim = None

@@ -54,6 +54,7 @@ from tokenmill.spec_decode.cost_model import measure_spec_costs
 from tokenmill.spec_decode.draft_model import DraftModelProposer
 from tokenmill.spec_decode.policy import SpecCosts
 from tokenmill.utils import cdiv
+from tokenmill.utils.heap import keep_step_memory
 from tokenmill.utils.huge_pages import move_parameters_to_huge_pages
 from tokenmill.utils.profiling import scope
 from tokenmill.worker import sleep_mode
@@ -91,6 +92,8 @@ class ModelRunner:
         self.states = RequestStates()  # the requests' tokens and block tables
         self._load_speculative()
         self._capture_graphs()
+        if self.device.type == "cpu":
+            keep_step_memory()  # what a step frees serves the next (utils/heap.py)
 
     def _capture_graphs(self) -> None:
         """Decode steps as CUDA graphs, where they run."""

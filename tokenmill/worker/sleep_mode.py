@@ -17,8 +17,6 @@ the process's RSS shows the release. The engine sleeps only while no request is 
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import gc
 import logging
 import time
@@ -27,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.lora.manager import LoRAManager
+from tokenmill.utils.heap import trim_heap
 
 if TYPE_CHECKING:
     from tokenmill.worker.model_runner import ModelRunner
@@ -50,8 +49,7 @@ def release(runner: ModelRunner, level: int) -> None:
     gc.collect()
     if runner.device.type == "cuda":
         torch.cuda.empty_cache()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    trim_heap()
     logger.info("asleep (level %d): KV cache and weights released in %.1f s", level,
                 time.perf_counter() - t0)
 
