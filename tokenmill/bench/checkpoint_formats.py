@@ -22,14 +22,13 @@ time of a 1-token run of the same prompt is taken off the full run's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 
 import tokenmill
+from tokenmill.bench.child import ChildFailed, print_result, run_child
 from tokenmill.bench.machine import describe_machine
 from tokenmill.bench.workloads import load_workload
 
@@ -172,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             result = _vllm(args.folder, workloads)
         else:
             result = _child(args.folder, args.child, workloads)
-        print("RESULT " + json.dumps(result))
+        print_result(result)
         return 0
     print(describe_machine())
     print(f"{'format':36s} {'weights':>16s} {'start s':>8s} "
@@ -185,15 +184,13 @@ def main(argv: list[str] | None = None) -> int:
         if shutil.which(python) is None:
             print(f"{fmt}: no Python at {python}; skipped")
             continue
-        out = subprocess.run([python, "-m", "tokenmill.bench.checkpoint_formats",
-                              args.folder, "--child", fmt, "--workloads", args.workloads],
-                             capture_output=True, text=True,
-                             env=_vllm_env(python, env) if fmt == "vllm" else env)
-        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-        if out.returncode or not line:
-            print(f"{fmt}: failed\n{out.stderr[-1500:]}")
+        try:
+            r = run_child([python, "-m", "tokenmill.bench.checkpoint_formats", args.folder,
+                           "--child", fmt, "--workloads", args.workloads],
+                          env=_vllm_env(python, env) if fmt == "vllm" else env)
+        except ChildFailed as e:
+            print(f"{fmt}: failed\n{str(e)[-1500:]}")
             continue
-        r = json.loads(line[0][7:])
         if r is None:
             print("vllm: not installed (an optional peer); skipped")
             continue

@@ -19,15 +19,14 @@ Each engine is measured in a child process of its own (its peak RSS alone).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from tokenmill.bench.child import ChildFailed, print_result, run_child
 from tokenmill.bench.machine import describe_machine, process_memory_mib
 
 SHAPES = {  # hidden, layers, heads, kv heads, intermediate (MoE: per expert), vocab, tied
@@ -240,12 +239,11 @@ def _run_child(path: Path, engine: str, args: argparse.Namespace) -> dict | None
     cmd = [sys.executable, "-m", "tokenmill.bench.real_gguf", "--child", str(path),
            "--engine", engine, "--prompt-len", str(args.prompt_len),
            "--decode-len", str(args.decode_len), "--batch", str(args.batch)]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-    if out.returncode or not line:
-        print(f"  {engine}: failed\n{out.stderr[-2000:]}")
+    try:
+        return run_child(cmd)
+    except ChildFailed as e:
+        print(f"  {engine}: failed\n{str(e)[-2000:]}")
         return None
-    return json.loads(line[0][7:])
 
 
 def _child(args: argparse.Namespace) -> int:
@@ -254,7 +252,7 @@ def _child(args: argparse.Namespace) -> int:
 
         t0 = time.perf_counter()
         LLM(args.child, max_model_len=args.prompt_len + args.decode_len + 16)
-        print("RESULT " + json.dumps({"load_s": time.perf_counter() - t0}))
+        print_result({"load_s": time.perf_counter() - t0})
         return 0
     if args.engine == "llama.cpp":
         result = measure_llama_cpp(args.child, args.prompt_len, args.decode_len, args.batch)
@@ -262,7 +260,7 @@ def _child(args: argparse.Namespace) -> int:
         result = measure_tokenmill(args.child, args.prompt_len, args.decode_len, args.batch,
                                    args.engine == "tokenmill-int8")
     result["peak_rss_gib"] = process_memory_mib("VmHWM") / 1024
-    print("RESULT " + json.dumps(result))
+    print_result(result)
     return 0
 
 

@@ -18,15 +18,14 @@ the default SmolLM2 file.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import threading
 import time
 
+from tokenmill.bench.child import print_result, run_child
 from tokenmill.bench.machine import describe_machine, process_memory_mib
 
 
@@ -74,12 +73,7 @@ def _run_child(keep: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-m", "tokenmill.bench.step_memory", "--child", "--model", args.model,
            "--batch", str(args.batch), "--prompt-len", str(args.prompt_len),
            "--runs", str(args.runs)] + (["--thread"] if args.thread else [])
-    out = subprocess.run(cmd, capture_output=True, text=True,
-                         env={**os.environ, "TOKENMILL_KEEP_HEAP": keep})
-    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-    if out.returncode or not line:
-        raise RuntimeError(f"child failed:\n{out.stderr[-3000:]}")
-    return json.loads(line[0][7:])
+    return run_child(cmd, env={**os.environ, "TOKENMILL_KEEP_HEAP": keep})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.model = args.model or _default_model()
     if args.child:
-        print("RESULT " + json.dumps(_child(args)))
+        print_result(_child(args))
         return 0
     print(describe_machine())
     print(f"{args.model}: {args.batch} x {args.prompt_len} prompt tokens a batch, "

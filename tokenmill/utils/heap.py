@@ -46,6 +46,7 @@ M_ARENA_MAX = -8
 MMAP_THRESHOLD = 1 << 30
 TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: "never" in practice
 LOAD_THRESHOLD = 128 << 10  # glibc's initial mmap and trim thresholds
+KEEP = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 _libc: ctypes.CDLL | None | bool = False  # False: not looked up yet; None: not glibc
 _kept = False
@@ -87,7 +88,7 @@ def keep_step_memory() -> bool:
     not glibc, or TOKENMILL_KEEP_HEAP=0)."""
     global _kept
     if not _kept:
-        _kept = _set((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+        _kept = _set(*KEEP)
     return _kept
 
 
@@ -102,7 +103,7 @@ def returning_freed_memory() -> Iterator[None]:
     try:
         yield
     finally:
-        _set((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+        _set(*KEEP)
 
 
 def trim_heap() -> None:

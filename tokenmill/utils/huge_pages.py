@@ -95,7 +95,7 @@ def move_parameters_to_huge_pages(module: nn.Module, min_bytes: int = 1 << 20) -
     return total
 
 
-# Parameters below glibc's mmap threshold (by default 32 MiB at most; 1 GiB once a previous
-# engine set utils/heap.py's policy) live on the heap, whose freed pages stay in the process
-# until trimmed.
+# Parameters below glibc's mmap threshold (32 MiB at most: loads run under glibc's own
+# thresholds, utils/heap.py) live on the heap, whose freed pages stay in the process until
+# trimmed.
 _TRIM_EVERY = 256 << 20
