@@ -149,17 +149,28 @@ def test_sums_at_their_bound_do_not_overflow(ops, type_name):
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)
 
 
-def test_a_merged_layer_of_mixed_types_is_its_parts_side_by_side():
-    parts = [kernel_of("Q4_K", 64, 256, 2), kernel_of("Q4_K", 32, 256, 3),
-             kernel_of("Q6_K", 32, 256, 4)]
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_a_merged_layer_is_its_parts_side_by_side(ops, int8_activations):
+    """A merged layer's GGUF parts (a Q4_K_M file's Q4_K q / k and Q6_K v, or gate and up)
+    share one rounding of x and write their own columns of y on the SIMD builds: bitwise each
+    part alone, side by side, at every M (raw rows, tiles, blocks of x) and both roundings."""
+    parts = [kernel_of("Q4_K", 64, 512, 2), kernel_of("Q4_K", 32, 512, 3),
+             kernel_of("Q6_K", 48, 512, 4)]
+    parts = [CPULinearKernel(k.kind, 32, k.tensors, int8_activations) for k in parts]
     meta = torch.tensor([[k.kind, k.group, 1] for k in parts])
-    merged = CPULinearKernel(CPULinearKernel.PARTS, 0, (meta, *(k.tensors[0] for k in parts)))
+    merged = CPULinearKernel(CPULinearKernel.PARTS, 0, (meta, *(k.tensors[0] for k in parts)),
+                             int8_activations)
     assert torch.equal(dequantize(merged), torch.cat([dequantize(k) for k in parts]))
-    bias = torch.randn(128)
-    for m in (1, 4, 9):
-        x = torch.randn(m, 256)
-        side_by_side = torch.cat([cpu_ops.linear(x, k) for k in parts], 1) + bias
-        assert torch.equal(cpu_ops.linear(x, merged, bias), side_by_side)
+    bias = torch.randn(144)
+    for m in (1, 4, 9, 40):
+        x = torch.randn(m, 512) * torch.logspace(-1, 1, 512)
+        try:
+            alone = [cpu_ops.linear(x, k, None, ops) for k in parts]
+        except RuntimeError as e:  # the portable build has no int8 K-quant kernels
+            assert int8_activations and "not implemented" in str(e)
+            return
+        side_by_side = torch.cat(alone, 1) + bias
+        assert torch.equal(cpu_ops.linear(x, merged, bias, ops), side_by_side)
 
 
 # A Q4_K_M-like file: q and k in Q4_K, v in Q6_K (a mixed qkv), o in Q5_K, gate in Q5_0 and

@@ -189,6 +189,67 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
                             c10::optional<torch::Tensor> input_scale = c10::nullopt,
                             bool invariant = false);
 
+#if defined(TOKENMILL_GGUF_ROWS)
+// Whether every part of a merged layer is GGUF blocks on the SIMD builds' kernels (with int8
+// activations, the K-quants' int8 ones): then x is rounded once for all of them and each part
+// writes its own columns of y (linear_gguf_parts), the same kernels and rounding as a part
+// alone, so the same bits, without a rounding per part and the outputs' concatenation.
+static bool gguf_parts_share_x(const std::vector<std::pair<int64_t, torch::Tensor>>& parts,
+                               bool int8_acts) {
+  for (const auto& [kind, w] : parts) {
+    if (!gguf_blocks::is_gguf_kind(kind)) return false;
+    if (int8_acts && !gguf_int8::has_kernel(kind)) return false;
+  }
+  return true;
+}
+
+// y (M, sum of the parts' N) = x @ [W_0; W_1; ...]^T for parts of GGUF kinds (above).
+static torch::Tensor linear_gguf_parts(torch::Tensor x,
+                                       const std::vector<std::pair<int64_t, torch::Tensor>>& parts,
+                                       bool int8_acts) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2, "linear takes x (M, K) and a weight");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  int64_t ldy = 0;
+  for (const auto& [kind, w] : parts) {
+    check_weight(kind, 32, {w}, K);
+    ldy += w.size(0);
+  }
+  auto y = torch::empty({M, ldy}, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  auto each = [&](auto&& product) {  // product(kind, W, N, y's first column)
+    int64_t col = 0;
+    for (const auto& [kind, w] : parts) {
+      product(kind, static_cast<const uint8_t*>(w.data_ptr()), w.size(0), yp + col);
+      col += w.size(0);
+    }
+  };
+  if (int8_acts) {
+    TORCH_CHECK(K % gguf_int8::kSuper == 0, "gguf_int8: K must be whole super-blocks");
+    const auto xr = gguf_int8::round_rows(xp, M, K);
+    each([&](int64_t kind, const uint8_t* W, int64_t N, float* yc) {
+      gguf_int8::linear_rounded(kind, W, xr, M, N, nullptr, yc, ldy);
+    });
+    return y;
+  }
+#if defined(TOKENMILL_GGUF_VNNI)
+  const auto xr = gguf_vnni::round_rows(xp, M, K);
+  each([&](int64_t kind, const uint8_t* W, int64_t N, float* yc) {
+    gguf_vnni::linear_rounded(kind, W, xr, M, K, N, nullptr, yc, ldy);
+  });
+#else
+  const auto xr = gguf_rows::split_rows(xp, M, K);
+  each([&](int64_t kind, const uint8_t* W, int64_t N, float* yc) {
+    gguf_rows::linear_split(kind, W, xr, M, K, N, nullptr, yc, ldy);
+  });
+#endif
+  return y;
+}
+#endif
+
 // A merged layer of parts of different kinds: each part's product, side by side (+ bias).
 inline torch::Tensor linear_parts(const torch::Tensor& x, const std::vector<torch::Tensor>& t,
                                   const c10::optional<torch::Tensor>& bias, bool int8_acts,
@@ -197,17 +258,30 @@ inline torch::Tensor linear_parts(const torch::Tensor& x, const std::vector<torc
   TORCH_CHECK(!t.empty() && t[0].scalar_type() == torch::kInt64 && t[0].dim() == 2 &&
               t[0].size(1) == 3, "parts: a (P, 3) int64 description first");
   auto meta = t[0].accessor<int64_t, 2>();
-  std::vector<torch::Tensor> outs;
+  std::vector<std::vector<torch::Tensor>> tensors;
   size_t next = 1;
   for (int64_t p = 0; p < t[0].size(0); ++p) {
     const size_t count = static_cast<size_t>(meta[p][2]);
     TORCH_CHECK(meta[p][0] != kPartsKind && next + count <= t.size(), "parts: bad description");
-    std::vector<torch::Tensor> part(t.begin() + next, t.begin() + next + count);
+    tensors.emplace_back(t.begin() + next, t.begin() + next + count);
     next += count;
-    outs.push_back(linear(x, meta[p][0], meta[p][1], part, c10::nullopt, int8_acts,
-                          input_scale, invariant));
   }
   TORCH_CHECK(next == t.size(), "parts: tensors left over");
+#if defined(TOKENMILL_GGUF_ROWS)
+  std::vector<std::pair<int64_t, torch::Tensor>> raw;  // (kind, blocks) of one-tensor parts
+  for (int64_t p = 0; p < t[0].size(0); ++p)
+    if (tensors[p].size() == 1 && meta[p][1] == 32) raw.emplace_back(meta[p][0], tensors[p][0]);
+  if (!input_scale.has_value() && raw.size() == tensors.size() &&
+      gguf_parts_share_x(raw, int8_acts)) {
+    auto y = linear_gguf_parts(x, raw, int8_acts);
+    if (bias.has_value()) y.add_(*bias);
+    return y;
+  }
+#endif
+  std::vector<torch::Tensor> outs;
+  for (int64_t p = 0; p < t[0].size(0); ++p)
+    outs.push_back(linear(x, meta[p][0], meta[p][1], tensors[p], c10::nullopt, int8_acts,
+                          input_scale, invariant));
   auto y = at::cat(outs, 1);
   if (bias.has_value()) y.add_(*bias);
   return y;

@@ -295,7 +295,7 @@ static void rows_times_any(int64_t R, const Int8Rows& x, int64_t x0, const uint8
 
 template <int64_t KIND>
 static void linear_kind(const Int8Rows& x, const uint8_t* W, int64_t M, int64_t N,
-                        const float* bias, float* y) {
+                        const float* bias, float* y, int64_t ldy) {
   const int64_t K = x.K, nsb = K / kSuper;
   const bool raw = M <= raw_max_rows(KIND);
   const int64_t tile = raw ? 8 : kRowsPerVec;
@@ -307,32 +307,39 @@ static void linear_kind(const Int8Rows& x, const uint8_t* W, int64_t M, int64_t 
       const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
       if (raw) {
         for (int64_t m = 0; m < M; m += kRawRowsX)
-          rows_times_any<KIND>(std::min(kRawRowsX, M - m), x, m, W, nullptr, n0, n1, N, bias, y);
+          rows_times_any<KIND>(std::min(kRawRowsX, M - m), x, m, W, nullptr, n0, n1, ldy, bias,
+                               y);
         continue;
       }
       decode_tile<KIND>(W, K, n0, n1, decoded.data());
       for (int64_t m = 0; m < M; m += kTileRowsX)
-        rows_times_any<KIND>(std::min(kTileRowsX, M - m), x, m, W, decoded.data(), n0, n1, N,
+        rows_times_any<KIND>(std::min(kTileRowsX, M - m), x, m, W, decoded.data(), n0, n1, ldy,
                              bias, y);
     }
   });
 }
 
-// y (M, N) = x @ W^T (+ bias) for a K-quant's raw rows W (N, row_bytes), x (M, K) float32
-// rounded to int8 per 256 values.
-inline void linear(int64_t kind, const uint8_t* W, const float* xp, int64_t M, int64_t K,
-                   int64_t N, const float* bias, float* y) {
-  TORCH_CHECK(K % kSuper == 0, "gguf_int8: K must be whole super-blocks");
-  const Int8Rows x = round_rows(xp, M, K);
+// y's N columns (row stride ldy) = x @ W^T (+ bias) for a K-quant's raw rows W (N,
+// row_bytes), x already rounded to int8 per 256 values (round_rows): the parts of a merged
+// layer share one rounding and write side by side (linear_cpu.h).
+inline void linear_rounded(int64_t kind, const uint8_t* W, const Int8Rows& x, int64_t M,
+                           int64_t N, const float* bias, float* y, int64_t ldy) {
   switch (kind) {
-    case kQ2_K: return linear_kind<kQ2_K>(x, W, M, N, bias, y);
-    case kQ3_K: return linear_kind<kQ3_K>(x, W, M, N, bias, y);
-    case kQ4_K: return linear_kind<kQ4_K>(x, W, M, N, bias, y);
-    case kQ5_K: return linear_kind<kQ5_K>(x, W, M, N, bias, y);
-    case kQ6_K: return linear_kind<kQ6_K>(x, W, M, N, bias, y);
+    case kQ2_K: return linear_kind<kQ2_K>(x, W, M, N, bias, y, ldy);
+    case kQ3_K: return linear_kind<kQ3_K>(x, W, M, N, bias, y, ldy);
+    case kQ4_K: return linear_kind<kQ4_K>(x, W, M, N, bias, y, ldy);
+    case kQ5_K: return linear_kind<kQ5_K>(x, W, M, N, bias, y, ldy);
+    case kQ6_K: return linear_kind<kQ6_K>(x, W, M, N, bias, y, ldy);
   }
   TORCH_CHECK(false, "int8 activations are not implemented for GGUF weight kind ", kind,
               " (the K-quants Q2_K .. Q6_K have them)");
+}
+
+// y (M, N) = x @ W^T (+ bias), x (M, K) float32 rounded to int8 per 256 values.
+inline void linear(int64_t kind, const uint8_t* W, const float* xp, int64_t M, int64_t K,
+                   int64_t N, const float* bias, float* y) {
+  TORCH_CHECK(K % kSuper == 0, "gguf_int8: K must be whole super-blocks");
+  linear_rounded(kind, W, round_rows(xp, M, K), M, N, bias, y, N);
 }
 
 }  // namespace gguf_int8

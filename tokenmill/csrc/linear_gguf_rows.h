@@ -427,7 +427,8 @@ static TM_GGUF_INLINE void super_block_row(const uint8_t* row, const RowsX& x, f
   for (int m = 0; m < M; ++m) out[m] = hsum8(acc[m]);
 }
 
-// W rows [n0, n1) (raw block rows, row_bytes apart) times M <= 4 rows of x into y (stride N);
+// W rows [n0, n1) (raw block rows, row_bytes apart) times M <= 4 rows of x into y (stride N:
+// y's row stride);
 // `stream`: x is this one group, so W is read once (prefetched ahead).
 template <int64_t KIND, int M>
 static void rows_times(const uint8_t* W, int64_t row_bytes, const RowsX& x, const float* bias,
@@ -470,11 +471,11 @@ static RowsTimes rows_times_of(int64_t kind) {
 // Rows of W per tile: a tile stays in L2 while every group of four rows of x passes it.
 constexpr int64_t kTileRows = 32;
 
-// y (M, N) = x @ W^T (+ bias) for a GGUF kind's raw block rows W (N, row_bytes), x (M, K)
-// float32. Threads take contiguous ranges of tiles.
-inline void linear(int64_t kind, const uint8_t* W, const float* xp, int64_t M, int64_t K,
-                   int64_t N, const float* bias, float* y) {
-  const SplitRows xr = split_rows(xp, M, K);
+// y's N columns (row stride ldy) = x @ W^T (+ bias) for a GGUF kind's raw block rows W (N,
+// row_bytes), x (M, K) already split (split_rows): the parts of a merged layer share one split
+// and write side by side (linear_cpu.h). Threads take contiguous ranges of tiles.
+inline void linear_split(int64_t kind, const uint8_t* W, const SplitRows& xr, int64_t M,
+                         int64_t K, int64_t N, const float* bias, float* y, int64_t ldy) {
   const int64_t row_bytes = gguf_blocks::row_bytes(kind, K);
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
@@ -491,12 +492,18 @@ inline void linear(int64_t kind, const uint8_t* W, const float* xp, int64_t M, i
         for (int64_t m = m0; m < m1; m += 4) {
           const RowsX x = rows_at(xr, m);
           const int64_t mr = std::min<int64_t>(4, m1 - m);
-          float* ym = y + m * N;
-          rows_times_kind(mr, W, row_bytes, x, bias, ym, N, n0, n1, stream);
+          float* ym = y + m * ldy;
+          rows_times_kind(mr, W, row_bytes, x, bias, ym, ldy, n0, n1, stream);
         }
       }
     }
   });
+}
+
+// y (M, N) = x @ W^T (+ bias), x (M, K) float32.
+inline void linear(int64_t kind, const uint8_t* W, const float* xp, int64_t M, int64_t K,
+                   int64_t N, const float* bias, float* y) {
+  linear_split(kind, W, split_rows(xp, M, K), M, K, N, bias, y, N);
 }
 
 }  // namespace gguf_rows

@@ -396,7 +396,7 @@ static void rows_times_any(int64_t R, const Int16Rows& x, int64_t m, const Decod
 // lanes take the same terms in the same order.
 template <int64_t KIND, int G>
 static void linear_kind(const Int16Rows& x, const uint8_t* W, int64_t M, int64_t K, int64_t N,
-                        const float* bias, float* y) {
+                        const float* bias, float* y, int64_t ldy) {
   const int64_t row_bytes = gguf_blocks::row_bytes(KIND, K);
   const bool stream = M <= kRawRowsX;
   const int64_t tile = stream ? 8 : std::clamp<int64_t>((65536 / K) & ~int64_t{1}, 2, 16);
@@ -411,13 +411,13 @@ static void linear_kind(const Int16Rows& x, const uint8_t* W, int64_t M, int64_t
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
         if (stream) {
-          rows_times_any<KIND, G, true>(M, x, 0, nullptr, W, row_bytes, n0, n1, K, N, bias, y);
+          rows_times_any<KIND, G, true>(M, x, 0, nullptr, W, row_bytes, n0, n1, K, ldy, bias, y);
           continue;
         }
         decode_rows<KIND, G>(W, row_bytes, K, n0, n1, w);  // once per block of x
         for (int64_t m = m0; m < m1; m += kTileRowsX)
           rows_times_any<KIND, G, false>(std::min(kTileRowsX, m1 - m), x, m, &w, W, row_bytes,
-                                         n0, n1, K, N, bias, y);
+                                         n0, n1, K, ldy, bias, y);
       }
     }
   });
@@ -426,22 +426,28 @@ static void linear_kind(const Int16Rows& x, const uint8_t* W, int64_t M, int64_t
 // K-quants: a group is a super-block; 32-weight kinds: the XB / 32 blocks of one dx.
 template <int64_t KIND>
 static void linear_of(const Int16Rows& x, const uint8_t* W, int64_t M, int64_t K, int64_t N,
-                      const float* bias, float* y) {
-  if constexpr (is_kquant(KIND)) linear_kind<KIND, 8>(x, W, M, K, N, bias, y);
-  else if (x.XB == 256) linear_kind<KIND, 8>(x, W, M, K, N, bias, y);
-  else linear_kind<KIND, 1>(x, W, M, K, N, bias, y);
+                      const float* bias, float* y, int64_t ldy) {
+  if constexpr (is_kquant(KIND)) linear_kind<KIND, 8>(x, W, M, K, N, bias, y, ldy);
+  else if (x.XB == 256) linear_kind<KIND, 8>(x, W, M, K, N, bias, y, ldy);
+  else linear_kind<KIND, 1>(x, W, M, K, N, bias, y, ldy);
 }
 
-inline void linear(int64_t kind, const uint8_t* W, const float* xp, int64_t M, int64_t K,
-                   int64_t N, const float* bias, float* y) {
-  const Int16Rows x = round_rows(xp, M, K);
+// y's N columns (row stride ldy) = x @ W^T (+ bias), x already rounded (round_rows): the
+// parts of a merged layer share one rounding and write side by side (linear_cpu.h).
+inline void linear_rounded(int64_t kind, const uint8_t* W, const Int16Rows& x, int64_t M,
+                           int64_t K, int64_t N, const float* bias, float* y, int64_t ldy) {
   switch (kind) {
 #define TM_GGUF_CASE(k) \
-  case k: return linear_of<k>(x, W, M, K, N, bias, y);
+  case k: return linear_of<k>(x, W, M, K, N, bias, y, ldy);
     TM_GGUF_KINDS(TM_GGUF_CASE)
 #undef TM_GGUF_CASE
   }
   TORCH_CHECK(false, "no GGUF VNNI kernel for weight kind ", kind);
+}
+
+inline void linear(int64_t kind, const uint8_t* W, const float* xp, int64_t M, int64_t K,
+                   int64_t N, const float* bias, float* y) {
+  linear_rounded(kind, W, round_rows(xp, M, K), M, K, N, bias, y, N);
 }
 
 }  // namespace gguf_vnni

@@ -12,7 +12,10 @@ packed one) and copies this rank's slice into the parameter, whatever the format
 parameter says which of its dims run along the output and input features and how many stored
 units one feature takes there (quantization/base.py `set_weight_attrs`), so a packed int32
 word of eight 4-bit values, a per-group scale or a raw GGUF block row narrow the same way.
-Parameters are created with torch.empty: the loader fills every one of them or fails.
+Parameters are created with torch.empty: the loader fills every one of them or fails. A
+parameter with `held_parts` (a dict its method set: GGUF blocks the kernels read as the file
+stores them, quantization/gguf.py) is not copied into: each loaded part is kept itself, under
+its first row (`fill_span`), and the method builds its kernels from those.
 """
 
 from __future__ import annotations
@@ -56,6 +59,22 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
+def fill_span(param: nn.Parameter, src: torch.Tensor, dim: int = 0, start: int = 0,
+              length: int | None = None) -> None:
+    """Stored units [start, start + length) of `param` along `dim` (all of it when length is
+    None) ← src: copied, or, where the parameter holds its parts (module doc), src itself
+    kept under `start` when the span runs along rows (its method checks the row width)."""
+    held = getattr(param, "held_parts", None)
+    if held is not None and dim == 0:
+        rows = param.shape[0] - start if length is None else length
+        if src.dim() != param.dim() or src.shape[0] != rows:
+            raise ValueError(f"weight shape mismatch: checkpoint {tuple(src.shape)}, model "
+                             f"{rows} rows of {tuple(param.shape)}")
+        held[start] = src
+        return
+    _copy_checked(param.data if length is None else param.data.narrow(dim, start, length), src)
+
+
 class LinearBase(nn.Module):
     computes = ("forward",)
 
@@ -82,7 +101,7 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
-        _copy_checked(param.data, loaded)
+        fill_span(param, loaded)
 
     def _load_output_shard(self, param: nn.Parameter, loaded: torch.Tensor, offset: int,
                            size: int, shard_rank: int | None = None) -> None:
@@ -99,8 +118,7 @@ class LinearBase(nn.Module):
             return
         dim, start, length = span
         rank = self.tp.tp_rank if shard_rank is None else shard_rank
-        src = loaded.narrow(dim, rank * length, length)
-        _copy_checked(param.data.narrow(dim, start, length), src)
+        fill_span(param, loaded.narrow(dim, rank * length, length), dim, start, length)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x, self.bias)
@@ -205,10 +223,10 @@ class RowParallelLinear(LinearBase):
         # The bias is added once, after the reduction: every rank holds all of it.
         span = _span(param, "input_dim", "input_ratio", 0, self.input_size)
         if span is None:
-            _copy_checked(param.data, loaded)
+            fill_span(param, loaded)
             return
         dim, _, length = span
-        _copy_checked(param.data, loaded.narrow(dim, self.tp.tp_rank * length, length))
+        fill_span(param, loaded.narrow(dim, self.tp.tp_rank * length, length))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x, None)

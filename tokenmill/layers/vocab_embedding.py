@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tokenmill.distributed import ParallelState
+from tokenmill.layers.linear import fill_span
 from tokenmill.quantization.base import QuantizationConfig
 from tokenmill.quantization.unquantized import UnquantizedConfig
 from tokenmill.utils import cdiv
@@ -48,7 +49,10 @@ class VocabParallelEmbedding(nn.Module):
                              f"model {tuple(param.shape)} for a vocabulary of "
                              f"{self.vocab_size}")
         shard = loaded.narrow(dim, self.start, min(self.shard_size, self.vocab_size - self.start))
-        param.data.zero_()
+        if shard.shape[dim] == self.shard_size:  # (a parameter holding its parts keeps it)
+            fill_span(param, shard, dim)
+            return
+        param.data.zero_()  # the last rank's rows past the vocabulary
         param.data.narrow(dim, 0, shard.shape[dim]).copy_(shard)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

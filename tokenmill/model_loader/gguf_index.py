@@ -8,6 +8,11 @@ first start builds it with the reader and writes it beside the converted model
 (model_loader/gguf_cache.py); later starts read it back and take the tensor bytes from a plain
 memory map of the file. The data views are those the reader gives (`tensor_data`), so
 everything downstream is unchanged.
+
+The map is private and copy-on-write (numpy's mode "c"): the block rows the kernels read as
+stored are used in place from it (model_loader/gguf_loader.py `iterate_gguf`'s in_place), as
+writable tensors without a copy; nothing writes to them, and a write would copy its page for
+this process and never reach the file. A view keeps the map open for as long as it lives.
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -69,18 +73,20 @@ def read_index(folder: str) -> GGUFIndex | None:
     return GGUFIndex(data["architecture"], data["experts"], tensors)
 
 
-@lru_cache(maxsize=4)
 def file_map(path: str) -> np.memmap:
-    """The whole file, read-only, memory-mapped (pages released by the loader once copied)."""
-    return np.memmap(path, mode="r")
+    """The whole file, memory-mapped copy-on-write (module doc). Each call maps it afresh: a
+    load reads through one map, and the tensors it uses in place keep that one alive."""
+    return np.memmap(path, mode="c")
 
 
-def tensor_data(path: str, t: GGUFTensor) -> np.ndarray:
+def tensor_data(path: str, t: GGUFTensor, data: np.memmap | None = None) -> np.ndarray:
     """The tensor as the gguf package's reader gives it: F32 / F16 as typed arrays of the
-    tensor's shape, every other type as uint8 block rows (rows..., bytes per row)."""
+    tensor's shape, every other type as uint8 block rows (rows..., bytes per row); a view of
+    `data` (the file's map, file_map(path), mapped here when not given)."""
     import gguf
 
-    raw = file_map(path)[t.data_offset:t.data_offset + t.n_bytes]
+    data = file_map(path) if data is None else data
+    raw = data[t.data_offset:t.data_offset + t.n_bytes]
     shape = tuple(reversed(t.dims))
     if t.type_name == "F32":
         return raw.view(np.float32).reshape(shape)

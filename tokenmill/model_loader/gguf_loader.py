@@ -20,7 +20,7 @@ import contextlib
 import mmap
 import os
 import re
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from functools import lru_cache
 from typing import Any
 
@@ -172,48 +172,89 @@ def gguf_num_tensors(path: str) -> int:
     return len(gguf_index(path).tensors)
 
 
-def iterate_gguf(path: str, hf_config: Any,
-                 raw_types: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_gguf(path: str, hf_config: Any, raw_types: Collection[str] = (),
+                 in_place: Callable[[str], bool] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) for every tensor of the file: float32, dequantized, except
     tensors of a type in `raw_types` (GGML names, e.g. "Q4_1"), which come as their raw block
     rows, uint8 (rows, bytes per row), under `<module>.qweight` (quantization/gguf.py splits
-    them). The q/k un-permutation moves whole rows, so raw blocks stay untouched."""
+    them). The q/k un-permutation moves whole rows, so raw blocks stay untouched.
+
+    in_place(name it is yielded under): whether the model keeps that tensor's raw rows as
+    they are (its parameter holds its parts: layers/linear.py). Those come as views of the
+    file's map (gguf_index.file_map), used in place: no copy, and the pages stay the page
+    cache's, shared with every process that maps the file. Every other tensor is a copy, and
+    its pages of the map are released once the loader has it (they would count in this
+    process's RSS beside the copy). Stacked experts and un-permuted q/k rows are always
+    copies."""
     import gguf
 
     spec = _spec(path)
     names = _LAYER_NAMES | dict(spec.gguf_tensors)
+    data = file_map(path)
+    kept_tensors = []
     for t in gguf_index(path).tensors:
         if t.name in _CONFIG_TENSORS:
             continue
         name = _hf_name(t.name, names)
-        stored = tensor_data(path, t)
+        stored = tensor_data(path, t, data)
+        permuted = spec.gguf_qk_permuted and (".q_proj." in name or ".k_proj." in name)
+        kept = False
         if t.type_name in raw_types:
-            data = np.array(stored, dtype=np.uint8, copy=True)  # (rows, bytes), writable
             name = name[:-len("weight")] + "qweight"
+            kept = (in_place is not None and not permuted and "{e}" not in name
+                    and in_place(name))
+            array = stored if kept else np.array(stored, dtype=np.uint8, copy=True)
         else:
-            data = gguf.quants.dequantize(stored, gguf.GGMLQuantizationType[t.type_name])
-            data = np.require(data, np.float32, ["C", "W"])  # torch wants writable memory
+            array = gguf.quants.dequantize(stored, gguf.GGMLQuantizationType[t.type_name])
+            array = np.require(array, np.float32, ["C", "W"])  # torch wants writable memory
             if spec.gguf_norm_offset and name.endswith("norm.weight"):
-                data = data - spec.gguf_norm_offset
+                array = array - spec.gguf_norm_offset
             if name.endswith("shared_expert_gate.weight"):
-                data = data.reshape(1, -1)  # llama.cpp stores the (1, H) gate as (H,)
-        if spec.gguf_qk_permuted and (".q_proj." in name or ".k_proj." in name):
+                array = array.reshape(1, -1)  # llama.cpp stores the (1, H) gate as (H,)
+        if permuted:
             heads = (hf_config.num_attention_heads if ".q_proj." in name
                      else hf_config.num_key_value_heads)
-            data = _unpermute_qk(data, heads)
+            array = _unpermute_qk(array, heads)
         if "{e}" in name:  # stacked experts (E, rows, cols): one tensor each
-            for e in range(data.shape[0]):
-                yield name.format(e=e), torch.from_numpy(np.ascontiguousarray(data[e]))
+            for e in range(array.shape[0]):
+                yield name.format(e=e), torch.from_numpy(np.ascontiguousarray(array[e]))
         else:
-            yield name, torch.from_numpy(np.ascontiguousarray(data))
-        _drop_pages(path, t)  # copied into the model by now
+            yield name, torch.from_numpy(np.ascontiguousarray(array))
+        if kept:
+            kept_tensors.append(t)
+        else:
+            _drop_pages(data, t)  # copied into the model by now
+    _populate(data, kept_tensors)
 
 
-def _drop_pages(path: str, tensor: GGUFTensor) -> None:
-    """Release the file pages of a tensor already copied into the model: read through the
-    memory map they count in this process's RSS, and without this a load would peak at twice
-    the file (the map's pages plus the model's copy)."""
-    mm = getattr(file_map(path), "_mmap", None)
+# Linux's MADV_POPULATE_READ (5.14; Python 3.11's mmap module does not name it)
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+
+
+def _populate(data: np.memmap, tensors: list[GGUFTensor]) -> None:
+    """Map the pages of the tensors used in place now, as llama.cpp's MAP_POPULATE does: the
+    first step would otherwise fault them in one by one (and read a cold file at random)."""
+    mm = getattr(data, "_mmap", None)
+    if mm is None or not tensors or not hasattr(mmap, "MADV_WILLNEED"):
+        return
+    for t in tensors:
+        start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+        length = t.data_offset + t.n_bytes - start
+        try:
+            mm.madvise(_MADV_POPULATE_READ, start, length)
+        except OSError:  # an older kernel: read ahead, mapped at first touch
+            with contextlib.suppress(OSError):
+                mm.madvise(mmap.MADV_WILLNEED, start, length)
+
+
+def _drop_pages(data: np.memmap, tensor: GGUFTensor) -> None:
+    """Release the map's pages of a tensor already copied into the model: read through the
+    map they count in this process's RSS, and without this a load would peak at twice the
+    file (the map's pages plus the model's copy). Pages it shares with a neighbour used in
+    place are read again from the page cache when next touched: the map is private and never
+    written, so its contents stay the file's."""
+    mm = getattr(data, "_mmap", None)
     if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
         return
     start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE

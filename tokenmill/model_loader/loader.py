@@ -12,7 +12,7 @@ load_format="dummy", where no checkpoint is read and every parameter is seeded r
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -40,12 +40,17 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def iterate_weights(config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(config: ModelConfig, in_place: Callable[[str], bool] | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's (name, tensor) pairs; in_place(name): whether the parameter that
+    tensor fills keeps it as loaded (`held_parts`, layers/linear.py): a GGUF file's blocks
+    then come uncopied, views of the file's map (gguf_loader.iterate_gguf)."""
     if config.quantization is not None and \
             WEIGHT_FORMATS[config.quantization].sources == ("gguf",):
         # the file's own blocks, not a float32 conversion
         assert config.gguf_file is not None
-        return iterate_gguf(config.gguf_file, config.hf_config, raw_types=BLOCK_TYPES)
+        return iterate_gguf(config.gguf_file, config.hf_config, raw_types=BLOCK_TYPES,
+                            in_place=in_place)
     if config.gguf_file is not None:
         folder = (converted_weights(config.converted_dir, config.gguf_file)
                   if config.converted_dir is not None else None)
@@ -87,20 +92,17 @@ def _load_model(config: ModelConfig, device: torch.device, tp: ParallelState, pr
     mapping = getattr(cls, "packed_modules_mapping", {})
     tied = getattr(model, "tie_word_embeddings", False)
     loaded: set[str] = set()
-    for name, tensor in _split_fused(model, iterate_weights(config)):
-        if config.headless:  # a base model's names: the stack's, without "model."
-            name = f"model.{name}"
+
+    holders = {n for n, p in params.items() if hasattr(p, "held_parts")}  # (layers/linear.py)
+
+    def held_in_place(name: str) -> bool:  # the parameter it fills keeps what it loads
+        return _target(model, mapping, _model_name(config, name))[0] in holders
+
+    for name, tensor in _split_fused(model, iterate_weights(config, held_in_place)):
+        name = _model_name(config, name)
         if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
             continue
-        target, shard = name, None
-        mapped = model.map_weight_name(name) if hasattr(model, "map_weight_name") else None
-        if mapped is not None:  # the model's own names (an MoE's experts)
-            target, shard = mapped
-        else:
-            for ckpt_name, (packed, shard_id) in mapping.items():
-                if f".{ckpt_name}." in name:
-                    target, shard = name.replace(f".{ckpt_name}.", f".{packed}."), shard_id
-                    break
+        target, shard = _target(model, mapping, name)
         param = params.get(target)
         if param is None and on_another_stage(model, target):
             continue
@@ -122,6 +124,25 @@ def _load_model(config: ModelConfig, device: torch.device, tp: ParallelState, pr
     _check_complete(model, params, mapping, loaded)
     del params  # the loaded parameters, so that what processing replaces is freed at once
     return _process_weights(model).eval()
+
+
+def _model_name(config: ModelConfig, name: str) -> str:
+    """A checkpoint tensor's name in the model: a base model's names (the stack's, without
+    "model.") prefixed for a headless one."""
+    return f"model.{name}" if config.headless else name
+
+
+def _target(model: nn.Module, mapping: dict[str, tuple[str, int | str]], name: str
+            ) -> tuple[str, int | str | None]:
+    """The parameter a checkpoint tensor fills and its shard there: the model's own names
+    (an MoE's experts), a packed module's part (qkv, gate_up), or the name itself."""
+    mapped = model.map_weight_name(name) if hasattr(model, "map_weight_name") else None
+    if mapped is not None:
+        return mapped
+    for ckpt_name, (packed, shard_id) in mapping.items():
+        if f".{ckpt_name}." in name:
+            return name.replace(f".{ckpt_name}.", f".{packed}."), shard_id
+    return name, None
 
 
 def _split_fused(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]

@@ -4,9 +4,11 @@ Each GGML type the kernels read is one registered `GGUFType` (GGUF_TYPES): its b
 bytes per block, the kernel kind that reads it and, for the oldest three, how its blocks split
 into the kernels' struct-of-arrays form; adding a type is one entry here and one block reader
 in csrc/linear_gguf.h. The loader (model_loader/gguf_loader.py `iterate_gguf` with raw_types)
-hands each quantized tensor over as its raw uint8 block rows (N, bytes per row), read from the
-gguf package's memory map; llama.cpp's q/k row permutation moves whole rows, so un-permuting
-raw rows needs no requantizing.
+hands each quantized tensor over as its raw uint8 block rows (N, bytes per row);
+llama.cpp's q/k row permutation moves whole rows, so un-permuting raw rows needs no
+requantizing. A layer whose kernels read every part's blocks as stored (`in_place`: no split)
+keeps the loaded tensors themselves, per part (`held_parts`): views of the file's private map,
+used in place, never copied (the q / k rows un-permuted are copies).
 
     Q8_0  d + 32 x int8               → Q8_0 (q, d)                     split, bit for bit
     Q4_1  d, m + 16 B nibbles         → Q4 (q, d, m), G = 32            split, bit for bit
@@ -190,6 +192,10 @@ class GGUFBlockMethod(LinearMethodBase):
         self.int8_activations = int8_activations
         if int8_activations:
             _check_int8_activations(type_names)
+        # every part's kernel reads the blocks as the file stores them: the loader hands
+        # them over as views of the file's map, and the layer keeps those (module doc)
+        self.in_place = all(GGUF_TYPES[n].served(int8_activations)[1] is None
+                            for n in type_names)
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
@@ -205,13 +211,19 @@ class GGUFBlockMethod(LinearMethodBase):
         layer.qweight = new_param((sum(output_sizes), widest.row_bytes(input_size)),
                                   torch.uint8, output_dim=0, input_dim=1,
                                   input_ratio=Fraction(widest.nbytes, widest.weights))
+        if self.in_place and layer.qweight.is_cpu:
+            # each part's loaded rows kept as they are (layers/linear.py fill_span); the
+            # merged parameter is never written, so its pages are never touched
+            layer.qweight.held_parts = {}
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         raw, K = layer.qweight.data, layer.gguf_input_size
+        held = dict(getattr(layer.qweight, "held_parts", {}))
         replace_param(layer, "qweight", None)
         row = 0
         for p, (name, rows) in enumerate(layer.gguf_parts):
-            part = raw[row:row + rows, :GGUF_TYPES[name].row_bytes(K)]
+            part = _held_part(held, row, rows, name, K) if held else \
+                raw[row:row + rows, :GGUF_TYPES[name].row_bytes(K)]
             kernel = CPULinearKernel(GGUF_TYPES[name].served(self.int8_activations)[0].kind, 32,
                                      kernel_tensors(part, name, self.int8_activations))
             kernel = block_tiles.packed_for(layer, kernel)  # Q8_0, Q4_0 / Q4_1: VNNI builds
@@ -233,6 +245,18 @@ class GGUFBlockMethod(LinearMethodBase):
             return None
         parts = [self._part_kernel(layer, p, n) for p, (n, _) in enumerate(layer.gguf_parts)]
         return merged_kernel(parts, self.int8_activations, self.batch_invariant)
+
+
+def _held_part(held: dict[int, torch.Tensor], row: int, rows: int, name: str,
+               K: int) -> torch.Tensor:
+    """The loaded rows of the part starting at `row`, as the loader handed them over."""
+    part, width = held.get(row), GGUF_TYPES[name].row_bytes(K)
+    if part is None:
+        raise ValueError(f"no checkpoint tensor was loaded for the GGUF {name} rows at {row}")
+    if part.dtype != torch.uint8 or tuple(part.shape) != (rows, width):
+        raise ValueError(f"GGUF {name} rows of {K} weights take {width} bytes; the "
+                         f"checkpoint's part at row {row} is {part.dtype} {tuple(part.shape)}")
+    return part
 
 
 def merged_kernel(parts: list[CPULinearKernel], int8_activations: bool = False,
@@ -319,7 +343,8 @@ class GGUFConfig(QuantizationConfig):
 
     def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Raw rows of one part of a merged layer whose parts differ in type, zero-padded to
-        the widest part's row (GGUFBlockMethod cuts each part back after loading)."""
+        the widest part's row (GGUFBlockMethod cuts each part back after loading), unless the
+        layer holds its parts as loaded (GGUFBlockMethod.in_place)."""
         if not name.endswith(".qweight") or tensor.dtype != torch.uint8 or ".experts." in name:
             return tensor  # (experts: gguf_experts.py pads gate / up itself)
         weight = name[:-len("qweight")] + "weight"
@@ -330,8 +355,9 @@ class GGUFConfig(QuantizationConfig):
             return tensor
         merged = f"{parent.rpartition('.')[0]}.{entry[0]}"
         types = self._types_of(merged)
-        if len(set(types)) == 1:
-            return tensor
+        method = self.linear_method(merged)
+        if len(set(types)) == 1 or (isinstance(method, GGUFBlockMethod) and method.in_place):
+            return tensor  # (a layer holding its parts keeps each at its own width)
         own = GGUF_TYPES[self.tensor_types[weight]]
         K = tensor.shape[1] // own.nbytes * own.weights
         widest = max(GGUF_TYPES[t].row_bytes(K) for t in types)

@@ -2,11 +2,12 @@
 KV space: what is free after the weights are loaded, not a fixed figure.
 
 On CPU: half the memory the kernel reports available (MemAvailable) once the weights are in,
-split over the ranks of this engine, and never more than its longest possible batch needs
-(max_num_seqs sequences of max_model_len tokens). The CPU cache is fresh anonymous memory
-(attention/kv_cache.py), so blocks never used cost no resident memory. On CUDA the budget is
-a profiled step's (worker/memory_profile.py, gpu_memory_utilization); DEFAULT_KV_BYTES where
-neither applies. The choice is logged.
+less the weights used in place from a file's map (page cache, which MemAvailable counts as
+available: utils/file_maps.py), split over the ranks of this engine, and never more than its
+longest possible batch needs (max_num_seqs sequences of max_model_len tokens). The CPU cache
+is fresh anonymous memory (attention/kv_cache.py), so blocks never used cost no resident
+memory. On CUDA the budget is a profiled step's (worker/memory_profile.py,
+gpu_memory_utilization); DEFAULT_KV_BYTES where neither applies. The choice is logged.
 """
 
 from __future__ import annotations
@@ -43,11 +44,14 @@ def longest_batch_bytes(config: EngineConfig, block_bytes: int) -> int:
     return (config.scheduler.max_num_seqs * blocks_per_seq + 1) * block_bytes
 
 
-def auto_kv_budget(config: EngineConfig, block_bytes: int, device: torch.device) -> int:
-    """Bytes for this rank's KV cache (module doc)."""
+def auto_kv_budget(config: EngineConfig, block_bytes: int, device: torch.device,
+                   mapped_weights: int = 0) -> int:
+    """Bytes for this rank's KV cache (module doc); mapped_weights: the bytes of this rank's
+    weights that are a file's pages."""
     free = available_memory() if device.type == "cpu" else None
     if free is None:
         return DEFAULT_KV_BYTES
+    free = max(0, free - mapped_weights)
     ranks = config.parallel.world_size
     needed = longest_batch_bytes(config, block_bytes)
     share = int(free * FREE_FRACTION) // ranks
@@ -61,16 +65,17 @@ def auto_kv_budget(config: EngineConfig, block_bytes: int, device: torch.device)
 
 
 def num_kv_blocks(config: EngineConfig, block_bytes: int, device: torch.device,
-                  profiled: int | None = None) -> int:
+                  profiled: int | None = None, mapped_weights: int = 0) -> int:
     """Blocks of the KV cache: the configured count, else the budget (kv_cache_memory, a
-    profiled step's (CUDA: worker/memory_profile.py), or the automatic one) over a block's bytes
+    profiled step's (CUDA: worker/memory_profile.py), or the automatic one, which leaves
+    `mapped_weights` bytes of file-backed weights their memory) over a block's bytes
     (ValueError below 2)."""
     cache = config.cache
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     budget = cache.kv_cache_memory if cache.kv_cache_memory is not None else profiled
     if budget is None:
-        budget = auto_kv_budget(config, block_bytes, device)
+        budget = auto_kv_budget(config, block_bytes, device, mapped_weights)
     n = budget // block_bytes
     if n < 2:
         what = ("kv_cache_memory" if cache.kv_cache_memory is not None else

@@ -54,6 +54,7 @@ from tokenmill.spec_decode.cost_model import measure_spec_costs
 from tokenmill.spec_decode.draft_model import DraftModelProposer
 from tokenmill.spec_decode.policy import SpecCosts
 from tokenmill.utils import cdiv
+from tokenmill.utils.file_maps import file_mapped_bytes
 from tokenmill.utils.heap import keep_step_memory
 from tokenmill.utils.huge_pages import move_parameters_to_huge_pages
 from tokenmill.utils.profiling import scope
@@ -145,8 +146,10 @@ class ModelRunner:
         # a draft model's K/V take a block of their own beside each target block
         per_block = block + self._draft_block_bytes
         if num_blocks is None:  # (sleep mode's restore gives the count it had)
+            mapped = (file_mapped_bytes(self.model.parameters())
+                      if self.device.type == "cpu" else 0)
             num_blocks = num_kv_blocks(config, per_block, self.device,
-                                       profiled_kv_budget(self, per_block))
+                                       profiled_kv_budget(self, per_block), mapped)
         self.num_kv_blocks = num_blocks
         self.kv_cache, self.kv_scales, self.key_rotation = self.kv_tensors(num_blocks)
         kv_dtype = config.cache.kv_cache_dtype
