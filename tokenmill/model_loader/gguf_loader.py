@@ -16,7 +16,6 @@ one tensor per expert under the model's checkpoint names.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import re
@@ -229,23 +228,34 @@ def iterate_gguf(path: str, hf_config: Any, raw_types: Collection[str] = (),
 
 
 # Linux's MADV_POPULATE_READ (5.14; Python 3.11's mmap module does not name it)
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22) if hasattr(mmap, "MADV_WILLNEED") \
+    else None
+
+
+def _advise(data: np.memmap, tensor: GGUFTensor, *advice: int | None) -> None:
+    """madvise the map's pages of `tensor` with the first of `advice` the kernel accepts
+    (None: one this system lacks); a map that refuses them all is left as it is (advice
+    changes memory and speed, never the contents)."""
+    mm = getattr(data, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise"):
+        return
+    start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+    for option in advice:
+        if option is None:
+            continue
+        try:
+            mm.madvise(option, start, tensor.data_offset + tensor.n_bytes - start)
+            return
+        except (OSError, ValueError):
+            continue
 
 
 def _populate(data: np.memmap, tensors: list[GGUFTensor]) -> None:
     """Map the pages of the tensors used in place now, as llama.cpp's MAP_POPULATE does: the
-    first step would otherwise fault them in one by one (and read a cold file at random)."""
-    mm = getattr(data, "_mmap", None)
-    if mm is None or not tensors or not hasattr(mmap, "MADV_WILLNEED"):
-        return
+    first step would otherwise fault them in one by one (and read a cold file at random).
+    An older kernel without MADV_POPULATE_READ reads them ahead, mapped at first touch."""
     for t in tensors:
-        start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
-        length = t.data_offset + t.n_bytes - start
-        try:
-            mm.madvise(_MADV_POPULATE_READ, start, length)
-        except OSError:  # an older kernel: read ahead, mapped at first touch
-            with contextlib.suppress(OSError):
-                mm.madvise(mmap.MADV_WILLNEED, start, length)
+        _advise(data, t, _MADV_POPULATE_READ, getattr(mmap, "MADV_WILLNEED", None))
 
 
 def _drop_pages(data: np.memmap, tensor: GGUFTensor) -> None:
@@ -254,13 +264,7 @@ def _drop_pages(data: np.memmap, tensor: GGUFTensor) -> None:
     file (the map's pages plus the model's copy). Pages it shares with a neighbour used in
     place are read again from the page cache when next touched: the map is private and never
     written, so its contents stay the file's."""
-    mm = getattr(data, "_mmap", None)
-    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
-    # a map that refuses advice only leaves the peak higher
-    with contextlib.suppress(OSError, ValueError):
-        mm.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
+    _advise(data, tensor, getattr(mmap, "MADV_DONTNEED", None))
 
 
 def gguf_tensor_types(path: str) -> dict[str, str]:

@@ -218,7 +218,7 @@ class GGUFBlockMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         raw, K = layer.qweight.data, layer.gguf_input_size
-        held = dict(getattr(layer.qweight, "held_parts", {}))
+        held = getattr(layer.qweight, "held_parts", {})
         replace_param(layer, "qweight", None)
         row = 0
         for p, (name, rows) in enumerate(layer.gguf_parts):

@@ -70,9 +70,9 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def move_parameters_to_huge_pages(module: nn.Module, min_bytes: int = 1 << 20) -> int:
     """Copy every CPU parameter of at least `min_bytes` into one huge-page arena, in module
     order, and point it there, except those that lie in a file's map (GGUF blocks used in
-    place from the page cache: utils/file_maps.py). Returns the bytes
-    moved. Call it after loading and before anything takes references to the parameters'
-    storage (prepacking, kernels' views)."""
+    place from the page cache: utils/file_maps.py). Returns the bytes moved. Call it after
+    loading and before anything takes references to the parameters' storage (prepacking,
+    kernels' views)."""
     mapped = file_map_ranges()
     params = [p for p in module.parameters()  # parameters() yields a tied tensor once
               if p.device.type == "cpu" and p.numel() * p.element_size() >= min_bytes

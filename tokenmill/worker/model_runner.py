@@ -146,10 +146,9 @@ class ModelRunner:
         # a draft model's K/V take a block of their own beside each target block
         per_block = block + self._draft_block_bytes
         if num_blocks is None:  # (sleep mode's restore gives the count it had)
-            mapped = (file_mapped_bytes(self.model.parameters())
-                      if self.device.type == "cpu" else 0)
             num_blocks = num_kv_blocks(config, per_block, self.device,
-                                       profiled_kv_budget(self, per_block), mapped)
+                                       profiled_kv_budget(self, per_block),
+                                       file_mapped_bytes(self.model.parameters()))
         self.num_kv_blocks = num_blocks
         self.kv_cache, self.kv_scales, self.key_rotation = self.kv_tensors(num_blocks)
         kv_dtype = config.cache.kv_cache_dtype
