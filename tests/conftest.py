@@ -172,6 +172,20 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path):
     return get
 
 
+@pytest.fixture(scope="session")
+def bf16_checkpoint(tiny_model, tmp_path_factory) -> str:
+    """The tiny Llama saved by transformers in bfloat16 (a Hub checkpoint's dtype)."""
+    import transformers
+
+    folder, _ = tiny_model("llama")
+    out = tmp_path_factory.mktemp("llama-bf16")
+    transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16) \
+        .save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{folder}/{f}", out / f)
+    return str(out)
+
+
 @torch.no_grad()
 def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Greedy continuation with Hugging Face's own forward and KV cache, ignoring EOS."""

@@ -94,26 +94,13 @@ def test_an_f16_gguf_file_keeps_its_weights_in_f16(tiny_model, smollm2_path, tmp
     native = LLM(path, num_kv_blocks=64, kv_cache_dtype="float32")  # the expansion's cache
     assert native.engine.config.model.quantization == "gguf"  # its own F16, by default
     mlp = native.engine.runner.model.model.layers[1].mlp
-    assert mlp.gate_up_proj.weight.dtype == torch.float16
+    assert [p.dtype for p in mlp.gate_up_proj.parameters()] == [torch.float16] * 2  # gate, up
     prompts = [[1, 504, 3458, 282, 4649, 314]]
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=2, ignore_eos=True)
     got = native.generate(prompts, params, use_tqdm=False)[0].outputs[0]
     want = LLM(path, quantization="none", num_kv_blocks=64).generate(
         prompts, params, use_tqdm=False)[0].outputs[0]
     assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
-
-
-@pytest.fixture(scope="module")
-def bf16_checkpoint(tiny_model, tmp_path_factory):
-    import transformers
-
-    folder, _ = tiny_model("llama")
-    out = tmp_path_factory.mktemp("llama-bf16-products")
-    transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16) \
-        .save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{folder}/{f}", out / f)
-    return str(out)
 
 
 def _top1(llm: LLM, prompts: list[list[int]]) -> list[int]:

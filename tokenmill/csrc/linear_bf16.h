@@ -148,10 +148,10 @@ static TM_INLINE_BF void tile(const uint16_t* x, int64_t K, const uint16_t* w, i
 
 template <class D, int MR, int NR>
 static void rows_times(const uint16_t* x, int64_t K, const uint16_t* w, int64_t n0, int64_t n1,
-                       const float* bias, float* y, int64_t N) {
+                       const float* bias, float* y, int64_t ldy) {
   int64_t n = n0;
-  for (; n + NR <= n1; n += NR) tile<D, MR, NR>(x, K, w, n, bias, y, N);
-  for (; n < n1; ++n) tile<D, MR, 1>(x, K, w, n, bias, y, N);
+  for (; n + NR <= n1; n += NR) tile<D, MR, NR>(x, K, w, n, bias, y, ldy);
+  for (; n < n1; ++n) tile<D, MR, 1>(x, K, w, n, bias, y, ldy);
 }
 
 // W rows [n0, n1) against all M rows of xb: steps of up to 4 rows stream W once; larger ones
@@ -160,12 +160,12 @@ static void rows_times(const uint16_t* x, int64_t K, const uint16_t* w, int64_t 
 // 256-row step: 0.45x the speed with blocks of 60 rows).
 template <class D, int NR_SMALL, int MR, int NR>
 static void range(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* w, int64_t n0,
-                  int64_t n1, const float* bias, float* y, int64_t N) {
+                  int64_t n1, const float* bias, float* y, int64_t ldy) {
   switch (M) {
-    case 1: return rows_times<D, 1, NR_SMALL>(xb, K, w, n0, n1, bias, y, N);
-    case 2: return rows_times<D, 2, NR_SMALL>(xb, K, w, n0, n1, bias, y, N);
-    case 3: return rows_times<D, 3, NR_SMALL>(xb, K, w, n0, n1, bias, y, N);
-    case 4: return rows_times<D, 4, NR_SMALL>(xb, K, w, n0, n1, bias, y, N);
+    case 1: return rows_times<D, 1, NR_SMALL>(xb, K, w, n0, n1, bias, y, ldy);
+    case 2: return rows_times<D, 2, NR_SMALL>(xb, K, w, n0, n1, bias, y, ldy);
+    case 3: return rows_times<D, 3, NR_SMALL>(xb, K, w, n0, n1, bias, y, ldy);
+    case 4: return rows_times<D, 4, NR_SMALL>(xb, K, w, n0, n1, bias, y, ldy);
     default: break;
   }
   constexpr int64_t kPanel = 48;  // a multiple of every NR
@@ -176,8 +176,9 @@ static void range(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* w, i
       const int64_t p1 = std::min(n1, p0 + kPanel);
       int64_t m = m0;
       for (; m + MR <= m1; m += MR)
-        rows_times<D, MR, NR>(xb + m * K, K, w, p0, p1, bias, y + m * N, N);
-      for (; m < m1; ++m) rows_times<D, 1, NR>(xb + m * K, K, w, p0, p1, bias, y + m * N, N);
+        rows_times<D, MR, NR>(xb + m * K, K, w, p0, p1, bias, y + m * ldy, ldy);
+      for (; m < m1; ++m)
+        rows_times<D, 1, NR>(xb + m * K, K, w, p0, p1, bias, y + m * ldy, ldy);
     }
   }
 }
@@ -210,8 +211,8 @@ struct Hardware {
 // 32 zmm registers: M <= 4 streams 4 W rows (<= 16 accumulators); larger steps 6 x 4 tiles
 // (24 accumulators, 4 W vectors, 1 x vector).
 static void hardware_range(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* w,
-                           int64_t n0, int64_t n1, const float* bias, float* y, int64_t N) {
-  range<Hardware, 4, 6, 4>(xb, M, K, w, n0, n1, bias, y, N);
+                           int64_t n0, int64_t n1, const float* bias, float* y, int64_t ldy) {
+  range<Hardware, 4, 6, 4>(xb, M, K, w, n0, n1, bias, y, ldy);
 }
 
 static bool cpu_has_bf16() {
@@ -249,9 +250,9 @@ inline bool amx_active() {
 
 // AVX2's 16 registers hold 2 x 2 tiles of two-vector accumulators.
 static void emulated_range(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* w,
-                           int64_t n0, int64_t n1, const float* bias, float* y, int64_t N) {
+                           int64_t n0, int64_t n1, const float* bias, float* y, int64_t ldy) {
   constexpr int kNR = Emulated::H == 1 ? 4 : 2;
-  range<Emulated, kNR, 2, kNR>(xb, M, K, w, n0, n1, bias, y, N);
+  range<Emulated, kNR, 2, kNR>(xb, M, K, w, n0, n1, bias, y, ldy);
 }
 #ifdef TM_HAVE_BF16_HW
 #pragma GCC pop_options
@@ -279,21 +280,28 @@ static std::unique_ptr<uint16_t[]> rounded(const float* x, int64_t count) {
   return xb;
 }
 
-// y (M, N) = x (M, K) @ W^T (+ bias) in the order of the header. Threads take contiguous
-// ranges of W's rows; each output is one thread's, whole.
-inline void linear(const uint16_t* w, const float* x, int64_t M, int64_t K, int64_t N,
-                   const float* bias, float* y) {
-  const std::unique_ptr<uint16_t[]> xb = rounded(x, M * K);
+// y's N columns (row stride ldy) = xb (M, K, x rounded: `rounded`) @ W^T (+ bias) in the
+// order of the header. Threads take contiguous ranges of W's rows; each output is one
+// thread's, whole. A merged layer's parts share one rounding of x and write their own
+// columns of y (linear_cpu.h): the same bits as one weight of all their rows.
+inline void linear_rounded(const uint16_t* w, const uint16_t* xb, int64_t M, int64_t K,
+                           int64_t N, const float* bias, float* y, int64_t ldy) {
   [[maybe_unused]] const bool hw = hardware_active();
   const int64_t unit = M <= 4 ? 16 : 48, units = (N + unit - 1) / unit;
   const int64_t grain = std::max<int64_t>(1, units / std::max<int64_t>(1, at::get_num_threads()));
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
     const int64_t n0 = u0 * unit, n1 = std::min(N, u1 * unit);
 #ifdef TM_HAVE_BF16_HW
-    if (hw) return hardware_range(xb.get(), M, K, w, n0, n1, bias, y, N);
+    if (hw) return hardware_range(xb, M, K, w, n0, n1, bias, y, ldy);
 #endif
-    emulated_range(xb.get(), M, K, w, n0, n1, bias, y, N);
+    emulated_range(xb, M, K, w, n0, n1, bias, y, ldy);
   });
+}
+
+// y (M, N) = x (M, K) @ W^T (+ bias).
+inline void linear(const uint16_t* w, const float* x, int64_t M, int64_t K, int64_t N,
+                   const float* bias, float* y) {
+  linear_rounded(w, rounded(x, M * K).get(), M, K, N, bias, y, N);
 }
 
 // Kind 16: y (M, N) = x (M, K) @ W^T (+ bias) for W packed by bf16_amx::pack_weight, on AMX

@@ -250,6 +250,32 @@ static torch::Tensor linear_gguf_parts(torch::Tensor x,
 }
 #endif
 
+// y (M, sum of the parts' N) = x @ [W_0; W_1; ...]^T for parts of dense bfloat16 weights
+// multiplied in bfloat16 (a bf16 checkpoint's qkv and gate_up, held as the file stores each
+// part: quantization/unquantized.py): x rounded to bf16 once, each part writing its own
+// columns of y, so the same bits as one weight of all their rows.
+static torch::Tensor linear_bf16_parts(torch::Tensor x, const std::vector<torch::Tensor>& parts) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2, "linear takes x (M, K) and a weight");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  int64_t ldy = 0;
+  for (const auto& w : parts) {
+    check_weight(bf16_products::kKind, 0, {w}, K);
+    ldy += w.size(0);
+  }
+  auto y = torch::empty({M, ldy}, x.options());
+  if (M == 0) return y;
+  const auto xb = bf16_products::rounded(x.data_ptr<float>(), M * K);
+  int64_t col = 0;
+  for (const auto& w : parts) {
+    bf16_products::linear_rounded(static_cast<const uint16_t*>(w.data_ptr()), xb.get(), M, K,
+                                  w.size(0), nullptr, y.data_ptr<float>() + col, ldy);
+    col += w.size(0);
+  }
+  return y;
+}
+
 // A merged layer of parts of different kinds: each part's product, side by side (+ bias).
 inline torch::Tensor linear_parts(const torch::Tensor& x, const std::vector<torch::Tensor>& t,
                                   const c10::optional<torch::Tensor>& bias, bool int8_acts,
@@ -278,6 +304,16 @@ inline torch::Tensor linear_parts(const torch::Tensor& x, const std::vector<torc
     return y;
   }
 #endif
+  bool bf16 = !int8_acts && !input_scale.has_value();
+  for (int64_t p = 0; p < t[0].size(0); ++p)
+    bf16 = bf16 && meta[p][0] == bf16_products::kKind && tensors[p].size() == 1;
+  if (bf16) {
+    std::vector<torch::Tensor> ws;
+    for (const auto& ts : tensors) ws.push_back(ts[0]);
+    auto y = linear_bf16_parts(x, ws);
+    if (bias.has_value()) y.add_(*bias);
+    return y;
+  }
   std::vector<torch::Tensor> outs;
   for (int64_t p = 0; p < t[0].size(0); ++p)
     outs.push_back(linear(x, meta[p][0], meta[p][1], tensors[p], c10::nullopt, int8_acts,

@@ -16,7 +16,6 @@ one tensor per expert under the model's checkpoint names.
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
 from collections.abc import Callable, Collection, Iterator
@@ -34,6 +33,13 @@ from tokenmill.model_loader.gguf_index import (
     file_map,
     read_index,
     tensor_data,
+)
+from tokenmill.utils.file_maps import (
+    MADV_DONTNEED,
+    MADV_POPULATE_READ,
+    MADV_WILLNEED,
+    advise_file_pages,
+    file_map_ranges,
 )
 
 _LAYER_NAMES = {
@@ -227,35 +233,14 @@ def iterate_gguf(path: str, hf_config: Any, raw_types: Collection[str] = (),
     _populate(data, kept_tensors)
 
 
-# Linux's MADV_POPULATE_READ (5.14; Python 3.11's mmap module does not name it)
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22) if hasattr(mmap, "MADV_WILLNEED") \
-    else None
-
-
-def _advise(data: np.memmap, tensor: GGUFTensor, *advice: int | None) -> None:
-    """madvise the map's pages of `tensor` with the first of `advice` the kernel accepts
-    (None: one this system lacks); a map that refuses them all is left as it is (advice
-    changes memory and speed, never the contents)."""
-    mm = getattr(data, "_mmap", None)
-    if mm is None or not hasattr(mm, "madvise"):
-        return
-    start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
-    for option in advice:
-        if option is None:
-            continue
-        try:
-            mm.madvise(option, start, tensor.data_offset + tensor.n_bytes - start)
-            return
-        except (OSError, ValueError):
-            continue
-
-
 def _populate(data: np.memmap, tensors: list[GGUFTensor]) -> None:
     """Map the pages of the tensors used in place now, as llama.cpp's MAP_POPULATE does: the
     first step would otherwise fault them in one by one (and read a cold file at random).
     An older kernel without MADV_POPULATE_READ reads them ahead, mapped at first touch."""
+    ranges = file_map_ranges()
     for t in tensors:
-        _advise(data, t, _MADV_POPULATE_READ, getattr(mmap, "MADV_WILLNEED", None))
+        advise_file_pages(data.ctypes.data + t.data_offset, t.n_bytes, MADV_POPULATE_READ,
+                          MADV_WILLNEED, ranges=ranges)
 
 
 def _drop_pages(data: np.memmap, tensor: GGUFTensor) -> None:
@@ -264,7 +249,7 @@ def _drop_pages(data: np.memmap, tensor: GGUFTensor) -> None:
     file (the map's pages plus the model's copy). Pages it shares with a neighbour used in
     place are read again from the page cache when next touched: the map is private and never
     written, so its contents stay the file's."""
-    _advise(data, tensor, getattr(mmap, "MADV_DONTNEED", None))
+    advise_file_pages(data.ctypes.data + tensor.data_offset, tensor.n_bytes, MADV_DONTNEED)
 
 
 def gguf_tensor_types(path: str) -> dict[str, str]:

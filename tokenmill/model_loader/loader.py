@@ -12,6 +12,8 @@ load_format="dummy", where no checkpoint is read and every parameter is seeded r
 from __future__ import annotations
 
 import contextlib
+import glob
+import os
 from collections.abc import Callable, Iterator
 
 import torch
@@ -43,8 +45,9 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def iterate_weights(config: ModelConfig, in_place: Callable[[str], bool] | None = None
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's (name, tensor) pairs; in_place(name): whether the parameter that
-    tensor fills keeps it as loaded (`held_parts`, layers/linear.py): a GGUF file's blocks
-    then come uncopied, views of the file's map (gguf_loader.iterate_gguf)."""
+    tensor fills keeps it as loaded (`held_parts`, layers/linear.py): a GGUF file's blocks or
+    a safetensors file's tensors then come uncopied, views of the file's map
+    (gguf_loader.iterate_gguf, safetensors_loader.iterate_safetensors)."""
     if config.quantization is not None and \
             WEIGHT_FORMATS[config.quantization].sources == ("gguf",):
         # the file's own blocks, not a float32 conversion
@@ -55,9 +58,28 @@ def iterate_weights(config: ModelConfig, in_place: Callable[[str], bool] | None 
         folder = (converted_weights(config.converted_dir, config.gguf_file)
                   if config.converted_dir is not None else None)
         if folder is not None:
-            return iterate_safetensors(folder)
+            return iterate_safetensors(folder, in_place)
         return iterate_gguf(config.gguf_file, config.hf_config)
-    return iterate_safetensors(config.path)
+    return iterate_safetensors(config.path, in_place)
+
+
+# A safetensors checkpoint's weights that the kernels read as stored (half precision on CPU)
+# stay in its files' maps only when they take more than this share of the machine's memory:
+# there a copy would crowd the KV cache (an 8B bf16 model on 24 GB) and cost the start 27 s
+# here; below it the copies' 2 MiB pages decode 4-14% faster than the page cache's 4 KiB ones
+# (benchmarks/RESULTS.md, forty-sixth session). A GGUF file's blocks are always used in place,
+# as llama.cpp uses them.
+SAFETENSORS_IN_PLACE_SHARE = 0.25
+
+
+def maps_safetensors(folder: str) -> bool:
+    """Whether a safetensors folder's weights are used in place (SAFETENSORS_IN_PLACE_SHARE)."""
+    weights = sum(os.path.getsize(f) for f in glob.glob(os.path.join(folder, "*.safetensors")))
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # no sysconf (Windows): copies
+        return False
+    return weights > SAFETENSORS_IN_PLACE_SHARE * memory
 
 
 def prepack_decision(config: ModelConfig, prepack: bool | str) -> bool:
@@ -94,6 +116,10 @@ def _load_model(config: ModelConfig, device: torch.device, tp: ParallelState, pr
     loaded: set[str] = set()
 
     holders = {n for n, p in params.items() if hasattr(p, "held_parts")}  # (layers/linear.py)
+    if config.gguf_file is None and not maps_safetensors(config.path):
+        for n in holders:  # copied into their parameters instead
+            del params[n].held_parts
+        holders = set()
 
     def held_in_place(name: str) -> bool:  # the parameter it fills keeps what it loads
         return _target(model, mapping, _model_name(config, name))[0] in holders

@@ -91,6 +91,18 @@ class CPULinearKernel:
                 self.input_scale, self.batch_invariant)
 
 
+def merged_kernel(parts: list[CPULinearKernel], int8_activations: bool = False,
+                  batch_invariant: bool = True) -> CPULinearKernel:
+    """One kernel for a layer whose row ranges are `parts` (outputs side by side): the part
+    itself when there is one, else CPULinearKernel.PARTS."""
+    if len(parts) == 1:
+        return parts[0]
+    meta = torch.tensor([[k.kind, k.group, len(k.tensors)] for k in parts])
+    return CPULinearKernel(CPULinearKernel.PARTS, 0,
+                           (meta, *(t for k in parts for t in k.tensors)),
+                           int8_activations, None, batch_invariant)
+
+
 def set_weight_attrs(param: nn.Parameter, output_dim: int | None = None,
                      input_dim: int | None = None, output_ratio: Fraction = Fraction(1),
                      input_ratio: Fraction = Fraction(1)) -> nn.Parameter:

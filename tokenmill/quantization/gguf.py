@@ -51,6 +51,7 @@ from tokenmill.quantization.base import (
     LinearMethodBase,
     QuantizationConfig,
     int8_activations_for,
+    merged_kernel,
     new_param,
     replace_param,
 )
@@ -257,18 +258,6 @@ def _held_part(held: dict[int, torch.Tensor], row: int, rows: int, name: str,
         raise ValueError(f"GGUF {name} rows of {K} weights take {width} bytes; the "
                          f"checkpoint's part at row {row} is {part.dtype} {tuple(part.shape)}")
     return part
-
-
-def merged_kernel(parts: list[CPULinearKernel], int8_activations: bool = False,
-                  batch_invariant: bool = True) -> CPULinearKernel:
-    """One kernel for a layer whose row ranges are `parts` (outputs side by side): the part
-    itself when there is one, else CPULinearKernel.PARTS."""
-    if len(parts) == 1:
-        return parts[0]
-    meta = torch.tensor([[k.kind, k.group, len(k.tensors)] for k in parts])
-    return CPULinearKernel(CPULinearKernel.PARTS, 0,
-                           (meta, *(t for k in parts for t in k.tensors)),
-                           int8_activations, None, batch_invariant)
 
 
 class GGUFConfig(QuantizationConfig):

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from tokenmill.layers.expert_weights import EXPERT_MATRICES
-from tokenmill.quantization.base import CPULinearKernel, replace_param
-from tokenmill.quantization.gguf import GGUF_TYPES, kernel_tensors, merged_kernel
+from tokenmill.quantization.base import CPULinearKernel, merged_kernel, replace_param
+from tokenmill.quantization.gguf import GGUF_TYPES, kernel_tensors
 
 
 def expert_types(tensor_types: dict[str, str], prefix: str) -> dict[str, str]:

@@ -26,6 +26,16 @@ the CPU has AMX-BF16 those weights are packed once, in place, into AMX tiles' la
 BF16_TILES, csrc/linear_bf16_amx.h; N a multiple of 16, else kind BF16_PRODUCTS stays): the
 parameter then holds (N / 16, K / 2, 16, 2), a tied table is looked up from it (`embed`), and
 `dense_weight` gives W back for the rare float path.
+
+Half-precision weights on CPU can be used in place: the kernels read them as the checkpoint
+stores them, so each loaded part is kept itself (`held_parts`, layers/linear.py `fill_span`),
+uncopied where the loader hands over views of the file's map (model_loader/
+safetensors_loader.py; a checkpoint large against memory: model_loader/loader.py
+SAFETENSORS_IN_PLACE_SHARE; below it the loader drops `held_parts` and copies, as before).
+A layer of one part holds it as its `weight`; a merged layer (qkv, gate_up) holds its parts as
+`weight_0`, `weight_1`, ... and multiplies them side by side (CPULinearKernel.PARTS, the same
+kernel per part: the same bits as one merged weight). A weight packed for AMX, or a CPU
+without the C++ kernels, joins its parts into one `weight`.
 """
 
 from __future__ import annotations
@@ -40,7 +50,9 @@ from tokenmill.quantization.base import (
     CPULinearKernel,
     LinearMethodBase,
     QuantizationConfig,
+    merged_kernel,
     new_param,
+    replace_param,
 )
 
 # "auto" prepacks models up to this many bytes of float32 weights (1.3B parameters): their
@@ -73,8 +85,15 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.weight = new_param((sum(output_sizes), input_size), dtype, output_dim=0,
                                  input_dim=1)
         layer.packed_weight = None
+        if dtype == self.weight_dtype and layer.weight.is_cpu:
+            # read as stored: each loaded part kept as it is (module doc); the merged
+            # parameter is never written, so its pages are never touched
+            layer.weight.held_parts = {}
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        _take_held_parts(layer, self.matmul_dtype)
+        if _weight_parts(layer) is not None:
+            return  # half-precision parts the kernels read as stored
         w = layer.weight
         # runs_gemm False: an embedding table only looked up (layers/vocab_embedding.py).
         runs_gemm = getattr(layer, "runs_gemm", True)
@@ -89,7 +108,14 @@ class UnquantizedLinearMethod(LinearMethodBase):
                 del layer._parameters["weight"]  # nothing reads the dense copy: free it
 
     def cpu_kernel(self, layer: nn.Module) -> CPULinearKernel | None:
-        w = getattr(layer, "weight", None)
+        parts = _weight_parts(layer)
+        if parts is None:
+            return self._kernel_of(getattr(layer, "weight", None))
+        kernels = [k for w in parts if (k := self._kernel_of(w)) is not None]
+        return merged_kernel(kernels, batch_invariant=self.batch_invariant) \
+            if len(kernels) == len(parts) else None
+
+    def _kernel_of(self, w: torch.Tensor | None) -> CPULinearKernel | None:
         if w is None or not w.is_cpu:
             return None
         if w.dtype == self.matmul_dtype:  # bfloat16 products (one kernel at every M)
@@ -111,12 +137,51 @@ class UnquantizedLinearMethod(LinearMethodBase):
             return cpu_ops.linear(x, kernel, bias)
         if layer.packed_weight is not None:
             return packed_linear(x, layer.packed_weight, bias)
-        return F.linear(x, dense_weight(layer.weight), bias)
+        parts = _weight_parts(layer)
+        w = dense_weight(layer.weight) if parts is None else torch.cat(parts)
+        return F.linear(x, w, bias)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         w = layer.weight
         rows = tile_rows(w, ids) if w.dim() == 4 else F.embedding(ids, w)
         return rows.float() if self.weight_dtype is not None else rows  # widening is exact
+
+
+def _take_held_parts(layer: nn.Module, matmul_dtype: torch.dtype | None) -> None:
+    """The loaded parts of a weight that held them (create_weights) in place of the merged
+    parameter: one part as `weight`, several as `weight_0`, `weight_1`, ... (joined into one
+    `weight` where it will be packed for AMX or no C++ kernel reads parts). A weight that was
+    written instead (a dummy load, row-parallel shards) stays as it is."""
+    w = layer.weight
+    held = getattr(w, "held_parts", None)
+    if not held:
+        return
+    parts, row = [], 0
+    for start in sorted(held):
+        part = held[start]
+        if start != row or part.dim() != 2 or part.shape[1] != w.shape[1]:
+            raise ValueError(f"weight parts do not tile {tuple(w.shape)}: "
+                             f"{tuple(part.shape)} at row {start} (expected row {row})")
+        parts.append(part.to(w.dtype).contiguous())  # (as loaded: a no-op)
+        row += part.shape[0]
+    if row != w.shape[0]:
+        raise ValueError(f"weight parts cover {row} of {w.shape[0]} rows")
+    if len(parts) == 1 or _packs_for_amx(w, matmul_dtype) or not cpu_ops.ops_available():
+        replace_param(layer, "weight", parts[0] if len(parts) == 1 else torch.cat(parts))
+        return
+    replace_param(layer, "weight", None)
+    for p, part in enumerate(parts):
+        replace_param(layer, f"weight_{p}", part)
+
+
+def _weight_parts(layer: nn.Module) -> list[torch.Tensor] | None:
+    """A merged layer's weight parts (_take_held_parts), in row order; None: one `weight`."""
+    if "weight" in layer._parameters or "weight_0" not in layer._parameters:
+        return None
+    parts = []
+    while (part := layer._parameters.get(f"weight_{len(parts)}")) is not None:
+        parts.append(part)
+    return parts
 
 
 def _packs_for_amx(w: torch.Tensor, matmul_dtype: torch.dtype | None) -> bool:
