@@ -197,6 +197,7 @@ def iterate_gguf(path: str, hf_config: Any, raw_types: Collection[str] = (),
     spec = _spec(path)
     names = _LAYER_NAMES | dict(spec.gguf_tensors)
     data = file_map(path)
+    ranges = file_map_ranges()  # (the map's among them, read once for the whole file)
     kept_tensors = []
     for t in gguf_index(path).tensors:
         if t.name in _CONFIG_TENSORS:
@@ -229,27 +230,28 @@ def iterate_gguf(path: str, hf_config: Any, raw_types: Collection[str] = (),
         if kept:
             kept_tensors.append(t)
         else:
-            _drop_pages(data, t)  # copied into the model by now
-    _populate(data, kept_tensors)
+            _drop_pages(data, t, ranges)  # copied into the model by now
+    _populate(data, kept_tensors, ranges)
 
 
-def _populate(data: np.memmap, tensors: list[GGUFTensor]) -> None:
+def _populate(data: np.memmap, tensors: list[GGUFTensor], ranges: list[tuple[int, int]]
+              ) -> None:
     """Map the pages of the tensors used in place now, as llama.cpp's MAP_POPULATE does: the
     first step would otherwise fault them in one by one (and read a cold file at random).
     An older kernel without MADV_POPULATE_READ reads them ahead, mapped at first touch."""
-    ranges = file_map_ranges()
     for t in tensors:
         advise_file_pages(data.ctypes.data + t.data_offset, t.n_bytes, MADV_POPULATE_READ,
                           MADV_WILLNEED, ranges=ranges)
 
 
-def _drop_pages(data: np.memmap, tensor: GGUFTensor) -> None:
+def _drop_pages(data: np.memmap, tensor: GGUFTensor, ranges: list[tuple[int, int]]) -> None:
     """Release the map's pages of a tensor already copied into the model: read through the
     map they count in this process's RSS, and without this a load would peak at twice the
     file (the map's pages plus the model's copy). Pages it shares with a neighbour used in
     place are read again from the page cache when next touched: the map is private and never
     written, so its contents stay the file's."""
-    advise_file_pages(data.ctypes.data + tensor.data_offset, tensor.n_bytes, MADV_DONTNEED)
+    advise_file_pages(data.ctypes.data + tensor.data_offset, tensor.n_bytes, MADV_DONTNEED,
+                      ranges=ranges)
 
 
 def gguf_tensor_types(path: str) -> dict[str, str]:

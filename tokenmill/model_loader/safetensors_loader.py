@@ -44,16 +44,15 @@ def iterate_safetensors(folder: str, in_place: Callable[[str], bool] | None = No
 def _iterate_file(path: str, in_place: Callable[[str], bool] | None
                   ) -> Iterator[tuple[str, torch.Tensor]]:
     kept: list[torch.Tensor] = []
-    ranges: list[tuple[int, int]] | None = None  # the file's map, once it exists
+    ranges: list[tuple[int, int]] = []  # the file's map among them, once it exists
     with safe_open(path, framework="pt") as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
             tensor = f.get_tensor(name)
+            ranges = ranges or file_map_ranges()  # read once, after the first tensor
             yield name, tensor
             if in_place is not None and in_place(name):
                 kept.append(tensor)
             else:  # copied into the model by now
-                ranges = file_map_ranges() if ranges is None else ranges
                 advise_tensor_pages(tensor, MADV_DONTNEED, ranges=ranges)
-    ranges = file_map_ranges() if kept else ranges
     for tensor in kept:  # the first step would otherwise fault them in page by page
         advise_tensor_pages(tensor, MADV_POPULATE_READ, MADV_WILLNEED, ranges=ranges)
