@@ -11,7 +11,9 @@ distinct weights of the shape (more bytes than the caches hold) and reports mill
 layer and the rate at which the weight bytes went by (GB/s), beside the machine's own read
 rate of a plain float32 sum over as many bytes. Types are timed in alternation (medians over
 rounds, taken in one run); `--builds avx512,avx2` times the installed kernel builds side by
-side in the same run (the AVX2 kernels run on an AVX-512 CPU too).
+side in the same run (the AVX2 kernels run on an AVX-512 CPU too). `Q4_K_TILES` in --types
+times the same Q4_K blocks packed into tiles of 16 rows as the loader packs them on AVX-512
+VNNI builds (quantization/kquant_tiles.py, csrc/linear_kquant_tiles.h).
 """
 
 from __future__ import annotations
@@ -29,12 +31,16 @@ from tokenmill.bench.alternate import alternate  # noqa: E402
 from tokenmill.bench.machine import describe_machine  # noqa: E402
 from tokenmill.bench.real_gguf import random_blocks  # noqa: E402
 from tokenmill.layers import cpu_ops  # noqa: E402
+from tokenmill.quantization import block_tiles  # noqa: E402
 from tokenmill.quantization.base import CPULinearKernel  # noqa: E402
 from tokenmill.quantization.gguf import GGUF_TYPES  # noqa: E402
 
 
 def layer_copies(type_name: str, n: int, k: int, copies: int) -> list[CPULinearKernel]:
-    """`copies` distinct (n, k) weights of random `type_name` blocks."""
+    """`copies` distinct (n, k) weights of random `type_name` blocks (Q4_K_TILES: Q4_K's,
+    packed)."""
+    if type_name == "Q4_K_TILES":
+        return [block_tiles.pack(w) for w in layer_copies("Q4_K", n, k, copies)]
     kind = GGUF_TYPES[type_name].kind
     return [CPULinearKernel(kind, 32, (torch.from_numpy(random_blocks(type_name, n, k, s)),))
             for s in range(copies)]

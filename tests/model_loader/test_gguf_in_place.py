@@ -2,7 +2,8 @@
 (model_loader/gguf_loader.py `iterate_gguf` in_place, layers/linear.py `fill_span`,
 quantization/gguf.py): no copy at load, the pages the page cache's, the map never written, and
 released with the model (sleep mode). llama.cpp's q / k row order is undone into a copy, and
-blocks split into the kernels' own form (Q4_1, Q8_0) are copies whose pages are let go."""
+blocks split or packed into the kernels' own form (Q4_1, Q8_0; Q4_K on AVX-512 VNNI builds)
+are copies whose pages are let go."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from tests.gguf_writer import write_gguf
 from tests.quantization.test_gguf_kquants import KQUANT_FILES
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers import cpu_ops
+from tokenmill.quantization.base import CPULinearKernel
+from tokenmill.quantization.block_tiles import unpack
 
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
 
@@ -45,6 +48,18 @@ def in_a_mapping(tensor: torch.Tensor, maps: list[dict[str, int]]) -> bool:
     return any(m["start"] <= start and end <= m["end"] for m in maps)
 
 
+def resident_pages(start: int, nbytes: int) -> int:
+    """How many pages of [start, start + nbytes) are mapped into this process
+    (/proc/self/pagemap's present bit)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, last = start // page, (start + nbytes - 1) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = f.read((last - first + 1) * 8)
+    return sum(int.from_bytes(entries[i:i + 8], "little") >> 63
+               for i in range(0, len(entries), 8))
+
+
 @pytest.fixture(scope="module")
 def q4_k_m_file(tmp_path_factory, tiny_model, smollm2_path):
     folder, hf = tiny_model("llama-256")
@@ -64,20 +79,34 @@ def test_kquant_blocks_are_the_files_pages(q4_k_m_file):
     maps = file_mappings(q4_k_m_file)
     blocks = block_params(llm)
     assert blocks
+    packs_q4_k = cpu_ops.block_tiles()  # AVX-512 VNNI builds: Q4_K packed into tiles
+    stored = {t.name: t for t in gguf.GGUFReader(q4_k_m_file).tensors}
     for name, param in blocks.items():
         # llama.cpp stored q / k rows interleaved for its RoPE: un-permuted, they are copies
-        copied = ".qkv_proj.blocks_0_" in name or ".qkv_proj.blocks_1_" in name
+        copied = (".qkv_proj.blocks_0_" in name or ".qkv_proj.blocks_1_" in name
+                  or (packs_q4_k and param.dim() == 3))
         assert in_a_mapping(param, maps) is not copied, name  # (not moved to huge pages)
-    # every tensor but q and k, byte for byte where the file holds it
-    stored = {t.name: t for t in gguf.GGUFReader(q4_k_m_file).tensors}
+    # every tensor but q and k (and packed Q4_K), byte for byte where the file holds it
+    o_proj = llm.engine.runner.model.model.layers[1].self_attn.o_proj.blocks_0_0
+    want = stored["blk.1.attn_output.weight"]  # Q5_K
+    assert torch.equal(o_proj, torch.from_numpy(want.data.reshape(o_proj.shape).copy()))
+    assert o_proj.data_ptr() - min(m["start"] for m in maps) == want.data_offset
+    # the Q4_K ffn_down: in place, or packed (its tiles unpack to the file's bytes)
     down = llm.engine.runner.model.model.layers[1].mlp.down_proj.blocks_0_0
-    want = stored["blk.1.ffn_down.weight"]
-    assert torch.equal(down, torch.from_numpy(want.data.reshape(down.shape).copy()))
-    assert down.data_ptr() - min(m["start"] for m in maps) == want.data_offset
+    kind = CPULinearKernel.Q4_K_TILES if packs_q4_k else CPULinearKernel.Q4_K
+    down_rows = unpack(CPULinearKernel(kind, 32, (down,))).tensors[0]
+    assert torch.equal(down_rows, torch.from_numpy(
+        stored["blk.1.ffn_down.weight"].data.reshape(down_rows.shape).copy()))
     held = sum(p.numel() for n, p in blocks.items() if in_a_mapping(p, maps))
     expected = sum(t.n_bytes for t in stored.values() if t.tensor_type.name in KQUANT_FILES[
-        "Q4_K_M"].values() and ".attn_q." not in t.name and ".attn_k." not in t.name)
+        "Q4_K_M"].values() and ".attn_q." not in t.name and ".attn_k." not in t.name
+        and not (packs_q4_k and t.tensor_type.name == "Q4_K"))
     assert held == expected
+    if packs_q4_k:  # the packed tensors' pages of the map were released after packing
+        offset = min(m["start"] for m in maps)
+        start = offset + stored["blk.1.ffn_down.weight"].data_offset
+        resident = resident_pages(start, stored["blk.1.ffn_down.weight"].n_bytes)
+        assert resident <= 2  # (a page it shares with a neighbour kept in place)
     outs = llm.generate([[1, 504, 3458, 282]], SamplingParams(temperature=0, max_tokens=8),
                         use_tqdm=False)
     assert len(outs[0].outputs[0].token_ids) == 8

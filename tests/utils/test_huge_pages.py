@@ -62,3 +62,16 @@ def test_move_parameters_keeps_values_objects_and_ties():
     assert table.untyped_storage().data_ptr() == bias.untyped_storage().data_ptr()
     assert table.data_ptr() % 64 == 0 and bias.data_ptr() % 64 == 0
     assert model[2].weight.data_ptr() == small  # under min_bytes: left where it was
+
+
+def test_parameters_marked_keep_pages_stay_where_they_are():
+    """Weights written once into fresh memory at load (GGUF Q4_K tiles) are not copied again."""
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))
+    kept = huge_pages.keep_pages(model[0].weight)
+    where, values = kept.data_ptr(), kept.detach().clone()
+    other = model[1].weight.data_ptr()
+    huge_pages.move_parameters_to_huge_pages(model, min_bytes=1 << 10)
+    assert model[0].weight is kept and kept.data_ptr() == where and torch.equal(kept, values)
+    assert model[1].weight.data_ptr() != other  # the others went into the arena
+    arena = model[1].weight.untyped_storage().data_ptr()
+    assert model[0].bias.untyped_storage().data_ptr() == arena

@@ -41,6 +41,10 @@
 //                              per 32-block as for kinds 1 and 2 (int16, or int8 with int8
 //                              activations), exact int32 block sums, one arithmetic at every
 //                              M (linear_block_tiles.h)
+//   kind 19  kind 5's Q4_K super-blocks packed at load into tiles of 16 rows (AVX-512 VNNI
+//                              builds): tensors = {q tiles (N / 16, K / 256, 2368) uint8};
+//                              x rounded as for kind 5, one arithmetic at every M
+//                              (linear_kquant_tiles.h)
 //
 // How a call multiplies (`choose_path`):
 // - GGUF block kinds (3-7, 11-14), whatever the mode: one kernel at every M (above), so a row's
@@ -68,6 +72,7 @@
 #include "linear_gguf_vnni.h"
 #include "linear_gguf_int8.h"
 #include "linear_int8_gemm.h"
+#include "linear_kquant_tiles.h"
 #include "linear_rows.h"
 
 // Up to this many rows of x, float activations go through the row kernels below, four rows
@@ -197,6 +202,9 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
 static bool gguf_parts_share_x(const std::vector<std::pair<int64_t, torch::Tensor>>& parts,
                                bool int8_acts) {
   for (const auto& [kind, w] : parts) {
+#if defined(TOKENMILL_GGUF_VNNI)
+    if (kquant_tiles::is_kind(kind) && !int8_acts) continue;
+#endif
     if (!gguf_blocks::is_gguf_kind(kind)) return false;
     if (int8_acts && !gguf_int8::has_kernel(kind)) return false;
   }
@@ -213,37 +221,42 @@ static torch::Tensor linear_gguf_parts(torch::Tensor x,
   const int64_t M = x.size(0), K = x.size(1);
   int64_t ldy = 0;
   for (const auto& [kind, w] : parts) {
-    check_weight(kind, 32, {w}, K);
-    ldy += w.size(0);
+    if (kquant_tiles::is_kind(kind)) kquant_tiles::check({w}, K);
+    else check_weight(kind, 32, {w}, K);
+    ldy += kquant_tiles::is_kind(kind) ? kquant_tiles::rows_of(w) : w.size(0);
   }
   auto y = torch::empty({M, ldy}, x.options());
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  auto each = [&](auto&& product) {  // product(kind, W, N, y's first column)
+  auto each = [&](auto&& product) {  // product(kind, weight, N, y's first column)
     int64_t col = 0;
     for (const auto& [kind, w] : parts) {
-      product(kind, static_cast<const uint8_t*>(w.data_ptr()), w.size(0), yp + col);
-      col += w.size(0);
+      const int64_t N = kquant_tiles::is_kind(kind) ? kquant_tiles::rows_of(w) : w.size(0);
+      product(kind, w, N, yp + col);
+      col += N;
     }
   };
   if (int8_acts) {
     TORCH_CHECK(K % gguf_int8::kSuper == 0, "gguf_int8: K must be whole super-blocks");
     const auto xr = gguf_int8::round_rows(xp, M, K);
-    each([&](int64_t kind, const uint8_t* W, int64_t N, float* yc) {
-      gguf_int8::linear_rounded(kind, W, xr, M, N, nullptr, yc, ldy);
+    each([&](int64_t kind, const torch::Tensor& w, int64_t N, float* yc) {
+      gguf_int8::linear_rounded(kind, w.data_ptr<uint8_t>(), xr, M, N, nullptr, yc, ldy);
     });
     return y;
   }
 #if defined(TOKENMILL_GGUF_VNNI)
   const auto xr = gguf_vnni::round_rows(xp, M, K);
-  each([&](int64_t kind, const uint8_t* W, int64_t N, float* yc) {
-    gguf_vnni::linear_rounded(kind, W, xr, M, K, N, nullptr, yc, ldy);
+  std::vector<kquant_tiles::Part> tiles;  // kind 19's parts: one parallel region for all
+  each([&](int64_t kind, const torch::Tensor& w, int64_t N, float* yc) {
+    if (kquant_tiles::is_kind(kind)) tiles.push_back(kquant_tiles::part_of(w, yc));
+    else gguf_vnni::linear_rounded(kind, w.data_ptr<uint8_t>(), xr, M, K, N, nullptr, yc, ldy);
   });
+  if (!tiles.empty()) kquant_tiles::linear_split(tiles, kquant_tiles::split(xr, M), M, nullptr, ldy);
 #else
   const auto xr = gguf_rows::split_rows(xp, M, K);
-  each([&](int64_t kind, const uint8_t* W, int64_t N, float* yc) {
-    gguf_rows::linear_split(kind, W, xr, M, K, N, nullptr, yc, ldy);
+  each([&](int64_t kind, const torch::Tensor& w, int64_t N, float* yc) {
+    gguf_rows::linear_split(kind, w.data_ptr<uint8_t>(), xr, M, K, N, nullptr, yc, ldy);
   });
 #endif
   return y;
@@ -331,9 +344,11 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2 && !t.empty(), "linear takes x (M, K) and a weight");
   const int64_t M = x.size(0), K = x.size(1);
-  const bool tiles = kind == bf16_products::kTilesKind || block_tiles::is_tiles_kind(kind);
+  const bool tiles = kind == bf16_products::kTilesKind || block_tiles::is_tiles_kind(kind) ||
+                     kquant_tiles::is_kind(kind);
   const int64_t N = t[0].size(0) * (tiles ? 16 : 1);
-  if (!block_tiles::is_tiles_kind(kind)) check_weight(kind, G, t, K);
+  if (kquant_tiles::is_kind(kind)) kquant_tiles::check(t, K);
+  else if (!block_tiles::is_tiles_kind(kind)) check_weight(kind, G, t, K);
   if (input_scale.has_value()) {
     check_f32(*input_scale, "input_scale");
     TORCH_CHECK(input_scale->numel() == K, "input_scale must have one value per input");
@@ -366,6 +381,16 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
                                kind == bf16_products::kKind ||
                                kind == bf16_products::kTilesKind)),
               "int8 activations are not implemented for weight kind ", kind);
+  if (kquant_tiles::is_kind(kind)) {  // one arithmetic at every M
+    TORCH_CHECK(!int8_acts, "weight kind 19 (Q4_K tiles) multiplies int16-rounded "
+                "activations; int8 activations read the raw blocks (kind 5)");
+#if defined(TOKENMILL_GGUF_VNNI)
+    kquant_tiles::linear(t[0], xp, M, K, b, yp);
+    return y;
+#else
+    TORCH_CHECK(false, "weights packed into Q4_K tiles (kind 19) need the AVX-512 VNNI build");
+#endif
+  }
   if (block_tiles::is_tiles_kind(kind)) {  // one arithmetic at every M
 #if defined(TM_HAVE_BLOCK_TILES)
     const block_tiles::Weight w = block_tiles::weight(kind, G, t, K);
@@ -447,6 +472,17 @@ inline torch::Tensor gather_rows(torch::Tensor ids, int64_t kind, int64_t G,
                                  const std::vector<torch::Tensor>& t) {
   TORCH_CHECK(kind != 0 && kind != bf16_products::kTilesKind && !t.empty(),
               "gather_rows is for quantized weights (kind 16's tiles: look rows up in Python)");
+  if (kquant_tiles::is_kind(kind)) {  // a tied Q4_K table packed for its LM head
+    TORCH_CHECK(t.size() == 1 && t[0].dim() == 3, "weight kind 19: q tiles");
+    auto idx = ids.to(torch::kInt64).contiguous().view({-1});
+    const int64_t count = idx.numel(), N = kquant_tiles::rows_of(t[0]);
+    const int64_t* ip = idx.data_ptr<int64_t>();
+    for (int64_t i = 0; i < count; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "row out of range");
+    auto out = torch::empty({count, kquant_tiles::k_of(t[0])}, torch::dtype(torch::kFloat32));
+    for (int64_t i = 0; i < count; ++i)
+      kquant_tiles::expand_row(t[0], ip[i], out.data_ptr<float>() + i * out.size(1));
+    return out;
+  }
   const bool tiles = block_tiles::is_tiles_kind(kind);
   const int64_t K = gguf_blocks::is_gguf_kind(kind)  // raw blocks; 4-bit: two weights a byte
       ? t[0].size(1) / gguf_blocks::block_bytes(kind) * gguf_blocks::block_weights(kind)

@@ -1,6 +1,7 @@
-"""Q8_0 and 4-bit blocks packed once at load into tiles of 16 rows (weight kinds Q8_0_TILES
-and Q4_TILES, csrc/linear_block_tiles.h) on CPUs that run the AVX-512 VNNI build: multiplied
-by AMX-INT8's tile unit where the CPU has it, by vpdpbusd elsewhere (the same bits).
+"""Q8_0, 4-bit and GGUF Q4_K blocks packed once at load into tiles of 16 rows (weight kinds
+Q8_0_TILES and Q4_TILES, csrc/linear_block_tiles.h; Q4_K_TILES, csrc/linear_kquant_tiles.h) on
+CPUs that run the AVX-512 VNNI build: multiplied by AMX-INT8's tile unit where the CPU has it
+(Q8_0, 4-bit), by vpdpbusd elsewhere (the same bits).
 
 Packing is a permutation of the blocks' bytes and scales, nothing recomputed: 16 rows of W
 (a group g) side by side, 4 bytes of each row a time, so that each 32-block of the group is
@@ -11,8 +12,13 @@ one B tile of the tile unit's int8 products (and 16 outputs of one vpdpbusd):
            (a byte holds weights 32b + 4s + e and 32b + 16 + 4s + e: llama.cpp's nibble order)
     scales d, m (N, groups)   -> (N/16, groups, 16): [g, h, j] = d[16g + j, h]
 
-Invariant: `unpack(pack(k))` is `k`, bit for bit, so every reader of kinds Q8_0 and Q4 (the
-CUDA GEMM, dequantize) can read a packed weight through `unpack`.
+    Q4_K:  raw super-block rows (N, K/256 * 144) uint8 -> (N/16, K/256, 2368): per group g and
+           super-block sb, the 128 nibble bytes of its 16 rows 4 at a time (byte 32j + 4c + e
+           of row r at (8j + c) * 64 + 4r + e), then the 6-bit scales and mins one a byte
+           ([s][r]), then d[r] and dmin[r] (float16): csrc/linear_kquant_tiles.h's layout.
+
+Invariant: `unpack(pack(k))` is `k`, bit for bit, so every reader of kinds Q8_0, Q4 and Q4_K
+(the CUDA GEMM, dequantize) can read a packed weight through `unpack`.
 """
 
 from __future__ import annotations
@@ -21,19 +27,24 @@ import torch
 from torch import nn
 
 from tokenmill.layers import cpu_ops
+from tokenmill.quantization import kquant_tiles
 from tokenmill.quantization.base import CPULinearKernel
 
 PACKED_KIND = {CPULinearKernel.Q8_0: CPULinearKernel.Q8_0_TILES,
-               CPULinearKernel.Q4: CPULinearKernel.Q4_TILES}
+               CPULinearKernel.Q4: CPULinearKernel.Q4_TILES,
+               CPULinearKernel.Q4_K: CPULinearKernel.Q4_K_TILES}
 BLOCK_KIND = {v: k for k, v in PACKED_KIND.items()}
 ROWS, BLOCK = 16, 32
 
 
 def packs(kernel: CPULinearKernel) -> bool:
-    """Whether the loader packs this weight: a Q8_0 or 4-bit block weight on the CPU, its rows
-    a multiple of 16, where the AVX-512 VNNI build runs (and the switch is on:
-    cpu_ops.block_tiles)."""
+    """Whether the loader packs this weight: a Q8_0, 4-bit or Q4_K block weight on the CPU, its
+    rows a multiple of 16, where the AVX-512 VNNI build runs (and the switch is on:
+    cpu_ops.block_tiles). Q4_K with int8 activations keeps its raw rows (their kernels,
+    csrc/linear_gguf_int8.h)."""
     q = kernel.tensors[0]
+    if kernel.kind == CPULinearKernel.Q4_K and kernel.int8_activations:
+        return False
     return (kernel.kind in PACKED_KIND and q.is_cpu and q.dim() == 2 and q.shape[0] % ROWS == 0
             and kernel.group % BLOCK == 0 and cpu_ops.ops_available()
             and cpu_ops.block_tiles())
@@ -57,6 +68,8 @@ def _bytes_per_block(kind: int) -> int:
 
 def pack(kernel: CPULinearKernel) -> CPULinearKernel:
     """The weight in its packed kind (module doc); same group, activations and options."""
+    if kernel.kind == CPULinearKernel.Q4_K:
+        return _with(kernel, CPULinearKernel.Q4_K_TILES, (kquant_tiles.pack(kernel.tensors[0]),))
     q, *scales = kernel.tensors
     N, nbytes = q.shape
     per = _bytes_per_block(kernel.kind)
@@ -71,6 +84,8 @@ def unpack(kernel: CPULinearKernel) -> CPULinearKernel:
     """A packed weight back in its block kind (a copy); any other kernel as it is."""
     if kernel.kind not in BLOCK_KIND:
         return kernel
+    if kernel.kind == CPULinearKernel.Q4_K_TILES:
+        return _with(kernel, CPULinearKernel.Q4_K, (kquant_tiles.unpack(kernel.tensors[0]),))
     q, *scales = kernel.tensors
     groups, nb, _ = q.shape
     per = _bytes_per_block(kernel.kind)

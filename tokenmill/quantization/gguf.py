@@ -8,7 +8,10 @@ hands each quantized tensor over as its raw uint8 block rows (N, bytes per row);
 llama.cpp's q/k row permutation moves whole rows, so un-permuting raw rows needs no
 requantizing. A layer whose kernels read every part's blocks as stored (`in_place`: no split)
 keeps the loaded tensors themselves, per part (`held_parts`): views of the file's private map,
-used in place, never copied (the q / k rows un-permuted are copies).
+used in place, never copied (the q / k rows un-permuted are copies). Q4_K, the bulk of most
+K-quant files, is the exception on AVX-512 VNNI builds: packed from those views into tiles
+of 16 rows (quantization/kquant_tiles.py, block_tiles.py; its kernels read a decode step's
+weights at ~1.9x the raw rows' rate) and the map's pages released, as llama.cpp repacks it.
 
     Q8_0  d + 32 x int8               → Q8_0 (q, d)                     split, bit for bit
     Q4_1  d, m + 16 B nibbles         → Q4 (q, d, m), G = 32            split, bit for bit
@@ -57,6 +60,8 @@ from tokenmill.quantization.base import (
 )
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 from tokenmill.utils.cpp_extension import runtime_isa
+from tokenmill.utils.file_maps import MADV_DONTNEED, advise_tensor_pages
+from tokenmill.utils.huge_pages import keep_pages
 
 logger = logging.getLogger(__name__)
 
@@ -226,10 +231,16 @@ class GGUFBlockMethod(LinearMethodBase):
             part = _held_part(held, row, rows, name, K) if held else \
                 raw[row:row + rows, :GGUF_TYPES[name].row_bytes(K)]
             kernel = CPULinearKernel(GGUF_TYPES[name].served(self.int8_activations)[0].kind, 32,
-                                     kernel_tensors(part, name, self.int8_activations))
-            kernel = block_tiles.packed_for(layer, kernel)  # Q8_0, Q4_0 / Q4_1: VNNI builds
+                                     kernel_tensors(part, name, self.int8_activations),
+                                     self.int8_activations)
+            packed = block_tiles.packed_for(layer, kernel)  # Q8_0, Q4_x, Q4_K: VNNI builds
+            if held and packed is not kernel:  # a copy now: the map's pages can go
+                advise_tensor_pages(part, MADV_DONTNEED)
+            kernel = packed
             for i, t in enumerate(kernel.tensors):
                 replace_param(layer, f"blocks_{p}_{i}", t.contiguous())
+                if kernel.kind == CPULinearKernel.Q4_K_TILES:  # written once, where they are
+                    keep_pages(getattr(layer, f"blocks_{p}_{i}"))
             row += rows
 
     def _part_kernel(self, layer: nn.Module, p: int, name: str) -> CPULinearKernel:

@@ -67,16 +67,27 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw[offset:offset + nbytes].view(dtype).view(shape)
 
 
+def keep_pages(param: nn.Parameter) -> nn.Parameter:
+    """Leave `param` where it is in `move_parameters_to_huge_pages`: weights written once into
+    fresh memory at load (GGUF Q4_K packed into tiles: quantization/gguf.py), whose copy into
+    the arena would touch every page a second time (a huge page's first touch ran at ~0.3 GB/s
+    on the development VM: the 1B Q4_K_M file's load 1.0 -> 4.8 s) for no decode speed measured
+    end to end (benchmarks/RESULTS.md, forty-seventh session)."""
+    param.keep_pages = True
+    return param
+
+
 def move_parameters_to_huge_pages(module: nn.Module, min_bytes: int = 1 << 20) -> int:
     """Copy every CPU parameter of at least `min_bytes` into one huge-page arena, in module
     order, and point it there, except those that lie in a file's map (GGUF blocks used in
-    place from the page cache: utils/file_maps.py). Returns the bytes moved. Call it after
+    place from the page cache: utils/file_maps.py) and those marked `keep_pages`. Returns the
+    bytes moved. Call it after
     loading and before anything takes references to the parameters' storage (prepacking,
     kernels' views)."""
     mapped = file_map_ranges()
     params = [p for p in module.parameters()  # parameters() yields a tied tensor once
               if p.device.type == "cpu" and p.numel() * p.element_size() >= min_bytes
-              and not is_file_mapped(p, mapped)]
+              and not is_file_mapped(p, mapped) and not getattr(p, "keep_pages", False)]
     if not params:
         return 0
     align = 64  # every parameter starts on a cache line
