@@ -252,7 +252,8 @@ static torch::Tensor linear_gguf_parts(torch::Tensor x,
     if (kquant_tiles::is_kind(kind)) tiles.push_back(kquant_tiles::part_of(w, yc));
     else gguf_vnni::linear_rounded(kind, w.data_ptr<uint8_t>(), xr, M, K, N, nullptr, yc, ldy);
   });
-  if (!tiles.empty()) kquant_tiles::linear_split(tiles, kquant_tiles::split(xr, M), M, nullptr, ldy);
+  if (!tiles.empty())
+    kquant_tiles::linear_split(tiles, kquant_tiles::split(xr, M), M, nullptr, ldy);
 #else
   const auto xr = gguf_rows::split_rows(xp, M, K);
   each([&](int64_t kind, const torch::Tensor& w, int64_t N, float* yc) {

@@ -40,7 +40,7 @@
 namespace kquant_tiles {
 constexpr int64_t kKind = 19;
 constexpr int64_t kRows = 16, kSuper = 256;
-constexpr int64_t kQBytes = 2048, kScOff = 2048, kMnOff = 2176, kDOff = 2304, kDminOff = 2336;
+constexpr int64_t kScOff = 2048, kMnOff = 2176, kDOff = 2304, kDminOff = 2336;
 constexpr int64_t kBlockBytes = 2368;
 
 inline bool is_kind(int64_t kind) { return kind == kKind; }
@@ -56,12 +56,6 @@ inline void check(const std::vector<torch::Tensor>& t, int64_t K) {
   TORCH_CHECK(k_of(t[0]) == K, "weight kind 19: K is ", k_of(t[0]), ", x has ", K);
 }
 
-static inline float half_at(const uint8_t* p) {
-  at::Half h;
-  std::memcpy(&h, p, 2);
-  return static_cast<float>(h);
-}
-
 // Row n of the weight as float32 (K values, gguf's dequantization: d sc q - dmin mn): an
 // embedding lookup from a tied table.
 inline void expand_row(const torch::Tensor& q, int64_t n, float* out) {
@@ -69,7 +63,8 @@ inline void expand_row(const torch::Tensor& q, int64_t n, float* out) {
   const uint8_t* base = q.data_ptr<uint8_t>() + g * nsb * kBlockBytes;
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const uint8_t* p = base + sb * kBlockBytes;
-    const float d = half_at(p + kDOff + 2 * r), dmin = half_at(p + kDminOff + 2 * r);
+    const float d = gguf_blocks::half_at(p + kDOff + 2 * r);
+    const float dmin = gguf_blocks::half_at(p + kDminOff + 2 * r);
     for (int s = 0; s < 8; ++s) {
       const float scale = d * static_cast<float>(p[kScOff + 16 * s + r]);
       const float offset = dmin * static_cast<float>(p[kMnOff + 16 * s + r]);
@@ -111,8 +106,11 @@ inline Acts split(const gguf_vnni::Int16Rows& r, int64_t M) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.lo.get() + i), _mm512_cvtepi16_epi8(v));
     }
   };
-  if (M <= 8) run(0, M * r.K);  // a decode step: not worth waking the thread pool
-  else at::parallel_for(0, M * r.K / 32, 256, [&](int64_t b0, int64_t b1) { run(32 * b0, 32 * b1); });
+  if (M <= 8) {  // a decode step: not worth waking the thread pool
+    run(0, M * r.K);
+  } else {
+    at::parallel_for(0, M * r.K / 32, 256, [&](int64_t b0, int64_t b1) { run(32 * b0, 32 * b1); });
+  }
   a.dx = r.dx.data(), a.s32 = r.s32.data();
   return a;
 }
@@ -125,7 +123,7 @@ static TM_KT_INLINE __m512i bcast4(const void* p) {
 
 // Rows [m0, m0 + R) of x times the 16 outputs of group g (tiles q, nsb super-blocks) into
 // y (row stride ldy, group g's first column at y + 16 g). `stream`: W is read once (a decode
-// step): each super-block asks for the one two ahead.
+// step): each super-block asks for the one kAhead ahead.
 template <int R>
 static void group_rows(const uint8_t* q, int64_t nsb, const Acts& a, int64_t m0, int64_t g,
                        const float* bias, float* y, int64_t ldy, bool stream) {
@@ -143,7 +141,8 @@ static void group_rows(const uint8_t* q, int64_t nsb, const Acts& a, int64_t m0,
       // 37 lines a block: five of the one kAhead ahead each sub-block
       if (stream)
         for (int l = 5 * s; l < std::min(5 * s + 5, int{kBlockBytes / 64}); ++l)
-          _mm_prefetch(reinterpret_cast<const char*>(p + kAhead * kBlockBytes + 64 * l), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(p + kAhead * kBlockBytes + 64 * l),
+                       _MM_HINT_T0);
       const uint8_t* chunks = p + 64 * 8 * (s / 2);
       const int64_t k0 = sb * kSuper + 32 * s;
       __m512i ph[R], pl[R];
@@ -173,7 +172,8 @@ static void group_rows(const uint8_t* q, int64_t nsb, const Acts& a, int64_t m0,
                                 fm[r]);
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kDOff)));
+    const __m512 d =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kDOff)));
     const __m512 dmin =
         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kDminOff)));
 #pragma GCC unroll 4

@@ -87,11 +87,11 @@ def bf16_products_amx(enable: bool | None = None) -> bool:
 
 
 def block_tiles(enable: bool | None = None) -> bool:
-    """Whether Q8_0 and 4-bit block weights are packed at load into tiles of 16 rows here
-    (kinds Q8_0_TILES, Q4_TILES: an AVX-512 VNNI build; the same rounding of x and integers
-    as kinds Q8_0 and Q4, batch-invariant, another float32 order; csrc/linear_block_tiles.h).
-    `enable` sets the switch (False: the loader keeps kinds Q8_0 and Q4). Returns the state
-    before."""
+    """Whether Q8_0, 4-bit and GGUF Q4_K block weights are packed at load into tiles of 16
+    rows here (kinds Q8_0_TILES, Q4_TILES, Q4_K_TILES: an AVX-512 VNNI build; the same
+    rounding of x and integers as kinds Q8_0, Q4 and Q4_K, batch-invariant, another float32
+    order; csrc/linear_block_tiles.h, linear_kquant_tiles.h). `enable` sets the switch (False:
+    the loader keeps the stored kinds). Returns the state before."""
     return bool(_ops().block_tiles(enable))
 
 
