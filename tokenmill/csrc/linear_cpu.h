@@ -219,11 +219,14 @@ static torch::Tensor linear_gguf_parts(torch::Tensor x,
   TORCH_CHECK(x.dim() == 2, "linear takes x (M, K) and a weight");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
+  auto rows = [](int64_t kind, const torch::Tensor& w) {  // a part's N
+    return kquant_tiles::is_kind(kind) ? kquant_tiles::rows_of(w) : w.size(0);
+  };
   int64_t ldy = 0;
   for (const auto& [kind, w] : parts) {
     if (kquant_tiles::is_kind(kind)) kquant_tiles::check({w}, K);
     else check_weight(kind, 32, {w}, K);
-    ldy += kquant_tiles::is_kind(kind) ? kquant_tiles::rows_of(w) : w.size(0);
+    ldy += rows(kind, w);
   }
   auto y = torch::empty({M, ldy}, x.options());
   if (M == 0) return y;
@@ -232,7 +235,7 @@ static torch::Tensor linear_gguf_parts(torch::Tensor x,
   auto each = [&](auto&& product) {  // product(kind, weight, N, y's first column)
     int64_t col = 0;
     for (const auto& [kind, w] : parts) {
-      const int64_t N = kquant_tiles::is_kind(kind) ? kquant_tiles::rows_of(w) : w.size(0);
+      const int64_t N = rows(kind, w);
       product(kind, w, N, yp + col);
       col += N;
     }
@@ -473,22 +476,14 @@ inline torch::Tensor gather_rows(torch::Tensor ids, int64_t kind, int64_t G,
                                  const std::vector<torch::Tensor>& t) {
   TORCH_CHECK(kind != 0 && kind != bf16_products::kTilesKind && !t.empty(),
               "gather_rows is for quantized weights (kind 16's tiles: look rows up in Python)");
-  if (kquant_tiles::is_kind(kind)) {  // a tied Q4_K table packed for its LM head
-    TORCH_CHECK(t.size() == 1 && t[0].dim() == 3, "weight kind 19: q tiles");
-    auto idx = ids.to(torch::kInt64).contiguous().view({-1});
-    const int64_t count = idx.numel(), N = kquant_tiles::rows_of(t[0]);
-    const int64_t* ip = idx.data_ptr<int64_t>();
-    for (int64_t i = 0; i < count; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "row out of range");
-    auto out = torch::empty({count, kquant_tiles::k_of(t[0])}, torch::dtype(torch::kFloat32));
-    for (int64_t i = 0; i < count; ++i)
-      kquant_tiles::expand_row(t[0], ip[i], out.data_ptr<float>() + i * out.size(1));
-    return out;
-  }
-  const bool tiles = block_tiles::is_tiles_kind(kind);
+  const bool kquant = kquant_tiles::is_kind(kind);  // a tied Q4_K table packed for its head
+  const bool tiles = block_tiles::is_tiles_kind(kind) || kquant;
   const int64_t K = gguf_blocks::is_gguf_kind(kind)  // raw blocks; 4-bit: two weights a byte
       ? t[0].size(1) / gguf_blocks::block_bytes(kind) * gguf_blocks::block_weights(kind)
+      : kquant ? kquant_tiles::k_of(t[0])
       : tiles ? t[0].size(1) * kBlock : t[0].size(1) * (kind == 2 ? 2 : 1);
-  if (!tiles) check_weight(kind, G, t, K);
+  if (kquant) kquant_tiles::check(t, K);
+  else if (!tiles) check_weight(kind, G, t, K);
   else TORCH_CHECK(t[0].dim() == 3 && t.size() == (kind == block_tiles::kQ4Kind ? 3u : 2u),
                    "weight kind ", kind, ": packed q tiles and scales");
   auto idx = ids.to(torch::kInt64).contiguous().view({-1});
@@ -498,7 +493,9 @@ inline torch::Tensor gather_rows(torch::Tensor ids, int64_t kind, int64_t G,
   auto out = torch::empty({count, K}, torch::dtype(torch::kFloat32));
   float* op = out.data_ptr<float>();
   at::parallel_for(0, count, 16, [&](int64_t i0, int64_t i1) {
-    if (tiles)
+    if (kquant)
+      for (int64_t i = i0; i < i1; ++i) kquant_tiles::expand_row(t[0], ip[i], op + i * K);
+    else if (tiles)
       for (int64_t i = i0; i < i1; ++i) block_tiles::expand_row(kind, G, t, ip[i], K, op + i * K);
     else expand_rows(kind, G, t, ip + i0, i1 - i0, K, op + i0 * K);
   });
