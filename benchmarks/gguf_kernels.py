@@ -12,8 +12,8 @@ layer and the rate at which the weight bytes went by (GB/s), beside the machine'
 rate of a plain float32 sum over as many bytes. Types are timed in alternation (medians over
 rounds, taken in one run); `--builds avx512,avx2` times the installed kernel builds side by
 side in the same run (the AVX2 kernels run on an AVX-512 CPU too). `Q4_K_TILES` in --types
-times the same Q4_K blocks packed into tiles of 16 rows as the loader packs them on AVX-512
-VNNI builds (quantization/kquant_tiles.py, csrc/linear_kquant_tiles.h).
+times the same Q4_K blocks packed into tiles of 16 rows as the loader packs them on the AVX2
+and AVX-512 builds (quantization/kquant_tiles.py, csrc/linear_kquant_tiles.h).
 """
 
 from __future__ import annotations

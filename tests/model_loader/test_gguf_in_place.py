@@ -79,7 +79,7 @@ def test_kquant_blocks_are_the_files_pages(q4_k_m_file):
     maps = file_mappings(q4_k_m_file)
     blocks = block_params(llm)
     assert blocks
-    packs_q4_k = cpu_ops.block_tiles()  # AVX-512 VNNI builds: Q4_K packed into tiles
+    packs_q4_k = cpu_ops.packs_kind(CPULinearKernel.Q4_K)  # SIMD builds: packed into tiles
     stored = {t.name: t for t in gguf.GGUFReader(q4_k_m_file).tensors}
     for name, param in blocks.items():
         # llama.cpp stored q / k rows interleaved for its RoPE: un-permuted, they are copies

@@ -22,10 +22,11 @@ from tokenmill.layers import cpu_ops
 from tokenmill.quantization import block_tiles
 from tokenmill.quantization.base import CPULinearKernel
 from tokenmill.quantization.blocks import dequantize, quantize_q4, quantize_q8_0, unpack_q4
+from tokenmill.utils.cpp_extension import runtime_isa
 
 Q8, Q4 = CPULinearKernel.Q8_0, CPULinearKernel.Q4
 needs_ops = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
-needs_tiles = pytest.mark.skipif(not (cpu_ops.ops_available() and cpu_ops.block_tiles()),
+needs_tiles = pytest.mark.skipif(not (cpu_ops.ops_available() and cpu_ops.packs_kind(Q8)),
                                  reason="block tiles need the AVX-512 VNNI build")
 
 
@@ -70,10 +71,14 @@ def test_packs_only_whole_groups_of_rows_where_the_switch_is_on():
         return
     before = cpu_ops.block_tiles(False)
     try:
+        assert before  # on by default
+        assert not cpu_ops.packs_kind(Q8) and not cpu_ops.packs_kind(CPULinearKernel.Q4_K)
         assert not block_tiles.packs(blocks(Q8, 32, 64))
     finally:
-        cpu_ops.block_tiles(before)
-    assert block_tiles.packs(blocks(Q8, 32, 64)) == before
+        assert not cpu_ops.block_tiles(before)
+    assert block_tiles.packs(blocks(Q8, 32, 64)) == cpu_ops.packs_kind(Q8)
+    # Q4_K on every SIMD build (csrc/linear_kquant_tiles.h)
+    assert cpu_ops.packs_kind(CPULinearKernel.Q4_K) == (runtime_isa() != "generic")
 
 
 def rounded(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -204,8 +204,9 @@ def test_a_kquant_model_serves_its_blocks_by_default_like_its_float32_expansion(
     qkv = model.model.layers[0].self_attn.qkv_proj
     kernel = qkv.quant_method.cpu_kernel(qkv)
     assert kernel.kind == CPULinearKernel.PARTS  # q, k and a v of another type, in place
-    # (Q4_K packed into tiles of 16 rows on AVX-512 VNNI builds: quantization/kquant_tiles.py)
-    packed = {CPULinearKernel.Q4_K: CPULinearKernel.Q4_K_TILES} if cpu_ops.block_tiles() else {}
+    # (Q4_K packed into tiles of 16 rows on SIMD builds: quantization/kquant_tiles.py)
+    q4_k = CPULinearKernel.Q4_K
+    packed = {q4_k: CPULinearKernel.Q4_K_TILES} if cpu_ops.packs_kind(q4_k) else {}
     kinds = [GGUF_TYPES[types[t]].kind for t in ("attn_q", "attn_k", "attn_v")]
     assert [row[0] for row in kernel.tensors[0].tolist()] == [packed.get(k, k) for k in kinds]
     held = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -1,13 +1,14 @@
 """Weight kind Q4_K_TILES (quantization/kquant_tiles.py, csrc/linear_kquant_tiles.h): GGUF Q4_K
 super-blocks packed into tiles of 16 rows.
 
-The layout is checked everywhere (a permutation, in torch). The products run on the AVX-512
-VNNI build: checked bit for bit against a transcription of their definition (x rounded to
-int16 per 256 values as kind Q4_K's kernels round it, each sub-block's exact integer sum,
-then the float32 fmas of the header's table in order; the fmas emulated in long double, whose
-64-bit significand holds each product exactly), which fixes every rounding, so a row's result
-does not depend on M, the rows beside it or the threads; and within x's rounding of the
-float64 product with gguf's dequantization."""
+The layout is checked everywhere (a permutation, in torch). The products run on the SIMD
+builds (vpdpbusd on AVX-512 VNNI, vpmaddwd on AVX2): checked bit for bit against a
+transcription of their definition (x rounded to int16 per 256 values as kind Q4_K's kernels
+round it, each sub-block's exact integer sum, then the float32 fmas of the header's table in
+order; the fmas emulated in long double, whose 64-bit significand holds each product
+exactly), which fixes every rounding, so a row's result does not depend on M, the rows beside
+it, the threads or the build; and within x's rounding of the float64 product with gguf's
+dequantization."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from tokenmill.quantization.blocks import dequantize
 
 Q4_K, Q6_K, TILES = CPULinearKernel.Q4_K, CPULinearKernel.Q6_K, CPULinearKernel.Q4_K_TILES
 needs_ops = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
-needs_tiles = pytest.mark.skipif(not (cpu_ops.ops_available() and cpu_ops.block_tiles()),
-                                 reason="Q4_K tiles need the AVX-512 VNNI build")
+needs_tiles = pytest.mark.skipif(not (cpu_ops.ops_available() and cpu_ops.packs_kind(Q4_K)),
+                                 reason="Q4_K tiles need an AVX2 or AVX-512 build")
 
 
 def raw_q4_k(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -69,7 +70,7 @@ def test_the_loader_packs_float_activations_only():
     k = CPULinearKernel(Q4_K, 32, (raw_q4_k(32, 256),))
     int8 = CPULinearKernel(Q4_K, 32, k.tensors, int8_activations=True)
     assert not block_tiles.packs(int8)  # its int8 kernels read the raw rows
-    assert block_tiles.packs(k) == (cpu_ops.ops_available() and cpu_ops.block_tiles())
+    assert block_tiles.packs(k) == (cpu_ops.ops_available() and cpu_ops.packs_kind(Q4_K))
     assert not block_tiles.packs(CPULinearKernel(Q4_K, 32, (raw_q4_k(40, 256),)))  # 16s only
 
 
@@ -138,6 +139,22 @@ def test_products_are_the_definition_bit_for_bit_at_every_m():
     assert ((got.double() - x_hat @ w.T).abs() <= 1e-5 * scale).all()
     bias = torch.randn(64)
     assert torch.equal(cpu_ops.linear(x, packed, bias), want + bias)
+
+
+@needs_tiles
+def test_the_largest_sums_stay_exact():
+    """Every weight 15 and every x at its block's largest magnitude, of either sign: the
+    largest integer sums the kernels hold (AVX2's sum of 256 q x16 over a sub-block's 8 chunks
+    reaches 2.0e9, under 2^31) are still the definition's."""
+    raw = raw_q4_k(16, 512, seed=5).view(16, 2, 144).clone()
+    raw[:, :, 16:] = 0xFF  # every nibble 15
+    raw = raw.view(16, 288)
+    packed = block_tiles.pack(CPULinearKernel(Q4_K, 32, (raw,)))
+    x = torch.ones(4, 512)
+    x[1] = -1.0
+    x[2, ::2] = -1.0  # alternating signs
+    x[3, 256:] = -3.0
+    assert torch.equal(cpu_ops.linear(x, packed), products_as_defined(x, raw))
 
 
 @needs_tiles

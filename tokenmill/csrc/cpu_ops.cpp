@@ -37,15 +37,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, py::arg("enable") = py::none());
   m.def("bf16_tiles", &bf16_products::pack_tiles,
         "W (N, K) bfloat16 packed for AMX tiles (kind 16): (N / 16, K / 2, 16, 2)", release());
-  // Weight kinds 1 and 2 (csrc/linear_block_tiles.h): whether the loader packs Q8_0 and 4-bit
-  // blocks into tiles of 16 rows (kinds 17, 18: an AVX-512 VNNI build, the switch on; AMX-INT8
-  // multiplies them where the CPU has it) and, given `enable`, the switch set; returns the
-  // state before.
+  // The switch of the block tiles (csrc/linear_block_tiles.h, linear_kquant_tiles.h): given
+  // `enable`, set; returns the state before (on: the loader packs what `packs_kind` says).
   m.def("block_tiles", [](c10::optional<bool> enable) {
-    const bool before = block_tiles::active();
+    const bool before = block_tiles::use_tiles();
     if (enable.has_value()) block_tiles::use_tiles() = *enable;
     return before;
   }, py::arg("enable") = py::none());
+  // Whether the loader packs block weights of kind `kind` into tiles of 16 rows here (the
+  // switch above on): kinds 1 and 2 where their tiles are built (above), GGUF Q4_K (kind 5)
+  // on every SIMD build (kind 19, linear_kquant_tiles.h).
+  m.def("packs_kind", [](int64_t kind) {
+    if (kind == 1 || kind == 2) return block_tiles::active();
+#if defined(TOKENMILL_KQUANT_TILES)
+    if (kind == gguf_blocks::kQ4_K) return block_tiles::use_tiles();
+#endif
+    return false;
+  }, py::arg("kind"));
   // Whether the products of those tiles run on AMX-INT8 here (the CPU has it, Linux granted
   // the tile state, TOKENMILL_AMX is not 0); elsewhere vpdpbusd, the same bits.
   m.def("block_tiles_amx", [] {

@@ -41,8 +41,8 @@
 //                              per 32-block as for kinds 1 and 2 (int16, or int8 with int8
 //                              activations), exact int32 block sums, one arithmetic at every
 //                              M (linear_block_tiles.h)
-//   kind 19  kind 5's Q4_K super-blocks packed at load into tiles of 16 rows (AVX-512 VNNI
-//                              builds): tensors = {q tiles (N / 16, K / 256, 2368) uint8};
+//   kind 19  kind 5's Q4_K super-blocks packed at load into tiles of 16 rows (AVX2 and
+//                              AVX-512 builds): tensors = {q tiles (N / 16, K / 256, 2368) uint8};
 //                              x rounded as for kind 5, one arithmetic at every M
 //                              (linear_kquant_tiles.h)
 //
@@ -202,7 +202,7 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
 static bool gguf_parts_share_x(const std::vector<std::pair<int64_t, torch::Tensor>>& parts,
                                bool int8_acts) {
   for (const auto& [kind, w] : parts) {
-#if defined(TOKENMILL_GGUF_VNNI)
+#if defined(TOKENMILL_KQUANT_TILES)
     if (kquant_tiles::is_kind(kind) && !int8_acts) continue;
 #endif
     if (!gguf_blocks::is_gguf_kind(kind)) return false;
@@ -256,12 +256,16 @@ static torch::Tensor linear_gguf_parts(torch::Tensor x,
     else gguf_vnni::linear_rounded(kind, w.data_ptr<uint8_t>(), xr, M, K, N, nullptr, yc, ldy);
   });
   if (!tiles.empty())
-    kquant_tiles::linear_split(tiles, kquant_tiles::split(xr, M), M, nullptr, ldy);
+    kquant_tiles::linear_split(tiles, kquant_tiles::split(xr, M).acts, M, nullptr, ldy);
 #else
   const auto xr = gguf_rows::split_rows(xp, M, K);
+  std::vector<kquant_tiles::Part> tiles;  // kind 19's parts: one parallel region for all
   each([&](int64_t kind, const torch::Tensor& w, int64_t N, float* yc) {
-    gguf_rows::linear_split(kind, w.data_ptr<uint8_t>(), xr, M, K, N, nullptr, yc, ldy);
+    if (kquant_tiles::is_kind(kind)) tiles.push_back(kquant_tiles::part_of(w, yc));
+    else gguf_rows::linear_split(kind, w.data_ptr<uint8_t>(), xr, M, K, N, nullptr, yc, ldy);
   });
+  if (!tiles.empty())
+    kquant_tiles::linear_split(tiles, kquant_tiles::split(xr, M).acts, M, nullptr, ldy);
 #endif
   return y;
 }
@@ -388,11 +392,11 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
   if (kquant_tiles::is_kind(kind)) {  // one arithmetic at every M
     TORCH_CHECK(!int8_acts, "weight kind 19 (Q4_K tiles) multiplies int16-rounded "
                 "activations; int8 activations read the raw blocks (kind 5)");
-#if defined(TOKENMILL_GGUF_VNNI)
+#if defined(TOKENMILL_KQUANT_TILES)
     kquant_tiles::linear(t[0], xp, M, K, b, yp);
     return y;
 #else
-    TORCH_CHECK(false, "weights packed into Q4_K tiles (kind 19) need the AVX-512 VNNI build");
+    TORCH_CHECK(false, "weights packed into Q4_K tiles (kind 19) need an AVX2 or AVX-512 build");
 #endif
   }
   if (block_tiles::is_tiles_kind(kind)) {  // one arithmetic at every M

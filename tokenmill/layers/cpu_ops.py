@@ -87,12 +87,19 @@ def bf16_products_amx(enable: bool | None = None) -> bool:
 
 
 def block_tiles(enable: bool | None = None) -> bool:
-    """Whether Q8_0, 4-bit and GGUF Q4_K block weights are packed at load into tiles of 16
-    rows here (kinds Q8_0_TILES, Q4_TILES, Q4_K_TILES: an AVX-512 VNNI build; the same
-    rounding of x and integers as kinds Q8_0, Q4 and Q4_K, batch-invariant, another float32
-    order; csrc/linear_block_tiles.h, linear_kquant_tiles.h). `enable` sets the switch (False:
-    the loader keeps the stored kinds). Returns the state before."""
+    """The switch of the block tiles: on (the default), the loader packs Q8_0, 4-bit and GGUF
+    Q4_K block weights into tiles of 16 rows where the build has their kernels (`packs_kind`;
+    the same rounding of x and integers as the stored kinds, batch-invariant, another float32
+    order; csrc/linear_block_tiles.h, linear_kquant_tiles.h); off, it keeps the stored kinds.
+    `enable` sets it. Returns the state before."""
     return bool(_ops().block_tiles(enable))
+
+
+def packs_kind(kind: int) -> bool:
+    """Whether the loader packs block weights of kind `kind` into tiles of 16 rows here (the
+    `block_tiles` switch on): Q8_0 and 4-bit blocks on the AVX-512 VNNI build (Q8_0_TILES,
+    Q4_TILES), GGUF Q4_K on the AVX2 and AVX-512 builds (Q4_K_TILES)."""
+    return bool(_ops().packs_kind(int(kind)))
 
 
 def block_tiles_amx() -> bool:

@@ -1,7 +1,8 @@
 """Q8_0, 4-bit and GGUF Q4_K blocks packed once at load into tiles of 16 rows (weight kinds
-Q8_0_TILES and Q4_TILES, csrc/linear_block_tiles.h; Q4_K_TILES, csrc/linear_kquant_tiles.h) on
-CPUs that run the AVX-512 VNNI build: multiplied by AMX-INT8's tile unit where the CPU has it
-(Q8_0, 4-bit), by vpdpbusd elsewhere (the same bits).
+Q8_0_TILES and Q4_TILES, csrc/linear_block_tiles.h) on CPUs that run the AVX-512 VNNI build:
+multiplied by AMX-INT8's tile unit where the CPU has it, by vpdpbusd elsewhere (the same bits);
+GGUF Q4_K (Q4_K_TILES, csrc/linear_kquant_tiles.h) on the AVX2 and AVX-512 builds (vpdpbusd, or
+vpmaddubsw and vpmaddwd: the same bits).
 
 Packing is a permutation of the blocks' bytes and scales, nothing recomputed: 16 rows of W
 (a group g) side by side, 4 bytes of each row a time, so that each 32-block of the group is
@@ -39,15 +40,15 @@ ROWS, BLOCK = 16, 32
 
 def packs(kernel: CPULinearKernel) -> bool:
     """Whether the loader packs this weight: a Q8_0, 4-bit or Q4_K block weight on the CPU, its
-    rows a multiple of 16, where the AVX-512 VNNI build runs (and the switch is on:
-    cpu_ops.block_tiles). Q4_K with int8 activations keeps its raw rows (their kernels,
-    csrc/linear_gguf_int8.h)."""
+    rows a multiple of 16, where the running build packs its kind (cpu_ops.packs_kind: Q8_0
+    and 4-bit on AVX-512 VNNI, Q4_K on AVX2 and AVX-512; the switch cpu_ops.block_tiles on).
+    Q4_K with int8 activations keeps its raw rows (their kernels, csrc/linear_gguf_int8.h)."""
     q = kernel.tensors[0]
     if kernel.kind == CPULinearKernel.Q4_K and kernel.int8_activations:
         return False
     return (kernel.kind in PACKED_KIND and q.is_cpu and q.dim() == 2 and q.shape[0] % ROWS == 0
             and kernel.group % BLOCK == 0 and cpu_ops.ops_available()
-            and cpu_ops.block_tiles())
+            and cpu_ops.packs_kind(kernel.kind))
 
 
 def packed_for(layer: nn.Module, kernel: CPULinearKernel) -> CPULinearKernel:

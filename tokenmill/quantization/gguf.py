@@ -9,9 +9,10 @@ llama.cpp's q/k row permutation moves whole rows, so un-permuting raw rows needs
 requantizing. A layer whose kernels read every part's blocks as stored (`in_place`: no split)
 keeps the loaded tensors themselves, per part (`held_parts`): views of the file's private map,
 used in place, never copied (the q / k rows un-permuted are copies). Q4_K, the bulk of most
-K-quant files, is the exception on AVX-512 VNNI builds: packed from those views into tiles
-of 16 rows (quantization/kquant_tiles.py, block_tiles.py; its kernels read a decode step's
-weights at ~1.9x the raw rows' rate) and the map's pages released, as llama.cpp repacks it.
+K-quant files, is the exception on the AVX2 and AVX-512 builds: packed from those views into
+tiles of 16 rows (quantization/kquant_tiles.py, block_tiles.py; on AVX-512 VNNI its kernels
+read a decode step's weights at ~1.9x the raw rows' rate) and the map's pages released, as
+llama.cpp repacks it.
 
     Q8_0  d + 32 x int8               → Q8_0 (q, d)                     split, bit for bit
     Q4_1  d, m + 16 B nibbles         → Q4 (q, d, m), G = 32            split, bit for bit
@@ -233,7 +234,7 @@ class GGUFBlockMethod(LinearMethodBase):
             kernel = CPULinearKernel(GGUF_TYPES[name].served(self.int8_activations)[0].kind, 32,
                                      kernel_tensors(part, name, self.int8_activations),
                                      self.int8_activations)
-            packed = block_tiles.packed_for(layer, kernel)  # Q8_0, Q4_x, Q4_K: VNNI builds
+            packed = block_tiles.packed_for(layer, kernel)  # Q8_0, Q4_x (VNNI), Q4_K (SIMD)
             if held and packed is not kernel:  # a copy now: the map's pages can go
                 advise_tensor_pages(part, MADV_DONTNEED)
             kernel = packed
