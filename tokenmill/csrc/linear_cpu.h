@@ -248,25 +248,25 @@ static torch::Tensor linear_gguf_parts(torch::Tensor x,
     });
     return y;
   }
+  // x rounded once (the build's int16 rounding), a raw part's product from it
 #if defined(TOKENMILL_GGUF_VNNI)
   const auto xr = gguf_vnni::round_rows(xp, M, K);
-  std::vector<kquant_tiles::Part> tiles;  // kind 19's parts: one parallel region for all
-  each([&](int64_t kind, const torch::Tensor& w, int64_t N, float* yc) {
-    if (kquant_tiles::is_kind(kind)) tiles.push_back(kquant_tiles::part_of(w, yc));
-    else gguf_vnni::linear_rounded(kind, w.data_ptr<uint8_t>(), xr, M, K, N, nullptr, yc, ldy);
-  });
-  if (!tiles.empty())
-    kquant_tiles::linear_split(tiles, kquant_tiles::split(xr, M).acts, M, nullptr, ldy);
+  auto raw_part = [&](int64_t kind, const uint8_t* w, int64_t N, float* yc) {
+    gguf_vnni::linear_rounded(kind, w, xr, M, K, N, nullptr, yc, ldy);
+  };
 #else
   const auto xr = gguf_rows::split_rows(xp, M, K);
+  auto raw_part = [&](int64_t kind, const uint8_t* w, int64_t N, float* yc) {
+    gguf_rows::linear_split(kind, w, xr, M, K, N, nullptr, yc, ldy);
+  };
+#endif
   std::vector<kquant_tiles::Part> tiles;  // kind 19's parts: one parallel region for all
   each([&](int64_t kind, const torch::Tensor& w, int64_t N, float* yc) {
     if (kquant_tiles::is_kind(kind)) tiles.push_back(kquant_tiles::part_of(w, yc));
-    else gguf_rows::linear_split(kind, w.data_ptr<uint8_t>(), xr, M, K, N, nullptr, yc, ldy);
+    else raw_part(kind, w.data_ptr<uint8_t>(), N, yc);
   });
   if (!tiles.empty())
     kquant_tiles::linear_split(tiles, kquant_tiles::split(xr, M).acts, M, nullptr, ldy);
-#endif
   return y;
 }
 #endif

@@ -2,7 +2,7 @@
 Q8_0_TILES and Q4_TILES, csrc/linear_block_tiles.h) on CPUs that run the AVX-512 VNNI build:
 multiplied by AMX-INT8's tile unit where the CPU has it, by vpdpbusd elsewhere (the same bits);
 GGUF Q4_K (Q4_K_TILES, csrc/linear_kquant_tiles.h) on the AVX2 and AVX-512 builds (vpdpbusd, or
-vpmaddubsw and vpmaddwd: the same bits).
+vpmaddwd on AVX2: the same bits).
 
 Packing is a permutation of the blocks' bytes and scales, nothing recomputed: 16 rows of W
 (a group g) side by side, 4 bytes of each row a time, so that each 32-block of the group is
