@@ -8,9 +8,11 @@ SmolLM2's heads (9 query heads, 3 KV heads of 64; --heads for another model's), 
 blocks scattered through a pool of 8,000 (200 MB in float32 at SmolLM2's heads, 100 MB in
 bf16), one per --layers (the calls cycle through them). Shapes: 64
 decodes over 1,100 / 320 / 80 cached tokens, 64 decodes' own 76 tokens after a cascade's
-shared prefix, one decode over 1,000 tokens (keys split across threads), 64 decodes over
-1,100 tokens whose first 1,024 are the same blocks for all (a shared prefix, attended whole by
-the kernel, as in batch-invariant mode), and prefill chunks
+shared prefix, one decode over 1,000 and over 3,000 tokens (keys cut at multiples of 512, as in
+batch-invariant mode, and into the kernel's own chunks as the engine's default decode step of
+few rows: "split 0"), 64 decodes over 1,100 tokens whose first 1,024 are the same blocks for
+all (a shared prefix, attended whole by the kernel, as in batch-invariant mode), and prefill
+chunks
 (8 sequences of 256 queries, 2 of 512, each query attending its sequence up to itself).
 Each version is built under its own module name: another checkout's csrc folder
 (`git archive REV tokenmill/csrc | tar -x -C /tmp/old` gives /tmp/old/tokenmill/csrc) or a
@@ -35,7 +37,7 @@ from tokenmill.bench.machine import describe_machine  # noqa: E402
 from tokenmill.utils.cpp_extension import CSRC, cflags  # noqa: E402
 
 # (rows, first cached token attended, context length)
-SHAPES = [(64, 0, 1100), (64, 0, 320), (64, 0, 80), (64, 1024, 1100), (1, 0, 1000)]
+SHAPES = [(64, 0, 1100), (64, 0, 320), (64, 0, 80), (64, 1024, 1100), (1, 0, 1000), (1, 0, 3000)]
 # (sequences, queries each): prefill chunks, query j of a sequence attending tokens [0, j]
 CHUNKS = [(8, 256), (2, 512)]
 # (rows, shared cached tokens, context length): decodes whose contexts start with the same
@@ -58,15 +60,18 @@ def version(path: str) -> tuple[str, Path]:
     return path, CSRC
 
 
-def cases(gen: torch.Generator, num_blocks: int, bs: int) -> list[tuple[str, tuple]]:
-    """(label, (q rows, tables, seq_rows, start_lens, ctx_lens)) of every shape."""
+def cases(gen: torch.Generator, num_blocks: int, bs: int) -> list[tuple[str, tuple, int]]:
+    """(label, (q rows, tables, seq_rows, start_lens, ctx_lens), split_keys) of every shape."""
     out = []
     for rows, start, ctx in SHAPES:
         max_blocks = -(-ctx // bs)
         tables = torch.randperm(num_blocks - 1, generator=gen)[:rows * max_blocks].add(1)
         label = f"{rows} x {ctx - start}" + (" (cascade)" if start else "")
-        out.append((label, (rows, tables.view(rows, max_blocks), torch.arange(rows),
-                            torch.full((rows,), start), torch.full((rows,), ctx))))
+        args = (rows, tables.view(rows, max_blocks), torch.arange(rows),
+                torch.full((rows,), start), torch.full((rows,), ctx))
+        out.append((label, args, 512))
+        if rows == 1:  # a lone decode in the engine's default mode
+            out.append((f"{label} (split 0)", args, 0))
     for rows, shared, ctx in SHARED:
         own = -(-ctx // bs) - shared // bs
         ids = torch.randperm(num_blocks - 1, generator=gen)[:shared // bs + rows * own].add(1)
@@ -74,7 +79,7 @@ def cases(gen: torch.Generator, num_blocks: int, bs: int) -> list[tuple[str, tup
                             ids[shared // bs:].view(rows, own)], dim=1)
         out.append((f"{rows} x {ctx} ({shared} shared)",
                     (rows, tables, torch.arange(rows), torch.zeros(rows, dtype=torch.long),
-                     torch.full((rows,), ctx))))
+                     torch.full((rows,), ctx)), 512))
     for seqs, queries in CHUNKS:
         max_blocks = -(-queries // bs)
         tables = torch.randperm(num_blocks - 1, generator=gen)[:seqs * max_blocks].add(1)
@@ -82,7 +87,7 @@ def cases(gen: torch.Generator, num_blocks: int, bs: int) -> list[tuple[str, tup
                     (seqs * queries, tables.view(seqs, max_blocks),
                      torch.arange(seqs).repeat_interleave(queries),
                      torch.zeros(seqs * queries, dtype=torch.long),
-                     torch.arange(1, queries + 1).repeat(seqs))))
+                     torch.arange(1, queries + 1).repeat(seqs)), 512))
     return out
 
 
@@ -117,9 +122,9 @@ def main() -> None:
     print(f"{args.kv_cache_dtype} cache, {hq} / {hkv} heads of {d}, {args.layers} layer(s); "
           "median ms per call")
     print(f"{'rows x keys':<22}" + "".join(f"{n:>16}" for n in ops))
-    for label, (rows, tables, seq_rows, starts, lens) in cases(gen, num_blocks, bs):
+    for label, (rows, tables, seq_rows, starts, lens), split_keys in cases(gen, num_blocks, bs):
         q = torch.randn(rows, hq, d, generator=gen)
-        rest = (tables, seq_rows, starts, lens, d ** -0.5, None, 0.0, 512)  # split_keys 512
+        rest = (tables, seq_rows, starts, lens, d ** -0.5, None, 0.0, split_keys)
 
         def every_layer(op, q=q, rest=rest):
             for k_cache, v_cache in caches:

@@ -311,3 +311,38 @@ def test_kernel_rows_sharing_cached_blocks_are_bitwise_the_same_alone(dtype):
                  + torch.arange(bs).repeat(tables.shape[1]))[:n]
         assert_attention_close(out[i:i + 1], q[i:i + 1], flat_k[slots], flat_v[slots], d ** -0.5,
                                on_tiles=dtype == torch.bfloat16 and bf16_rounds_qp(d, hq // hkv))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lone_long_row_is_the_same_at_any_thread_count(dtype):
+    """The kernel cuts a lone decode's work into items by the thread count (its KV heads, its
+    chunks of keys: csrc/paged_attention_cpu.h). In batch-invariant mode (split_keys 512) the
+    row's bits must not depend on it; with split_keys 0 the chunks follow the threads, and
+    every cut must still be attention."""
+    op = paged_attention_op()
+    gen = torch.Generator().manual_seed(11)
+    bs, hkv, hq, d, nb = 16, 4, 16, 64, 200
+    k_cache = torch.randn(nb, bs, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(nb, bs, hkv, d, generator=gen).to(dtype)
+    tables = torch.randperm(nb, generator=gen)[:100].view(1, 100)
+    q = torch.randn(1, hq, d, generator=gen)
+    one, zero, ctx = torch.tensor([0]), torch.tensor([0]), torch.tensor([1500])
+    threads = torch.get_num_threads()
+    try:
+        outs = {}
+        for split_keys in (512, 0):
+            for n in (1, 2, 8):  # 1500 keys: 3 chunks of 512
+                torch.set_num_threads(n)
+                outs[split_keys, n] = op(q, k_cache, v_cache, tables, one, zero, ctx,
+                                         d ** -0.5, None, 0.0, split_keys)
+    finally:
+        torch.set_num_threads(threads)
+    for n in (2, 8):
+        assert torch.equal(outs[512, n][0], outs[512, 1][0]), n
+        assert torch.equal(outs[512, n][1], outs[512, 1][1]), n
+    slots = (tables[0].repeat_interleave(bs) * bs + torch.arange(bs).repeat(100))[:1500]
+    flat_k, flat_v = k_cache.float().view(-1, hkv, d), v_cache.float().view(-1, hkv, d)
+    for out, _ in outs.values():
+        assert_attention_close(out, q, flat_k[slots], flat_v[slots], d ** -0.5,
+                               on_tiles=dtype == torch.bfloat16 and bf16_rounds_qp(d, hq // hkv))

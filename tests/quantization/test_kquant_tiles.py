@@ -80,7 +80,7 @@ def _fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 
 
 def products_as_defined(x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
-    """The header's arithmetic (csrc/linear_kquant_tiles.h) for x (M, K), raw Q4_K rows."""
+    """The header's arithmetic (csrc/linear_kquant_tiles_layout.h) for x (M, K), raw Q4_K rows."""
     M, K = x.shape
     N, nsb = raw.shape[0], K // 256
     xb = x.view(M, nsb, 256)

@@ -201,13 +201,19 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
 
   // A work item is one query row, a range of its KV heads and its chunks of keys: all of them
   // (merged as they are computed) when there are rows enough to keep every core busy, else one
-  // chunk (partial states kept, merged below). With enough rows an item takes all heads, so
-  // each cached token's K (and V) row of Hkv * D floats is read once, sequentially. Neither
-  // choice changes any row's arithmetic: only which thread does it.
+  // chunk (partial states kept, merged below). With enough rows, or keys enough to give every
+  // thread a few chunks, an item takes all heads, so each cached token's K (and V) row of Hkv
+  // rows is read once, sequentially, with a window of keys asked for ahead into L2
+  // (attend_keys); an item of one head reads a strided 1 / Hkv of every row (a lone decode
+  // over 3,000 keys of a bf16 cache, AVX2: 1.7 -> 1.1 ms, benchmarks/attention_kernel.py).
+  // With split_keys > 0 (batch-invariant) neither choice changes any row's arithmetic, only
+  // which thread does it; with 0 a row's chunks follow the items, as they follow the threads.
   const int64_t threads = at::get_num_threads();
-  const int64_t heads_per_item = N >= 4 * threads ? Hkv : 1;
-  const int64_t items_per_row = Hkv / heads_per_item;
   constexpr int64_t kMinKeysPerSplit = 64;
+  const int64_t key_chunks =
+      N * std::max<int64_t>(1, longest / (split_keys > 0 ? split_keys : kMinKeysPerSplit));
+  const int64_t heads_per_item = N >= 4 * threads || key_chunks >= 2 * threads ? Hkv : 1;
+  const int64_t items_per_row = Hkv / heads_per_item;
   const int64_t splits = split_keys > 0 ? 0 : std::max<int64_t>(1, std::min<int64_t>(
       (8 * threads + N * items_per_row - 1) / (N * items_per_row), longest / kMinKeysPerSplit));
   const KeyChunks chunks{split_keys, splits, a.starts, a.lens};

@@ -60,7 +60,7 @@ class CPULinearKernel:
     # 16) float16), Q4_TILES (q tiles (N/16, K/32, 256) uint8, d, m (N/16, K/G, 16) float16)
     Q8_0_TILES, Q4_TILES = 17, 18
     # Q4_K's raw super-blocks packed at load into tiles of 16 rows on AVX2 / AVX-512 builds, x
-    # rounded as for Q4_K (csrc/linear_kquant_tiles.h; quantization/kquant_tiles.py):
+    # rounded as for Q4_K (csrc/linear_kquant_tiles_layout.h; quantization/kquant_tiles.py):
     # (q tiles (N/16, K/256, 2368) uint8,)
     Q4_K_TILES = 19
     # a merged layer of parts of different kinds: (meta (P, 3) int64 [kind, group, tensor

@@ -16,7 +16,7 @@ one B tile of the tile unit's int8 products (and 16 outputs of one vpdpbusd):
     Q4_K:  raw super-block rows (N, K/256 * 144) uint8 -> (N/16, K/256, 2368): per group g and
            super-block sb, the 128 nibble bytes of its 16 rows 4 at a time (byte 32j + 4c + e
            of row r at (8j + c) * 64 + 4r + e), then the 6-bit scales and mins one a byte
-           ([s][r]), then d[r] and dmin[r] (float16): csrc/linear_kquant_tiles.h's layout.
+           ([s][r]), then d[r] and dmin[r] (float16): csrc/linear_kquant_tiles_layout.h's layout.
 
 Invariant: `unpack(pack(k))` is `k`, bit for bit, so every reader of kinds Q8_0, Q4 and Q4_K
 (the CUDA GEMM, dequantize) can read a packed weight through `unpack`.

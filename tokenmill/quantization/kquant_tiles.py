@@ -1,5 +1,5 @@
 """GGUF Q4_K super-blocks packed into tiles of 16 rows, and back (weight kind Q4_K_TILES;
-csrc/linear_kquant_tiles.h has the layout and the arithmetic; quantization/block_tiles.py
+csrc/linear_kquant_tiles_layout.h has the layout and the arithmetic; quantization/block_tiles.py
 decides where weights are packed).
 
 A Q4_K super-block (256 weights, 144 bytes) is d, dmin (float16), 12 bytes of 6-bit scales
