@@ -202,10 +202,10 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
   // A work item is one query row, a range of its KV heads and its chunks of keys: all of them
   // (merged as they are computed) when there are rows enough to keep every core busy, else one
   // chunk (partial states kept, merged below). With enough rows, or keys enough to give every
-  // thread a few chunks, an item takes all heads, so each cached token's K (and V) row of Hkv
-  // rows is read once, sequentially, with a window of keys asked for ahead into L2
-  // (attend_keys); an item of one head reads a strided 1 / Hkv of every row (a lone decode
-  // over 3,000 keys of a bf16 cache, AVX2: 1.7 -> 1.1 ms, benchmarks/attention_kernel.py).
+  // thread a few chunks, an item takes all heads, so each cached token's K (and V) row, its
+  // Hkv heads of D values, is read once, sequentially, with a window of keys asked for ahead
+  // into L2 (attend_keys); an item of one head reads a strided 1 / Hkv of every row (a lone
+  // decode over 3,000 keys of a bf16 cache, AVX2: 1.6 -> 0.9 ms, benchmarks/attention_kernel.py).
   // With split_keys > 0 (batch-invariant) neither choice changes any row's arithmetic, only
   // which thread does it; with 0 a row's chunks follow the items, as they follow the threads.
   const int64_t threads = at::get_num_threads();
