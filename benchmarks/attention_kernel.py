@@ -8,9 +8,9 @@ SmolLM2's heads (9 query heads, 3 KV heads of 64; --heads for another model's), 
 blocks scattered through a pool of 8,000 (200 MB in float32 at SmolLM2's heads, 100 MB in
 bf16), one per --layers (the calls cycle through them). Shapes: 64
 decodes over 1,100 / 320 / 80 cached tokens, 64 decodes' own 76 tokens after a cascade's
-shared prefix, one decode over 1,000 and over 3,000 tokens (keys cut at multiples of 512, as in
-batch-invariant mode, and into the kernel's own chunks as the engine's default decode step of
-few rows: "split 0"), 64 decodes over 1,100 tokens whose first 1,024 are the same blocks for
+shared prefix, one decode over 1,000, 1,500 and 3,000 tokens (keys cut at multiples of 512, as
+in batch-invariant mode, the CPU engine's default, and into the kernel's own chunks as without
+it: "split 0"), 64 decodes over 1,100 tokens whose first 1,024 are the same blocks for
 all (a shared prefix, attended whole by the kernel, as in batch-invariant mode), and prefill
 chunks
 (8 sequences of 256 queries, 2 of 512, each query attending its sequence up to itself).
@@ -37,7 +37,8 @@ from tokenmill.bench.machine import describe_machine  # noqa: E402
 from tokenmill.utils.cpp_extension import CSRC, cflags  # noqa: E402
 
 # (rows, first cached token attended, context length)
-SHAPES = [(64, 0, 1100), (64, 0, 320), (64, 0, 80), (64, 1024, 1100), (1, 0, 1000), (1, 0, 3000)]
+SHAPES = [(64, 0, 1100), (64, 0, 320), (64, 0, 80), (64, 1024, 1100), (1, 0, 1000), (1, 0, 1500),
+          (1, 0, 3000)]
 # (sequences, queries each): prefill chunks, query j of a sequence attending tokens [0, j]
 CHUNKS = [(8, 256), (2, 512)]
 # (rows, shared cached tokens, context length): decodes whose contexts start with the same

@@ -6,8 +6,8 @@
 #   bash benchmarks/gpu_session.sh OUT_DIR TOKENIZER_DIR [PART ...]      (there)
 #
 # TOKENIZER_DIR: SmolLM2's tokenizer saved by --save-tokenizer (its GGUF file is too large to
-# travel). PARTs (default all): tests (attention backends, CUDA graphs, HF parity and the
-# fused-MoE kernel, on the GPU), shapes (benchmarks/real_shapes.py), offline
+# travel). PARTs (default all): tests (attention backends, CUDA graphs, HF parity, the
+# fused-MoE kernel and multi-LoRA, on the GPU), shapes (benchmarks/real_shapes.py), offline
 # (benchmarks/offline_throughput.py on the 8B shape: 1,000 ShareGPT-like requests, then 128 of
 # them beside Hugging Face static batching), moe (benchmarks/moe.py on the GPU; not in the
 # default, which fits 10 minutes). Each part has its own time limit and log under OUT_DIR, so
@@ -65,6 +65,7 @@ for part in $parts; do
              tests/layers/test_fused_moe_triton.py tests/layers/test_triton_ops.py \
              tests/quantization/test_triton_block_gemm.py tests/quantization/test_fp8.py \
              tests/quantization/test_fp8_checkpoints.py \
+             tests/lora/test_lora_generate.py::test_mixed_adapters_match_peft_on_cuda \
              --ignore=tests/worker/test_memory_profile.py" 2>&1 | tee "$out/tests.log" ;;
     shapes) timeout "${SHAPES_S:-200}" python3 benchmarks/real_shapes.py \
               --json "$out/real_shapes.json" 2>&1 | tee "$out/real_shapes.log" ;;

@@ -346,3 +346,38 @@ def test_a_lone_long_row_is_the_same_at_any_thread_count(dtype):
     for out, _ in outs.values():
         assert_attention_close(out, q, flat_k[slots], flat_v[slots], d ** -0.5,
                                on_tiles=dtype == torch.bfloat16 and bf16_rounds_qp(d, hq // hkv))
+
+
+@needs_kernel
+@pytest.mark.parametrize("hq,hkv,d", [(16, 2, 128), (10, 2, 80), (8, 8, 64), (8, 1, 64),
+                                      (6, 2, 48)])
+def test_a_lone_row_reading_a_bf16_cache_in_place_matches_its_group(hq, hkv, d):
+    """A row walking its keys alone (a decode) reads a bf16 cache's K and V rows where they
+    lie and widens them in registers (AVX2: csrc/paged_attention_raw.h; AVX-512:
+    paged_attention_keys_t.h), while the rows of a group (a prefill chunk's) share each tile
+    widened once: the same arithmetic, so the same bits, at the head sizes and groups of
+    query heads those paths take (D a multiple of 16; G = 1 .. 8), and attention."""
+    op = paged_attention_op()
+    gen = torch.Generator().manual_seed(13)
+    bs, nb, rows = 16, 80, 16
+    k_cache = torch.randn(nb, bs, hkv, d, generator=gen).bfloat16()
+    v_cache = torch.randn(nb, bs, hkv, d, generator=gen).bfloat16()
+    tables = torch.randperm(nb, generator=gen)[:60].view(1, 60)
+    q = torch.randn(rows, hq, d, generator=gen)
+    seq, starts, lens = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long), \
+        torch.arange(900, 900 + rows)
+
+    def attend(i, j):
+        return op(q[i:j], k_cache, v_cache, tables, seq[i:j], starts[i:j], lens[i:j],
+                  d ** -0.5, None, 0.0, 512)
+
+    together = attend(0, rows)
+    slots = tables[0].repeat_interleave(bs) * bs + torch.arange(bs).repeat(60)
+    flat_k, flat_v = k_cache.float().view(-1, hkv, d), v_cache.float().view(-1, hkv, d)
+    for i in (0, 7, 15):
+        alone = attend(i, i + 1)
+        assert torch.equal(alone[0][0], together[0][i]), i
+        assert torch.equal(alone[1][0], together[1][i]), i
+        n = int(lens[i])
+        assert_attention_close(alone[0], q[i:i + 1], flat_k[slots[:n]], flat_v[slots[:n]],
+                               d ** -0.5, on_tiles=bf16_rounds_qp(d, hq // hkv))

@@ -60,6 +60,7 @@ def make_adapter(base: torch.nn.Module, out: Path, rank: int, alpha: int, target
 
 @pytest.fixture(scope="session")
 def adapters(tiny_model, tmp_path_factory) -> Adapters:
+    pytest.importorskip("peft")  # (a test extra: the lent GPU machine may lack it)
     path, base = tiny_model("llama")
     root = tmp_path_factory.mktemp("adapters")
     paths, merged = {}, {}

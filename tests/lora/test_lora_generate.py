@@ -67,6 +67,18 @@ def test_mixed_adapters_match_peft(adapters, options):
     assert_kv_all_free(llm.engine)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_mixed_adapters_match_peft_on_cuda(adapters):
+    """The same adapter objects on CUDA (lora/layers.py's torch ops; benchmarks/gpu_session.sh
+    runs it): a mixed batch of base requests and more adapters than slots, greedy as peft's
+    merged models on the CPU."""
+    prompts = _prompts(len(MIXED))
+    llm = LLM(adapters.base_path, dtype="float32", device="cuda", enable_lora=True, max_loras=2,
+              max_lora_rank=16)
+    assert _greedy(llm, prompts, _requests(adapters, MIXED)) == _expected(adapters, prompts, MIXED)
+    assert_kv_all_free(llm.engine)
+
+
 def test_one_adapter_for_every_prompt_and_n_samples(adapters):
     llm = LLM(adapters.base_path, dtype="float32", enable_lora=True, max_lora_rank=16)
     prompts = _prompts(3)

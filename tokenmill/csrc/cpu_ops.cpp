@@ -48,7 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // switch above on): kinds 1 and 2 where their tiles are built (above), GGUF Q4_K (kind 5)
   // on every SIMD build (kind 19, linear_kquant_tiles.h).
   m.def("packs_kind", [](int64_t kind) {
-    if (kind == 1 || kind == 2) return block_tiles::active();
+    if (kind == block_tiles::kQ8Source || kind == block_tiles::kQ4Source)
+      return block_tiles::active();
 #if defined(TOKENMILL_KQUANT_TILES)
     if (kind == gguf_blocks::kQ4_K) return block_tiles::use_tiles();
 #endif

@@ -46,6 +46,7 @@
 
 namespace block_tiles {
 constexpr int64_t kQ8Kind = 17, kQ4Kind = 18;
+constexpr int64_t kQ8Source = 1, kQ4Source = 2;  // the stored kinds packed into them
 constexpr int64_t kRows = 16;  // rows of W per group (a tile's 16 outputs)
 constexpr int64_t kBytes(bool q4) { return q4 ? 256 : 512; }  // stored bytes a block, a group
 constexpr bool is_tiles_kind(int64_t kind) { return kind == kQ8Kind || kind == kQ4Kind; }

@@ -17,6 +17,17 @@ inline Part part_of(const torch::Tensor& qt, float* y) {
   return {qt.data_ptr<uint8_t>(), qt.size(0), y};
 }
 
+// Rows [m, m + left) of x (0 < left < R) times group g, through the kernel of `left` rows.
+template <int R>
+static void group_rows_left(int64_t left, const uint8_t* q, int64_t nsb, const Acts& a,
+                            int64_t m, int64_t g, const float* bias, float* y, int64_t ldy,
+                            bool stream) {
+  if constexpr (R > 1) {
+    if (left == R - 1) return group_rows<R - 1>(q, nsb, a, m, g, bias, y, ldy, stream);
+    group_rows_left<R - 1>(left, q, nsb, a, m, g, bias, y, ldy, stream);
+  }
+}
+
 // Each part's N columns of y (row stride ldy) = x @ W^T (+ bias, one part only), x already
 // split (`split`): a merged layer's parts share one rounding and one parallel region, each
 // writing its own columns (linear_cpu.h). Threads take contiguous ranges of all the parts'
@@ -40,14 +51,7 @@ inline void linear_split(const std::vector<Part>& parts, const Acts& a, int64_t 
         int64_t m = m0;
         for (; m + kMaxRows <= m1; m += kMaxRows)
           group_rows<kMaxRows>(w.q, nsb, a, m, g, bias, w.y, ldy, stream);
-        switch (m1 - m) {  // fewer than kMaxRows left
-          case 1: group_rows<1>(w.q, nsb, a, m, g, bias, w.y, ldy, stream); break;
-          case 2: group_rows<std::min(2, kMaxRows)>(w.q, nsb, a, m, g, bias, w.y, ldy, stream);
-            break;
-          case 3: group_rows<std::min(3, kMaxRows)>(w.q, nsb, a, m, g, bias, w.y, ldy, stream);
-            break;
-          default: break;
-        }
+        if (m < m1) group_rows_left<kMaxRows>(m1 - m, w.q, nsb, a, m, g, bias, w.y, ldy, stream);
       }
     }
   };

@@ -152,6 +152,15 @@ inline bool keys_dot(KVFormat fmt, int64_t D, int64_t G) {
 #endif
 }
 
+// Whether a lone row reads such a cache's bf16 K and V rows in place on AVX2.
+inline bool reads_raw(KVFormat fmt, int64_t D, int64_t G) {
+#ifdef TM_ATTENTION_RAW
+  return attention_raw::applies(fmt == KVFormat::kBf16, D, G);
+#else
+  return false;
+#endif
+}
+
 // Whether a cache of this format and head size is attended on the AMX tile unit.
 inline bool on_tiles(KVFormat fmt, int64_t D) {
 #ifdef TM_ATTENTION_AMX
@@ -189,7 +198,7 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
                     Hq / Hkv, D, bs, tables.size(1), kv_row_bytes(fmt, D),
                     static_cast<float>(scale), static_cast<float>(soft_cap),
                     keys_transposed(fmt, D, Hq / Hkv) && !tiles, tiles,
-                    keys_dot(fmt, D, Hq / Hkv) && !tiles};
+                    keys_dot(fmt, D, Hq / Hkv) && !tiles, reads_raw(fmt, D, Hq / Hkv)};
   auto out = torch::empty_like(q);
   auto lse = torch::empty({N, Hq}, q.options());
   int64_t longest = 0;
@@ -201,18 +210,23 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
 
   // A work item is one query row, a range of its KV heads and its chunks of keys: all of them
   // (merged as they are computed) when there are rows enough to keep every core busy, else one
-  // chunk (partial states kept, merged below). With enough rows, or keys enough to give every
-  // thread a few chunks, an item takes all heads, so each cached token's K (and V) row, its
-  // Hkv heads of D values, is read once, sequentially, with a window of keys asked for ahead
-  // into L2 (attend_keys); an item of one head reads a strided 1 / Hkv of every row (a lone
-  // decode over 3,000 keys of a bf16 cache, AVX2: 1.6 -> 0.9 ms, benchmarks/attention_kernel.py).
+  // chunk (partial states kept, merged below). An item takes all heads with enough rows, else
+  // the most heads (a divisor of Hkv) that still give every thread two items with the rows'
+  // chunks of keys: each cached token's K (and V) row, its Hkv heads of D values, is read in
+  // as few contiguous pieces as the threads allow, with a window of keys asked for ahead into
+  // L2 (attend_keys); an item of one head reads a strided 1 / Hkv of every row (a lone decode
+  // over 1,500 keys of a bf16 cache in batch-invariant mode, AVX2: 0.53 ms at one head an
+  // item, 0.34 at four, benchmarks/attention_kernel.py, the fiftieth session).
   // With split_keys > 0 (batch-invariant) neither choice changes any row's arithmetic, only
   // which thread does it; with 0 a row's chunks follow the items, as they follow the threads.
   const int64_t threads = at::get_num_threads();
   constexpr int64_t kMinKeysPerSplit = 64;
   const int64_t key_chunks =
       N * std::max<int64_t>(1, longest / (split_keys > 0 ? split_keys : kMinKeysPerSplit));
-  const int64_t heads_per_item = N >= 4 * threads || key_chunks >= 2 * threads ? Hkv : 1;
+  int64_t heads_per_item = Hkv;  // the most heads that still give every thread two items
+  while (N < 4 * threads && heads_per_item > 1 &&
+         (Hkv % heads_per_item != 0 || key_chunks * (Hkv / heads_per_item) < 2 * threads))
+    --heads_per_item;
   const int64_t items_per_row = Hkv / heads_per_item;
   const int64_t splits = split_keys > 0 ? 0 : std::max<int64_t>(1, std::min<int64_t>(
       (8 * threads + N * items_per_row - 1) / (N * items_per_row), longest / kMinKeysPerSplit));

@@ -1,79 +1,23 @@
 // The paged-attention kernel's walk over one work item's keys (paged_attention_cpu.h): its
 // K and V rows read tile by tile from the block-paged cache (in place, widened, or with bf16
-// keys transposed: paged_attention_keys_t.h), the next tile's rows prefetched meanwhile, and
+// keys transposed: paged_attention_keys_t.h; a lone row's bf16 rows widened in registers:
+// paged_attention_keys_t.h, paged_attention_raw.h), the next tile's rows prefetched meanwhile, and
 // each query row's online softmax over the tiles (paged_attention_rows.h's arithmetic).
 // Invariant: a row's tiles are [k0 + 64 j, min(k1, k0 + 64 (j + 1))) and its arithmetic is
 // its own, whatever other rows walk the same keys with it.
 #pragma once
 #include "kv_formats.h"
 #include "paged_attention_amx_walk.h"
+#include "paged_attention_args.h"
 #include "paged_attention_keys_dp.h"
 #include "paged_attention_keys_t.h"
+#include "paged_attention_raw.h"
 #include "paged_attention_rows.h"
 #include "vec_utils.h"
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
-
-// What every work item reads.
-struct PagedArgs {
-  const float* q;           // (N, Hq, D)
-  const uint8_t *kb, *vb;   // the caches' bytes
-  const int64_t *tables, *rows, *starts, *lens;
-  const float* head_scales;  // fp8 only
-  KVFormat fmt;
-  int64_t Hq, Hkv, G, D, bs, max_blocks, row_bytes;
-  float scale, cap;
-  bool keys_t;  // bf16 keys read transposed (paged_attention_keys_t.h), else row-major
-  bool tiles;   // bf16 on the AMX tile unit (paged_attention_amx.h): every row (keys_t off)
-  bool dot;     // keys_t on vdpbf16ps (paged_attention_keys_dp.h): q and p rounded to bf16
-};
-
-constexpr int64_t kTileKeys = 64;  // keys of a tile of the online softmax
-// Up to this many consecutive query rows (one sequence's, or sequences' sharing cached
-// blocks) form a work item (attend_group).
-constexpr int64_t kGroupRows = 16;
-#ifdef TM_ATTENTION_KEYS_T
-static_assert(kTileKeys == attention_keys_t::kTileKeys, "one tile size");
-#endif
-#ifdef TM_ATTENTION_AMX
-static_assert(kTileKeys == attention_amx::kKeys, "one tile size");
-#endif
-
-// One query row's share of a group walking the same keys (attend_keys): its row, its keys'
-// end and its softmax state (acc (heads G, D) unnormalised, mx and sum per query head).
-struct RowState {
-  int64_t n, k1;
-  float *acc, *mx, *sum;
-};
-
-// Per-thread buffers of an item covering `heads` KV heads (G query heads each).
-struct PagedScratch {
-  std::vector<float> scores, kbuf, vbuf, corr, kT;  // kT: a.dot's word pairs (uint32) there
-  std::vector<uint32_t> qp;           // dot: the item's q rounded, (heads G, 32) bf16 pairs
-  std::vector<const float*> krows, vrows;
-  std::vector<const uint16_t*> kraw, vraw;  // keys_t: a tile's bf16 K (V) rows of one head
-  std::vector<int64_t> key_rows;      // keys_t: each key's first row (head h0) in the cache
-  std::vector<const void*> ahead;     // direct: the next tile's cache lines, to prefetch
-  std::vector<RowState> run;          // attend_runs: the rows of one run
-#ifdef TM_ATTENTION_AMX
-  attention_amx::Scratch* tiles = nullptr;  // tiles: the thread's buffers (amx_walk.h)
-#endif
-  PagedScratch(const PagedArgs& a, int64_t heads, int64_t tile)
-      : scores(a.tiles ? 0 : heads * a.G * tile),  // (tiles: their own buffers)
-        kbuf(a.fmt == KVFormat::kFloat32 || a.keys_t || a.tiles ? 0 : tile * heads * a.D),
-        vbuf(a.fmt == KVFormat::kFloat32 || a.tiles || a.dot ? 0 : tile * heads * a.D),
-        corr(heads * a.G), kT(a.keys_t ? heads * a.D * tile : 0),
-        qp(a.dot ? heads * a.G * a.D / 2 : 0), krows(tile), vrows(tile),
-        kraw(tile), vraw(tile), key_rows(tile) {
-#ifdef TM_ATTENTION_AMX
-    if (!a.tiles) return;
-    const int64_t columns = kGroupRows * a.G;  // per KV head, at most
-    tiles = &attention_amx::Scratch::of_thread(heads, (columns + 15) / 16, a.D);
-#endif
-  }
-};
 
 // Asks for the K and V rows (heads [h0, h0 + heads), from cache row `row`) of one cached
 // token ahead of their use. Blocks lie anywhere in the pool, and a tile was read (widened)
@@ -86,8 +30,8 @@ static inline void prefetch_row(const PagedArgs& a, int64_t row, int64_t heads) 
   }
 }
 
-// A row walking its keys alone over every KV head (a decode among many: attend_keys) asks for
-// a window of its keys ahead into L2: the window's first keys as it starts, then a tile's more
+// A row walking its keys alone (a decode: attend_keys) asks for a window of its keys ahead
+// into L2, its item's heads of them: the window's first keys as it starts, then a tile's more
 // as it reaches each tile. A tile's 64 keys span four scattered 16-token blocks of a few pages
 // each, and with only the next tile asked for (into L1, load_tile) the reads still waited on
 // memory: 64 decodes over 320 keys of a bf16 cache in DRAM ran at ~8 GB/s against ~20 from L3
@@ -100,17 +44,22 @@ static inline int64_t l2_window_keys(const PagedArgs& a, int64_t heads) {
   return std::max<int64_t>(1, kL2WindowBytes / per_key / kTileKeys) * kTileKeys;
 }
 
-// Keys [k0, k1) of a sequence (block table `table`; heads [h0, h0 + heads)) into L2: in each
-// block the bytes from the first key's row to the last one's, in address order.
+// Keys [k0, k1) of a sequence (block table `table`; heads [h0, h0 + heads)) into L2, in
+// address order: in each block the bytes from the first key's row to the last one's (all
+// heads: one span), or each key's rows of the item's heads (some: not the other heads').
 static inline void prefetch_keys_l2(const PagedArgs& a, const int64_t* table, int64_t k0,
                                     int64_t k1, int64_t h0, int64_t heads) {
+  const bool span = heads == a.Hkv;
   for (int64_t k = k0; k < k1;) {
     const int64_t blk = k / a.bs, end = std::min(k1, (blk + 1) * a.bs);
     const int64_t first = (table[blk] * a.bs + k % a.bs) * a.Hkv + h0;
-    const int64_t bytes = ((end - k - 1) * a.Hkv + heads) * a.row_bytes;
-    for (int64_t o = 0; o < bytes; o += 64) {
-      prefetch_l2(a.kb + first * a.row_bytes + o);
-      prefetch_l2(a.vb + first * a.row_bytes + o);
+    for (int64_t key = 0; key < (span ? 1 : end - k); ++key) {
+      const int64_t row = first + key * a.Hkv;
+      const int64_t bytes = ((span ? end - k - 1 : 0) * a.Hkv + heads) * a.row_bytes;
+      for (int64_t o = 0; o < bytes; o += 64) {
+        prefetch_l2(a.kb + row * a.row_bytes + o);
+        prefetch_l2(a.vb + row * a.row_bytes + o);
+      }
     }
     k = end;
   }
@@ -126,14 +75,12 @@ static inline void prefetch_first_tile(const PagedArgs& a, int64_t n, int64_t k0
 }
 
 
-#ifdef TM_ATTENTION_KEYS_T
 // out[i] = the bf16 row of head h0 + h of the tile's key i (i < n), in the cache at `base`.
 static inline void raw_rows(const PagedArgs& a, const uint8_t* base, const int64_t* key_rows,
                             int64_t h, int64_t n, const uint16_t** out) {
   for (int64_t i = 0; i < n; ++i)
     out[i] = reinterpret_cast<const uint16_t*>(base + (key_rows[i] + h) * a.row_bytes);
 }
-#endif
 
 // The online softmax's step over a tile's scores (s.scores, rows_q rows of `keys`): each
 // row's max, its rescale factor (s.corr) and sum; the scores become exp(s - max).
@@ -180,6 +127,27 @@ static void attend_tile_dot(const PagedArgs& a, PagedScratch& s, const RowState&
 }
 #endif
 
+#ifdef TM_ATTENTION_RAW
+// attend_tile for a row alone on AVX2 (paged_attention_raw.h): the bf16 K and V rows of
+// s.key_rows read in place, the widened path's arithmetic.
+static void attend_tile_raw(const PagedArgs& a, PagedScratch& s, const RowState& row,
+                            int64_t h0, int64_t heads, int64_t keys) {
+  const int64_t G = a.G, D = a.D;
+  const float* qn = a.q + (row.n * a.Hq + h0 * G) * D;
+  attention_raw::score_heads_raw(G, qn, a.kb, a.vb, s.key_rows.data(), a.row_bytes, heads, D,
+                                 a.scale, keys, s.scores.data());
+  softmax_tile(a, s, row, heads * G, keys);
+  const int64_t lines = static_cast<int64_t>(s.ahead.size());  // a share per head
+  for (int64_t h = 0; h < heads; ++h) {
+    raw_rows(a, a.vb, s.key_rows.data(), h, keys, s.vraw.data());
+    const int64_t l0 = lines * h / heads, l1 = lines * (h + 1) / heads;
+    attention_raw::accumulate_group_raw(G, s.scores.data() + h * G * keys, keys, s.vraw.data(),
+                                        keys, D, &s.corr[h * G], row.acc + h * G * D,
+                                        s.ahead.data() + l0, l1 - l0);
+  }
+}
+#endif
+
 // One tile's `keys` keys (rows in s.krows / s.vrows; `direct`: the bf16 rows of
 // s.key_rows, read in place) for one query row: scores, the online softmax's rescale, the
 // weighted sum of V.
@@ -187,6 +155,9 @@ static void attend_tile(const PagedArgs& a, PagedScratch& s, const RowState& row
                         int64_t heads, int64_t keys, bool direct) {
 #ifdef TM_ATTENTION_KEYS_DP  // (implies TM_ATTENTION_KEYS_T)
   if (a.dot) return attend_tile_dot(a, s, row, h0, heads, keys, direct);
+#endif
+#ifdef TM_ATTENTION_RAW
+  if (direct) return attend_tile_raw(a, s, row, h0, heads, keys);
 #endif
   const int64_t rows_q = heads * a.G, D = a.D;
   const float* qn = a.q + (row.n * a.Hq + h0 * a.G) * D;
@@ -371,14 +342,14 @@ static void attend_keys(const PagedArgs& a, PagedScratch& s, const RowState* row
 #ifdef TM_ATTENTION_AMX
   if (a.tiles) return attend_keys_tiles(a, s, rows, R, h0, heads, k0, k1);
 #endif
-  const bool direct = a.keys_t && R == 1;
+  const bool direct = (a.keys_t || a.raw) && R == 1;
   // Rows walking a tile together take a widened cache one KV head at a time, so that the
   // head's widened K and V (32 KB: bf16, D = 64) stay in L1 while every row reads them; all
   // heads at once (96 KB) were re-read from L2 by each row. Each query head's arithmetic is
   // the same either way.
   const bool per_head = !direct && R > 1 && heads > 1 && a.fmt != KVFormat::kFloat32;
-  // A row alone over every KV head (a decode among many): its window of keys into L2
-  const bool window_ahead = R == 1 && heads == a.Hkv;
+  // A row alone (a decode): its window of keys into L2
+  const bool window_ahead = R == 1;
   const int64_t window = window_ahead ? l2_window_keys(a, heads) : 0;
   if (window_ahead) prefetch_keys_l2(a, table, k0, std::min(k1, k0 + window), h0, heads);
   for (int64_t t0 = k0; t0 < k1; t0 += kTileKeys) {
