@@ -178,7 +178,7 @@ static void accumulate(const float* p, int64_t stride, const uint16_t* const* ro
 // One KV head's G query heads: scores from kP (a group's tile) or from rows read in place.
 static void score_group(int64_t G, const uint32_t* qp, const uint32_t* kP,
                         const uint16_t* const* rows, float scale, int64_t own, float* scores) {
-  attention_keys_t::with_group(G, [&](auto g) {  // G = 1 .. 6: keys_t's `applies`
+  with_group_size<6>(G, [&](auto g) {  // G = 1 .. 6: keys_t's `applies`
     if (kP != nullptr)
       score_pairs<g.value>(qp, kP, scale, own, scores);
     else
@@ -189,7 +189,7 @@ static void score_group(int64_t G, const uint32_t* qp, const uint32_t* kP,
 static void accumulate_group(int64_t G, const float* p, int64_t stride,
                              const uint16_t* const* rows, int64_t n, const float* corr,
                              float* acc, const void* const* ahead, int64_t lines) {
-  attention_keys_t::with_group(
+  with_group_size<6>(
       G, [&](auto g) { accumulate<g.value>(p, stride, rows, n, corr, acc, ahead, lines); });
 }
 

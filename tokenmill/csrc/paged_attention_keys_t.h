@@ -209,37 +209,23 @@ static inline bool applies(bool bf16, int64_t D, int64_t G) {
   return bf16 && D == kHeadDim && G >= 1 && G <= 6;
 }
 
-// f(std::integral_constant<int, G>{}) for a runtime G as `applies` allows (1 .. 6): the
-// kernels take G as a template parameter, so that their G accumulators live in registers.
-template <class F>
-static inline void with_group(int64_t G, F f) {
-  switch (G) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    default: return f(std::integral_constant<int, 6>{});
-  }
-}
-
 // The scores of one KV head's G query heads (see score_keys_t).
 static inline void score_group_t(int64_t G, const float* q, const float* kT, float scale,
                                  int64_t own, float* scores) {
-  with_group(G, [&](auto g) { score_keys_t_any<g.value>(q, kT, scale, own, scores); });
+  with_group_size<6>(G, [&](auto g) { score_keys_t_any<g.value>(q, kT, scale, own, scores); });
 }
 
 // One KV head's G query heads against keys read in place (score_raw_t, accumulate_raw).
 static inline void score_group_raw(int64_t G, const float* q, const uint16_t* const* rows,
                                    float scale, int64_t own, float* scores) {
-  with_group(G, [&](auto g) { score_raw_t<g.value>(q, rows, scale, own, scores); });
+  with_group_size<6>(G, [&](auto g) { score_raw_t<g.value>(q, rows, scale, own, scores); });
 }
 
 static inline void accumulate_group_raw(int64_t G, const float* p, int64_t stride,
                                         const uint16_t* const* rows, int64_t n,
                                         const float* corr, float* acc,
                                         const void* const* ahead, int64_t lines) {
-  with_group(G, [&](auto g) {
+  with_group_size<6>(G, [&](auto g) {
     accumulate_raw<g.value>(p, stride, rows, n, corr, acc, ahead, lines);
   });
 }

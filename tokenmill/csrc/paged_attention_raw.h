@@ -104,29 +104,13 @@ static void accumulate_raw(const float* p, int64_t stride, const uint16_t* const
   }
 }
 
-// f(std::integral_constant<int, G>{}) for a runtime G as `applies` allows (1 .. 8): the
-// kernels take G as a template parameter, so that their G accumulators live in registers.
-template <class F>
-static inline void with_group(int64_t G, F f) {
-  switch (G) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    case 6: return f(std::integral_constant<int, 6>{});
-    case 7: return f(std::integral_constant<int, 7>{});
-    default: return f(std::integral_constant<int, 8>{});
-  }
-}
-
 // The scores of `heads` KV heads' G query heads against keys read in place (score_raw);
 // one KV head's weighted V sums (accumulate_raw).
 static inline void score_heads_raw(int64_t G, const float* q, const uint8_t* kb,
                                    const uint8_t* vb, const int64_t* key_rows,
                                    int64_t row_bytes, int64_t heads, int64_t D, float scale,
                                    int64_t own, float* scores) {
-  with_group(G, [&](auto g) {
+  with_group_size<8>(G, [&](auto g) {
     score_raw<g.value>(q, kb, vb, key_rows, row_bytes, heads, D, scale, own, scores);
   });
 }
@@ -135,7 +119,7 @@ static inline void accumulate_group_raw(int64_t G, const float* p, int64_t strid
                                         const uint16_t* const* rows, int64_t n, int64_t D,
                                         const float* corr, float* acc,
                                         const void* const* ahead, int64_t lines) {
-  with_group(G, [&](auto g) {  // G x 2 vectors of d and two of v in the 16 registers
+  with_group_size<8>(G, [&](auto g) {  // G x 2 vectors of d and two of v in the 16 registers
     constexpr int kNV = g.value <= 4 ? 2 : 1;
     accumulate_raw<g.value, kNV>(p, stride, rows, n, D, corr, acc, ahead, lines);
   });

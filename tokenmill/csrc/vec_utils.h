@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 using Vec = at::vec::Vectorized<float>;
@@ -48,6 +49,19 @@ static inline void prefetch_l2(const void* p) {
 #else
   __builtin_prefetch(p, 0, 2);
 #endif
+}
+
+// f(std::integral_constant<int, G>{}) for a runtime G in 1 .. kMax (larger: kMax; callers
+// check their range first). Kernels take their group of query heads as a template parameter
+// so that its G accumulators live in registers (a runtime-sized array went through the stack).
+template <int kMax, int G = 1, class F>
+static inline void with_group_size(int64_t g, F&& f) {
+  if constexpr (G < kMax) {
+    if (g == G) return f(std::integral_constant<int, G>{});
+    return with_group_size<kMax, G + 1>(g, f);
+  } else {
+    return f(std::integral_constant<int, kMax>{});
+  }
 }
 
 // Horizontal sum. NOTE: at::vec::vec_reduce_all goes through memory and costs several times
