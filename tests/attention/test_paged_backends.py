@@ -364,8 +364,8 @@ def test_a_lone_row_reading_a_bf16_cache_in_place_matches_its_group(hq, hkv, d):
     v_cache = torch.randn(nb, bs, hkv, d, generator=gen).bfloat16()
     tables = torch.randperm(nb, generator=gen)[:60].view(1, 60)
     q = torch.randn(rows, hq, d, generator=gen)
-    seq, starts, lens = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long), \
-        torch.arange(900, 900 + rows)
+    seq = starts = torch.zeros(rows, dtype=torch.long)  # one sequence from its first key
+    lens = torch.arange(900, 900 + rows)  # a 16-row prefill chunk's queries
 
     def attend(i, j):
         return op(q[i:j], k_cache, v_cache, tables, seq[i:j], starts[i:j], lens[i:j],

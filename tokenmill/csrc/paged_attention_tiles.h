@@ -1,8 +1,9 @@
 // The paged-attention kernel's walk over one work item's keys (paged_attention_cpu.h): its
 // K and V rows read tile by tile from the block-paged cache (in place, widened, or with bf16
-// keys transposed: paged_attention_keys_t.h; a lone row's bf16 rows widened in registers:
-// paged_attention_keys_t.h, paged_attention_raw.h), the next tile's rows prefetched meanwhile, and
-// each query row's online softmax over the tiles (paged_attention_rows.h's arithmetic).
+// keys transposed: paged_attention_keys_t.h, which also widens a lone row's bf16 rows in
+// registers, as paged_attention_raw.h does on AVX2), the next tile's rows prefetched
+// meanwhile, and each query row's online softmax over the tiles (paged_attention_rows.h's
+// arithmetic).
 // Invariant: a row's tiles are [k0 + 64 j, min(k1, k0 + 64 (j + 1))) and its arithmetic is
 // its own, whatever other rows walk the same keys with it.
 #pragma once
@@ -49,17 +50,19 @@ static inline int64_t l2_window_keys(const PagedArgs& a, int64_t heads) {
 // heads: one span), or each key's rows of the item's heads (some: not the other heads').
 static inline void prefetch_keys_l2(const PagedArgs& a, const int64_t* table, int64_t k0,
                                     int64_t k1, int64_t h0, int64_t heads) {
-  const bool span = heads == a.Hkv;
+  auto ask = [&](int64_t row, int64_t bytes) {  // K's and V's bytes from cache row `row`
+    for (int64_t o = 0; o < bytes; o += 64) {
+      prefetch_l2(a.kb + row * a.row_bytes + o);
+      prefetch_l2(a.vb + row * a.row_bytes + o);
+    }
+  };
   for (int64_t k = k0; k < k1;) {
     const int64_t blk = k / a.bs, end = std::min(k1, (blk + 1) * a.bs);
     const int64_t first = (table[blk] * a.bs + k % a.bs) * a.Hkv + h0;
-    for (int64_t key = 0; key < (span ? 1 : end - k); ++key) {
-      const int64_t row = first + key * a.Hkv;
-      const int64_t bytes = ((span ? end - k - 1 : 0) * a.Hkv + heads) * a.row_bytes;
-      for (int64_t o = 0; o < bytes; o += 64) {
-        prefetch_l2(a.kb + row * a.row_bytes + o);
-        prefetch_l2(a.vb + row * a.row_bytes + o);
-      }
+    if (heads == a.Hkv) {
+      ask(first, ((end - k - 1) * a.Hkv + heads) * a.row_bytes);
+    } else {
+      for (int64_t i = 0; i < end - k; ++i) ask(first + i * a.Hkv, heads * a.row_bytes);
     }
     k = end;
   }
