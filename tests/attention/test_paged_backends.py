@@ -349,14 +349,15 @@ def test_a_lone_long_row_is_the_same_at_any_thread_count(dtype):
 
 
 @needs_kernel
-@pytest.mark.parametrize("hq,hkv,d", [(16, 2, 128), (10, 2, 80), (8, 8, 64), (8, 1, 64),
-                                      (6, 2, 48)])
+@pytest.mark.parametrize("hq,hkv,d", [(16, 2, 128), (8, 2, 128), (10, 2, 80), (8, 8, 64),
+                                      (8, 1, 64), (6, 2, 48)])
 def test_a_lone_row_reading_a_bf16_cache_in_place_matches_its_group(hq, hkv, d):
     """A row walking its keys alone (a decode) reads a bf16 cache's K and V rows where they
-    lie and widens them in registers (AVX2: csrc/paged_attention_raw.h; AVX-512:
-    paged_attention_keys_t.h), while the rows of a group (a prefill chunk's) share each tile
-    widened once: the same arithmetic, so the same bits, at the head sizes and groups of
-    query heads those paths take (D a multiple of 16; G = 1 .. 8), and attention."""
+    lie and widens them in registers (csrc/paged_attention_raw.h; on AVX-512 D = 64 with G <=
+    6 through paged_attention_keys_t.h), while the rows of a group (a prefill chunk's) share
+    each tile widened once: the same arithmetic, so the same bits, at the head sizes and
+    groups of query heads those paths take (D a multiple of 16; G = 1 .. 8; Llama-3.1-8B's
+    D = 128, G = 4 among them), and attention."""
     op = paged_attention_op()
     gen = torch.Generator().manual_seed(13)
     bs, nb, rows = 16, 80, 16

@@ -20,7 +20,7 @@ struct PagedArgs {
   bool keys_t;  // bf16 keys read transposed (paged_attention_keys_t.h), else row-major
   bool tiles;   // bf16 on the AMX tile unit (paged_attention_amx.h): every row (keys_t off)
   bool dot;     // keys_t on vdpbf16ps (paged_attention_keys_dp.h): q and p rounded to bf16
-  bool raw;     // AVX2: a lone row's bf16 K and V read in place (paged_attention_raw.h)
+  bool raw;     // a lone row's bf16 K and V read in place (paged_attention_raw.h), keys_t off
 };
 
 constexpr int64_t kTileKeys = 64;  // keys of a tile of the online softmax
@@ -41,7 +41,17 @@ struct RowState {
   float *acc, *mx, *sum;
 };
 
-// Per-thread buffers of an item covering `heads` KV heads (G query heads each).
+// Grows v to at least n elements (never shrinks it: a thread's buffers are kept between calls).
+template <class T>
+static inline void grow_to(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
+
+// Per-thread buffers of an item covering `heads` KV heads (G query heads each): one set per
+// thread, kept between calls and grown as needed. Allocated per call, they cost a decode at
+// Llama-3.1-8B's heads 1 MB a thread zeroed (with the group buffers), and where glibc maps
+// such blocks afresh ~500 page faults a call: 2x the kernel's own time for a lone row over
+// 3,000 keys. Every buffer is written before it is read, so what a call left is never used.
 struct PagedScratch {
   std::vector<float> scores, kbuf, vbuf, corr, kT;  // kT: a.dot's word pairs (uint32) there
   std::vector<uint32_t> qp;           // dot: the item's q rounded, (heads G, 32) bf16 pairs
@@ -53,17 +63,29 @@ struct PagedScratch {
 #ifdef TM_ATTENTION_AMX
   attention_amx::Scratch* tiles = nullptr;  // tiles: the thread's buffers (amx_walk.h)
 #endif
-  PagedScratch(const PagedArgs& a, int64_t heads, int64_t tile)
-      : scores(a.tiles ? 0 : heads * a.G * tile),  // (tiles: their own buffers)
-        kbuf(a.fmt == KVFormat::kFloat32 || a.keys_t || a.tiles ? 0 : tile * heads * a.D),
-        vbuf(a.fmt == KVFormat::kFloat32 || a.tiles || a.dot ? 0 : tile * heads * a.D),
-        corr(heads * a.G), kT(a.keys_t ? heads * a.D * tile : 0),
-        qp(a.dot ? heads * a.G * a.D / 2 : 0), krows(tile), vrows(tile),
-        kraw(tile), vraw(tile), key_rows(tile) {
+
+  static PagedScratch& of_thread(const PagedArgs& a, int64_t heads, int64_t tile) {
+    static thread_local PagedScratch s;
+    s.grow(a, heads, tile);
+    return s;
+  }
+
+ private:
+  void grow(const PagedArgs& a, int64_t heads, int64_t tile) {
+    grow_to(krows, tile), grow_to(vrows, tile), grow_to(kraw, tile), grow_to(vraw, tile);
+    grow_to(key_rows, tile);
 #ifdef TM_ATTENTION_AMX
-    if (!a.tiles) return;
-    const int64_t columns = kGroupRows * a.G;  // per KV head, at most
-    tiles = &attention_amx::Scratch::of_thread(heads, (columns + 15) / 16, a.D);
+    tiles = nullptr;
+    if (a.tiles) {  // their own buffers
+      const int64_t columns = kGroupRows * a.G;  // per KV head, at most
+      tiles = &attention_amx::Scratch::of_thread(heads, (columns + 15) / 16, a.D);
+      return;
+    }
 #endif
+    grow_to(scores, heads * a.G * tile), grow_to(corr, heads * a.G);
+    if (a.fmt != KVFormat::kFloat32 && !a.keys_t) grow_to(kbuf, tile * heads * a.D);
+    if (a.fmt != KVFormat::kFloat32 && !a.dot) grow_to(vbuf, tile * heads * a.D);
+    if (a.keys_t) grow_to(kT, heads * a.D * tile);
+    if (a.dot) grow_to(qp, heads * a.G * a.D / 2);
   }
 };

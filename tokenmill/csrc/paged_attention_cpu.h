@@ -55,9 +55,13 @@ struct KeyChunks {
 struct GroupBuffers {
   std::vector<float> acc, mx, sum, run, run_max, run_sum;
   std::vector<RowState> rows;
-  GroupBuffers(int64_t heads_q, int64_t D)  // heads_q: query heads of an item
-      : acc(kGroupRows * heads_q * D), mx(kGroupRows * heads_q), sum(mx.size()),
-        run(acc.size()), run_max(mx.size()), run_sum(mx.size()) {}
+  // The thread's, kept between calls as PagedScratch's (heads_q: query heads of an item).
+  static GroupBuffers& of_thread(int64_t heads_q, int64_t D) {
+    static thread_local GroupBuffers b;
+    grow_to(b.acc, kGroupRows * heads_q * D), grow_to(b.run, kGroupRows * heads_q * D);
+    for (auto* v : {&b.mx, &b.sum, &b.run_max, &b.run_sum}) grow_to(*v, kGroupRows * heads_q);
+    return b;
+  }
 };
 
 // Whether query rows n and g (the same first key) start in the same cache block: rows of one
@@ -152,10 +156,11 @@ inline bool keys_dot(KVFormat fmt, int64_t D, int64_t G) {
 #endif
 }
 
-// Whether a lone row reads such a cache's bf16 K and V rows in place on AVX2.
+// Whether a lone row reads such a cache's bf16 K and V rows in place through
+// paged_attention_raw.h (where the transposed keys, which read them in place too, do not apply).
 inline bool reads_raw(KVFormat fmt, int64_t D, int64_t G) {
 #ifdef TM_ATTENTION_RAW
-  return attention_raw::applies(fmt == KVFormat::kBf16, D, G);
+  return attention_raw::applies(fmt == KVFormat::kBf16, D, G) && !keys_transposed(fmt, D, G);
 #else
   return false;
 #endif
@@ -198,7 +203,8 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
                     Hq / Hkv, D, bs, tables.size(1), kv_row_bytes(fmt, D),
                     static_cast<float>(scale), static_cast<float>(soft_cap),
                     keys_transposed(fmt, D, Hq / Hkv) && !tiles, tiles,
-                    keys_dot(fmt, D, Hq / Hkv) && !tiles, reads_raw(fmt, D, Hq / Hkv)};
+                    keys_dot(fmt, D, Hq / Hkv) && !tiles,
+                    reads_raw(fmt, D, Hq / Hkv) && !tiles};
   auto out = torch::empty_like(q);
   auto lse = torch::empty({N, Hq}, q.options());
   int64_t longest = 0;
@@ -269,8 +275,8 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
   const int64_t groups = static_cast<int64_t>(group_first.size()) - 1;
   const int64_t units = whole_rows ? groups * items_per_row : total_chunks * items_per_row;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    PagedScratch s(a, heads_per_item, kTileKeys);
-    GroupBuffers b(rows_q, D);
+    PagedScratch& s = PagedScratch::of_thread(a, heads_per_item, kTileKeys);
+    GroupBuffers& b = GroupBuffers::of_thread(rows_q, D);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t h0 = (u % items_per_row) * heads_per_item;
       if (!whole_rows) {  // one chunk: its partial state, kept

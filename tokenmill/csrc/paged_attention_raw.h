@@ -1,6 +1,8 @@
-// A lone query row's attention straight from a bfloat16 KV cache on AVX2 builds (no AVX-512):
-// each K and V row read where it lies in the cache and widened in registers, for the rows
-// that walk their keys alone (a decode: paged_attention_tiles.h `direct`).
+// A lone query row's attention straight from a bfloat16 KV cache, for the rows that walk
+// their keys alone (a decode: paged_attention_tiles.h `direct`): each K and V row read where it
+// lies in the cache and widened in registers. AVX2 builds take every such cache; AVX-512
+// builds those the transposed-key path (paged_attention_keys_t.h: D = 64, G <= 6) does not,
+// Llama-3.1-8B's D = 128 among them.
 //
 // Why: the widened path (load_tile) writes every tile's K and V rows of all the item's KV
 // heads as floats (64 keys x 8 heads x 64 values: 128 KB each for Llama-3.2-1B, past L1 and
@@ -8,23 +10,26 @@
 // forty-ninth session's perf put that widening and its waits on memory at 15% of a
 // long-context decode step's samples against the arithmetic's 5.6%.
 //
-// The arithmetic is the widened path's (paged_attention_rows.h on AVX2 builds), the same
-// operations in the same order on the same values (widening bf16 is exact), so a row read
-// here and the same row in a group (widened once for all) get the same bits:
-//   score_g[i] = scale * hsum(acc), acc = 0; acc = fma(q_g[d:d+8], k_i[d:d+8], acc) for
-//                d = 0, 8, .. D - 8 (score_keys<G>); hsum as vec_utils.h's;
+// The arithmetic is the widened path's (paged_attention_rows.h, and on AVX-512 builds
+// paged_attention_groups.h, whose hsum4 gives each sum hsum's tree), the same operations in the
+// same order on the same values (widening bf16 is exact), so a row read here and the same row
+// in a group (widened once for all) get the same bits; L = Vec::size() (8 or 16):
+//   score_g[i] = scale * hsum(acc), acc = 0; acc = fma(q_g[d:d+L], k_i[d:d+L], acc) for
+//                d = 0, L, .. D - L (score_keys<G>); hsum as vec_utils.h's;
 //   o_g[d]     = corr_g * o_g[d], then o_g[d] = fma(p_g[i], v_i[d], o_g[d]) for i in order
-//                (rescale_accumulate), here 16 (G > 4: 8) values of d at a time over the tile
-//                so that the G heads' accumulators stay in registers: each value's chain is
-//                its own, so the cut of d changes nothing.
-// D a multiple of 16 (each chunk of d whole), G = 1 .. 8 (score_keys<G>'s range).
+//                (rescale_accumulate), here NV vectors of d at a time over the tile so that
+//                the G heads' accumulators stay in registers: each value's chain is its
+//                own, so the cut of d changes nothing.
+// D a multiple of 16 (each vector of d whole on both widths), G = 1 .. 8 (score_keys<G>'s
+// range).
 #pragma once
 #include "vec_utils.h"
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
-#if defined(CPU_CAPABILITY_AVX2) && defined(__AVX2__) && !defined(CPU_CAPABILITY_AVX512)
+#if (defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)) || \
+    (defined(CPU_CAPABILITY_AVX2) && defined(__AVX2__))
 #define TM_ATTENTION_RAW 1
 
 namespace attention_raw {
@@ -34,10 +39,17 @@ static inline bool applies(bool bf16, int64_t D, int64_t G) {
   return bf16 && D % 16 == 0 && D > 0 && G >= 1 && G <= 8;
 }
 
-// The 8 bf16 values at p as floats (exact): bf16_load_row's widening, in registers.
-static inline __m256 widen8(const uint16_t* p) {
+constexpr int64_t kLanes = Vec::size();
+
+// The Vec::size() bf16 values at p as floats (exact): bf16_load_row's widening, in registers.
+static inline Vec widen(const uint16_t* p) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)
+  const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(u), 16));
+#else
   const __m128i u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(u), 16));
+#endif
 }
 
 // scores[(h G + g) own + i] = scale <q_{h,g}, k_{i,h}> for `heads` KV heads and the G query
@@ -58,50 +70,63 @@ static void score_raw(const float* q, const uint8_t* kb, const uint8_t* vb,
       const auto* k = reinterpret_cast<const uint16_t*>(kb + at);
       for (int64_t o = 0; o < row_bytes; o += 64) prefetch_l2(vb + at + o);
       const float* qh = q + h * G * D;
-      __m256 acc[G];
-      for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 kv = widen8(k + d);
+      Vec acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = Vec(0.f);
+      for (int64_t d = 0; d < D; d += kLanes) {
+        const Vec kv = widen(k + d);
         for (int g = 0; g < G; ++g)
-          acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + d), kv, acc[g]);
+          acc[g] = at::vec::fmadd(Vec::loadu(qh + g * D + d), kv, acc[g]);
       }
-      for (int g = 0; g < G; ++g) scores[(h * G + g) * own + i] = scale * hsum(Vec(acc[g]));
+      for (int g = 0; g < G; ++g) scores[(h * G + g) * own + i] = scale * hsum(acc[g]);
     }
   }
 }
 
 // acc_g (D) = corr_g * acc_g + sum_i p_g[i] * v_i for the G query heads g of one KV head
 // (p_g = p + g * stride, acc_g = acc + g * D), v_i the bf16 rows rows[i] (D values), over
-// chunks of 8 NV values of d. The cache lines ahead[0 .. lines) (the next tile's) are asked
+// chunks of NV vectors of d (D a multiple of kLanes NV). The cache lines ahead[0 .. lines) (the next tile's) are asked
 // for a few per key, spread over the whole walk (paged_attention_keys_t.h accumulate_raw:
 // a burst stalls once the core's outstanding misses are full).
 template <int G, int NV>
 static void accumulate_raw(const float* p, int64_t stride, const uint16_t* const* rows,
                            int64_t n, int64_t D, const float* corr, float* acc,
                            const void* const* ahead, int64_t lines) {
-  const int64_t steps = n * (D / (8 * NV));  // (key, chunk) pairs walked
+  constexpr int64_t kChunk = kLanes * NV;
+  const int64_t steps = n * (D / kChunk);  // (key, chunk) pairs walked
   const int64_t per_step = (lines + steps - 1) / steps;
   int64_t l = 0;
-  for (int64_t d0 = 0; d0 < D; d0 += 8 * NV) {
-    __m256 a[G][NV];
+  for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
+    Vec a[G][NV];
     for (int g = 0; g < G; ++g) {
-      const __m256 c = _mm256_set1_ps(corr[g]);
-      for (int v = 0; v < NV; ++v)
-        a[g][v] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + d0 + 8 * v), c);
+      const Vec c(corr[g]);
+      for (int v = 0; v < NV; ++v) a[g][v] = Vec::loadu(acc + g * D + d0 + kLanes * v) * c;
     }
     for (int64_t i = 0; i < n; ++i) {
       for (const int64_t end = std::min(lines, l + per_step); l < end; ++l)
         __builtin_prefetch(ahead[l]);
-      __m256 vv[NV];
-      for (int v = 0; v < NV; ++v) vv[v] = widen8(rows[i] + d0 + 8 * v);
+      Vec vv[NV];
+      for (int v = 0; v < NV; ++v) vv[v] = widen(rows[i] + d0 + kLanes * v);
       for (int g = 0; g < G; ++g) {
-        const __m256 w = _mm256_set1_ps(p[g * stride + i]);
-        for (int v = 0; v < NV; ++v) a[g][v] = _mm256_fmadd_ps(w, vv[v], a[g][v]);
+        const Vec w(p[g * stride + i]);
+        for (int v = 0; v < NV; ++v) a[g][v] = at::vec::fmadd(w, vv[v], a[g][v]);
       }
     }
     for (int g = 0; g < G; ++g)
-      for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc + g * D + d0 + 8 * v, a[g][v]);
+      for (int v = 0; v < NV; ++v) a[g][v].store(acc + g * D + d0 + kLanes * v);
   }
+}
+
+// accumulate_raw with the most vectors of d a chunk that divide D and leave the G x NV
+// accumulators, NV values and a weight in the registers (16 on AVX2, 32 on AVX-512).
+template <int G, int NV = (kLanes == 16 ? (G <= 4 ? 4 : 2) : (G <= 4 ? 2 : 1))>
+static void accumulate_chunks(const float* p, int64_t stride, const uint16_t* const* rows,
+                              int64_t n, int64_t D, const float* corr, float* acc,
+                              const void* const* ahead, int64_t lines) {
+  if constexpr (NV > 1) {
+    if (D % (kLanes * NV) != 0)
+      return accumulate_chunks<G, NV / 2>(p, stride, rows, n, D, corr, acc, ahead, lines);
+  }
+  accumulate_raw<G, NV>(p, stride, rows, n, D, corr, acc, ahead, lines);
 }
 
 // The scores of `heads` KV heads' G query heads against keys read in place (score_raw);
@@ -119,9 +144,8 @@ static inline void accumulate_group_raw(int64_t G, const float* p, int64_t strid
                                         const uint16_t* const* rows, int64_t n, int64_t D,
                                         const float* corr, float* acc,
                                         const void* const* ahead, int64_t lines) {
-  with_group_size<8>(G, [&](auto g) {  // G x 2 vectors of d and two of v in the 16 registers
-    constexpr int kNV = g.value <= 4 ? 2 : 1;
-    accumulate_raw<g.value, kNV>(p, stride, rows, n, D, corr, acc, ahead, lines);
+  with_group_size<8>(G, [&](auto g) {
+    accumulate_chunks<g.value>(p, stride, rows, n, D, corr, acc, ahead, lines);
   });
 }
 

@@ -1,9 +1,9 @@
 // The paged-attention kernel's walk over one work item's keys (paged_attention_cpu.h): its
 // K and V rows read tile by tile from the block-paged cache (in place, widened, or with bf16
 // keys transposed: paged_attention_keys_t.h, which also widens a lone row's bf16 rows in
-// registers, as paged_attention_raw.h does on AVX2), the next tile's rows prefetched
-// meanwhile, and each query row's online softmax over the tiles (paged_attention_rows.h's
-// arithmetic).
+// registers, as paged_attention_raw.h does for the other shapes), the next tile's rows
+// prefetched meanwhile, and each query row's online softmax over the tiles
+// (paged_attention_rows.h's arithmetic).
 // Invariant: a row's tiles are [k0 + 64 j, min(k1, k0 + 64 (j + 1))) and its arithmetic is
 // its own, whatever other rows walk the same keys with it.
 #pragma once
@@ -131,7 +131,7 @@ static void attend_tile_dot(const PagedArgs& a, PagedScratch& s, const RowState&
 #endif
 
 #ifdef TM_ATTENTION_RAW
-// attend_tile for a row alone on AVX2 (paged_attention_raw.h): the bf16 K and V rows of
+// attend_tile for a row alone where paged_attention_raw.h applies: the bf16 K and V rows of
 // s.key_rows read in place, the widened path's arithmetic.
 static void attend_tile_raw(const PagedArgs& a, PagedScratch& s, const RowState& row,
                             int64_t h0, int64_t heads, int64_t keys) {
@@ -160,7 +160,7 @@ static void attend_tile(const PagedArgs& a, PagedScratch& s, const RowState& row
   if (a.dot) return attend_tile_dot(a, s, row, h0, heads, keys, direct);
 #endif
 #ifdef TM_ATTENTION_RAW
-  if (direct) return attend_tile_raw(a, s, row, h0, heads, keys);
+  if (direct && a.raw) return attend_tile_raw(a, s, row, h0, heads, keys);
 #endif
   const int64_t rows_q = heads * a.G, D = a.D;
   const float* qn = a.q + (row.n * a.Hq + h0 * a.G) * D;
