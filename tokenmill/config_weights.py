@@ -87,15 +87,32 @@ def default_quantization(model: ModelConfig, device: str) -> str | None:
     return "gguf"
 
 
+def _stored_dtype(model: ModelConfig) -> torch.dtype | None:
+    """The dtype the checkpoint's config says its weights are stored in, if it says."""
+    stored = getattr(model.hf_config, "dtype", None)  # (transformers 5 reads torch_dtype)
+    return getattr(torch, stored, None) if isinstance(stored, str) else stored
+
+
+def computes_as_stored(model: ModelConfig, device: str) -> bool:
+    """Whether a half dtype asked for on CPU is the checkpoint's own (`--dtype bfloat16` for
+    a bf16 checkpoint, as vLLM's CPU backend advises): then it is served as dtype="auto"
+    serves it there, its weights kept as stored (default_weight_dtype), products in bf16
+    where matmul_dtype says so, activations, norms and sums in float32; not every module in
+    half precision through torch's ops (a Qwen3-0.6B-shaped decode after 3,000 tokens took
+    490-650 ms a step so, most of it in MKL's bf16 GEMV, against 97-160 ms with float32
+    weights: benchmarks/RESULTS.md, fifty-first session). Another dtype is served as asked."""
+    return (model.dtype in (torch.bfloat16, torch.float16) and model.dtype == _stored_dtype(model)
+            and device.startswith("cpu") and model.quantization is None
+            and model.gguf_file is None and cpp_extension.kernels_enabled())
+
+
 def default_weight_dtype(model: ModelConfig, device: str) -> torch.dtype | None:
-    """The dtype dense weights are kept in when the user set no dtype: a bfloat16 / float16
-    checkpoint's own on a CPU with the C++ kernels (computed in float32: activations, norms
-    and sums; the weights widened in registers, exactly), instead of a float32 copy twice its
-    size; None (the model's dtype) elsewhere."""
-    hf = model.hf_config
-    stored = getattr(hf, "dtype", None)  # (transformers 5 reads torch_dtype into it)
-    if isinstance(stored, str):
-        stored = getattr(torch, stored, None)
+    """The dtype dense weights are kept in when the user set no dtype (or the checkpoint's
+    own: computes_as_stored): a bfloat16 / float16 checkpoint's own on a CPU with the C++
+    kernels (computed in float32: activations, norms and sums; the weights widened in
+    registers, exactly), instead of a float32 copy twice its size; None (the model's dtype)
+    elsewhere."""
+    stored = _stored_dtype(model)
     if (stored not in (torch.bfloat16, torch.float16) or not device.startswith("cpu")
             or model.dtype != torch.float32 or model.quantization is not None
             or model.gguf_file is not None or not cpp_extension.kernels_enabled()):

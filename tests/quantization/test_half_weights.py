@@ -83,6 +83,28 @@ def test_a_half_checkpoint_keeps_its_weights_and_decodes_as_float32(half_model):
         assert list(got.outputs[0].token_ids) == hf_greedy(reference, prompt, 10)
 
 
+def test_asking_a_half_checkpoints_own_dtype_serves_it_as_auto_does(half_model):
+    """`dtype="bfloat16"` for a bf16 checkpoint (vLLM's advice for its CPU backend), "float16"
+    for an fp16 one: the weights kept as stored and computed as dtype="auto" computes them,
+    bit for bit, not every module in half precision through torch's ops; another half dtype
+    is served as asked."""
+    path, dtype, _ = half_model
+    own, other = ("bfloat16", "float16") if dtype == torch.bfloat16 else ("float16", "bfloat16")
+    asked, auto = engine_config(path, device="cpu", dtype=own), engine_config(path, device="cpu")
+    assert asked.model.dtype == torch.float32 and asked.model.weight_dtype == dtype
+    assert asked.model.matmul_dtype == auto.model.matmul_dtype
+    assert asked.cache.kv_cache_dtype == auto.cache.kv_cache_dtype
+    elsewhere = engine_config(path, device="cpu", dtype=other).model
+    assert elsewhere.dtype == getattr(torch, other) and elsewhere.weight_dtype is None
+    prompts = [[1, 504, 3458, 282, 4649, 314], list(range(2000, 2050))]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
+    got = LLM(path, dtype=own, num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
+    want = LLM(path, num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs
+
+
 def test_an_f16_gguf_file_keeps_its_weights_in_f16(tiny_model, smollm2_path, tmp_path):
     from tests.gguf_writer import write_gguf
 
