@@ -84,9 +84,10 @@ static void score_raw(const float* q, const uint8_t* kb, const uint8_t* vb,
 
 // acc_g (D) = corr_g * acc_g + sum_i p_g[i] * v_i for the G query heads g of one KV head
 // (p_g = p + g * stride, acc_g = acc + g * D), v_i the bf16 rows rows[i] (D values), over
-// chunks of NV vectors of d (D a multiple of kLanes NV). The cache lines ahead[0 .. lines) (the next tile's) are asked
-// for a few per key, spread over the whole walk (paged_attention_keys_t.h accumulate_raw:
-// a burst stalls once the core's outstanding misses are full).
+// chunks of NV vectors of d (D a multiple of kLanes NV). The cache lines ahead[0 .. lines)
+// (the next tile's) are asked for a few per key, spread over the whole walk
+// (paged_attention_keys_t.h accumulate_raw: a burst stalls once the core's outstanding
+// misses are full).
 template <int G, int NV>
 static void accumulate_raw(const float* p, int64_t stride, const uint16_t* const* rows,
                            int64_t n, int64_t D, const float* corr, float* acc,
