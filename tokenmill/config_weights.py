@@ -98,9 +98,10 @@ def computes_as_stored(model: ModelConfig, device: str) -> bool:
     a bf16 checkpoint, as vLLM's CPU backend advises): then it is served as dtype="auto"
     serves it there, its weights kept as stored (default_weight_dtype), products in bf16
     where matmul_dtype says so, activations, norms and sums in float32; not every module in
-    half precision through torch's ops (a Qwen3-0.6B-shaped decode after 3,000 tokens took
-    490-650 ms a step so, most of it in MKL's bf16 GEMV, against 97-160 ms with float32
-    weights: benchmarks/RESULTS.md, fifty-first session). Another dtype is served as asked."""
+    half precision through torch's ops (a Qwen3-0.6B-shaped decode after 500 tokens took
+    166-168 ms a step so, most of it in MKL's bf16 GEMV, against 58-75 ms served as auto
+    serves it: benchmarks/RESULTS.md, fifty-first session). Another dtype is served as
+    asked."""
     return (model.dtype in (torch.bfloat16, torch.float16) and model.dtype == _stored_dtype(model)
             and device.startswith("cpu") and model.quantization is None
             and model.gguf_file is None and cpp_extension.kernels_enabled())
