@@ -95,7 +95,7 @@ def _stored_dtype(model: ModelConfig) -> torch.dtype | None:
 
 def computes_as_stored(model: ModelConfig, device: str) -> bool:
     """Whether a half dtype asked for on CPU is the checkpoint's own (`--dtype bfloat16` for
-    a bf16 checkpoint, as vLLM's CPU backend advises): then it is served as dtype="auto"
+    a bf16 checkpoint, the dtype vLLM's CPU backend runs): then it is served as dtype="auto"
     serves it there, its weights kept as stored (default_weight_dtype), products in bf16
     where matmul_dtype says so, activations, norms and sums in float32; not every module in
     half precision through torch's ops (a Qwen3-0.6B-shaped decode after 500 tokens took

@@ -84,7 +84,7 @@ def test_a_half_checkpoint_keeps_its_weights_and_decodes_as_float32(half_model):
 
 
 def test_asking_a_half_checkpoints_own_dtype_serves_it_as_auto_does(half_model):
-    """`dtype="bfloat16"` for a bf16 checkpoint (vLLM's advice for its CPU backend), "float16"
+    """`dtype="bfloat16"` for a bf16 checkpoint (the dtype vLLM's CPU backend runs), "float16"
     for an fp16 one: the weights kept as stored and computed as dtype="auto" computes them,
     bit for bit, not every module in half precision through torch's ops; another half dtype
     is served as asked."""
