@@ -93,6 +93,14 @@ def _stored_dtype(model: ModelConfig) -> torch.dtype | None:
     return getattr(torch, stored, None) if isinstance(stored, str) else stored
 
 
+def _keeps_as_stored(model: ModelConfig, device: str) -> bool:
+    """Whether the checkpoint's half-precision weights can be kept as stored and computed in
+    float32 here: a bfloat16 / float16 checkpoint, unquantized, on a CPU with the C++ kernels."""
+    return (_stored_dtype(model) in (torch.bfloat16, torch.float16) and device.startswith("cpu")
+            and model.quantization is None and model.gguf_file is None
+            and cpp_extension.kernels_enabled())
+
+
 def computes_as_stored(model: ModelConfig, device: str) -> bool:
     """Whether a half dtype asked for on CPU is the checkpoint's own (`--dtype bfloat16` for
     a bf16 checkpoint, the dtype vLLM's CPU backend runs): then it is served as dtype="auto"
@@ -102,9 +110,7 @@ def computes_as_stored(model: ModelConfig, device: str) -> bool:
     166-168 ms a step so, most of it in MKL's bf16 GEMV, against 58-75 ms served as auto
     serves it: benchmarks/RESULTS.md, fifty-first session). Another dtype is served as
     asked."""
-    return (model.dtype in (torch.bfloat16, torch.float16) and model.dtype == _stored_dtype(model)
-            and device.startswith("cpu") and model.quantization is None
-            and model.gguf_file is None and cpp_extension.kernels_enabled())
+    return model.dtype == _stored_dtype(model) and _keeps_as_stored(model, device)
 
 
 def default_weight_dtype(model: ModelConfig, device: str) -> torch.dtype | None:
@@ -113,11 +119,9 @@ def default_weight_dtype(model: ModelConfig, device: str) -> torch.dtype | None:
     kernels (computed in float32: activations, norms and sums; the weights widened in
     registers, exactly), instead of a float32 copy twice its size; None (the model's dtype)
     elsewhere."""
-    stored = _stored_dtype(model)
-    if (stored not in (torch.bfloat16, torch.float16) or not device.startswith("cpu")
-            or model.dtype != torch.float32 or model.quantization is not None
-            or model.gguf_file is not None or not cpp_extension.kernels_enabled()):
+    if model.dtype != torch.float32 or not _keeps_as_stored(model, device):
         return None
+    stored = _stored_dtype(model)
     logger.info("keeping the %s checkpoint's weights in %s (computing in float32)",
                 model.path, stored)
     return stored
