@@ -9,8 +9,12 @@ sample, outputs; llama.cpp's `eval` of one token, its forward and logits copy, n
 the first step of each turn untimed (the other's threads may still be spinning down). The
 medians over rounds of each block's mean step; the ratio is llama.cpp's over tokenmill's.
 
+`--compare OLD_CSRC` adds a third turn: the same engine's steps with the kernels built from
+another csrc folder (bench/kernel_builds.py), so a kernel change is shown before and after
+in one process, beside llama.cpp. `--no-peer` leaves llama.cpp out.
+
     python benchmarks/decode_steps.py MODEL.gguf [--prompt-len 32] [--steps 60] [--block 10]
-        [--rounds 2]
+        [--rounds 2] [--compare OLD_CSRC] [--no-peer]
 """
 
 from __future__ import annotations
@@ -21,29 +25,38 @@ import os
 import numpy as np
 
 from tokenmill.bench.alternate import alternate
+from tokenmill.bench.kernel_builds import build_kernels, using_kernels
 from tokenmill.bench.machine import describe_machine
 
 
-def run_round(llm, peer, prompt: list[int], steps: int, block: int,
-              rng: np.random.Generator) -> tuple[float, float]:
-    """Seconds a decode step of each engine after `prompt` (its prefill untimed)."""
+def run_round(llm, peer, old_kernels: dict | None, prompt: list[int], steps: int, block: int,
+              rng: np.random.Generator) -> dict[str, float]:
+    """Seconds a decode step of each engine (and of tokenmill with the old kernels) after
+    `prompt` (its prefill untimed)."""
     from tokenmill import SamplingParams
 
     engine = llm.engine
     rounds = max(1, steps // block)
+    turns = {"tokenmill": engine.step}
+    if old_kernels is not None:
+        def old_step() -> None:
+            with using_kernels(old_kernels):
+                engine.step()
+        turns["tokenmill (old kernels)"] = old_step
+    steps_taken = rounds * len(turns) * (block + 1)
     engine.add_request(f"steps-{len(prompt)}-{rng.integers(1 << 30)}", prompt,
-                       SamplingParams(temperature=0, max_tokens=rounds * (block + 1) + 2,
+                       SamplingParams(temperature=0, max_tokens=steps_taken + 2,
                                       ignore_eos=True))
     while not any(o.outputs[0].token_ids for o in engine.step()):
         pass  # the prompt's chunks, untimed, until its first token
-    peer.reset()
-    peer.eval(prompt)
-    times = alternate({"tokenmill": engine.step,
-                       "llama.cpp": lambda: peer.eval([int(rng.integers(3, 32000))])},
-                      rounds, block)
+    if peer is not None:
+        peer.reset()
+        peer.eval(prompt)
+        turns["llama.cpp"] = lambda: peer.eval([int(rng.integers(3, 32000))])
+    times = alternate(turns, rounds, block)
     while engine.has_unfinished_requests():
         engine.step()
-    return times["tokenmill"], times["llama.cpp"]
+    return times
 
 
 def main() -> None:
@@ -54,24 +67,38 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--block", type=int, default=10, help="steps an engine runs per turn")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--compare", metavar="OLD_CSRC",
+                    help="also step with the kernels of this csrc folder")
+    ap.add_argument("--no-peer", action="store_true", help="leave llama.cpp out")
     args = ap.parse_args()
-    from llama_cpp import Llama
-
     from tokenmill import LLM
 
-    context = max(args.prompt_len) + args.steps + args.steps // args.block + 16
+    old_kernels = build_kernels(args.compare) if args.compare else None
+    # every turn's steps, and its first untimed step, extend the one sequence
+    turns = 2 + (old_kernels is not None)
+    context = max(args.prompt_len) + turns * (args.steps + args.steps // args.block) + 16
     llm = LLM(args.model, max_model_len=context)
-    peer = Llama(args.model, n_ctx=context, n_threads=os.cpu_count(), n_batch=512,
-                 verbose=False)
+    peer = None
+    if not args.no_peer:
+        from llama_cpp import Llama
+
+        peer = Llama(args.model, n_ctx=context, n_threads=os.cpu_count(), n_batch=512,
+                     verbose=False)
     print(describe_machine())
     rng = np.random.default_rng(0)
     for length in args.prompt_len:
         for r in range(args.rounds):
             prompt = rng.integers(3, 32000, length).tolist()
-            ours, theirs = run_round(llm, peer, prompt, args.steps, args.block, rng)
-            print(f"prompt {length:>5}, round {r + 1}: tokenmill {ours * 1e3:7.2f} ms a step  "
-                  f"llama.cpp {theirs * 1e3:7.2f} ms  (tokenmill {theirs / ours:.2f}x)",
-                  flush=True)
+            times = run_round(llm, peer, old_kernels, prompt, args.steps, args.block, rng)
+            print(f"prompt {length:>5}, round {r + 1}: " + describe(times), flush=True)
+
+
+def describe(times: dict[str, float]) -> str:
+    """Each turn's ms a step, and tokenmill's speed against the others'."""
+    ours = times["tokenmill"]
+    parts = [f"{name} {t * 1e3:7.2f} ms" for name, t in times.items()]
+    ratios = [f"{t / ours:.2f}x {name}" for name, t in times.items() if name != "tokenmill"]
+    return "  ".join(parts) + (f"  (tokenmill {', '.join(ratios)})" if ratios else "")
 
 
 if __name__ == "__main__":

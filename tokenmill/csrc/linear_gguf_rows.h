@@ -289,10 +289,12 @@ static TM_GGUF_INLINE __m256i levels_madd(__m256i v, const int8_t* hi, const uin
 // arithmetic between its loads the hardware prefetcher alone kept too few misses in flight:
 // one row of x read a 2048 x 8192 Q4_K / Q6_K layer at 10-12 GB/s on Zen 3, 13-17 with this
 // (benchmarks/gguf_kernels.py). Larger M re-reads each tile from L2, where it does not help.
-constexpr int64_t kPrefetchBytes = 3072;
+// Into L2 (prefetcht1) and 6 KB ahead: into L1 and 3 KB ahead (until the fifty-second
+// session), a 1B Q4_K_M decode step, whose Q6_K tensors are read here, ran ~5% slower on
+// Zen 4 (either change alone gained little; benchmarks/RESULTS.md).
+constexpr int64_t kPrefetchBytes = 6144;
 static TM_GGUF_INLINE void prefetch_ahead(const uint8_t* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + off), _MM_HINT_T0);
+  for (int64_t off = 0; off < bytes; off += 64) prefetch_l2(p + kPrefetchBytes + off);
 }
 
 // Block b of a 32-weight-block kind (Q5_0, Q5_1, IQ4_NL) times M rows of x, into acc and

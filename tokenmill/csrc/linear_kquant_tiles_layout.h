@@ -80,9 +80,11 @@ inline void expand_row(const torch::Tensor& q, int64_t n, float* out) {
 #if defined(TOKENMILL_GGUF_ROWS)
 #define TOKENMILL_KQUANT_TILES 1
 #define TM_KT_INLINE inline __attribute__((always_inline))
-// Super-blocks ahead a decode step asks for (4 and 8 read a 2048 x 8192 layer from memory
-// at the same rate, 23.5-23.9 GB/s on two Zen 4 cores).
-constexpr int64_t kAhead = 2;
+// Super-blocks ahead a decode step asks for, into L2 (prefetcht1). Into L1 (prefetcht0, at
+// 2 ahead until the fifty-second session) a 1B Q4_K_M decode step ran 10-14% slower on Zen 4:
+// prefetches to L1 hold its few miss buffers, which the loads need too; 1 ahead into L2 was
+// slower still, 2-6 within noise (benchmarks/RESULTS.md).
+constexpr int64_t kAhead = 3;
 
 // x as the products take it (views into a rounding that must outlive them): x16's bytes
 // apart, one dx per 256 values, S32 (exact floats).
@@ -101,10 +103,10 @@ static TM_KT_INLINE int32_t load4(const void* p) {
   return v;
 }
 
-// Asks for the five lines of sub-block s's share of the super-block kAhead after p.
+// Asks for the five lines of sub-block s's share of the super-block kAhead after p, into L2.
 static TM_KT_INLINE void prefetch_ahead(const uint8_t* p, int s) {
   for (int l = 5 * s; l < std::min(5 * s + 5, int{kBlockBytes / 64}); ++l)
-    _mm_prefetch(reinterpret_cast<const char*>(p + kAhead * kBlockBytes + 64 * l), _MM_HINT_T0);
+    prefetch_l2(p + kAhead * kBlockBytes + 64 * l);
 }
 #endif
 
