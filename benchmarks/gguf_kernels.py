@@ -13,7 +13,9 @@ rate of a plain float32 sum over as many bytes. Types are timed in alternation (
 rounds, taken in one run); `--builds avx512,avx2` times the installed kernel builds side by
 side in the same run (the AVX2 kernels run on an AVX-512 CPU too). `Q4_K_TILES` in --types
 times the same Q4_K blocks packed into tiles of 16 rows as the loader packs them on the AVX2
-and AVX-512 builds (quantization/kquant_tiles.py, csrc/linear_kquant_tiles.h).
+and AVX-512 builds (quantization/kquant_tiles.py, csrc/linear_kquant_tiles.h); `Q6_K_TILES`
+likewise Q6_K's, as the AVX-512 VNNI build packs them (quantization/q6k_tiles.py,
+csrc/linear_q6k_tiles.h).
 """
 
 from __future__ import annotations
@@ -37,10 +39,10 @@ from tokenmill.quantization.gguf import GGUF_TYPES  # noqa: E402
 
 
 def layer_copies(type_name: str, n: int, k: int, copies: int) -> list[CPULinearKernel]:
-    """`copies` distinct (n, k) weights of random `type_name` blocks (Q4_K_TILES: Q4_K's,
-    packed)."""
-    if type_name == "Q4_K_TILES":
-        return [block_tiles.pack(w) for w in layer_copies("Q4_K", n, k, copies)]
+    """`copies` distinct (n, k) weights of random `type_name` blocks (Q4_K_TILES, Q6_K_TILES:
+    Q4_K's or Q6_K's, packed)."""
+    if type_name in ("Q4_K_TILES", "Q6_K_TILES"):
+        return [block_tiles.pack(w) for w in layer_copies(type_name[:4], n, k, copies)]
     kind = GGUF_TYPES[type_name].kind
     return [CPULinearKernel(kind, 32, (torch.from_numpy(random_blocks(type_name, n, k, s)),))
             for s in range(copies)]

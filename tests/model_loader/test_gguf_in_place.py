@@ -2,8 +2,8 @@
 (model_loader/gguf_loader.py `iterate_gguf` in_place, layers/linear.py `fill_span`,
 quantization/gguf.py): no copy at load, the pages the page cache's, the map never written, and
 released with the model (sleep mode). llama.cpp's q / k row order is undone into a copy, and
-blocks split or packed into the kernels' own form (Q4_1, Q8_0; Q4_K on AVX-512 VNNI builds)
-are copies whose pages are let go."""
+blocks split or packed into the kernels' own form (Q4_1, Q8_0; Q4_K on the SIMD builds, Q6_K on
+AVX-512 VNNI builds) are copies whose pages are let go."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tests.quantization.test_gguf_kquants import KQUANT_FILES
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers import cpu_ops
 from tokenmill.quantization.base import CPULinearKernel
-from tokenmill.quantization.block_tiles import unpack
+from tokenmill.quantization.block_tiles import SUPER_BLOCK_TILES, unpack
 
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
 
@@ -68,6 +68,22 @@ def q4_k_m_file(tmp_path_factory, tiny_model, smollm2_path):
     return str(path)
 
 
+def packed_types() -> set[str]:
+    """The K-quant types this build packs into tiles at load (copies of the file's blocks)."""
+    return {name for name in ("Q4_K", "Q6_K")
+            if getattr(CPULinearKernel, name) in SUPER_BLOCK_TILES
+            and cpu_ops.packs_kind(getattr(CPULinearKernel, name))}
+
+
+def in_place_bytes(path: str) -> int:
+    """The bytes of `path`'s blocks the loader uses in place: every K-quant tensor but q and k
+    (un-permuted copies) and the types it packs."""
+    return sum(t.n_bytes for t in gguf.GGUFReader(path).tensors
+               if t.tensor_type.name in KQUANT_FILES["Q4_K_M"].values()
+               and ".attn_q." not in t.name and ".attn_k." not in t.name
+               and t.tensor_type.name not in packed_types())
+
+
 def block_params(llm: LLM) -> dict[str, torch.Tensor]:
     return {n: p for n, p in llm.engine.runner.model.named_parameters() if ".blocks_" in n
             or n.endswith("embed_tokens.blocks_0_0")}
@@ -79,14 +95,14 @@ def test_kquant_blocks_are_the_files_pages(q4_k_m_file):
     maps = file_mappings(q4_k_m_file)
     blocks = block_params(llm)
     assert blocks
-    packs_q4_k = cpu_ops.packs_kind(CPULinearKernel.Q4_K)  # SIMD builds: packed into tiles
+    packs_q4_k = "Q4_K" in packed_types()  # SIMD builds: packed into tiles (Q6_K: VNNI)
     stored = {t.name: t for t in gguf.GGUFReader(q4_k_m_file).tensors}
     for name, param in blocks.items():
         # llama.cpp stored q / k rows interleaved for its RoPE: un-permuted, they are copies
         copied = (".qkv_proj.blocks_0_" in name or ".qkv_proj.blocks_1_" in name
-                  or (packs_q4_k and param.dim() == 3))
+                  or param.dim() == 3)  # packed into tiles
         assert in_a_mapping(param, maps) is not copied, name  # (not moved to huge pages)
-    # every tensor but q and k (and packed Q4_K), byte for byte where the file holds it
+    # every tensor but q and k (and packed K-quants), byte for byte where the file holds it
     o_proj = llm.engine.runner.model.model.layers[1].self_attn.o_proj.blocks_0_0
     want = stored["blk.1.attn_output.weight"]  # Q5_K
     assert torch.equal(o_proj, torch.from_numpy(want.data.reshape(o_proj.shape).copy()))
@@ -98,10 +114,7 @@ def test_kquant_blocks_are_the_files_pages(q4_k_m_file):
     assert torch.equal(down_rows, torch.from_numpy(
         stored["blk.1.ffn_down.weight"].data.reshape(down_rows.shape).copy()))
     held = sum(p.numel() for n, p in blocks.items() if in_a_mapping(p, maps))
-    expected = sum(t.n_bytes for t in stored.values() if t.tensor_type.name in KQUANT_FILES[
-        "Q4_K_M"].values() and ".attn_q." not in t.name and ".attn_k." not in t.name
-        and not (packs_q4_k and t.tensor_type.name == "Q4_K"))
-    assert held == expected
+    assert held == in_place_bytes(q4_k_m_file)
     if packs_q4_k:  # the packed tensors' pages of the map were released after packing
         offset = min(m["start"] for m in maps)
         start = offset + stored["blk.1.ffn_down.weight"].data_offset
@@ -122,10 +135,12 @@ def test_sleep_lets_the_files_pages_go_and_wake_maps_them_again(q4_k_m_file):
     llm = LLM(q4_k_m_file, max_model_len=128, num_kv_blocks=32, enable_sleep_mode=True)
     before = llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0].token_ids
     mapped = sum(m.get("Rss", 0) for m in file_mappings(q4_k_m_file))
-    assert mapped * 1024 >= 0.5 * os.path.getsize(q4_k_m_file)
+    assert mapped * 1024 >= 0.5 * in_place_bytes(q4_k_m_file)
     llm.sleep(level=1)
-    # only the metadata pages the cached GGUF reader touched may stay mapped
-    assert sum(m.get("Rss", 0) for m in file_mappings(q4_k_m_file)) < mapped / 4
+    # only the metadata pages the cached GGUF reader touched may stay mapped (the header,
+    # the tokenizer's vocabulary among it, ends where the first tensor's data starts)
+    header = min(t.data_offset for t in gguf.GGUFReader(q4_k_m_file).tensors)
+    assert sum(m.get("Rss", 0) for m in file_mappings(q4_k_m_file)) * 1024 <= header + (64 << 10)
     llm.wake_up()
     maps = file_mappings(q4_k_m_file)
     assert any(in_a_mapping(p, maps) for p in block_params(llm).values())
@@ -156,7 +171,7 @@ def test_the_automatic_kv_budget_leaves_the_mapped_weights_their_memory(q4_k_m_f
     llm = LLM(q4_k_m_file, max_model_len=512, max_num_seqs=256)
     runner = llm.engine.runner
     mapped = file_mapped_bytes(runner.model.parameters())
-    assert mapped > 0.5 * os.path.getsize(q4_k_m_file)
+    assert mapped > 0.5 * in_place_bytes(q4_k_m_file)
     per_block = bytes_per_block(runner.num_layers, runner.block_size, runner.num_kv_heads,
                                 llm.engine.config.model.head_dim, llm.engine.config.model.dtype,
                                 llm.engine.config.cache.kv_cache_dtype)

@@ -173,8 +173,8 @@ def test_a_kquant_model_serves_int8_activations_near_its_float32_expansion(
         kind = block_tiles.BLOCK_KIND.get(kernel.kind, kernel.kind)  # (AMX CPUs: packed)
         assert kind == GGUF_TYPES[types[f"blk.0.{name}.weight"]].served(True)[0].kind
     qkv = layer.self_attn.qkv_proj  # float activations: every part's own blocks
-    q4_k = CPULinearKernel.Q4_K
-    packed = {q4_k: CPULinearKernel.Q4_K_TILES} if cpu_ops.packs_kind(q4_k) else {}
+    packed = {k: block_tiles.PACKED_KIND[k] for k in block_tiles.SUPER_BLOCK_TILES
+              if cpu_ops.packs_kind(k)}  # the K-quants' tiles where this build has them
     assert [row[0] for row in qkv.quant_method.cpu_kernel(qkv).tensors[0].tolist()] == [
         packed.get(k, k) for k in (GGUF_TYPES[types[f"blk.0.{n}.weight"]].kind
                                    for n in ("attn_q", "attn_k", "attn_v"))]

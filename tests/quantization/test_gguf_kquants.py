@@ -23,6 +23,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.bench.real_gguf import random_blocks
 from tokenmill.layers import cpu_ops
 from tokenmill.models import cpu_decode
+from tokenmill.quantization import block_tiles
 from tokenmill.quantization.base import CPULinearKernel
 from tokenmill.quantization.blocks import dequantize
 from tokenmill.quantization.gguf import GGUF_TYPES
@@ -204,9 +205,10 @@ def test_a_kquant_model_serves_its_blocks_by_default_like_its_float32_expansion(
     qkv = model.model.layers[0].self_attn.qkv_proj
     kernel = qkv.quant_method.cpu_kernel(qkv)
     assert kernel.kind == CPULinearKernel.PARTS  # q, k and a v of another type, in place
-    # (Q4_K packed into tiles of 16 rows on SIMD builds: quantization/kquant_tiles.py)
-    q4_k = CPULinearKernel.Q4_K
-    packed = {q4_k: CPULinearKernel.Q4_K_TILES} if cpu_ops.packs_kind(q4_k) else {}
+    # (Q4_K packed into tiles of 16 rows on SIMD builds, Q6_K on AVX-512 VNNI builds:
+    # quantization/kquant_tiles.py, q6k_tiles.py)
+    packed = {k: block_tiles.PACKED_KIND[k] for k in block_tiles.SUPER_BLOCK_TILES
+              if cpu_ops.packs_kind(k)}
     kinds = [GGUF_TYPES[types[t]].kind for t in ("attn_q", "attn_k", "attn_v")]
     assert [row[0] for row in kernel.tensors[0].tolist()] == [packed.get(k, k) for k in kinds]
     held = sum(p.numel() * p.element_size() for p in model.parameters())

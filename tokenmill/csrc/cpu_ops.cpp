@@ -46,12 +46,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, py::arg("enable") = py::none());
   // Whether the loader packs block weights of kind `kind` into tiles of 16 rows here (the
   // switch above on): kinds 1 and 2 where their tiles are built (above), GGUF Q4_K (kind 5)
-  // on every SIMD build (kind 19, linear_kquant_tiles.h).
+  // on every SIMD build (kind 19, linear_kquant_tiles.h), GGUF Q6_K (kind 7) on AVX-512 VNNI
+  // builds (kind 20, linear_q6k_tiles.h).
   m.def("packs_kind", [](int64_t kind) {
     if (kind == block_tiles::kQ8Source || kind == block_tiles::kQ4Source)
       return block_tiles::active();
 #if defined(TOKENMILL_KQUANT_TILES)
     if (kind == gguf_blocks::kQ4_K) return block_tiles::use_tiles();
+#endif
+#if defined(TOKENMILL_Q6K_TILES)
+    if (kind == gguf_blocks::kQ6_K) return block_tiles::use_tiles();
 #endif
     return false;
   }, py::arg("kind"));

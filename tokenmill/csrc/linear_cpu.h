@@ -73,6 +73,7 @@
 #include "linear_gguf_int8.h"
 #include "linear_int8_gemm.h"
 #include "linear_kquant_tiles.h"
+#include "linear_q6k_tiles.h"
 #include "linear_rows.h"
 
 // Up to this many rows of x, float activations go through the row kernels below, four rows
@@ -203,7 +204,7 @@ static bool gguf_parts_share_x(const std::vector<std::pair<int64_t, torch::Tenso
                                bool int8_acts) {
   for (const auto& [kind, w] : parts) {
 #if defined(TOKENMILL_KQUANT_TILES)
-    if (kquant_tiles::is_kind(kind) && !int8_acts) continue;
+    if ((kquant_tiles::is_kind(kind) || q6k_tiles::is_kind(kind)) && !int8_acts) continue;
 #endif
     if (!gguf_blocks::is_gguf_kind(kind)) return false;
     if (int8_acts && !gguf_int8::has_kernel(kind)) return false;
@@ -220,11 +221,14 @@ static torch::Tensor linear_gguf_parts(torch::Tensor x,
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   auto rows = [](int64_t kind, const torch::Tensor& w) {  // a part's N
-    return kquant_tiles::is_kind(kind) ? kquant_tiles::rows_of(w) : w.size(0);
+    return kquant_tiles::is_kind(kind) ? kquant_tiles::rows_of(w)
+           : q6k_tiles::is_kind(kind)  ? q6k_tiles::rows_of(w)
+                                       : w.size(0);
   };
   int64_t ldy = 0;
   for (const auto& [kind, w] : parts) {
     if (kquant_tiles::is_kind(kind)) kquant_tiles::check({w}, K);
+    else if (q6k_tiles::is_kind(kind)) q6k_tiles::check({w}, K);
     else check_weight(kind, 32, {w}, K);
     ldy += rows(kind, w);
   }
@@ -260,13 +264,23 @@ static torch::Tensor linear_gguf_parts(torch::Tensor x,
     gguf_rows::linear_split(kind, w, xr, M, K, N, nullptr, yc, ldy);
   };
 #endif
-  std::vector<kquant_tiles::Part> tiles;  // kind 19's parts: one parallel region for all
+  // kind 19's parts: one parallel region for all; kind 20's likewise
+  std::vector<kquant_tiles::Part> tiles, q6_tiles;
   each([&](int64_t kind, const torch::Tensor& w, int64_t N, float* yc) {
     if (kquant_tiles::is_kind(kind)) tiles.push_back(kquant_tiles::part_of(w, yc));
+    else if (q6k_tiles::is_kind(kind)) q6_tiles.push_back(kquant_tiles::part_of(w, yc));
     else raw_part(kind, w.data_ptr<uint8_t>(), N, yc);
   });
-  if (!tiles.empty())
-    kquant_tiles::linear_split(tiles, kquant_tiles::split(xr, M).acts, M, nullptr, ldy);
+  if (tiles.empty() && q6_tiles.empty()) return y;
+  const auto split = kquant_tiles::split(xr, M);
+  if (!tiles.empty()) kquant_tiles::linear_split(tiles, split.acts, M, nullptr, ldy);
+  if (!q6_tiles.empty()) {
+#if defined(TOKENMILL_Q6K_TILES)
+    q6k_tiles::linear_split(q6_tiles, split.acts, xr.s16.data(), M, nullptr, ldy);
+#else
+    TORCH_CHECK(false, "weights packed into Q6_K tiles (kind 20) need the AVX-512 VNNI build");
+#endif
+  }
   return y;
 }
 #endif
@@ -353,9 +367,10 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
   TORCH_CHECK(x.dim() == 2 && !t.empty(), "linear takes x (M, K) and a weight");
   const int64_t M = x.size(0), K = x.size(1);
   const bool tiles = kind == bf16_products::kTilesKind || block_tiles::is_tiles_kind(kind) ||
-                     kquant_tiles::is_kind(kind);
+                     kquant_tiles::is_kind(kind) || q6k_tiles::is_kind(kind);
   const int64_t N = t[0].size(0) * (tiles ? 16 : 1);
   if (kquant_tiles::is_kind(kind)) kquant_tiles::check(t, K);
+  else if (q6k_tiles::is_kind(kind)) q6k_tiles::check(t, K);
   else if (!block_tiles::is_tiles_kind(kind)) check_weight(kind, G, t, K);
   if (input_scale.has_value()) {
     check_f32(*input_scale, "input_scale");
@@ -397,6 +412,16 @@ inline torch::Tensor linear(torch::Tensor x, int64_t kind, int64_t G,
     return y;
 #else
     TORCH_CHECK(false, "weights packed into Q4_K tiles (kind 19) need an AVX2 or AVX-512 build");
+#endif
+  }
+  if (q6k_tiles::is_kind(kind)) {  // one arithmetic at every M
+    TORCH_CHECK(!int8_acts, "weight kind 20 (Q6_K tiles) multiplies int16-rounded "
+                "activations; int8 activations read the raw blocks (kind 7)");
+#if defined(TOKENMILL_Q6K_TILES)
+    q6k_tiles::linear(t[0], xp, M, K, b, yp);
+    return y;
+#else
+    TORCH_CHECK(false, "weights packed into Q6_K tiles (kind 20) need the AVX-512 VNNI build");
 #endif
   }
   if (block_tiles::is_tiles_kind(kind)) {  // one arithmetic at every M
@@ -480,13 +505,15 @@ inline torch::Tensor gather_rows(torch::Tensor ids, int64_t kind, int64_t G,
                                  const std::vector<torch::Tensor>& t) {
   TORCH_CHECK(kind != 0 && kind != bf16_products::kTilesKind && !t.empty(),
               "gather_rows is for quantized weights (kind 16's tiles: look rows up in Python)");
-  const bool kquant = kquant_tiles::is_kind(kind);  // a tied Q4_K table packed for its head
-  const bool tiles = block_tiles::is_tiles_kind(kind) || kquant;
+  // a tied Q4_K or Q6_K table packed for its head
+  const bool kquant = kquant_tiles::is_kind(kind), q6 = q6k_tiles::is_kind(kind);
+  const bool tiles = block_tiles::is_tiles_kind(kind) || kquant || q6;
   const int64_t K = gguf_blocks::is_gguf_kind(kind)  // raw blocks; 4-bit: two weights a byte
       ? t[0].size(1) / gguf_blocks::block_bytes(kind) * gguf_blocks::block_weights(kind)
-      : kquant ? kquant_tiles::k_of(t[0])
+      : kquant || q6 ? t[0].size(1) * kquant_tiles::kSuper
       : tiles ? t[0].size(1) * kBlock : t[0].size(1) * (kind == 2 ? 2 : 1);
   if (kquant) kquant_tiles::check(t, K);
+  else if (q6) q6k_tiles::check(t, K);
   else if (!tiles) check_weight(kind, G, t, K);
   else TORCH_CHECK(t[0].dim() == 3 && t.size() == (kind == block_tiles::kQ4Kind ? 3u : 2u),
                    "weight kind ", kind, ": packed q tiles and scales");
@@ -499,6 +526,8 @@ inline torch::Tensor gather_rows(torch::Tensor ids, int64_t kind, int64_t G,
   at::parallel_for(0, count, 16, [&](int64_t i0, int64_t i1) {
     if (kquant)
       for (int64_t i = i0; i < i1; ++i) kquant_tiles::expand_row(t[0], ip[i], op + i * K);
+    else if (q6)
+      for (int64_t i = i0; i < i1; ++i) q6k_tiles::expand_row(t[0], ip[i], op + i * K);
     else if (tiles)
       for (int64_t i = i0; i < i1; ++i) block_tiles::expand_row(kind, G, t, ip[i], K, op + i * K);
     else expand_rows(kind, G, t, ip + i0, i1 - i0, K, op + i0 * K);

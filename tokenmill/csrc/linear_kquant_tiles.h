@@ -17,29 +17,17 @@ inline Part part_of(const torch::Tensor& qt, float* y) {
   return {qt.data_ptr<uint8_t>(), qt.size(0), y};
 }
 
-// Rows [m, m + left) of x (0 < left < R) times group g, through the kernel of `left` rows.
-template <int R>
-static void group_rows_left(int64_t left, const uint8_t* q, int64_t nsb, const Acts& a,
-                            int64_t m, int64_t g, const float* bias, float* y, int64_t ldy,
-                            bool stream) {
-  if constexpr (R > 1) {
-    if (left == R - 1) return group_rows<R - 1>(q, nsb, a, m, g, bias, y, ldy, stream);
-    group_rows_left<R - 1>(left, q, nsb, a, m, g, bias, y, ldy, stream);
-  }
-}
-
-// Each part's N columns of y (row stride ldy) = x @ W^T (+ bias, one part only), x already
-// split (`split`): a merged layer's parts share one rounding and one parallel region, each
-// writing its own columns (linear_cpu.h). Threads take contiguous ranges of all the parts'
-// groups; a step of more rows takes x in blocks of ~512 KB (hi and lo) that stay in L2 while
-// a group's tiles (K / 256 x 2368 bytes) meet all of them from L1.
-inline void linear_split(const std::vector<Part>& parts, const Acts& a, int64_t M,
-                         const float* bias, int64_t ldy) {
-  const int64_t nsb = a.K / kSuper;
+// Every part's groups times the M rows of x, in one parallel region: threads take contiguous
+// ranges of all the parts' groups; a step of more rows takes x in blocks of ~512 KB (hi and
+// lo) that stay in L2 while a group's tiles meet all of them from L1. rows(part, g, m, R):
+// rows [m, m + R) of x (R a std::integral_constant, 1 .. kMax) times group g of part.
+// (Shared by the Q4_K and Q6_K tiles: linear_q6k_tiles.h.)
+template <int kMax, class Rows>
+inline void for_each_group(const std::vector<Part>& parts, int64_t M, int64_t K,
+                           const Rows& rows) {
   int64_t total = 0;
   for (const Part& w : parts) total += w.groups;
-  const bool stream = M <= 4;
-  const int64_t xblock = x_block_rows(2 * a.K, kMaxRows, 1 << 19);
+  const int64_t xblock = x_block_rows(2 * K, kMax, 1 << 19);
   auto run = [&](int64_t t0, int64_t t1) {  // groups [t0, t1) of all the parts
     for (int64_t m0 = 0; m0 < M; m0 += xblock) {
       const int64_t m1 = std::min(M, m0 + xblock);
@@ -47,16 +35,26 @@ inline void linear_split(const std::vector<Part>& parts, const Acts& a, int64_t 
         size_t i = 0;
         int64_t g = t;  // part i's group g
         while (g >= parts[i].groups) g -= parts[i++].groups;
-        const Part& w = parts[i];
-        int64_t m = m0;
-        for (; m + kMaxRows <= m1; m += kMaxRows)
-          group_rows<kMaxRows>(w.q, nsb, a, m, g, bias, w.y, ldy, stream);
-        if (m < m1) group_rows_left<kMaxRows>(m1 - m, w.q, nsb, a, m, g, bias, w.y, ldy, stream);
+        for (int64_t m = m0; m < m1; m += kMax)
+          with_group_size<kMax>(std::min<int64_t>(kMax, m1 - m),
+                                [&](auto R) { rows(parts[i], g, m, R); });
       }
     }
   };
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   at::parallel_for(0, total, std::max<int64_t>(1, total / threads), run);
+}
+
+// Each part's N columns of y (row stride ldy) = x @ W^T (+ bias, one part only), x already
+// split (`split`): a merged layer's parts share one rounding and one parallel region, each
+// writing its own columns (linear_cpu.h); a group's tiles are K / 256 x 2368 bytes.
+inline void linear_split(const std::vector<Part>& parts, const Acts& a, int64_t M,
+                         const float* bias, int64_t ldy) {
+  const int64_t nsb = a.K / kSuper;
+  const bool stream = M <= 4;
+  for_each_group<kMaxRows>(parts, M, a.K, [&](const Part& w, int64_t g, int64_t m, auto R) {
+    group_rows<decltype(R)::value>(w.q, nsb, a, m, g, bias, w.y, ldy, stream);
+  });
 }
 
 // y (M, N) = x @ W^T (+ bias), x (M, K) float32.

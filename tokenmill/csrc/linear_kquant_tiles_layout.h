@@ -49,11 +49,18 @@ inline bool is_kind(int64_t kind) { return kind == kKind; }
 inline int64_t rows_of(const torch::Tensor& q) { return q.size(0) * kRows; }
 inline int64_t k_of(const torch::Tensor& q) { return q.size(1) * kSuper; }
 
-inline void check(const std::vector<torch::Tensor>& t, int64_t K) {
+// A packed K-quant weight (kind 19 here, 20 in linear_q6k_tiles.h): one contiguous CPU
+// tensor (N / 16, K / 256, bytes) uint8 for x's K.
+inline void check_tiles(const std::vector<torch::Tensor>& t, int64_t K, int64_t kind,
+                        int64_t bytes, const char* type) {
   TORCH_CHECK(t.size() == 1 && t[0].scalar_type() == torch::kUInt8 && t[0].dim() == 3 &&
-              t[0].size(2) == kBlockBytes && t[0].is_contiguous() && t[0].device().is_cpu(),
-              "weight kind 19 (Q4_K tiles): q tiles (N / 16, K / 256, 2368) uint8");
-  TORCH_CHECK(k_of(t[0]) == K, "weight kind 19: K is ", k_of(t[0]), ", x has ", K);
+              t[0].size(2) == bytes && t[0].is_contiguous() && t[0].device().is_cpu(),
+              "weight kind ", kind, " (", type, " tiles): q tiles (N / 16, K / 256, ", bytes,
+              ") uint8");
+  TORCH_CHECK(k_of(t[0]) == K, "weight kind ", kind, ": K is ", k_of(t[0]), ", x has ", K);
+}
+inline void check(const std::vector<torch::Tensor>& t, int64_t K) {
+  check_tiles(t, K, kKind, kBlockBytes, "Q4_K");
 }
 
 // Row n of the weight as float32 (K values, gguf's dequantization: d sc q - dmin mn): an

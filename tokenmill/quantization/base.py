@@ -63,6 +63,10 @@ class CPULinearKernel:
     # rounded as for Q4_K (csrc/linear_kquant_tiles_layout.h; quantization/kquant_tiles.py):
     # (q tiles (N/16, K/256, 2368) uint8,)
     Q4_K_TILES = 19
+    # Q6_K's raw super-blocks packed at load into tiles of 16 rows on AVX-512 VNNI builds, x
+    # rounded as for Q6_K (csrc/linear_q6k_tiles.h; quantization/q6k_tiles.py):
+    # (q tiles (N/16, K/256, 3360) uint8,)
+    Q6_K_TILES = 20
     # a merged layer of parts of different kinds: (meta (P, 3) int64 [kind, group, tensor
     # count], then each part's tensors); outputs side by side
     PARTS = 15

@@ -2,7 +2,8 @@
 Q8_0_TILES and Q4_TILES, csrc/linear_block_tiles.h) on CPUs that run the AVX-512 VNNI build:
 multiplied by AMX-INT8's tile unit where the CPU has it, by vpdpbusd elsewhere (the same bits);
 GGUF Q4_K (Q4_K_TILES, csrc/linear_kquant_tiles.h) on the AVX2 and AVX-512 builds (vpdpbusd, or
-vpmaddwd on AVX2: the same bits).
+vpmaddwd on AVX2: the same bits); GGUF Q6_K (Q6_K_TILES, csrc/linear_q6k_tiles.h) on the
+AVX-512 VNNI build.
 
 Packing is a permutation of the blocks' bytes and scales, nothing recomputed: 16 rows of W
 (a group g) side by side, 4 bytes of each row a time, so that each 32-block of the group is
@@ -17,9 +18,12 @@ one B tile of the tile unit's int8 products (and 16 outputs of one vpdpbusd):
            super-block sb, the 128 nibble bytes of its 16 rows 4 at a time (byte 32j + 4c + e
            of row r at (8j + c) * 64 + 4r + e), then the 6-bit scales and mins one a byte
            ([s][r]), then d[r] and dmin[r] (float16): csrc/linear_kquant_tiles_layout.h's layout.
+    Q6_K:  raw super-block rows (N, K/256 * 210) uint8 -> (N/16, K/256, 3360): the ql and qh
+           bytes of 16 rows 4 at a time, the int8 scales ([h][r]), d[r]: quantization/
+           q6k_tiles.py, csrc/linear_q6k_tiles.h.
 
-Invariant: `unpack(pack(k))` is `k`, bit for bit, so every reader of kinds Q8_0, Q4 and Q4_K
-(the CUDA GEMM, dequantize) can read a packed weight through `unpack`.
+Invariant: `unpack(pack(k))` is `k`, bit for bit, so every reader of kinds Q8_0, Q4, Q4_K and
+Q6_K (the CUDA GEMM, dequantize) can read a packed weight through `unpack`.
 """
 
 from __future__ import annotations
@@ -28,23 +32,27 @@ import torch
 from torch import nn
 
 from tokenmill.layers import cpu_ops
-from tokenmill.quantization import kquant_tiles
+from tokenmill.quantization import kquant_tiles, q6k_tiles
 from tokenmill.quantization.base import CPULinearKernel
 
 PACKED_KIND = {CPULinearKernel.Q8_0: CPULinearKernel.Q8_0_TILES,
                CPULinearKernel.Q4: CPULinearKernel.Q4_TILES,
-               CPULinearKernel.Q4_K: CPULinearKernel.Q4_K_TILES}
+               CPULinearKernel.Q4_K: CPULinearKernel.Q4_K_TILES,
+               CPULinearKernel.Q6_K: CPULinearKernel.Q6_K_TILES}
+# the K-quants packed by their own modules (a permutation of each super-block's bytes)
+SUPER_BLOCK_TILES = {CPULinearKernel.Q4_K: kquant_tiles, CPULinearKernel.Q6_K: q6k_tiles}
 BLOCK_KIND = {v: k for k, v in PACKED_KIND.items()}
 ROWS, BLOCK = 16, 32
 
 
 def packs(kernel: CPULinearKernel) -> bool:
-    """Whether the loader packs this weight: a Q8_0, 4-bit or Q4_K block weight on the CPU, its
-    rows a multiple of 16, where the running build packs its kind (cpu_ops.packs_kind: Q8_0
-    and 4-bit on AVX-512 VNNI, Q4_K on AVX2 and AVX-512; the switch cpu_ops.block_tiles on).
-    Q4_K with int8 activations keeps its raw rows (their kernels, csrc/linear_gguf_int8.h)."""
+    """Whether the loader packs this weight: a Q8_0, 4-bit, Q4_K or Q6_K block weight on the
+    CPU, its rows a multiple of 16, where the running build packs its kind (cpu_ops.packs_kind:
+    Q8_0, 4-bit and Q6_K on AVX-512 VNNI, Q4_K on AVX2 and AVX-512; the switch
+    cpu_ops.block_tiles on). K-quants with int8 activations keep their raw rows (their
+    kernels, csrc/linear_gguf_int8.h)."""
     q = kernel.tensors[0]
-    if kernel.kind == CPULinearKernel.Q4_K and kernel.int8_activations:
+    if kernel.kind in SUPER_BLOCK_TILES and kernel.int8_activations:
         return False
     return (kernel.kind in PACKED_KIND and q.is_cpu and q.dim() == 2 and q.shape[0] % ROWS == 0
             and kernel.group % BLOCK == 0 and cpu_ops.ops_available()
@@ -69,8 +77,9 @@ def _bytes_per_block(kind: int) -> int:
 
 def pack(kernel: CPULinearKernel) -> CPULinearKernel:
     """The weight in its packed kind (module doc); same group, activations and options."""
-    if kernel.kind == CPULinearKernel.Q4_K:
-        return _with(kernel, CPULinearKernel.Q4_K_TILES, (kquant_tiles.pack(kernel.tensors[0]),))
+    if kernel.kind in SUPER_BLOCK_TILES:
+        return _with(kernel, PACKED_KIND[kernel.kind],
+                     (SUPER_BLOCK_TILES[kernel.kind].pack(kernel.tensors[0]),))
     q, *scales = kernel.tensors
     N, nbytes = q.shape
     per = _bytes_per_block(kernel.kind)
@@ -85,8 +94,9 @@ def unpack(kernel: CPULinearKernel) -> CPULinearKernel:
     """A packed weight back in its block kind (a copy); any other kernel as it is."""
     if kernel.kind not in BLOCK_KIND:
         return kernel
-    if kernel.kind == CPULinearKernel.Q4_K_TILES:
-        return _with(kernel, CPULinearKernel.Q4_K, (kquant_tiles.unpack(kernel.tensors[0]),))
+    if BLOCK_KIND[kernel.kind] in SUPER_BLOCK_TILES:
+        kind = BLOCK_KIND[kernel.kind]
+        return _with(kernel, kind, (SUPER_BLOCK_TILES[kind].unpack(kernel.tensors[0]),))
     q, *scales = kernel.tensors
     groups, nb, _ = q.shape
     per = _bytes_per_block(kernel.kind)

@@ -103,7 +103,7 @@ def dequantize(kernel: CPULinearKernel) -> torch.Tensor:
         qtype = gguf.GGMLQuantizationType[in_place[kernel.kind]]
         return torch.from_numpy(gguf.quants.dequantize(t[0].numpy(), qtype).copy())
     if kernel.kind in (CPULinearKernel.Q8_0_TILES, CPULinearKernel.Q4_TILES,
-                       CPULinearKernel.Q4_K_TILES):
+                       CPULinearKernel.Q4_K_TILES, CPULinearKernel.Q6_K_TILES):
         from tokenmill.quantization.block_tiles import unpack
 
         return dequantize(unpack(kernel))

@@ -234,13 +234,14 @@ class GGUFBlockMethod(LinearMethodBase):
             kernel = CPULinearKernel(GGUF_TYPES[name].served(self.int8_activations)[0].kind, 32,
                                      kernel_tensors(part, name, self.int8_activations),
                                      self.int8_activations)
-            packed = block_tiles.packed_for(layer, kernel)  # Q8_0, Q4_x (VNNI), Q4_K (SIMD)
+            packed = block_tiles.packed_for(layer, kernel)  # Q8_0, Q4_x, Q6_K (VNNI), Q4_K
             if held and packed is not kernel:  # a copy now: the map's pages can go
                 advise_tensor_pages(part, MADV_DONTNEED)
             kernel = packed
             for i, t in enumerate(kernel.tensors):
                 replace_param(layer, f"blocks_{p}_{i}", t.contiguous())
-                if kernel.kind == CPULinearKernel.Q4_K_TILES:  # written once, where they are
+                if kernel.kind in (CPULinearKernel.Q4_K_TILES, CPULinearKernel.Q6_K_TILES):
+                    # written once, where they are
                     keep_pages(getattr(layer, f"blocks_{p}_{i}"))
             row += rows
 
