@@ -42,7 +42,8 @@ def layer_copies(type_name: str, n: int, k: int, copies: int) -> list[CPULinearK
     """`copies` distinct (n, k) weights of random `type_name` blocks (Q4_K_TILES, Q6_K_TILES:
     Q4_K's or Q6_K's, packed)."""
     if type_name in ("Q4_K_TILES", "Q6_K_TILES"):
-        return [block_tiles.pack(w) for w in layer_copies(type_name[:4], n, k, copies)]
+        stored = type_name.removesuffix("_TILES")
+        return [block_tiles.pack(w) for w in layer_copies(stored, n, k, copies)]
     kind = GGUF_TYPES[type_name].kind
     return [CPULinearKernel(kind, 32, (torch.from_numpy(random_blocks(type_name, n, k, s)),))
             for s in range(copies)]

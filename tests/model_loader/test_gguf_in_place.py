@@ -20,6 +20,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.layers import cpu_ops
 from tokenmill.quantization.base import CPULinearKernel
 from tokenmill.quantization.block_tiles import SUPER_BLOCK_TILES, unpack
+from tokenmill.quantization.gguf import GGUF_TYPES
 
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
 
@@ -70,9 +71,8 @@ def q4_k_m_file(tmp_path_factory, tiny_model, smollm2_path):
 
 def packed_types() -> set[str]:
     """The K-quant types this build packs into tiles at load (copies of the file's blocks)."""
-    return {name for name in ("Q4_K", "Q6_K")
-            if getattr(CPULinearKernel, name) in SUPER_BLOCK_TILES
-            and cpu_ops.packs_kind(getattr(CPULinearKernel, name))}
+    return {name for name, t in GGUF_TYPES.items()
+            if t.kind in SUPER_BLOCK_TILES and cpu_ops.packs_kind(t.kind)}
 
 
 def in_place_bytes(path: str) -> int:

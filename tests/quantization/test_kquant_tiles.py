@@ -112,14 +112,16 @@ def products_as_defined(x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(acc)
 
 
-@needs_tiles
-def test_products_are_the_definition_bit_for_bit_at_every_m():
-    raw = raw_q4_k(64, 768, seed=3)
-    packed = block_tiles.pack(CPULinearKernel(Q4_K, 32, (raw,)))
+def assert_the_definition_at_every_m(kind: int, raw: torch.Tensor, definition) -> None:
+    """A K-quant's raw rows (64 x 768) packed into tiles multiply x as `definition(x, raw)`
+    says, bit for bit, at every M, beside any rows, at one thread and two, with a bias; and
+    within float32's error of gguf's dequantization times x as rounded. (Shared by the Q4_K
+    and Q6_K tiles' tests.)"""
+    packed = block_tiles.pack(CPULinearKernel(kind, 32, (raw,)))
     x = torch.randn(11, 768)
     x[3, 5] = 40.0  # an outlier: its block's dx
     x[7, 256:512] = 0.0  # an all-zero block: dx 0
-    want = products_as_defined(x, raw)
+    want = definition(x, raw)
     got = cpu_ops.linear(x, packed)
     assert torch.equal(got, want)
     for m in (1, 2, 3, 4, 5, 8):  # any M, any rows beside it
@@ -131,7 +133,7 @@ def test_products_are_the_definition_bit_for_bit_at_every_m():
     finally:
         torch.set_num_threads(threads)
     # against gguf's dequantization times x as rounded (dx x16): float32's error only
-    w = dequantize(CPULinearKernel(Q4_K, 32, (raw,))).double()
+    w = dequantize(CPULinearKernel(kind, 32, (raw,))).double()
     xb = x.view(11, 3, 256)
     dx = xb.abs().amax(-1, keepdim=True) / 32767.0
     x_hat = ((xb / dx).nan_to_num().round() * dx).view(11, 768).double()
@@ -139,6 +141,11 @@ def test_products_are_the_definition_bit_for_bit_at_every_m():
     assert ((got.double() - x_hat @ w.T).abs() <= 1e-5 * scale).all()
     bias = torch.randn(64)
     assert torch.equal(cpu_ops.linear(x, packed, bias), want + bias)
+
+
+@needs_tiles
+def test_products_are_the_definition_bit_for_bit_at_every_m():
+    assert_the_definition_at_every_m(Q4_K, raw_q4_k(64, 768, seed=3), products_as_defined)
 
 
 @needs_tiles

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.quantization.test_kquant_tiles import _fma, assert_the_definition_at_every_m
 from tokenmill.bench.real_gguf import random_blocks
 from tokenmill.layers import cpu_ops
 from tokenmill.quantization import block_tiles, q6k_tiles
@@ -62,11 +63,6 @@ def test_the_loader_packs_float_activations_only():
     assert not block_tiles.packs(CPULinearKernel(Q6_K, 32, (raw_q6_k(40, 256),)))  # 16s only
 
 
-def _fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    ld = np.longdouble
-    return (a.astype(ld) * b.astype(ld) + c.astype(ld)).astype(np.float32)
-
-
 def stored_values(raw: torch.Tensor, nsb: int) -> torch.Tensor:
     """q (N, nsb, 256) int64, 0..63, in weight order (gguf's Q6_K layout)."""
     N = raw.shape[0]
@@ -105,31 +101,7 @@ def products_as_defined(x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
 
 @needs_tiles
 def test_products_are_the_definition_bit_for_bit_at_every_m():
-    raw = raw_q6_k(64, 768, seed=3)
-    packed = block_tiles.pack(CPULinearKernel(Q6_K, 32, (raw,)))
-    x = torch.randn(11, 768)
-    x[3, 5] = 40.0  # an outlier: its block's dx
-    x[7, 256:512] = 0.0  # an all-zero block: dx 0
-    want = products_as_defined(x, raw)
-    got = cpu_ops.linear(x, packed)
-    assert torch.equal(got, want)
-    for m in (1, 2, 3, 4, 5, 8):  # any M, any rows beside it
-        assert torch.equal(cpu_ops.linear(x[m:m + m].contiguous(), packed), want[m:m + m])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(cpu_ops.linear(x, packed), want)
-    finally:
-        torch.set_num_threads(threads)
-    # against gguf's dequantization times x as rounded (dx x16): float32's error only
-    w = dequantize(CPULinearKernel(Q6_K, 32, (raw,))).double()
-    xb = x.view(11, 3, 256)
-    dx = xb.abs().amax(-1, keepdim=True) / 32767.0
-    x_hat = ((xb / dx).nan_to_num().round() * dx).view(11, 768).double()
-    scale = x_hat.abs() @ w.abs().T
-    assert ((got.double() - x_hat @ w.T).abs() <= 1e-5 * scale).all()
-    bias = torch.randn(64)
-    assert torch.equal(cpu_ops.linear(x, packed, bias), want + bias)
+    assert_the_definition_at_every_m(Q6_K, raw_q6_k(64, 768, seed=3), products_as_defined)
 
 
 @needs_tiles

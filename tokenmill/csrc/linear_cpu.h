@@ -510,7 +510,7 @@ inline torch::Tensor gather_rows(torch::Tensor ids, int64_t kind, int64_t G,
   const bool tiles = block_tiles::is_tiles_kind(kind) || kquant || q6;
   const int64_t K = gguf_blocks::is_gguf_kind(kind)  // raw blocks; 4-bit: two weights a byte
       ? t[0].size(1) / gguf_blocks::block_bytes(kind) * gguf_blocks::block_weights(kind)
-      : kquant || q6 ? t[0].size(1) * kquant_tiles::kSuper
+      : kquant || q6 ? kquant_tiles::k_of(t[0])
       : tiles ? t[0].size(1) * kBlock : t[0].size(1) * (kind == 2 ? 2 : 1);
   if (kquant) kquant_tiles::check(t, K);
   else if (q6) q6k_tiles::check(t, K);

@@ -35,7 +35,8 @@
 
 namespace q6k_tiles {
 constexpr int64_t kKind = 20;
-constexpr int64_t kRows = 16, kSuper = 256;
+using kquant_tiles::kRows;
+using kquant_tiles::kSuper;
 constexpr int64_t kQhOff = 2048, kScOff = 3072, kDOff = 3328;
 constexpr int64_t kBlockBytes = 3360;
 
@@ -77,7 +78,9 @@ inline void expand_row(const torch::Tensor& q, int64_t n, float* out) {
 #define TOKENMILL_Q6K_TILES 1
 using kquant_tiles::Acts;
 constexpr int kMaxRows = 4;  // rows of x a group's tiles meet at once
-constexpr int64_t kAhead = 2;  // super-blocks ahead a decode step asks for, into L2
+// super-blocks ahead a decode step asks for, into L2: 6.7 KB, about kind 19's distance (3 x
+// 2368 bytes; not swept for this kind on its own)
+constexpr int64_t kAhead = 2;
 
 // Unit S's 4 weights of 16 rows in chunk c: the nibbles of chunk j (low or high) with the
 // 2 bits of qh chunk i moved to bits 4 and 5.
@@ -96,9 +99,7 @@ static TM_KT_INLINE __m512i unit_values(const uint8_t* p, int c) {
   return _mm512_or_si512(lo4, h2);
 }
 
-static TM_KT_INLINE __m512i bcast4(const void* p) {
-  return _mm512_set1_epi32(kquant_tiles::load4(p));
-}
+using kquant_tiles::bcast4;
 
 // Unit S (sub-blocks 2S, 2S + 1) of super-block sb for rows [m0, m0 + R) into fs.
 template <int S, int R>
