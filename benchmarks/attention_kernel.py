@@ -23,18 +23,17 @@ back, so machine noise hits them alike, and the median per call is printed.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 from pathlib import Path
 
 import torch
-from torch.utils.cpp_extension import load
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tokenmill.bench.alternate import alternate  # noqa: E402
+from tokenmill.bench.kernel_builds import build_module  # noqa: E402
 from tokenmill.bench.machine import describe_machine  # noqa: E402
-from tokenmill.utils.cpp_extension import CSRC, cflags  # noqa: E402
+from tokenmill.utils.cpp_extension import CSRC  # noqa: E402
 
 # (rows, first cached token attended, context length)
 SHAPES = [(64, 0, 1100), (64, 0, 320), (64, 0, 80), (64, 1024, 1100), (1, 0, 1000), (1, 0, 1500),
@@ -47,11 +46,7 @@ SHARED = [(64, 1024, 1100)]
 
 
 def build(path: str, include: Path) -> object:
-    # The source includes headers from its csrc folder: hash them too.
-    text = Path(path).read_bytes() + b"".join(h.read_bytes() for h in sorted(include.glob("*.h")))
-    digest = hashlib.sha256(text).hexdigest()[:10]
-    return load(f"attn_bench_{digest}", [path], extra_cflags=cflags(),
-                extra_include_paths=[str(include)], extra_ldflags=["-fopenmp"])
+    return build_module(path, include, "attn_bench")
 
 
 def version(path: str) -> tuple[str, Path]:

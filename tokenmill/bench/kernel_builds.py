@@ -31,17 +31,30 @@ from tokenmill.utils.cpp_extension import cflags
 SWAPPED = ("cpu_ops", "decode_layers_cpu")
 
 
+# GCC makes a static local of an inline function (the kernels' per-thread scratch buffers,
+# `static thread_local` in their headers) a GNU unique symbol, which the dynamic loader binds
+# to one definition per process even across modules loaded with RTLD_LOCAL: a second build
+# whose struct has another layout then used the first one's buffers (the fifty-third
+# session's attention A/B: NaN from the old build after the new had run). Its own copies here.
+ISOLATING_FLAGS = ["-fno-gnu-unique"]
+
+
+def build_module(source: str | Path, include: str | Path, prefix: str) -> Any:
+    """`source` (a .cpp, its headers in `include`) compiled as a module of its own, named by
+    its sources and flags: it shares no symbol with the installed build or another version."""
+    include = Path(include)
+    flags = cflags() + ISOLATING_FLAGS
+    text = (Path(source).read_bytes() + " ".join(flags).encode()
+            + b"".join(h.read_bytes() for h in sorted(include.glob("*.h"))))
+    digest = hashlib.sha256(text).hexdigest()[:10]
+    return load(f"{prefix}_{digest}", [str(source)], extra_cflags=flags,
+                extra_include_paths=[str(include)], extra_ldflags=["-fopenmp"])
+
+
 def build_kernels(csrc: str | Path) -> dict[str, Any]:
     """The modules of SWAPPED compiled from `csrc` (a csrc folder), named by its contents."""
     csrc = Path(csrc)
-    headers = b"".join(h.read_bytes() for h in sorted(csrc.glob("*.h")))
-    built = {}
-    for name in SWAPPED:
-        source = csrc / f"{name}.cpp"
-        digest = hashlib.sha256(source.read_bytes() + headers).hexdigest()[:10]
-        built[name] = load(f"{name}_bench_{digest}", [str(source)], extra_cflags=cflags(),
-                           extra_include_paths=[str(csrc)], extra_ldflags=["-fopenmp"])
-    return built
+    return {name: build_module(csrc / f"{name}.cpp", csrc, f"{name}_bench") for name in SWAPPED}
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 // tile's keys located in the cache, the next tile's asked for, and its phases over the item's
 // columns (query row, query head) per KV head.
 #pragma once
+#include "paged_attention_ahead.h"
 #include "paged_attention_amx.h"
 #include <vector>
 
@@ -20,25 +21,10 @@ struct TileKeys {
   int64_t next_keys;    // K and V lines are asked for during this tile
 };
 
-// The next tile's cache lines (`heads` heads of each key's K and V rows), asked for a few at
-// a time, in order: each step one line of K's rows and the same line of V's.
-class Ahead {
- public:
-  Ahead(const TileKeys& t, int64_t heads) : t_(t), bytes_(heads * t.row_bytes) {}
-  int64_t steps() const { return t_.next_keys * ((bytes_ + 63) / 64); }
-  void ask(int64_t n) {
-    for (; n > 0 && key_ < t_.next_keys; --n) {
-      const int64_t row = t_.next[key_] * t_.row_bytes + offset_;
-      __builtin_prefetch(t_.kb + row);
-      __builtin_prefetch(t_.vb + row);
-      if ((offset_ += 64) >= bytes_) offset_ = 0, ++key_;
-    }
-  }
-
- private:
-  const TileKeys& t_;
-  int64_t bytes_, key_ = 0, offset_ = 0;
-};
+// The next tile's cache lines (`heads` heads of each key's K and V rows).
+static inline LinesAhead lines_ahead(const TileKeys& t, int64_t heads) {
+  return LinesAhead(CacheRows{t.kb, t.vb, t.row_bytes, heads}, t.next, t.next_keys);
+}
 
 // An item's columns: per KV head h (of `heads`) J columns (query row, query head), in column
 // blocks of 16; column c of head h has own[c] keys in this tile (<= 0: none) and its state at
@@ -137,7 +123,7 @@ static inline void score_units(const TileKeys& t, const Columns& c, Scratch& s,
 static inline void softmax_units(const TileKeys& t, const Columns& c, Scratch& s) {
   const int64_t kbs = (t.keys + 15) / 16, units = c.heads * c.blocks();
   const __m512 scale = _mm512_set1_ps(t.scale);
-  Ahead ahead(t, c.heads);
+  LinesAhead ahead = lines_ahead(t, c.heads);
   const int64_t calls = units * kbs * 16, per_call = (ahead.steps() + calls - 1) / calls;
   for (int64_t u = 0; u < units; ++u) {
     const int64_t h = u % c.heads, cb = u / c.heads, n = c.width(cb), c0 = h * c.J + kCols * cb;

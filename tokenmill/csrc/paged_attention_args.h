@@ -3,10 +3,13 @@
 // the tile size, a query row's softmax state.
 #pragma once
 #include "kv_formats.h"
+#include "paged_attention_ahead.h"
 #include "paged_attention_amx_walk.h"
 #include "paged_attention_keys_t.h"
 #include <cstdint>
 #include <vector>
+
+class KeyStream;  // paged_attention_stream.h
 
 // What every work item reads.
 struct PagedArgs {
@@ -58,8 +61,10 @@ struct PagedScratch {
   std::vector<const float*> krows, vrows;
   std::vector<const uint16_t*> kraw, vraw;  // keys_t, raw: a tile's bf16 K (V) rows of a head
   std::vector<int64_t> key_rows;      // keys_t, raw: each key's first row (head h0) in the cache
-  std::vector<const void*> ahead;     // direct: the next tile's cache lines, to prefetch
+  std::vector<int64_t> next_rows;     // direct: the next tile's keys' first rows,
+  LinesAhead ahead;                   // whose cache lines are asked for through this
   std::vector<RowState> run;          // attend_runs: the rows of one run
+  KeyStream* stream = nullptr;        // a lone row's keys asked for ahead through it, if set
 #ifdef TM_ATTENTION_AMX
   attention_amx::Scratch* tiles = nullptr;  // tiles: the thread's buffers (amx_walk.h)
 #endif
@@ -73,7 +78,7 @@ struct PagedScratch {
  private:
   void grow(const PagedArgs& a, int64_t heads, int64_t tile) {
     grow_to(krows, tile), grow_to(vrows, tile), grow_to(kraw, tile), grow_to(vraw, tile);
-    grow_to(key_rows, tile);
+    grow_to(key_rows, tile), grow_to(next_rows, tile);
 #ifdef TM_ATTENTION_AMX
     tiles = nullptr;
     if (a.tiles) {  // their own buffers

@@ -23,6 +23,7 @@
 // widened every bf16 value before its FMAs, and read the cache at ~15 GB/s against ~21 GB/s
 // for a float32 cache; one vdpbf16ps does the work of two FMAs and needs no widening.
 #pragma once
+#include "paged_attention_ahead.h"
 #include "paged_attention_keys_t.h"
 #include "vec_utils.h"
 #include <algorithm>
@@ -133,11 +134,11 @@ static inline __m512i idx(int a, int b, int c, int d) {  // four runs of 4 from 
 }
 
 // acc_g (64 floats) = corr_g * acc_g + the p-weighted sum of V's rows rows[0 .. n) (the
-// header's o), p_g = p + g * stride (float32, rounded here). The next tile's cache lines
-// ahead[0 .. lines) are asked for a few per key pair, spread over the arithmetic.
+// header's o), p_g = p + g * stride (float32, rounded here). `steps` of the next tile's cache
+// lines (ahead) are asked for a few per key pair, spread over the arithmetic.
 template <int G>
 static void accumulate(const float* p, int64_t stride, const uint16_t* const* rows, int64_t n,
-                       const float* corr, float* acc, const void* const* ahead, int64_t lines) {
+                       const float* corr, float* acc, LinesAhead& ahead, int64_t steps) {
   alignas(64) uint32_t pp[G][kTileKeys / 2];
   for (int g = 0; g < G; ++g)
     for (int64_t k0 = 0; k0 < n; k0 += 32) {
@@ -154,10 +155,10 @@ static void accumulate(const float* p, int64_t stride, const uint16_t* const* ro
   const __m512i store0 = idx(0, 16, 4, 20), store1 = idx(8, 24, 12, 28);
   __m512 a[G][4];  // [2k]: half k's lo words, [2k + 1]: its hi words
   attention_keys_t::load_split<G>(acc, corr, load_lo, load_hi, a);
-  const int64_t pairs = (n + 1) / 2, per_pair = (lines + pairs - 1) / std::max<int64_t>(pairs, 1);
+  const int64_t pairs = (n + 1) / 2;
+  AheadShare share(ahead, steps, pairs);
   for (int64_t u = 0; u < pairs; ++u) {
-    for (int64_t l = u * per_pair; l < std::min(lines, (u + 1) * per_pair); ++l)
-      __builtin_prefetch(ahead[l]);
+    share.next();
     const bool second = 2 * u + 1 < n;
     for (int k = 0; k < 2; ++k) {
       const __m512i x0 = _mm512_loadu_si512(rows[2 * u] + 32 * k);
@@ -188,9 +189,9 @@ static void score_group(int64_t G, const uint32_t* qp, const uint32_t* kP,
 
 static void accumulate_group(int64_t G, const float* p, int64_t stride,
                              const uint16_t* const* rows, int64_t n, const float* corr,
-                             float* acc, const void* const* ahead, int64_t lines) {
+                             float* acc, LinesAhead& ahead, int64_t steps) {
   with_group_size<6>(
-      G, [&](auto g) { accumulate<g.value>(p, stride, rows, n, corr, acc, ahead, lines); });
+      G, [&](auto g) { accumulate<g.value>(p, stride, rows, n, corr, acc, ahead, steps); });
 }
 
 #pragma GCC pop_options

@@ -16,6 +16,7 @@
 // and grouped), without writing and re-reading 32 KB of widened K and V per KV head and tile
 // of 64 keys (which a lone row uses once: 1.5x on 64 decodes whose cache sits in L3).
 #pragma once
+#include "paged_attention_ahead.h"
 #include "vec_utils.h"
 #include <algorithm>
 #include <cstdint>
@@ -171,14 +172,13 @@ static inline void store_split(const __m512 (&a)[G][4], __m512i first, __m512i s
 // widened in registers: attention_groups::rescale_accumulate64's operations, in its order,
 // on the same (exactly widened) values. Each 32-value load splits into its even and odd
 // values, so the accumulators hold d in that order over the tile (permuted in and out).
-// The cache lines ahead[0 .. lines) (the next tile's) are prefetched a few per key: spread
-// over the arithmetic, not asked for at once (a burst stalls once the core's outstanding
-// misses are full, and the loads then wait on the memory instead of overlapping it).
+// `steps` of the next tile's cache lines (ahead) are asked for a few per key, spread over the
+// arithmetic (paged_attention_ahead.h).
 template <int G>
 static void accumulate_raw(const float* p, int64_t stride, const uint16_t* const* rows,
-                           int64_t n, const float* corr, float* acc,
-                           const void* const* ahead, int64_t lines) {
-  const int64_t per_key = (lines + n - 1) / n;
+                           int64_t n, const float* corr, float* acc, LinesAhead& ahead,
+                           int64_t steps) {
+  AheadShare share(ahead, steps, n);
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
                                          28, 30);
@@ -188,8 +188,7 @@ static void accumulate_raw(const float* p, int64_t stride, const uint16_t* const
   __m512 a[G][4];  // d of [32 j/2, 32 j/2 + 32): even ones (j even), odd ones (j odd)
   load_split<G>(acc, corr, even, odd, a);
   for (int64_t i = 0; i < n; ++i) {
-    for (int64_t l = i * per_key; l < std::min(lines, (i + 1) * per_key); ++l)
-      __builtin_prefetch(ahead[l]);
+    share.next();
     __m512 vv[4];
     for (int k = 0; k < 2; ++k) {
       const __m512i x = _mm512_loadu_si512(rows[i] + 32 * k);
@@ -223,10 +222,10 @@ static inline void score_group_raw(int64_t G, const float* q, const uint16_t* co
 
 static inline void accumulate_group_raw(int64_t G, const float* p, int64_t stride,
                                         const uint16_t* const* rows, int64_t n,
-                                        const float* corr, float* acc,
-                                        const void* const* ahead, int64_t lines) {
+                                        const float* corr, float* acc, LinesAhead& ahead,
+                                        int64_t steps) {
   with_group_size<6>(G, [&](auto g) {
-    accumulate_raw<g.value>(p, stride, rows, n, corr, acc, ahead, lines);
+    accumulate_raw<g.value>(p, stride, rows, n, corr, acc, ahead, steps);
   });
 }
 

@@ -23,6 +23,7 @@
 // D a multiple of 16 (each vector of d whole on both widths), G = 1 .. 8 (score_keys<G>'s
 // range).
 #pragma once
+#include "paged_attention_ahead.h"
 #include "vec_utils.h"
 #include <algorithm>
 #include <cstdint>
@@ -84,18 +85,15 @@ static void score_raw(const float* q, const uint8_t* kb, const uint8_t* vb,
 
 // acc_g (D) = corr_g * acc_g + sum_i p_g[i] * v_i for the G query heads g of one KV head
 // (p_g = p + g * stride, acc_g = acc + g * D), v_i the bf16 rows rows[i] (D values), over
-// chunks of NV vectors of d (D a multiple of kLanes NV). The cache lines ahead[0 .. lines)
-// (the next tile's) are asked for a few per key, spread over the whole walk
-// (paged_attention_keys_t.h accumulate_raw: a burst stalls once the core's outstanding
-// misses are full).
+// chunks of NV vectors of d (D a multiple of kLanes NV). `steps` of the next tile's cache
+// lines (ahead) are asked for a few per key, spread over the whole walk
+// (paged_attention_ahead.h).
 template <int G, int NV>
 static void accumulate_raw(const float* p, int64_t stride, const uint16_t* const* rows,
                            int64_t n, int64_t D, const float* corr, float* acc,
-                           const void* const* ahead, int64_t lines) {
+                           LinesAhead& ahead, int64_t steps) {
   constexpr int64_t kChunk = kLanes * NV;
-  const int64_t steps = n * (D / kChunk);  // (key, chunk) pairs walked
-  const int64_t per_step = (lines + steps - 1) / steps;
-  int64_t l = 0;
+  AheadShare share(ahead, steps, n * (D / kChunk));  // over the (key, chunk) pairs walked
   for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
     Vec a[G][NV];
     for (int g = 0; g < G; ++g) {
@@ -103,8 +101,7 @@ static void accumulate_raw(const float* p, int64_t stride, const uint16_t* const
       for (int v = 0; v < NV; ++v) a[g][v] = Vec::loadu(acc + g * D + d0 + kLanes * v) * c;
     }
     for (int64_t i = 0; i < n; ++i) {
-      for (const int64_t end = std::min(lines, l + per_step); l < end; ++l)
-        __builtin_prefetch(ahead[l]);
+      share.next();
       Vec vv[NV];
       for (int v = 0; v < NV; ++v) vv[v] = widen(rows[i] + d0 + kLanes * v);
       for (int g = 0; g < G; ++g) {
@@ -122,12 +119,12 @@ static void accumulate_raw(const float* p, int64_t stride, const uint16_t* const
 template <int G, int NV = (kLanes == 16 ? (G <= 4 ? 4 : 2) : (G <= 4 ? 2 : 1))>
 static void accumulate_chunks(const float* p, int64_t stride, const uint16_t* const* rows,
                               int64_t n, int64_t D, const float* corr, float* acc,
-                              const void* const* ahead, int64_t lines) {
+                              LinesAhead& ahead, int64_t steps) {
   if constexpr (NV > 1) {
     if (D % (kLanes * NV) != 0)
-      return accumulate_chunks<G, NV / 2>(p, stride, rows, n, D, corr, acc, ahead, lines);
+      return accumulate_chunks<G, NV / 2>(p, stride, rows, n, D, corr, acc, ahead, steps);
   }
-  accumulate_raw<G, NV>(p, stride, rows, n, D, corr, acc, ahead, lines);
+  accumulate_raw<G, NV>(p, stride, rows, n, D, corr, acc, ahead, steps);
 }
 
 // The scores of `heads` KV heads' G query heads against keys read in place (score_raw);
@@ -144,9 +141,9 @@ static inline void score_heads_raw(int64_t G, const float* q, const uint8_t* kb,
 static inline void accumulate_group_raw(int64_t G, const float* p, int64_t stride,
                                         const uint16_t* const* rows, int64_t n, int64_t D,
                                         const float* corr, float* acc,
-                                        const void* const* ahead, int64_t lines) {
+                                        LinesAhead& ahead, int64_t steps) {
   with_group_size<8>(G, [&](auto g) {
-    accumulate_chunks<g.value>(p, stride, rows, n, D, corr, acc, ahead, lines);
+    accumulate_chunks<g.value>(p, stride, rows, n, D, corr, acc, ahead, steps);
   });
 }
 

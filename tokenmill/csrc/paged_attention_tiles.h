@@ -32,14 +32,13 @@ static inline void prefetch_row(const PagedArgs& a, int64_t row, int64_t heads) 
 }
 
 // A row walking its keys alone (a decode: attend_keys) asks for a window of its keys ahead
-// into L2, its item's heads of them: the window's first keys as it starts, then a tile's more
-// as it reaches each tile. A tile's 64 keys span four scattered 16-token blocks of a few pages
-// each, and with only the next tile asked for (into L1, load_tile) the reads still waited on
-// memory: 64 decodes over 320 keys of a bf16 cache in DRAM ran at ~8 GB/s against ~20 from L3
-// (Zen 4; 1.3-1.4x with the window, bf16 and float32 caches alike). Prefetches only: no
-// arithmetic changes.
-constexpr int64_t kL2WindowBytes = 256 << 10;  // K and V: a quarter of a 1 MB L2
-
+// into L2: through the thread's KeyStream (paged_attention_ahead.h) where the caller set one
+// up for its items, else from the item's own keys (the window's first keys as it starts, then
+// a tile's more as it reaches each tile). A tile's 64 keys span four scattered 16-token blocks
+// of a few pages each, and with only the next tile asked for (into L1, load_tile) the reads
+// still waited on memory: 64 decodes over 320 keys of a bf16 cache in DRAM ran at ~8 GB/s
+// against ~20 from L3 (Zen 4; 1.3-1.4x with the window, bf16 and float32 caches alike).
+// Prefetches only: no arithmetic changes.
 static inline int64_t l2_window_keys(const PagedArgs& a, int64_t heads) {
   const int64_t per_key = 2 * heads * a.row_bytes;
   return std::max<int64_t>(1, kL2WindowBytes / per_key / kTileKeys) * kTileKeys;
@@ -120,12 +119,12 @@ static void attend_tile_dot(const PagedArgs& a, PagedScratch& s, const RowState&
                     s.scores.data() + h * G * keys);
   }
   softmax_tile(a, s, row, heads * G, keys);
-  const int64_t lines = static_cast<int64_t>(s.ahead.size());  // direct only: a share per head
+  const int64_t lines = s.ahead.steps();  // direct only: a share per head
   for (int64_t h = 0; h < heads; ++h) {
     raw_rows(a, a.vb, s.key_rows.data(), h, keys, s.vraw.data());
     const int64_t l0 = lines * h / heads, l1 = lines * (h + 1) / heads;
     dp::accumulate_group(G, s.scores.data() + h * G * keys, keys, s.vraw.data(), keys,
-                         &s.corr[h * G], row.acc + h * G * D, s.ahead.data() + l0, l1 - l0);
+                         &s.corr[h * G], row.acc + h * G * D, s.ahead, l1 - l0);
   }
 }
 #endif
@@ -140,13 +139,13 @@ static void attend_tile_raw(const PagedArgs& a, PagedScratch& s, const RowState&
   attention_raw::score_heads_raw(G, qn, a.kb, a.vb, s.key_rows.data(), a.row_bytes, heads, D,
                                  a.scale, keys, s.scores.data());
   softmax_tile(a, s, row, heads * G, keys);
-  const int64_t lines = static_cast<int64_t>(s.ahead.size());  // a share per head
+  const int64_t lines = s.ahead.steps();  // a share per head
   for (int64_t h = 0; h < heads; ++h) {
     raw_rows(a, a.vb, s.key_rows.data(), h, keys, s.vraw.data());
     const int64_t l0 = lines * h / heads, l1 = lines * (h + 1) / heads;
     attention_raw::accumulate_group_raw(G, s.scores.data() + h * G * keys, keys, s.vraw.data(),
                                         keys, D, &s.corr[h * G], row.acc + h * G * D,
-                                        s.ahead.data() + l0, l1 - l0);
+                                        s.ahead, l1 - l0);
   }
 }
 #endif
@@ -185,11 +184,11 @@ static void attend_tile(const PagedArgs& a, PagedScratch& s, const RowState& row
 #ifdef TM_ATTENTION_KEYS_T
     if (direct) {
       raw_rows(a, a.vb, s.key_rows.data(), h, keys, s.vraw.data());
-      const int64_t lines = static_cast<int64_t>(s.ahead.size());  // a share per head
+      const int64_t lines = s.ahead.steps();  // a share per head
       const int64_t l0 = lines * h / heads, l1 = lines * (h + 1) / heads;
       attention_keys_t::accumulate_group_raw(a.G, s.scores.data() + r0 * keys, keys,
                                              s.vraw.data(), keys, &s.corr[r0], acc + r0 * D,
-                                             s.ahead.data() + l0, l1 - l0);
+                                             s.ahead, l1 - l0);
       continue;
     }
 #endif
@@ -216,7 +215,7 @@ static void load_tile(const PagedArgs& a, PagedScratch& s, const int64_t* table,
   int64_t blk = t0 / a.bs, off = t0 % a.bs;  // key t0 + i's block and slot, stepped (a
   int64_t next = t0 + keys;                  // division per key cost ~10% of a decode)
   int64_t nblk = next / a.bs, noff = next % a.bs;
-  s.ahead.clear();
+  int64_t asked = 0;  // direct: the next tile's keys, their rows in s.next_rows
   for (int64_t i = 0; i < keys; ++i) {
     if (off == a.bs) ++blk, off = 0;
     if (noff == a.bs) ++nblk, noff = 0;
@@ -224,11 +223,8 @@ static void load_tile(const PagedArgs& a, PagedScratch& s, const int64_t* table,
       const int64_t nrow = (table[nblk] * a.bs + noff) * a.Hkv + h0;
       if (!direct) {
         prefetch_row(a, nrow, heads);
-      } else {  // asked for during the arithmetic (attention_keys_t::accumulate_raw)
-        for (int64_t o = 0; o < heads * a.row_bytes; o += 64) {
-          s.ahead.push_back(a.kb + nrow * a.row_bytes + o);
-          s.ahead.push_back(a.vb + nrow * a.row_bytes + o);
-        }
+      } else {  // asked for during the arithmetic (s.ahead: paged_attention_ahead.h)
+        s.next_rows[asked++] = nrow;
       }
     }
     ++noff;
@@ -262,6 +258,9 @@ static void load_tile(const PagedArgs& a, PagedScratch& s, const int64_t* table,
     }
     s.krows[i] = kd;
   }
+  // (a lone row's stream: its window's lines asked for with the next tile's)
+  s.ahead = LinesAhead(CacheRows{a.kb, a.vb, a.row_bytes, heads}, s.next_rows.data(), asked,
+                       direct ? s.stream : nullptr);
 #ifdef TM_ATTENTION_KEYS_T
   for (int64_t h = 0; a.keys_t && !direct && h < heads; ++h) {  // the tile's keys of head h0 + h
     for (int64_t i = 0; i < keys; ++i)
@@ -351,12 +350,15 @@ static void attend_keys(const PagedArgs& a, PagedScratch& s, const RowState* row
   // heads at once (96 KB) were re-read from L2 by each row. Each query head's arithmetic is
   // the same either way.
   const bool per_head = !direct && R > 1 && heads > 1 && a.fmt != KVFormat::kFloat32;
-  // A row alone (a decode): its window of keys into L2
-  const bool window_ahead = R == 1;
+  // A row alone (a decode): its window of keys into L2, the thread's stream's or its own
+  KeyStream* stream = R == 1 ? s.stream : nullptr;
+  const bool window_ahead = R == 1 && stream == nullptr;
   const int64_t window = window_ahead ? l2_window_keys(a, heads) : 0;
   if (window_ahead) prefetch_keys_l2(a, table, k0, std::min(k1, k0 + window), h0, heads);
   for (int64_t t0 = k0; t0 < k1; t0 += kTileKeys) {
     const int64_t keys = std::min(kTileKeys, k1 - t0), next_end = std::min(k1, t0 + 2 * kTileKeys);
+    if (stream != nullptr) stream->consumed(keys);
+    if (stream != nullptr && !direct) stream->ask(stream->missing());  // (no spread there)
     if (window_ahead && t0 + window < k1)  // the window moves on by this tile
       prefetch_keys_l2(a, table, t0 + window, std::min(k1, t0 + window + kTileKeys), h0, heads);
     for (int64_t h = 0; h < (per_head ? heads : 1); ++h) {
