@@ -280,7 +280,7 @@ inline std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor
   // (paged_attention_ahead.h): whole rows alone (a batch's decodes, each thread's a run of
   // short items). A few rows cut into chunks (each thread's a few long items) ask for each
   // item's window as it starts instead: the burst finds the memory idle (a lone decode over
-  // 3,000 keys: ~1.15x faster so than streamed, benchmarks/attention_kernel.py).
+  // 3,000 keys: ~1.15x faster than streamed, benchmarks/attention_kernel.py).
   auto lone_row = [&](int64_t u) -> std::optional<KeySegment> {
     if (!whole_rows || a.tiles) return std::nullopt;
     const int64_t g0 = group_first[u / items_per_row];
