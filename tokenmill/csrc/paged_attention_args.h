@@ -9,8 +9,6 @@
 #include <cstdint>
 #include <vector>
 
-class KeyStream;  // paged_attention_stream.h
-
 // What every work item reads.
 struct PagedArgs {
   const float* q;           // (N, Hq, D)
