@@ -35,8 +35,8 @@ from tokenmill.config import (
     SchedulerConfig,
 )
 from tokenmill.config_weights import (
+    asked_half_weights,
     checkpoint_quantization,
-    computes_as_stored,
     default_quantization,
     default_weight_dtype,
     resolve_matmul_dtype,
@@ -75,12 +75,13 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
                          args.download_dir, args.tokenizer)
     if args.quantization is None:  # none asked for ("none" is an answer)
         model = dataclasses.replace(model, quantization=default_quantization(model, device))
-    as_stored = args.dtype != "auto" and computes_as_stored(model, device)
-    if as_stored:
-        logger.info("dtype=%s is %s's own: serving it as dtype='auto' does on CPU (the "
-                    "weights as stored, float32 activations)", args.dtype, model.path)
-        model = dataclasses.replace(model, dtype=torch.float32)
-    if args.dtype == "auto" or as_stored:
+    half = asked_half_weights(model, device) if args.dtype != "auto" else None
+    if half is not None:
+        logger.info("dtype=%s on CPU: keeping %s's weights in %s (rounded at load from float32 "
+                    "where stored so), computing as for a %s checkpoint (float32 activations)",
+                    args.dtype, model.path, args.dtype, args.dtype)
+        model = dataclasses.replace(model, dtype=torch.float32, weight_dtype=half)
+    elif args.dtype == "auto":
         model = dataclasses.replace(model, weight_dtype=default_weight_dtype(model, device))
     model = dataclasses.replace(model, matmul_dtype=resolve_matmul_dtype(args.matmul_dtype,
                                                                          model))

@@ -93,31 +93,43 @@ def _stored_dtype(model: ModelConfig) -> torch.dtype | None:
     return getattr(torch, stored, None) if isinstance(stored, str) else stored
 
 
-def _keeps_as_stored(model: ModelConfig, device: str) -> bool:
-    """Whether the checkpoint's half-precision weights can be kept as stored and computed in
-    float32 here: a bfloat16 / float16 checkpoint, unquantized, on a CPU with the C++ kernels."""
-    return (_stored_dtype(model) in (torch.bfloat16, torch.float16) and device.startswith("cpu")
-            and model.quantization is None and model.gguf_file is None
+def _dense_on_cpu_kernels(model: ModelConfig, device: str) -> bool:
+    """Whether the model's dense weights are served by the C++ kernels on CPU: unquantized,
+    not a GGUF file's tensors."""
+    return (device.startswith("cpu") and model.quantization is None and model.gguf_file is None
             and cpp_extension.kernels_enabled())
 
 
-def computes_as_stored(model: ModelConfig, device: str) -> bool:
-    """Whether a half dtype asked for on CPU is the checkpoint's own (`--dtype bfloat16` for
-    a bf16 checkpoint, the dtype vLLM's CPU backend runs): then it is served as dtype="auto"
-    serves it there, its weights kept as stored (default_weight_dtype), products in bf16
-    where matmul_dtype says so, activations, norms and sums in float32; not every module in
-    half precision through torch's ops (a Qwen3-0.6B-shaped decode after 500 tokens took
-    166-168 ms a step so, most of it in MKL's bf16 GEMV, against 58-75 ms served as auto
-    serves it: benchmarks/RESULTS.md, fifty-first session). Another dtype is served as
-    asked."""
-    return model.dtype == _stored_dtype(model) and _keeps_as_stored(model, device)
+def _keeps_as_stored(model: ModelConfig, device: str) -> bool:
+    """Whether the checkpoint's half-precision weights can be kept as stored and computed in
+    float32 here: a bfloat16 / float16 checkpoint, unquantized, on a CPU with the C++ kernels."""
+    return (_stored_dtype(model) in (torch.bfloat16, torch.float16)
+            and _dense_on_cpu_kernels(model, device))
+
+
+def asked_half_weights(model: ModelConfig, device: str) -> torch.dtype | None:
+    """The dtype dense weights are kept in when a half dtype is asked for on CPU (model.dtype:
+    `--dtype bfloat16`, the dtype vLLM's CPU backend runs, or float16): the checkpoint's own,
+    or a float32 checkpoint's weights rounded to it as they load (half its size, no float32
+    copy). Either is then served as dtype="auto" serves a half-precision checkpoint there:
+    the weights kept in half precision, products in bf16 where matmul_dtype says so,
+    activations, norms and sums in float32; not every module in half precision through
+    torch's ops (a Qwen3-0.6B-shaped decode after 500 tokens took 166-168 ms a step so, most
+    of it in MKL's bf16 GEMV, against 58-75 ms served as auto serves it: benchmarks/
+    RESULTS.md, fifty-first session). None: served as asked (quantized or GGUF weights, a
+    GPU, a bf16 checkpoint asked in float16 or the reverse, whose range or precision the
+    rounding would change, a config that names no dtype)."""
+    asked, stored = model.dtype, _stored_dtype(model)
+    if asked not in (torch.bfloat16, torch.float16) or stored not in (asked, torch.float32):
+        return None
+    return asked if _dense_on_cpu_kernels(model, device) else None
 
 
 def default_weight_dtype(model: ModelConfig, device: str) -> torch.dtype | None:
-    """The dtype dense weights are kept in when the user set no dtype (or the checkpoint's
-    own: computes_as_stored): a bfloat16 / float16 checkpoint's own on a CPU with the C++
-    kernels (computed in float32: activations, norms and sums; the weights widened in
-    registers, exactly), instead of a float32 copy twice its size; None (the model's dtype)
+    """The dtype dense weights are kept in when the user set no dtype: a bfloat16 / float16
+    checkpoint's own on a CPU with the C++ kernels (computed in float32: activations, norms
+    and sums; the weights widened in registers, exactly), instead of a float32 copy twice its
+    size (a half dtype asked for: asked_half_weights); None (the model's dtype)
     elsewhere."""
     if model.dtype != torch.float32 or not _keeps_as_stored(model, device):
         return None

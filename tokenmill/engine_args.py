@@ -72,7 +72,9 @@ class EngineArgs:
         "original repository of a GGUF file)", "model")
     dtype: str = option(
         "auto", "the compute dtype; auto: float32 on CPU (a bf16 / fp16 checkpoint's dense "
-        "weights kept in their own dtype), the checkpoint's half precision on GPU", "model",
+        "weights kept in their own dtype), the checkpoint's half precision on GPU; bfloat16 / "
+        "float16 on CPU: a float32 checkpoint's dense weights rounded to it at load and served "
+        "as such a checkpoint is (float32 activations)", "model",
         choices=("auto", *DTYPES))
     matmul_dtype: str = option(
         "auto", "CPU, a bfloat16 checkpoint kept as stored (dtype auto) or a GGUF file's BF16 "

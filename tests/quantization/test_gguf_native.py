@@ -97,11 +97,12 @@ def test_default_is_only_a_default(monkeypatch, smollm2_path, tiny_model):
     assert engine_config(smollm2_path, device="cpu").model.quantization is None
 
 
-def test_the_blocks_default_to_a_bf16_cache(smollm2_path, tiny_model):
+def test_the_blocks_default_to_a_bf16_cache(smollm2_path, tiny_model, bf16_checkpoint):
     """llama.cpp's cache is 16-bit by default and vLLM's the checkpoint's half precision: a
     GGUF file served in its blocks takes a bfloat16 cache under "auto"; "float32" keeps the
     expansion's exact cache, which the dense expansion keeps by default; a model computing
-    in another dtype cannot ask for it."""
+    in another dtype (a bf16 checkpoint asked in float16: served as asked) cannot ask for
+    it."""
     assert engine_config(smollm2_path, device="cpu").cache.kv_cache_dtype == "bfloat16"
     assert engine_config(smollm2_path, device="cpu",
                          kv_cache_dtype="float32").cache.kv_cache_dtype == "float32"
@@ -110,7 +111,7 @@ def test_the_blocks_default_to_a_bf16_cache(smollm2_path, tiny_model):
     assert engine_config(smollm2_path, quantization="none").cache.kv_cache_dtype == "auto"
     assert engine_config(tiny_model("llama")[0]).cache.kv_cache_dtype == "auto"
     with pytest.raises(ValueError, match="'float32' keeps a float32 model's K and V"):
-        engine_config(tiny_model("llama")[0], dtype="bfloat16", kv_cache_dtype="float32")
+        engine_config(bf16_checkpoint, dtype="float16", kv_cache_dtype="float32")
 
 
 def test_the_bf16_cache_agrees_with_the_float32_one(native, smollm2_path):

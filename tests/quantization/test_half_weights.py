@@ -11,6 +11,7 @@ csrc/linear_bf16_amx.h), a tied table too."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 
 from tests.conftest import assert_kv_all_free, hf_greedy
 from tokenmill import LLM, SamplingParams
+from tokenmill.config_weights import asked_half_weights
 from tokenmill.engine_args import engine_config
 from tokenmill.layers import cpu_ops
 from tokenmill.quantization.base import CPULinearKernel
@@ -100,6 +102,35 @@ def test_asking_a_half_checkpoints_own_dtype_serves_it_as_auto_does(half_model):
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
     got = LLM(path, dtype=own, num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
     want = LLM(path, num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs
+
+
+def test_a_float32_checkpoint_asked_in_half_precision_serves_as_its_half_checkpoint(
+        half_model, tiny_model):
+    """`dtype="bfloat16"` (or "float16") for a float32 checkpoint on CPU: its weights rounded
+    to that dtype as they load, kept so (no float32 copy), and served as the same model saved
+    in that dtype is by default, bit for bit; not every module in half precision through
+    torch's ops (the dtype asked for on a GPU)."""
+    half_path, dtype, _ = half_model
+    f32_path = tiny_model("llama")[0]
+    name = str(dtype).removeprefix("torch.")
+    asked, saved = engine_config(f32_path, device="cpu", dtype=name), engine_config(half_path)
+    assert asked.model.dtype == torch.float32 and asked.model.weight_dtype == dtype
+    assert asked.model.matmul_dtype == saved.model.matmul_dtype
+    assert asked.cache.kv_cache_dtype == saved.cache.kv_cache_dtype
+    as_asked = dataclasses.replace(engine_config(f32_path, device="cpu").model, dtype=dtype)
+    assert asked_half_weights(as_asked, "cuda") is None  # a GPU runs the dtype as asked
+    llm = LLM(f32_path, dtype=name, num_kv_blocks=64)
+    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert {w.dtype for w in qkv.parameters()} == {dtype}  # no float32 copy beside them
+    assert llm.engine.runner.model.model.norm.weight.dtype == torch.float32
+    prompts = [[1, 504, 3458, 282, 4649, 314], list(range(2000, 2050))]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert_kv_all_free(llm.engine)
+    want = LLM(half_path, num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
     for g, w in zip(got, want, strict=True):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert g.outputs[0].logprobs == w.outputs[0].logprobs

@@ -9,9 +9,10 @@ file path (a GGUF file of the same model, served by default in its own blocks), 
 `PATH@int8` (or `auto@int8`: the folder) for another weight format, `@kv=bfloat16` (any
 `kv_cache_dtype`) for another KV cache format, e.g. `auto@kv=bfloat16`, and `@matmul=float32`
 (any `matmul_dtype`) for a bf16 checkpoint's products in float32, `@block=64` for another KV
-`block_size`. Each runs in a child
-process of its own. vLLM runs under `--vllm-python` (default: this interpreter), so it can live
-in a venv of its own (this checkout is put on its PYTHONPATH for the shared workloads).
+`block_size`, `@dtype=bfloat16` for another `dtype` (a float32 folder served in bf16). Each
+runs in a child process of its own. vLLM runs under `--vllm-python` (default: this
+interpreter), so it can live in a venv of its own (this checkout is put on its PYTHONPATH for
+the shared workloads).
 vLLM's single-stream figure is its decode rate after the first token, as tokenmill's is: the
 time of a 1-token run of the same prompt is taken off the full run's.
 
@@ -58,14 +59,14 @@ def write_bf16_folder(gguf_path: str, out: str) -> str:
 
 
 def _engine_args(folder: str, fmt: str) -> tuple[str, dict]:
-    """FORMAT[@QUANTIZATION][@kv=KV_CACHE_DTYPE][@matmul=MATMUL_DTYPE][@block=BLOCK_SIZE] →
-    (model, LLM options)."""
+    """FORMAT[@QUANTIZATION][@kv=KV_CACHE_DTYPE][@matmul=MATMUL_DTYPE][@block=BLOCK_SIZE]
+    [@dtype=DTYPE] → (model, LLM options)."""
     path, *extras = fmt.split("@")
     options: dict = {}
     for extra in extras:
         key, _, value = extra.rpartition("=")
         name = {"": "quantization", "kv": "kv_cache_dtype", "matmul": "matmul_dtype",
-                "block": "block_size"}[key]
+                "block": "block_size", "dtype": "dtype"}[key]
         options[name] = int(value) if name == "block_size" else value
     if path == "auto":
         return folder, options
