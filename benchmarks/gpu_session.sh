@@ -7,11 +7,13 @@
 #
 # TOKENIZER_DIR: SmolLM2's tokenizer saved by --save-tokenizer (its GGUF file is too large to
 # travel). PARTs (default all): tests (attention backends, CUDA graphs, HF parity, the
-# fused-MoE kernel and multi-LoRA, on the GPU), shapes (benchmarks/real_shapes.py), offline
-# (benchmarks/offline_throughput.py on the 8B shape: 1,000 ShareGPT-like requests, then 128 of
-# them beside Hugging Face static batching), moe (benchmarks/moe.py on the GPU; not in the
-# default, which fits 10 minutes). Each part has its own time limit and log under OUT_DIR, so
-# one that fails or hangs leaves the others their time.
+# fused-MoE kernel and multi-LoRA, on the GPU), shapes (benchmarks/real_shapes.py), profile
+# (benchmarks/profile_step.py: batch-64 decode steps of the 1B shape with CUDA graphs and
+# eager, host scopes and device kernels), offline (benchmarks/offline_throughput.py on the 8B
+# shape: 1,000 ShareGPT-like requests, then 64 of them beside Hugging Face static batching),
+# moe (benchmarks/moe.py on the GPU; not in the default, which fits 10 minutes: on an H200 the
+# tests took ~2 minutes, shapes ~2). Each part has its own time limit and log under OUT_DIR,
+# so one that fails or hangs leaves the others their time.
 set -u
 if [ "${1:-}" = --save-tokenizer ]; then
   exec python3 -c "import sys
@@ -22,7 +24,7 @@ fi
 out=${1:?OUT_DIR}
 tok=${2:?TOKENIZER_DIR}
 shift 2
-parts=${*:-tests shapes offline}
+parts=${*:-tests shapes profile offline}
 mkdir -p "$out"
 # A pytest plugin that writes each failure's report the moment it happens, so that a run cut
 # off by its time limit still says what failed and why.
@@ -57,7 +59,7 @@ for part in $parts; do
   case $part in
     # 8 test processes of 2 threads each on the machine's 16 cores
     # the memory-profile tests first and alone (they fill shares of the GPU), then the rest
-    tests) timeout "${TESTS_S:-240}" sh -c "python3 -m pytest -q -p no:cacheprovider \
+    tests) timeout "${TESTS_S:-150}" sh -c "python3 -m pytest -q -p no:cacheprovider \
              -p report_at_once -rfE --timeout 120 tests/worker/test_memory_profile.py;
            OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
              -p report_at_once -rfE -n 8 --timeout 120 \
@@ -67,12 +69,16 @@ for part in $parts; do
              tests/quantization/test_fp8_checkpoints.py \
              tests/lora/test_lora_generate.py::test_mixed_adapters_match_peft_on_cuda \
              --ignore=tests/worker/test_memory_profile.py" 2>&1 | tee "$out/tests.log" ;;
-    shapes) timeout "${SHAPES_S:-200}" python3 benchmarks/real_shapes.py \
+    shapes) timeout "${SHAPES_S:-150}" python3 benchmarks/real_shapes.py \
               --json "$out/real_shapes.json" 2>&1 | tee "$out/real_shapes.log" ;;
-    offline) timeout "${OFFLINE_S:-130}" sh -c "python3 benchmarks/offline_throughput.py \
+    profile) timeout "${PROFILE_S:-90}" sh -c "for eager in '' --enforce-eager; do
+               python3 benchmarks/profile_step.py --model llama-1b --device cuda \
+                 --dtype bfloat16 --scenario decode64 --steps 10 --ops 12 \$eager; done" 2>&1 \
+               | tee "$out/profile.log" ;;
+    offline) timeout "${OFFLINE_S:-200}" sh -c "python3 benchmarks/offline_throughput.py \
                --model llama-8b --dtype bfloat16 --json $out/offline.json &&
              python3 benchmarks/offline_throughput.py --model llama-8b --dtype bfloat16 \
-               --num-requests 128 --hf-reference --json $out/offline_hf.json" 2>&1 \
+               --num-requests 64 --hf-reference --json $out/offline_hf.json" 2>&1 \
                | tee "$out/offline.log" ;;
     moe) timeout "${MOE_S:-50}" python3 benchmarks/moe.py --device cuda --tokenizer "$tok" \
            --dtype "${MOE_DTYPE:-auto}" \

@@ -53,7 +53,9 @@ def hf_model(mc: ModelConfig, dtype: str, device: str) -> torch.nn.Module:
 
     torch_dtype = getattr(torch, dtype)
     if mc.load_format == "dummy":
-        built = AutoModelForCausalLM.from_config(mc.hf_config, dtype=torch_dtype)
+        # built on the device: an 8B model's random init on the host takes minutes
+        with torch.device(device):
+            built = AutoModelForCausalLM.from_config(mc.hf_config, dtype=torch_dtype)
     elif mc.gguf_file is not None:
         folder, name = os.path.split(mc.gguf_file)
         built = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch_dtype)

@@ -6,8 +6,11 @@
                                       [--matmul-dtype auto|float32|bfloat16]
                                       [--kv-cache-dtype auto|bfloat16|int8|fp8]
                                       [--json out.json] [--ops N]
+    python benchmarks/profile_step.py --model llama-1b --device cuda --scenario decode64 \
+                                      [--enforce-eager] --ops 15      (the GPU)
 
-Scenarios (SmolLM2 in the default weight format unless --model / --quantization):
+Scenarios (SmolLM2 in the default weight format unless --model / --quantization; --model
+may be a shape name of tokenmill/bench/shapes.py, random weights of a real shape):
 - single:   one request, 128 prompt tokens, decode steps (batch 1);
 - decode64: 64 requests of 256 prompt tokens (the `uniform` workload), decode steps at batch 64;
 - mixed:    the `mixed` workload (128 requests at once), steps 8.. of the run, where prefill
@@ -21,6 +24,10 @@ attention and the rest (norms, RoPE, activations, copies). A step whose layers r
 call (models/cpu_decode.py: by default every CPU step its kernels cover) shows that call as
 forward.fused_layers (its GEMMs, attention and ops are not split); --no-fused-decode runs those
 steps through the modules, which the profiler can split.
+
+On CUDA the scopes are the host's time (the device runs behind it) and the profiler also
+records the device: its kernels' time a step, and with --ops the kernels of most device time
+(inside a CUDA graph replay too), beside the ops of most host time.
 """
 
 from __future__ import annotations
@@ -29,13 +36,16 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.bench.shapes import SHAPES, write_model_folder  # noqa: E402
 from tokenmill.bench.workloads import make_workload  # noqa: E402
 
 GEMM_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm",
@@ -100,20 +110,32 @@ def run_scenario(llm: LLM, name: str, steps: int, vocab: int, special: set[int])
     """The same steps twice (the prefix cache is off, so both runs do the same work): timed
     without the profiler, then profiled."""
     _advance(llm, name, vocab, special)
+    cuda = llm.engine.runner.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
     start = time.perf_counter()
     for _ in range(steps):
         llm.engine.step()
+    sync()
     wall_ms = (time.perf_counter() - start) * 1e3 / steps
     _drain(llm)
     _advance(llm, name, vocab, special)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
         for _ in range(steps):
             llm.engine.step()
+        sync()
     _drain(llm)
-    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    events = prof.key_averages()
+    ops = sorted(events, key=lambda e: -e.self_cpu_time_total)
+    kernels = sorted((e for e in events if e.self_device_time_total > 0),
+                     key=lambda e: -e.self_device_time_total)
     return {"scenario": name, "wall_ms_per_step": wall_ms,
             "profiled_ms_per_step": breakdown(prof, steps),
-            "top_ops_ms_per_step": {e.key: e.self_cpu_time_total / 1e3 / steps for e in ops[:30]}}
+            "top_ops_ms_per_step": {e.key: e.self_cpu_time_total / 1e3 / steps for e in ops[:30]},
+            "device_ms_per_step": sum(e.self_device_time_total for e in kernels) / 1e3 / steps,
+            "top_kernels_ms_per_step": {e.key: e.self_device_time_total / 1e3 / steps
+                                        for e in kernels[:30]}}
 
 
 def print_result(r: dict, top_ops: int = 0) -> None:
@@ -127,10 +149,16 @@ def print_result(r: dict, top_ops: int = 0) -> None:
             continue
         indent = "    " if key.startswith("forward.") else "  "
         print(f"{indent}{key:<22}{b[key]:>9.1f} ms {100 * b[key] / total:>6.1f}%")
+    if r["top_kernels_ms_per_step"]:
+        print(f"  device: kernels {r['device_ms_per_step']:.1f} ms a step")
     if top_ops:
-        print("  ops by self time:")
+        print("  ops by self time (host):")
         for op, ms in list(r["top_ops_ms_per_step"].items())[:top_ops]:
-            print(f"    {op:<40}{ms:>9.2f} ms")
+            print(f"    {op[:60]:<60}{ms:>9.2f} ms")
+        if r["top_kernels_ms_per_step"]:
+            print("  kernels by device time:")
+            for op, ms in list(r["top_kernels_ms_per_step"].items())[:top_ops]:
+                print(f"    {op[:60]:<60}{ms:>9.2f} ms")
 
 
 def main() -> None:
@@ -140,7 +168,11 @@ def main() -> None:
     ap.add_argument("--scenario", default="all", choices=["single", "decode64", "mixed", "all"])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-prepack-weights", dest="prepack", action="store_false")
-    ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
+    ap.add_argument("--attention-backend", default="auto",
+                    choices=["auto", "torch", "cpu", "triton"])
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode graphs")
     ap.add_argument("--no-fused-decode", dest="fused", action="store_false",
                     help="steps through the modules' Python loop, not one C++ call")
     ap.add_argument("--quantization", default=None,
@@ -151,14 +183,28 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--ops", type=int, default=0, help="also print the N ops of most self time")
     args = ap.parse_args()
-    llm = LLM(args.model, prepack_weights=args.prepack, attention_backend=args.attention_backend,
-              enable_prefix_caching=False, quantization=args.quantization,
-              int8_activations=args.int8_activations, kv_cache_dtype=args.kv_cache_dtype,
-              matmul_dtype=args.matmul_dtype)
-    llm.engine.runner.model.model.fused_layers.enabled = args.fused
+    with tempfile.TemporaryDirectory() as tmp:
+        shape = args.model in SHAPES
+        model = str(write_model_folder(args.model, Path(tmp))) if shape else args.model
+        llm = LLM(model, load_format="dummy" if shape else "auto", device=args.device,
+                  dtype=args.dtype, enforce_eager=args.enforce_eager,
+                  prepack_weights=args.prepack, attention_backend=args.attention_backend,
+                  enable_prefix_caching=False, quantization=args.quantization,
+                  int8_activations=args.int8_activations, kv_cache_dtype=args.kv_cache_dtype,
+                  matmul_dtype=args.matmul_dtype)
+        profile_engine(llm, args)
+
+
+def profile_engine(llm: LLM, args: argparse.Namespace) -> None:
+    stack = llm.engine.runner.model.model
+    if hasattr(stack, "fused_layers"):  # the CPU's one-call decode (models/cpu_decode.py)
+        stack.fused_layers.enabled = args.fused
     tok = llm.get_tokenizer()
     vocab = llm.engine.config.model.vocab_size
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    device = llm.engine.runner.device
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"torch {torch.__version__}, {where}, {torch.get_num_threads()} threads, "
+          f"enforce_eager={args.enforce_eager}, "
           f"prepack_weights={args.prepack}, attention_backend={args.attention_backend}, "
           f"fused_decode={args.fused}, quantization={llm.engine.config.model.quantization}, "
           f"matmul_dtype={llm.engine.config.model.matmul_dtype}, "

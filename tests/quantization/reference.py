@@ -23,7 +23,7 @@ def hf_with_effective_weights(hf: torch.nn.Module, model: torch.nn.Module) -> to
     for i, layer in enumerate(model.model.layers):
         for ours, theirs in MERGED.items():
             lin = layer.get_submodule(ours)
-            w = effective_weight(lin.quant_method.cpu_kernel(lin))
+            w = effective_weight(lin.quant_method.blocks_kernel(lin))
             start = 0
             for name in theirs:
                 target = ref.model.layers[i].get_submodule(name).weight

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from tests.conftest import assert_kv_all_free, generate_greedy, hf_greedy, mixed_prompts
 from tokenmill import LLM
 from tokenmill.attention.triton_paged import triton_available
+from tokenmill.layers import cpu_ops
 from tokenmill.quantization.fp8 import FP8, FP8_MAX, dequantize_blocks
 
 BLOCK = [32, 32]  # small tiles, so that the tiny model's layers hold several
@@ -72,9 +73,10 @@ def fp8_checkpoint(tiny_model, tmp_path_factory):
     return str(out), cases, [hf_greedy(ref, p, m) for p, m in cases]
 
 
+@pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ kernels not built")
 def test_fp8_checkpoint_on_cpu_is_its_dequantized_weights(fp8_checkpoint):
     path, cases, expected = fp8_checkpoint
-    llm = LLM(path)  # the checkpoint's own format, picked from its config
+    llm = LLM(path, device="cpu")  # the checkpoint's own format, picked from its config
     assert llm.engine.config.model.quantization == "fp8"
     assert llm.engine.config.batch_invariant  # dense float32 weights on CPU
     qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj

@@ -58,9 +58,9 @@ def test_padded_static_decode_with_split_keys_matches_hf(llama_cases):
     path, cases, expected = llama_cases
     llm = LLM(path, attention_backend="triton", max_num_batched_tokens=64, dtype="float32")
     runner = llm.engine.runner
-    runner.backend.split_keys = 128
-    if runner.device.type == "cpu":
-        runner.decode_graphs = runner._decode_graphs(capture=False)
+    runner.backend.split_keys = 128  # the static state is built (and graphs captured) anew
+    runner.decode_graphs = runner._decode_graphs(capture=runner.device.type == "cuda")
+    runner.decode_graphs.capture_all()  # (nothing to capture on CPU)
     state = runner.decode_graphs.attention
     assert state.split_keys == 128 and state.max_splits == -(-512 // 128)
     assert generate_greedy(llm, cases) == expected

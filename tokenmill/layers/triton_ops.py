@@ -136,6 +136,9 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1
     assert cos.stride() == sin.stride()
     if T:
+        # enable_fp_fusion=False: the GPU compiler would otherwise fuse a product into the sum
+        # (one rounding, where torch's ops and the interpreter round twice)
         _rotary_kernel[(T, Hq + k.shape[1])](q, k, cos, sin, q.stride(0), q.stride(1),
                                              k.stride(0), k.stride(1), cos.stride(0), HQ=Hq,
-                                             HALF=R // 2, BLOCK=triton.next_power_of_2(R // 2))
+                                             HALF=R // 2, BLOCK=triton.next_power_of_2(R // 2),
+                                             enable_fp_fusion=False)

@@ -51,9 +51,10 @@ class BlockLinearMethod(LinearMethodBase):
         q = getattr(layer, "blocks_q", None)
         if q is None or not q.is_cpu:
             return None
-        return self._blocks(layer)
+        return self.blocks_kernel(layer)
 
-    def _blocks(self, layer: nn.Module) -> CPULinearKernel:
+    def blocks_kernel(self, layer: nn.Module) -> CPULinearKernel:
+        """The layer's blocks as a kernel object, on whichever device they are."""
         names = ("blocks_q", "blocks_d") + (("blocks_m",) if self.kind == CPULinearKernel.Q4
                                              else ())
         group = getattr(layer, "group_size", self.group)  # set where it varies by layer
@@ -71,13 +72,13 @@ class BlockLinearMethod(LinearMethodBase):
               bias: torch.Tensor | None) -> torch.Tensor:
         from tokenmill.quantization.triton_block_gemm import block_linear
 
-        k = block_tiles.unpack(self._blocks(layer))  # (CPU tensors routed here by tests)
+        k = block_tiles.unpack(self.blocks_kernel(layer))  # (CPU tensors routed here by tests)
         return block_linear(x, k.kind, k.group, *k.tensors[:2],
                             k.tensors[2] if len(k.tensors) > 2 else None, k.input_scale, bias)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if not on_cuda(ids):
             return super().embed(layer, ids)
-        k = block_tiles.unpack(self._blocks(layer))
+        k = block_tiles.unpack(self.blocks_kernel(layer))
         rows = CPULinearKernel(k.kind, k.group, tuple(t[ids] for t in k.tensors))
         return dequantize(rows).to(getattr(layer, "compute_dtype", torch.float32))

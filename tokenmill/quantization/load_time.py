@@ -67,7 +67,8 @@ class LoadTimeQuantMethod(BlockLinearMethod):
             return
         group = layer.group_size
         x = self.activations.pop(getattr(layer, "prefix", ""), None)
-        s = None if x is None else search_scale(w, x, group)[0]
+        # the calibration inputs come from a CPU forward; the search runs where the weight is
+        s = None if x is None else search_scale(w, x.to(w.device), group)[0]
         if s is not None:  # the kernel multiplies x by 1 / s, the weight holds W s
             w = w * s
             replace_param(layer, "input_scale", (1.0 / s).float().contiguous())
