@@ -118,8 +118,9 @@ def asked_half_weights(model: ModelConfig, device: str) -> torch.dtype | None:
     of it in MKL's bf16 GEMV, against 58-75 ms served as auto serves it: benchmarks/
     RESULTS.md, fifty-first session). None: served as asked (quantized or GGUF weights, a
     GPU, a bf16 checkpoint asked in float16 or the reverse, whose range or precision the
-    rounding would change, a config that names no dtype)."""
-    asked, stored = model.dtype, _stored_dtype(model)
+    rounding would change). A config that names no dtype is float32's, as transformers reads
+    it (random-weight benchmark shapes, older checkpoints)."""
+    asked, stored = model.dtype, _stored_dtype(model) or torch.float32
     if asked not in (torch.bfloat16, torch.float16) or stored not in (asked, torch.float32):
         return None
     return asked if _dense_on_cpu_kernels(model, device) else None

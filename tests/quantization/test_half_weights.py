@@ -12,6 +12,7 @@ csrc/linear_bf16_amx.h), a tied table too."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 
 import pytest
@@ -134,6 +135,22 @@ def test_a_float32_checkpoint_asked_in_half_precision_serves_as_its_half_checkpo
     for g, w in zip(got, want, strict=True):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert g.outputs[0].logprobs == w.outputs[0].logprobs
+
+
+def test_a_config_naming_no_dtype_asked_in_half_precision_is_float32s(tiny_model, tmp_path):
+    """A config without `dtype` (transformers reads it as float32's; the random-weight shapes of
+    tokenmill/bench/shapes.py) asked in bfloat16 is served as the float32 checkpoint is."""
+    f32_path = tiny_model("llama")[0]
+    bare = tmp_path / "bare"
+    shutil.copytree(f32_path, bare)
+    config = json.loads((bare / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (bare / "config.json").write_text(json.dumps(config))
+    got = engine_config(str(bare), device="cpu", dtype="bfloat16")
+    want = engine_config(f32_path, device="cpu", dtype="bfloat16")
+    assert got.model.weight_dtype == want.model.weight_dtype == torch.bfloat16
+    assert got.model.dtype == torch.float32
+    assert got.cache.kv_cache_dtype == want.cache.kv_cache_dtype
 
 
 def test_an_f16_gguf_file_keeps_its_weights_in_f16(tiny_model, smollm2_path, tmp_path):
