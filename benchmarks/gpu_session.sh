@@ -71,11 +71,11 @@ for part in $parts; do
              --ignore=tests/worker/test_memory_profile.py" 2>&1 | tee "$out/tests.log" ;;
     shapes) timeout "${SHAPES_S:-150}" python3 benchmarks/real_shapes.py \
               --json "$out/real_shapes.json" 2>&1 | tee "$out/real_shapes.log" ;;
-    profile) timeout "${PROFILE_S:-90}" sh -c "for eager in '' --enforce-eager; do
+    profile) timeout "${PROFILE_S:-120}" sh -c "for eager in '' --enforce-eager; do
                python3 benchmarks/profile_step.py --model llama-1b --device cuda \
                  --dtype bfloat16 --scenario decode64 --steps 10 --ops 12 \$eager; done" 2>&1 \
                | tee "$out/profile.log" ;;
-    offline) timeout "${OFFLINE_S:-200}" sh -c "python3 benchmarks/offline_throughput.py \
+    offline) timeout "${OFFLINE_S:-170}" sh -c "python3 benchmarks/offline_throughput.py \
                --model llama-8b --dtype bfloat16 --json $out/offline.json &&
              python3 benchmarks/offline_throughput.py --model llama-8b --dtype bfloat16 \
                --num-requests 64 --hf-reference --json $out/offline_hf.json" 2>&1 \
