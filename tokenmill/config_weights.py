@@ -87,10 +87,12 @@ def default_quantization(model: ModelConfig, device: str) -> str | None:
     return "gguf"
 
 
-def _stored_dtype(model: ModelConfig) -> torch.dtype | None:
-    """The dtype the checkpoint's config says its weights are stored in, if it says."""
+def _stored_dtype(model: ModelConfig) -> torch.dtype:
+    """The dtype the checkpoint's config says its weights are stored in; float32 where it names
+    none, as transformers reads it (random-weight benchmark shapes, older checkpoints)."""
     stored = getattr(model.hf_config, "dtype", None)  # (transformers 5 reads torch_dtype)
-    return getattr(torch, stored, None) if isinstance(stored, str) else stored
+    stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
+    return stored or torch.float32
 
 
 def _dense_on_cpu_kernels(model: ModelConfig, device: str) -> bool:
@@ -118,9 +120,8 @@ def asked_half_weights(model: ModelConfig, device: str) -> torch.dtype | None:
     of it in MKL's bf16 GEMV, against 58-75 ms served as auto serves it: benchmarks/
     RESULTS.md, fifty-first session). None: served as asked (quantized or GGUF weights, a
     GPU, a bf16 checkpoint asked in float16 or the reverse, whose range or precision the
-    rounding would change). A config that names no dtype is float32's, as transformers reads
-    it (random-weight benchmark shapes, older checkpoints)."""
-    asked, stored = model.dtype, _stored_dtype(model) or torch.float32
+    rounding would change); a config that names no dtype counts as float32 (_stored_dtype)."""
+    asked, stored = model.dtype, _stored_dtype(model)
     if asked not in (torch.bfloat16, torch.float16) or stored not in (asked, torch.float32):
         return None
     return asked if _dense_on_cpu_kernels(model, device) else None

@@ -7,42 +7,18 @@ channels carry outsized activations."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from tests.conftest import assert_kv_all_free, hf_greedy
-from tests.quantization.reference import MERGED, hf_with_effective_weights
+from tests.quantization.reference import MERGED, hf_with_effective_weights, reference_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers import cpu_ops
 from tokenmill.quantization import CPULinearKernel
 from tokenmill.quantization.awq_search import search_scale
-from tokenmill.quantization.blocks import dequantize, quantize_q4, quantize_q8_0
+from tokenmill.quantization.blocks import dequantize, quantize_q4
 
 pytestmark = pytest.mark.skipif(not cpu_ops.ops_available(), reason="C++ toolchain unavailable")
-
-
-def reference_model(hf: torch.nn.Module, quantization: str) -> torch.nn.Module:
-    """A copy of `hf` whose linear weights went through the format and back to float32:
-    decoder layers in int8 (Q8_0) or int4 (Q4, groups of 32), embedding and head in Q8_0."""
-    ref = copy.deepcopy(hf)
-
-    def q8(w: torch.Tensor) -> torch.Tensor:
-        return dequantize(CPULinearKernel(CPULinearKernel.Q8_0, 32, quantize_q8_0(w)))
-
-    def q4(w: torch.Tensor) -> torch.Tensor:
-        return dequantize(CPULinearKernel(CPULinearKernel.Q4, 32, quantize_q4(w, 32)))
-
-    with torch.no_grad():
-        for name, module in ref.named_modules():
-            if isinstance(module, torch.nn.Linear):
-                fn = q8 if name == "lm_head" or quantization == "int8" else q4
-                module.weight.copy_(fn(module.weight))
-        emb = ref.get_input_embeddings()
-        if ref.lm_head.weight is not emb.weight:
-            emb.weight.copy_(q8(emb.weight))
-    return ref
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # tied head; untied head with biases

@@ -91,8 +91,7 @@ def test_quantized_engine_on_cuda(tiny_model, quantization):
     dequantized weights (the reference the CPU kernels meet in test_load_time.py; it needs
     no C++ kernels, which a GPU machine need not build); bfloat16 ones run."""
     from tests.conftest import generate_greedy, hf_greedy, mixed_prompts
-    from tests.quantization.reference import hf_with_effective_weights
-    from tests.quantization.test_load_time import reference_model
+    from tests.quantization.reference import hf_with_effective_weights, reference_model
     from tokenmill import LLM
 
     path, hf = tiny_model("llama")
