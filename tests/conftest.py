@@ -10,6 +10,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -119,6 +120,15 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2_bf16(smollm2_path: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """SmolLM2 as a Hugging Face bfloat16 folder (its Q4_1 file's float32 expansion rounded:
+    a Hub checkpoint's form with real weights), written once per session."""
+    from tokenmill.bench.checkpoint_formats import write_bf16_folder
+
+    return write_bf16_folder(smollm2_path, str(tmp_path_factory.mktemp("smollm2") / "bf16"))
+
+
+@pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
                   ) -> Path:
     """SmolLM2's tokenizer saved as tokenizer.json once, for the tiny models to share; or the
@@ -184,6 +194,25 @@ def bf16_checkpoint(tiny_model, tmp_path_factory) -> str:
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{folder}/{f}", out / f)
     return str(out)
+
+
+def top1(llm: Any, prompts: list[list[int]]) -> list[int]:
+    """The model's most likely next token at every prompt position (teacher-forced), and
+    after the last: an LLM's greedy choices over text it is given."""
+    from tokenmill import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    top = []
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        for position in out.prompt_logprobs[1:]:
+            top.append(next(t for t, lp in position.items() if lp.rank == 1))
+        top.append(out.outputs[0].token_ids[0])
+    return top
+
+
+def agreement(got: list[int], want: list[int]) -> float:
+    """The share of positions where two runs picked the same token."""
+    return sum(a == b for a, b in zip(got, want, strict=True)) / len(want)
 
 
 @torch.no_grad()

@@ -173,8 +173,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     swap_space: int = 2**30  # bytes of CPU memory for swapped-out KV (preemption_mode="swap")
     # "auto": the model's dtype (config_factory.resolve_kv_cache_dtype: bfloat16 for bf16
-    # products and GGUF blocks); "float32"; "bfloat16"; "int8": one scale per token and KV
-    # head; "fp8" (= "fp8_e4m3"): e4m3 with per-head scales (attention/kv_formats.py)
+    # products, GGUF blocks and a bf16 checkpoint's quantized weights); "float32";
+    # "bfloat16"; "int8": one scale per token and KV head; "fp8" (= "fp8_e4m3"): e4m3 with
+    # per-head scales (attention/kv_formats.py)
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

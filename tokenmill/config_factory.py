@@ -41,6 +41,7 @@ from tokenmill.config_weights import (
     default_weight_dtype,
     resolve_matmul_dtype,
     resolve_quantization,
+    stored_dtype,
 )
 from tokenmill.distributed.config import ParallelConfig
 from tokenmill.kv_offload.factory import kv_offload_config
@@ -100,7 +101,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         raise ValueError("speculative decoding does not run with "
                          "pipeline_parallel_size > 1 yet")
     cache = args.group("cache")
-    cache["kv_cache_dtype"] = resolve_kv_cache_dtype(cache["kv_cache_dtype"], model)
+    cache["kv_cache_dtype"] = resolve_kv_cache_dtype(cache["kv_cache_dtype"], model,
+                                                     args.dtype)
     for size in ("kv_cache_memory", "swap_space"):
         if cache[size] is not None:
             cache[size] = parse_size(cache[size])
@@ -123,13 +125,16 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         enable_sleep_mode=_sleep_mode(args.enable_sleep_mode, parallel))
 
 
-def resolve_kv_cache_dtype(asked: str, model: ModelConfig) -> str:
+def resolve_kv_cache_dtype(asked: str, model: ModelConfig, dtype_asked: str = "auto") -> str:
     """The KV cache format `asked` ("auto" resolved) for `model`: "auto" is bfloat16 where
-    the products are (matmul_dtype bfloat16: the cache in their dtype) and for a GGUF file
+    the products are (matmul_dtype bfloat16: the cache in their dtype), for a GGUF file
     served in its blocks (llama.cpp's cache is 16-bit by default, vLLM's the checkpoint's
     half precision: +20-38% batched on SmolLM2 Q4_1 on an AMX Xeon, RESULTS.md; top-1
-    99.66-99.85% against a float32 cache, quant_quality.py); else the model's dtype.
-    "float32" keeps a float32 model's cache exact, and needs a float32 model."""
+    99.66-99.85% against a float32 cache, quant_quality.py), and for a bfloat16 checkpoint
+    whose weights are quantized and computed in float32 (dtype "auto" on CPU: the cache in
+    the checkpoint's dtype, as vLLM keeps it whatever the weights' format; +16% / +31%
+    batched for SmolLM2 int8 on a Zen 4, RESULTS.md fifty-sixth session); else the model's
+    dtype. "float32" keeps a float32 model's cache exact, and needs a float32 model."""
     if asked == "float32" and model.dtype != torch.float32:
         raise ValueError(f"kv_cache_dtype 'float32' keeps a float32 model's K and V as "
                          f"computed; this model computes in {model.dtype}: use 'auto'")
@@ -140,6 +145,12 @@ def resolve_kv_cache_dtype(asked: str, model: ModelConfig) -> str:
     if model.quantization == "gguf":
         logger.info("KV cache in bfloat16 for the GGUF blocks (llama.cpp's cache is 16-bit; "
                     "--kv-cache-dtype float32 keeps the float32 expansion's exact cache)")
+        return "bfloat16"
+    if (dtype_asked == "auto" and model.quantization is not None
+            and model.dtype == torch.float32 and stored_dtype(model) == torch.bfloat16):
+        logger.info("KV cache in bfloat16, the checkpoint's dtype (its weights in %s, "
+                    "computed in float32; --kv-cache-dtype float32 keeps a float32 cache)",
+                    model.quantization)
         return "bfloat16"
     return asked
 

@@ -87,7 +87,7 @@ def default_quantization(model: ModelConfig, device: str) -> str | None:
     return "gguf"
 
 
-def _stored_dtype(model: ModelConfig) -> torch.dtype:
+def stored_dtype(model: ModelConfig) -> torch.dtype:
     """The dtype the checkpoint's config says its weights are stored in; float32 where it names
     none, as transformers reads it (random-weight benchmark shapes, older checkpoints)."""
     stored = getattr(model.hf_config, "dtype", None)  # (transformers 5 reads torch_dtype)
@@ -105,7 +105,7 @@ def _dense_on_cpu_kernels(model: ModelConfig, device: str) -> bool:
 def _keeps_as_stored(model: ModelConfig, device: str) -> bool:
     """Whether the checkpoint's half-precision weights can be kept as stored and computed in
     float32 here: a bfloat16 / float16 checkpoint, unquantized, on a CPU with the C++ kernels."""
-    return (_stored_dtype(model) in (torch.bfloat16, torch.float16)
+    return (stored_dtype(model) in (torch.bfloat16, torch.float16)
             and _dense_on_cpu_kernels(model, device))
 
 
@@ -120,8 +120,8 @@ def asked_half_weights(model: ModelConfig, device: str) -> torch.dtype | None:
     of it in MKL's bf16 GEMV, against 58-75 ms served as auto serves it: benchmarks/
     RESULTS.md, fifty-first session). None: served as asked (quantized or GGUF weights, a
     GPU, a bf16 checkpoint asked in float16 or the reverse, whose range or precision the
-    rounding would change); a config that names no dtype counts as float32 (_stored_dtype)."""
-    asked, stored = model.dtype, _stored_dtype(model)
+    rounding would change); a config that names no dtype counts as float32 (stored_dtype)."""
+    asked, stored = model.dtype, stored_dtype(model)
     if asked not in (torch.bfloat16, torch.float16) or stored not in (asked, torch.float32):
         return None
     return asked if _dense_on_cpu_kernels(model, device) else None
@@ -135,7 +135,7 @@ def default_weight_dtype(model: ModelConfig, device: str) -> torch.dtype | None:
     elsewhere."""
     if model.dtype != torch.float32 or not _keeps_as_stored(model, device):
         return None
-    stored = _stored_dtype(model)
+    stored = stored_dtype(model)
     logger.info("keeping the %s checkpoint's weights in %s (computing in float32)",
                 model.path, stored)
     return stored

@@ -122,8 +122,9 @@ class EngineArgs:
         "bytes or e.g. 1GiB", "cache")
     kv_cache_dtype: str = option(
         CacheConfig.kv_cache_dtype, "KV cache storage (vLLM's flag): auto = the model's dtype "
-        "(bfloat16 under matmul_dtype bfloat16 and for a GGUF file's blocks, as llama.cpp's "
-        "16-bit cache); float32 = a float32 model's K and V exactly; "
+        "(bfloat16 under matmul_dtype bfloat16, for a GGUF file's blocks, as llama.cpp's "
+        "16-bit cache, and for a bf16 checkpoint's quantized weights, as vLLM's); "
+        "float32 = a float32 model's K and V exactly; "
         "bfloat16 = half a float32 model's bytes; int8 = one scale per token and KV head, "
         "~3.8x the tokens; fp8 (= fp8_e4m3) = e4m3 with a per-head scale, 4x; fp8_e5m2 is not "
         "built yet", "cache", choices=(*kv_format_names(), *PLANNED_KV_FORMATS))

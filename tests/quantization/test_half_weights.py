@@ -18,7 +18,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import assert_kv_all_free, hf_greedy
+from tests.conftest import agreement, assert_kv_all_free, hf_greedy, top1
 from tokenmill import LLM, SamplingParams
 from tokenmill.config_weights import asked_half_weights
 from tokenmill.engine_args import engine_config
@@ -173,17 +173,6 @@ def test_an_f16_gguf_file_keeps_its_weights_in_f16(tiny_model, smollm2_path, tmp
     assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
 
 
-def _top1(llm: LLM, prompts: list[list[int]]) -> list[int]:
-    """The model's most likely next token at every prompt position (teacher-forced)."""
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
-    top = []
-    for out in llm.generate(prompts, params, use_tqdm=False):
-        for position in out.prompt_logprobs[1:]:
-            top.append(next(t for t, lp in position.items() if lp.rank == 1))
-        top.append(out.outputs[0].token_ids[0])
-    return top
-
-
 def test_bf16_products_run_every_path_with_a_bf16_cache(bf16_checkpoint, monkeypatch):
     """matmul_dtype bfloat16, on any CPU (emulated without AVX512-BF16, the same bits): the
     products' kernel, a bfloat16 KV cache, the fused decode call, batch invariance. On this
@@ -203,7 +192,7 @@ def test_bf16_products_run_every_path_with_a_bf16_cache(bf16_checkpoint, monkeyp
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 3000, (80,), generator=g).tolist() for _ in range(30)]
     exact = LLM(bf16_checkpoint, matmul_dtype="float32", num_kv_blocks=256)
-    assert 0.95 <= _agreement(_top1(fast, prompts), _top1(exact, prompts)) < 1.0
+    assert 0.95 <= agreement(top1(fast, prompts), top1(exact, prompts)) < 1.0
     calls = _counting_fused_calls(monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = fast.generate(prompts[:3], params, use_tqdm=False)
@@ -284,27 +273,22 @@ def test_a_bf16_gguf_file_multiplies_like_its_bf16_checkpoint(bf16_checkpoint, t
         engine_config(str(tmp_path / "q8.gguf"), device="cpu", matmul_dtype="bfloat16")
 
 
-def _agreement(got: list[int], want: list[int]) -> float:
-    return sum(a == b for a, b in zip(got, want, strict=True)) / len(want)
-
-
 @pytest.mark.slow
-def test_bf16_products_keep_smollm2s_top1_above_99_percent(smollm2_path, tmp_path):
+def test_bf16_products_keep_smollm2s_top1_above_99_percent(smollm2_bf16):
     """SmolLM2 as a bf16 checkpoint, on 1,000 positions of English text: its bfloat16
     products (and cache) pick float32's top-1 token at >= 99% of them (measured: 99.3% by
     benchmarks/quant_quality.py --matmul-dtype bfloat16, 2,044 positions)."""
-    from tokenmill.bench.checkpoint_formats import write_bf16_folder
     from tokenmill.bench.quant_quality import calibration_text
 
-    folder = write_bf16_folder(smollm2_path, str(tmp_path / "smollm2-bf16"))
+    folder = smollm2_bf16
     exact = LLM(folder, matmul_dtype="float32", max_model_len=512)
     ids = exact.engine.tokenizer.encode(calibration_text(8000), add_special_tokens=False)
     prompts = [ids[i:i + 250] for i in range(0, 1000, 250)]
-    want = _top1(exact, prompts)
+    want = top1(exact, prompts)
     del exact
     fast = LLM(folder, matmul_dtype="bfloat16", max_model_len=512)
-    agreement = _agreement(_top1(fast, prompts), want)
-    assert 0.99 <= agreement < 1.0, agreement
+    agreed = agreement(top1(fast, prompts), want)
+    assert 0.99 <= agreed < 1.0, agreed
 
 
 def test_matmul_dtype_is_chosen_by_the_cpu_and_refused_where_it_does_not_apply(
