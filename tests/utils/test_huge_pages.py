@@ -64,8 +64,15 @@ def test_move_parameters_keeps_values_objects_and_ties():
     assert model[2].weight.data_ptr() == small  # under min_bytes: left where it was
 
 
+def test_fresh_is_a_huge_page_mapping_from_one_huge_page_on():
+    big = huge_pages.fresh((huge_pages.HUGE_PAGE,), torch.uint8)
+    assert big.data_ptr() % huge_pages.HUGE_PAGE == 0
+    small = huge_pages.fresh((1000, 3), torch.float32)
+    assert small.shape == (1000, 3) and small.untyped_storage().nbytes() == 12000
+
+
 def test_parameters_marked_keep_pages_stay_where_they_are():
-    """Weights written once into fresh memory at load (GGUF Q4_K tiles) are not copied again."""
+    """Weights written once into fresh memory at load (GGUF tiles) are not copied again."""
     model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))
     kept = huge_pages.keep_pages(model[0].weight)
     where, values = kept.data_ptr(), kept.detach().clone()

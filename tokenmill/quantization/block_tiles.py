@@ -34,6 +34,7 @@ from torch import nn
 from tokenmill.layers import cpu_ops
 from tokenmill.quantization import kquant_tiles, q6k_tiles
 from tokenmill.quantization.base import CPULinearKernel
+from tokenmill.utils import huge_pages
 
 PACKED_KIND = {CPULinearKernel.Q8_0: CPULinearKernel.Q8_0_TILES,
                CPULinearKernel.Q4: CPULinearKernel.Q4_TILES,
@@ -84,8 +85,12 @@ def pack(kernel: CPULinearKernel) -> CPULinearKernel:
     N, nbytes = q.shape
     per = _bytes_per_block(kernel.kind)
     nb = nbytes // per
-    tiles = q.view(N // ROWS, ROWS, nb, per // 4, 4).permute(0, 2, 3, 1, 4)
-    packed = (tiles.reshape(N // ROWS, nb, ROWS * per), *(
+    # written once, straight into huge pages: the weights are not copied again into the
+    # model's huge-page arena (huge_pages.keep_pages), so each page is touched once at load
+    tiles = huge_pages.fresh((N // ROWS, nb, ROWS * per), q.dtype)
+    tiles.view(N // ROWS, nb, per // 4, ROWS, 4).copy_(
+        q.view(N // ROWS, ROWS, nb, per // 4, 4).permute(0, 2, 3, 1, 4))
+    packed = (tiles, *(
         s.view(N // ROWS, ROWS, s.shape[1]).transpose(1, 2).contiguous() for s in scales))
     return _with(kernel, PACKED_KIND[kernel.kind], packed)
 

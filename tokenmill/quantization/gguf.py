@@ -240,9 +240,8 @@ class GGUFBlockMethod(LinearMethodBase):
             kernel = packed
             for i, t in enumerate(kernel.tensors):
                 replace_param(layer, f"blocks_{p}_{i}", t.contiguous())
-                if kernel.kind in (CPULinearKernel.Q4_K_TILES, CPULinearKernel.Q6_K_TILES):
-                    # written once, where they are
-                    keep_pages(getattr(layer, f"blocks_{p}_{i}"))
+                if kernel.kind in block_tiles.BLOCK_KIND:  # packed: written once, where
+                    keep_pages(getattr(layer, f"blocks_{p}_{i}"))  # they are
             row += rows
 
     def _part_kernel(self, layer: nn.Module, p: int, name: str) -> CPULinearKernel:

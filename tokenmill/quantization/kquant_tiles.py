@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.utils import huge_pages
+
 ROWS, SUPER, RAW_BYTES, PACKED_BYTES = 16, 256, 144, 2368
 
 
@@ -54,7 +56,7 @@ def pack(raw: torch.Tensor) -> torch.Tensor:
     groups, nsb, _ = _packed_shape(raw)
     blocks = raw.reshape(groups, ROWS, nsb, RAW_BYTES)  # [g, r, sb, byte]
     sc, mn = _scales_mins(blocks[..., 4:16])  # [g, r, sb, s]
-    out = torch.empty(groups, nsb, PACKED_BYTES, dtype=torch.uint8)
+    out = huge_pages.fresh((groups, nsb, PACKED_BYTES), torch.uint8)  # written once, kept
     # the nibbles moved 4 bytes at a time (as int32: a quarter of the elements to permute)
     words = blocks[..., 16:].contiguous().view(torch.int32).view(groups, ROWS, nsb, 4, 8)
     out[..., :2048].view(torch.int32).view(groups, nsb, 4, 8, ROWS).copy_(

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.utils import huge_pages
+
 ROWS, SUPER, RAW_BYTES, PACKED_BYTES = 16, 256, 210, 3360
 QL, QH, SCALES = 128, 64, 16  # bytes of each part of a raw super-block, in this order, then d
 
@@ -42,7 +44,7 @@ def pack(raw: torch.Tensor) -> torch.Tensor:
     """Raw Q6_K rows (N, K/256 * 210) uint8, N a multiple of 16 → tiles (N/16, K/256, 3360)."""
     groups, nsb, _ = _packed_shape(raw)
     blocks = raw.reshape(groups, ROWS, nsb, RAW_BYTES)  # [g, r, sb, byte]
-    out = torch.empty(groups, nsb, PACKED_BYTES, dtype=torch.uint8)
+    out = huge_pages.fresh((groups, nsb, PACKED_BYTES), torch.uint8)  # written once, kept
     sc0, d0 = QL + QH, QL + QH + SCALES
     out[..., :2048].view(torch.int32).view(groups, nsb, 4, 8, ROWS).copy_(
         _words(blocks[..., :QL], groups, nsb))

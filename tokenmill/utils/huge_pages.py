@@ -67,12 +67,21 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw[offset:offset + nbytes].view(dtype).view(shape)
 
 
+def fresh(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor to be written whole once (weights packed at load): `zeros` where it
+    spans a huge page or more, else an ordinary allocation. Kept where it is written
+    (keep_pages), so each of its pages is touched once."""
+    if math.prod(shape) * dtype.itemsize >= HUGE_PAGE:
+        return zeros(shape, dtype)
+    return torch.empty(shape, dtype=dtype)
+
+
 def keep_pages(param: nn.Parameter) -> nn.Parameter:
     """Leave `param` where it is in `move_parameters_to_huge_pages`: weights written once into
-    fresh memory at load (GGUF Q4_K packed into tiles: quantization/gguf.py), whose copy into
-    the arena would touch every page a second time (a huge page's first touch ran at ~0.3 GB/s
-    on the development VM: the 1B Q4_K_M file's load 1.0 -> 4.8 s) for no decode speed measured
-    end to end (benchmarks/RESULTS.md, forty-seventh session)."""
+    fresh memory at load (GGUF blocks packed into tiles, into `fresh` memory: quantization/
+    gguf.py), whose copy into the arena would touch every page a second time (a page's first
+    touch ran at ~0.25-0.3 GB/s on the development VM: the 1B Q4_K_M file's load 1.0 -> 4.8 s,
+    the 1B Q8_0's 13 s; benchmarks/RESULTS.md, forty-seventh and fifty-sixth sessions)."""
     param.keep_pages = True
     return param
 
