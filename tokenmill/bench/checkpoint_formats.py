@@ -36,6 +36,7 @@ import shutil
 import statistics
 import sys
 import time
+from typing import Any
 
 import tokenmill
 from tokenmill.bench.child import ChildFailed, print_result, run_child
@@ -99,7 +100,7 @@ def _child(folder: str, fmt: str, workloads: list[str], rounds: int) -> dict:
     return result
 
 
-def _tokenmill_round(llm, name: str, reqs: list) -> float:
+def _tokenmill_round(llm: Any, name: str, reqs: list) -> float:
     """One round of a workload from an empty prefix cache: total tokens/s (single-stream:
     decode tokens/s after the first token)."""
     from tokenmill import SamplingParams
