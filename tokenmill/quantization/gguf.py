@@ -240,8 +240,10 @@ class GGUFBlockMethod(LinearMethodBase):
             kernel = packed
             for i, t in enumerate(kernel.tensors):
                 replace_param(layer, f"blocks_{p}_{i}", t.contiguous())
-                if kernel.kind in block_tiles.BLOCK_KIND:  # packed: written once, where
-                    keep_pages(getattr(layer, f"blocks_{p}_{i}"))  # they are
+                if i == 0 and kernel.kind in block_tiles.BLOCK_KIND:
+                    # packed tiles, written once into huge pages where they are (the
+                    # scales beside them are ordinary copies: they go to the arena)
+                    keep_pages(getattr(layer, f"blocks_{p}_{i}"))
             row += rows
 
     def _part_kernel(self, layer: nn.Module, p: int, name: str) -> CPULinearKernel:
