@@ -11,10 +11,12 @@ medians over rounds of each block's mean step; the ratio is llama.cpp's over tok
 
 `--compare OLD_CSRC` adds a third turn: the same engine's steps with the kernels built from
 another csrc folder (bench/kernel_builds.py), so a kernel change is shown before and after
-in one process, beside llama.cpp. `--no-peer` leaves llama.cpp out.
+in one process, beside llama.cpp. `--no-peer` leaves llama.cpp out; MODEL may then be any
+model tokenmill serves (an HF folder too), and `--batch N` steps N sequences at once (each
+its own prompt of the same length): a batched decode step, before and after a kernel change.
 
     python benchmarks/decode_steps.py MODEL.gguf [--prompt-len 32] [--steps 60] [--block 10]
-        [--rounds 2] [--compare OLD_CSRC] [--no-peer]
+        [--rounds 2] [--compare OLD_CSRC] [--no-peer [--batch N]]
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from tokenmill.bench.kernel_builds import build_kernels, using_kernels
 from tokenmill.bench.machine import describe_machine
 
 
-def run_round(llm, peer, old_kernels: dict | None, prompt: list[int], steps: int, block: int,
-              rng: np.random.Generator) -> dict[str, float]:
+def run_round(llm, peer, old_kernels: dict | None, prompts: list[list[int]], steps: int,
+              block: int, rng: np.random.Generator) -> dict[str, float]:
     """Seconds a decode step of each engine (and of tokenmill with the old kernels) after
-    `prompt` (its prefill untimed)."""
+    `prompts` (tokenmill: all of them at once; llama.cpp: the one prompt; prefills
+    untimed)."""
     from tokenmill import SamplingParams
 
     engine = llm.engine
@@ -44,14 +47,18 @@ def run_round(llm, peer, old_kernels: dict | None, prompt: list[int], steps: int
                 engine.step()
         turns["tokenmill (old kernels)"] = old_step
     steps_taken = rounds * len(turns) * (block + 1)
-    engine.add_request(f"steps-{len(prompt)}-{rng.integers(1 << 30)}", prompt,
-                       SamplingParams(temperature=0, max_tokens=steps_taken + 2,
-                                      ignore_eos=True))
-    while not any(o.outputs[0].token_ids for o in engine.step()):
-        pass  # the prompt's chunks, untimed, until its first token
+    waiting = set()
+    for prompt in prompts:
+        request_id = f"steps-{len(prompt)}-{rng.integers(1 << 30)}"
+        waiting.add(request_id)
+        engine.add_request(request_id, prompt,
+                           SamplingParams(temperature=0, max_tokens=steps_taken + 2,
+                                          ignore_eos=True))
+    while waiting:  # the prompts' chunks, untimed, until each has its first token
+        waiting -= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
     if peer is not None:
         peer.reset()
-        peer.eval(prompt)
+        peer.eval(prompts[0])
         turns["llama.cpp"] = lambda: peer.eval([int(rng.integers(3, 32000))])
     times = alternate(turns, rounds, block)
     while engine.has_unfinished_requests():
@@ -70,7 +77,12 @@ def main() -> None:
     ap.add_argument("--compare", metavar="OLD_CSRC",
                     help="also step with the kernels of this csrc folder")
     ap.add_argument("--no-peer", action="store_true", help="leave llama.cpp out")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="sequences tokenmill steps at once (with --no-peer: llama.cpp's turn "
+                         "is one sequence)")
     args = ap.parse_args()
+    if args.batch > 1 and not args.no_peer:
+        ap.error("--batch > 1 needs --no-peer: llama.cpp's turn decodes one sequence")
     from tokenmill import LLM
 
     old_kernels = build_kernels(args.compare) if args.compare else None
@@ -88,9 +100,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for length in args.prompt_len:
         for r in range(args.rounds):
-            prompt = rng.integers(3, 32000, length).tolist()
-            times = run_round(llm, peer, old_kernels, prompt, args.steps, args.block, rng)
-            print(f"prompt {length:>5}, round {r + 1}: " + describe(times), flush=True)
+            prompts = [rng.integers(3, 32000, length).tolist() for _ in range(args.batch)]
+            times = run_round(llm, peer, old_kernels, prompts, args.steps, args.block, rng)
+            batch = f"batch {args.batch}, " if args.batch > 1 else ""
+            print(f"{batch}prompt {length:>5}, round {r + 1}: " + describe(times), flush=True)
 
 
 def describe(times: dict[str, float]) -> str:

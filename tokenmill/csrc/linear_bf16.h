@@ -31,6 +31,7 @@
 #include "linear_bf16_amx.h"
 #include "linear_half.h"
 #include "quant_blocks.h"
+#include "vec_utils.h"
 #include <c10/util/BFloat16.h>
 #include <memory>
 
@@ -40,6 +41,11 @@ constexpr int64_t kKind = half_rows::kBF16Products;
 constexpr int64_t kTilesKind = half_rows::kBF16Tiles;
 constexpr int64_t kStep = 32;    // weights per dot step: 16 lanes of 2
 constexpr int kLanes = 16;
+// How far ahead a streamed W is asked for into L2, in values (8 KB): one row of SmolLM2's
+// qkv at a time (M = 1 .. 4) read 20-28 GB/s of W from memory without, 34-43 with, at 8 KB
+// better than 4 or 16 (fifty-seventh session, Zen 4); the hardware's prefetchers alone keep
+// too few of its misses in flight.
+constexpr int64_t kAheadValues = 4096;
 
 #define TM_INLINE_BF inline __attribute__((always_inline))
 
@@ -118,14 +124,20 @@ struct Emulated {
 #pragma GCC target("avx512bf16")
 #endif
 
-// Tiles: MR rows of x by NR rows of W, every loaded vector used MR or NR times.
-template <class D, int MR, int NR>
+// Tiles: MR rows of x by NR rows of W, every loaded vector used MR or NR times. AHEAD: each
+// of its W rows' lines kAheadValues further on asked for into L2 as it is read (W streamed
+// once, `stream_rows`).
+template <class D, int MR, int NR, bool AHEAD = false>
 static TM_INLINE_BF void tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t n0,
                               const float* bias, float* y, int64_t ldy) {
   typename D::Acc acc[MR][NR];
   _Pragma("GCC unroll 16") for (int i = 0; i < MR; ++i)
     _Pragma("GCC unroll 16") for (int j = 0; j < NR; ++j) acc[i][j] = D::zero();
   for (int64_t k = 0; k < K; k += kStep) {
+    if constexpr (AHEAD) {
+      _Pragma("GCC unroll 16") for (int j = 0; j < NR; ++j)
+        prefetch_l2(w + (n0 + j) * K + k + kAheadValues);
+    }
     typename D::Pairs wv[NR];
     _Pragma("GCC unroll 16") for (int j = 0; j < NR; ++j) wv[j] = D::load(w + (n0 + j) * K + k);
     _Pragma("GCC unroll 16") for (int i = 0; i < MR; ++i) {
@@ -146,12 +158,45 @@ static TM_INLINE_BF void tile(const uint16_t* x, int64_t K, const uint16_t* w, i
   }
 }
 
+// The next panel of W (range below) asked for into L2, a few lines a tile, while the current
+// panel's products run from L2. Why: a panel's first pass read W from memory at the latency
+// of short streams (4 rows of 1,152 bytes a tile), so 64 rows of x ran SmolLM2's shapes at
+// 235-315 GFLOP/s with W in memory (as a decode step's weights are: 212 MB of layers)
+// against 280-390 with W in cache; with it, 245-390 (fifty-seventh session, Zen 4).
+// Prefetches only: no result depends on them.
+struct PanelAhead {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  int64_t per_tile = 0;  // lines a tile
+  TM_INLINE_BF void tile() {
+    for (int64_t i = 0; i < per_tile && p < end; ++i, p += 64) prefetch_l2(p);
+  }
+};
+
 template <class D, int MR, int NR>
 static void rows_times(const uint16_t* x, int64_t K, const uint16_t* w, int64_t n0, int64_t n1,
-                       const float* bias, float* y, int64_t ldy) {
+                       const float* bias, float* y, int64_t ldy, PanelAhead* ahead = nullptr) {
   int64_t n = n0;
-  for (; n + NR <= n1; n += NR) tile<D, MR, NR>(x, K, w, n, bias, y, ldy);
-  for (; n < n1; ++n) tile<D, MR, 1>(x, K, w, n, bias, y, ldy);
+  for (; n + NR <= n1; n += NR) {
+    if (ahead) ahead->tile();
+    tile<D, MR, NR>(x, K, w, n, bias, y, ldy);
+  }
+  for (; n < n1; ++n) {
+    if (ahead) ahead->tile();
+    tile<D, MR, 1>(x, K, w, n, bias, y, ldy);
+  }
+}
+
+// rows_times for steps of up to 4 rows, which read W [n0, n1) once, in address order (W's
+// rows are contiguous): the tiles ask for the lines kAheadValues on, but for the last ones,
+// whose lines ahead are past the range.
+template <class D, int MR, int NR>
+static void stream_rows(const uint16_t* x, int64_t K, const uint16_t* w, int64_t n0, int64_t n1,
+                        const float* bias, float* y, int64_t ldy) {
+  int64_t n = n0;
+  for (; (n + NR) * K + kAheadValues <= n1 * K; n += NR)
+    tile<D, MR, NR, true>(x, K, w, n, bias, y, ldy);
+  rows_times<D, MR, NR>(x, K, w, n, n1, bias, y, ldy);
 }
 
 // The rows < R left after a block's whole tiles, in one tile of their number: a step of 64
@@ -159,11 +204,11 @@ static void rows_times(const uint16_t* x, int64_t K, const uint16_t* w, int64_t 
 // cost 17% of the step's GEMM time. Each output's sum is the same whatever tile holds it.
 template <class D, int R, int NR>
 static void left_rows(int64_t rows, const uint16_t* x, int64_t K, const uint16_t* w, int64_t n0,
-                      int64_t n1, const float* bias, float* y, int64_t ldy) {
+                      int64_t n1, const float* bias, float* y, int64_t ldy, PanelAhead* ahead) {
   if constexpr (R > 1) {
-    if (rows < R) return left_rows<D, R - 1, NR>(rows, x, K, w, n0, n1, bias, y, ldy);
+    if (rows < R) return left_rows<D, R - 1, NR>(rows, x, K, w, n0, n1, bias, y, ldy, ahead);
   }
-  rows_times<D, R, NR>(x, K, w, n0, n1, bias, y, ldy);
+  rows_times<D, R, NR>(x, K, w, n0, n1, bias, y, ldy, ahead);
 }
 
 // W rows [n0, n1) against all M rows of xb: steps of up to 4 rows stream W once; larger ones
@@ -174,10 +219,10 @@ template <class D, int NR_SMALL, int MR, int NR>
 static void range(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* w, int64_t n0,
                   int64_t n1, const float* bias, float* y, int64_t ldy) {
   switch (M) {
-    case 1: return rows_times<D, 1, NR_SMALL>(xb, K, w, n0, n1, bias, y, ldy);
-    case 2: return rows_times<D, 2, NR_SMALL>(xb, K, w, n0, n1, bias, y, ldy);
-    case 3: return rows_times<D, 3, NR_SMALL>(xb, K, w, n0, n1, bias, y, ldy);
-    case 4: return rows_times<D, 4, NR_SMALL>(xb, K, w, n0, n1, bias, y, ldy);
+    case 1: return stream_rows<D, 1, NR_SMALL>(xb, K, w, n0, n1, bias, y, ldy);
+    case 2: return stream_rows<D, 2, NR_SMALL>(xb, K, w, n0, n1, bias, y, ldy);
+    case 3: return stream_rows<D, 3, NR_SMALL>(xb, K, w, n0, n1, bias, y, ldy);
+    case 4: return stream_rows<D, 4, NR_SMALL>(xb, K, w, n0, n1, bias, y, ldy);
     default: break;
   }
   constexpr int64_t kPanel = 48;  // a multiple of every NR
@@ -186,11 +231,18 @@ static void range(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* w, i
     const int64_t m1 = std::min(M, m0 + block);
     for (int64_t p0 = n0; p0 < n1; p0 += kPanel) {
       const int64_t p1 = std::min(n1, p0 + kPanel);
+      // the next panel's rows follow this one's in memory: spread over this panel's tiles
+      const int64_t next_bytes = (std::min(n1, p1 + kPanel) - p1) * K * 2;
+      const int64_t tiles = ((m1 - m0 + MR - 1) / MR) * ((p1 - p0) / NR + (p1 - p0) % NR);
+      PanelAhead ahead{reinterpret_cast<const char*>(w + p1 * K),
+                       reinterpret_cast<const char*>(w + p1 * K) + next_bytes,
+                       (next_bytes / 64 + tiles - 1) / tiles};
       int64_t m = m0;
       for (; m + MR <= m1; m += MR)
-        rows_times<D, MR, NR>(xb + m * K, K, w, p0, p1, bias, y + m * ldy, ldy);
+        rows_times<D, MR, NR>(xb + m * K, K, w, p0, p1, bias, y + m * ldy, ldy, &ahead);
       if (m < m1)
-        left_rows<D, MR - 1, NR>(m1 - m, xb + m * K, K, w, p0, p1, bias, y + m * ldy, ldy);
+        left_rows<D, MR - 1, NR>(m1 - m, xb + m * K, K, w, p0, p1, bias, y + m * ldy, ldy,
+                                 &ahead);
     }
   }
 }
