@@ -236,7 +236,7 @@ static TM_BT_INLINE void block_vectors(const Weight& w, int64_t g, int64_t b, __
 // too few misses in flight: the 1B's Q8_0 layers at 4 rows ran 126-131 GFLOP/s with W in
 // memory, 250-307 with this; a 1B Q8_0 decode step at batch 4 1.65x, at 16 1.33x faster.
 // Not for one row (a decode of one sequence): the prefetchers alone follow its stream
-// better (the 1B's gate_up at 53 GB/s without, 40 with; fifty-seventh session, Zen 4).
+// better (the 1B's gate_up at 57 GB/s without, 43 with; fifty-seventh session, Zen 4).
 constexpr int64_t kAheadBytes = 6144;
 
 template <int R, bool Q4, bool WIDE, bool AHEAD>
