@@ -78,8 +78,8 @@ def main() -> None:
                     help="also step with the kernels of this csrc folder")
     ap.add_argument("--no-peer", action="store_true", help="leave llama.cpp out")
     ap.add_argument("--batch", type=int, default=1,
-                    help="sequences tokenmill steps at once (with --no-peer: llama.cpp's turn "
-                         "is one sequence)")
+                    help="sequences tokenmill steps at once (above 1 needs --no-peer: "
+                         "llama.cpp's turn decodes one sequence)")
     args = ap.parse_args()
     if args.batch > 1 and not args.no_peer:
         ap.error("--batch > 1 needs --no-peer: llama.cpp's turn decodes one sequence")

@@ -41,11 +41,7 @@ constexpr int64_t kKind = half_rows::kBF16Products;
 constexpr int64_t kTilesKind = half_rows::kBF16Tiles;
 constexpr int64_t kStep = 32;    // weights per dot step: 16 lanes of 2
 constexpr int kLanes = 16;
-// How far ahead a streamed W is asked for into L2, in values (8 KB): one row of SmolLM2's
-// qkv at a time (M = 1 .. 4) read 20-28 GB/s of W from memory without, 34-43 with, at 8 KB
-// better than 4 or 16 (fifty-seventh session, Zen 4); the hardware's prefetchers alone keep
-// too few of its misses in flight.
-constexpr int64_t kAheadValues = 4096;
+using half_rows::kAheadValues;  // how far ahead a streamed W is asked for (linear_half.h)
 // The widest panel of W (48 rows) whose successor is asked for while it runs (PanelAhead).
 constexpr int64_t kAheadPanelBytes = 256 << 10;
 

@@ -229,15 +229,14 @@ static TM_BT_INLINE void block_vectors(const Weight& w, int64_t g, int64_t b, __
 // that the R accumulators stay in registers across the blocks and a block costs no branch
 // or division (a runtime-dispatched build kept them on the stack: a store and a reload per
 // row and block; benchmarks/RESULTS.md, fortieth session).
-// `ahead`: the group's first rows of x in this block of x, which read its W from memory: each
-// block then asks for the bytes kAheadBytes on (the groups of a thread's range are
-// contiguous: one stream) into L2, as the GGUF row kernels do (linear_gguf_rows.h). Why:
+// AHEAD: the group's first rows of x in this block of x, which read its W from memory: each
+// block asks for the bytes ahead of it (prefetch_ahead, vec_utils.h; the groups of a
+// thread's range are contiguous: one stream), as the GGUF row kernels do. Why:
 // with the products of several rows between its loads, the hardware's prefetchers alone kept
 // too few misses in flight: the 1B's Q8_0 layers at 4 rows ran 126-131 GFLOP/s with W in
 // memory, 250-307 with this; a 1B Q8_0 decode step at batch 4 1.65x, at 16 1.33x faster.
 // Not for one row (a decode of one sequence): the prefetchers alone follow its stream
 // better (the 1B's gate_up at 57 GB/s without, 43 with; fifty-seventh session, Zen 4).
-constexpr int64_t kAheadBytes = 6144;
 
 template <int R, bool Q4, bool WIDE, bool AHEAD>
 static void vector_rows(const Weight& w, const Acts& a, int64_t m0, int64_t g,
@@ -257,8 +256,7 @@ static void vector_rows(const Weight& w, const Acts& a, int64_t m0, int64_t g,
   for (int64_t h = 0; h < w.ng; ++h) {  // a scale group: gb blocks (Q8_0: one)
     const __m512 d = w.scales(w.d, g, h);
     for (int64_t b = h * gb; b < (h + 1) * gb; ++b) {
-      if constexpr (AHEAD)
-        for (int64_t l = 0; l < kBytes(Q4); l += 64) prefetch_l2(w.block(g, b) + kAheadBytes + l);
+      if constexpr (AHEAD) prefetch_ahead(w.block(g, b), kBytes(Q4));
       __m512i sw[8], uw[8];
       block_vectors<Q4>(w, g, b, sw, uw);
 #pragma GCC unroll 8

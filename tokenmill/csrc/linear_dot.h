@@ -252,14 +252,9 @@ static inline void dense_tile(const float* x, int64_t ldx, const float* const* w
   }
 }
 
-// Half-precision rows streamed once (stream_rows) ask for their lines this many values ahead
-// into L2: one row of SmolLM2's float16 layers at a time read 17-20 GB/s of W from memory
-// with the hardware's prefetchers alone, 28-39 with this (fifty-seventh session, Zen 4;
-// linear_bf16.h's kAheadValues, measured there). The last rows' lines ahead may lie past the
-// weight: a prefetch never faults.
-constexpr int64_t kHalfAheadValues = 4096;
-
 // The same for quantized rows n0 .. n0 + NR - 1, expanded in registers as they are read.
+// AHEAD (stream_rows): half-precision rows ask for their lines half_rows::kAheadValues on
+// (the last rows' lines ahead may lie past the weight: a prefetch never faults).
 template <int KIND, int MR, int NR, bool AHEAD = false>
 static inline void quant_tile(const float* x, int64_t ldx, const WeightRows& w, int64_t n0,
                               Vec (&acc)[MR][NR]) {
@@ -269,7 +264,7 @@ static inline void quant_tile(const float* x, int64_t ldx, const WeightRows& w, 
     for (int j = 0; j < NR; ++j) s[j] = load_block<KIND>(w, n0 + j, b);
     if constexpr (AHEAD && half_rows::is_half_kind(KIND)) {
       TM_UNROLL
-      for (int j = 0; j < NR; ++j) prefetch_l2(s[j].p + kHalfAheadValues);
+      for (int j = 0; j < NR; ++j) prefetch_l2(s[j].p + half_rows::kAheadValues);
     }
     TM_UNROLL
     for (int c = 0; c < kChunks; ++c) {

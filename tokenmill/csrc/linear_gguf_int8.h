@@ -247,7 +247,7 @@ static void raw_rows_times(const Int8Rows& x, int64_t x0, const uint8_t* W, int6
     float acc[R] = {};
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const uint8_t* p = W + n * rb + sb * block_bytes(KIND);
-      gguf_rows::prefetch_ahead(p, block_bytes(KIND));
+      prefetch_ahead(p, block_bytes(KIND));
       RawSuperBlock b;
       decode_raw<KIND>(p, b);
       raw_superblock<KIND, R>(b, x, x0, sb, acc);

@@ -284,18 +284,8 @@ static TM_GGUF_INLINE __m256i levels_madd(__m256i v, const int8_t* hi, const uin
   return _mm256_add_epi32(a, b);
 }
 
-// When x is a single group of rows (a decode step), W is read once, as one stream (its rows
-// are contiguous): each block then asks for the bytes kPrefetchBytes ahead. With the
-// arithmetic between its loads the hardware prefetcher alone kept too few misses in flight:
-// one row of x read a 2048 x 8192 Q4_K / Q6_K layer at 10-12 GB/s on Zen 3, 13-17 with this
-// (benchmarks/gguf_kernels.py). Larger M re-reads each tile from L2, where it does not help.
-// Into L2 (prefetcht1) and 6 KB ahead: into L1 and 3 KB ahead (until the fifty-second
-// session), a 1B Q4_K_M decode step, whose Q6_K tensors are read here, ran ~5% slower on
-// Zen 4 (either change alone gained little; benchmarks/RESULTS.md).
-constexpr int64_t kPrefetchBytes = 6144;
-static TM_GGUF_INLINE void prefetch_ahead(const uint8_t* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) prefetch_l2(p + kPrefetchBytes + off);
-}
+// `stream` (below): x is one group of rows (a decode step), so W is read once, as one stream
+// whose blocks ask for the bytes ahead of them (prefetch_ahead, vec_utils.h).
 
 // Block b of a 32-weight-block kind (Q5_0, Q5_1, IQ4_NL) times M rows of x, into acc and
 // offset.

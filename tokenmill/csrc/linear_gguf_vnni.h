@@ -323,7 +323,7 @@ static TM_GGUF_INLINE void products(const Int16Rows& x, int64_t x0, const Weight
   for (int64_t gi = 0; gi < groups; ++gi) {
     Group<G> raw;  // the raw row's group (C == 1), else read from the tile
     if constexpr (RAW) {
-      gguf_rows::prefetch_ahead(wr.raw + gi * kBytes, kBytes);
+      prefetch_ahead(wr.raw + gi * kBytes, kBytes);
       decode_group<KIND, G>(wr.raw, gi, raw);
     }
     const GroupRows<KIND, G, C, RAW> w(wr, &raw, gi, K);

@@ -55,6 +55,21 @@ static inline void prefetch_l2(const void* p) {
 #endif
 }
 
+// A weight read once, as one stream (a decode step's rows of x against W's contiguous
+// blocks): each block asks for the bytes kPrefetchBytes ahead of it. With the arithmetic
+// between its loads the hardware prefetcher alone kept too few misses in flight: one row of x
+// read a 2048 x 8192 Q4_K / Q6_K layer at 10-12 GB/s on Zen 3, 13-17 with this
+// (benchmarks/gguf_kernels.py); the Q8_0 / 4-bit tiles' steps of 2+ rows likewise
+// (linear_block_tiles.h). Larger M re-reads each tile from L2, where it does not help. Into
+// L2 (prefetcht1) and 6 KB ahead: into L1 and 3 KB ahead (until the fifty-second session), a
+// 1B Q4_K_M decode step, whose Q6_K tensors are read so, ran ~5% slower on Zen 4 (either
+// change alone gained little; benchmarks/RESULTS.md).
+constexpr int64_t kPrefetchBytes = 6144;
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* p,
+                                                                 int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) prefetch_l2(p + kPrefetchBytes + off);
+}
+
 // f(std::integral_constant<int, G>{}) for a runtime G in 1 .. kMax (larger: kMax; callers
 // check their range first). Kernels take their group of query heads as a template parameter
 // so that its G accumulators live in registers (a runtime-sized array went through the stack).
