@@ -39,6 +39,7 @@ from tokenmill.config_weights import (
     checkpoint_quantization,
     default_quantization,
     default_weight_dtype,
+    float16_weights,
     resolve_matmul_dtype,
     resolve_quantization,
     stored_dtype,
@@ -134,7 +135,8 @@ def resolve_kv_cache_dtype(asked: str, model: ModelConfig, dtype_asked: str = "a
     whose weights are quantized and computed in float32 (dtype "auto" on CPU: the cache in
     the checkpoint's dtype, as vLLM keeps it whatever the weights' format; +16% / +31%
     batched for SmolLM2 int8 on a Zen 4, RESULTS.md fifty-sixth session); else the model's
-    dtype. "float32" keeps a float32 model's cache exact, and needs a float32 model."""
+    dtype; "float16" for float16 weights computed in float32 (config_weights.float16_weights).
+    "float32" keeps a float32 model's cache exact, and needs a float32 model."""
     if asked == "float32" and model.dtype != torch.float32:
         raise ValueError(f"kv_cache_dtype 'float32' keeps a float32 model's K and V as "
                          f"computed; this model computes in {model.dtype}: use 'auto'")
@@ -152,7 +154,12 @@ def resolve_kv_cache_dtype(asked: str, model: ModelConfig, dtype_asked: str = "a
                     "computed in float32; --kv-cache-dtype float32 keeps a float32 cache)",
                     model.quantization)
         return "bfloat16"
+    if model.dtype == torch.float32 and float16_weights(model, dtype_asked):
+        logger.info("KV cache in float16, the weights' dtype (computed in float32; "
+                    "--kv-cache-dtype float32 keeps a float32 cache)")
+        return "float16"
     return asked
+
 
 
 def _sleep_mode(asked: bool | None, parallel: ParallelConfig) -> bool:

@@ -141,6 +141,17 @@ def default_weight_dtype(model: ModelConfig, device: str) -> torch.dtype | None:
     return stored
 
 
+def float16_weights(model: ModelConfig, dtype_asked: str) -> bool:
+    """Whether a model computed in float32 keeps float16 weights: a float16 checkpoint as
+    stored (or a float32 one asked in float16), or quantized at load from a float16
+    checkpoint under dtype "auto". Its cache is then float16 too (half the float32 cache's
+    bytes), as vLLM keeps a float16 model's."""
+    if model.weight_dtype == torch.float16:
+        return True
+    return (dtype_asked == "auto" and model.quantization not in (None, "gguf")
+            and stored_dtype(model) == torch.float16)
+
+
 def _bf16_matrices(model: ModelConfig, all_of_them: bool) -> bool:
     """Whether the model's dense weights are bfloat16: a bf16 checkpoint kept in bf16, or a
     GGUF file served in its own tensors (quantization "gguf") whose non-F32 tensors are all

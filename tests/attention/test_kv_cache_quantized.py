@@ -41,7 +41,7 @@ from tokenmill.config import CacheConfig
 from tokenmill.layers import cpu_ops
 
 FP8 = torch.float8_e4m3fn
-FORMATS = ["bfloat16", "int8", "fp8"]  # every format that rounds what it stores
+FORMATS = ["bfloat16", "float16", "int8", "fp8"]  # every format that rounds what it stores
 INT8 = KV_FORMATS["int8"]
 
 
@@ -89,7 +89,8 @@ def test_fp8_round_trip_error_and_saturation():
 def test_store_and_block_copy_keep_values_and_scales_together(fmt):
     cache = allocate_kv_cache(2, 6, 4, 3, 16, torch.float32, torch.device("cpu"), fmt)
     assert cache.shape == ((2, 2, 6, 4, 3, 20) if fmt == "int8" else (2, 2, 6, 4, 3, 16))
-    assert cache.dtype == {"int8": torch.int8, "fp8": FP8, "bfloat16": torch.bfloat16}[fmt]
+    assert cache.dtype == {"int8": torch.int8, "fp8": FP8, "bfloat16": torch.bfloat16,
+                           "float16": torch.float16}[fmt]
     scales = torch.tensor([[1.0, 2.0, 0.5], [4.0, 1.0, 1.0]]) if fmt == "fp8" else None
     k, v = torch.randn(3, 3, 16), torch.randn(3, 3, 16) * 100
     store_kv(cache[1], k, v, torch.tensor([5, 6, 13]), scales)  # block 1: 1, 2; block 3: 1
@@ -228,19 +229,22 @@ def test_cpu_kernel_bf16_keys_transposed_for_every_group_size(shape):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 64), (torch.float16, 64),
+                                     (torch.float16, 128)])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (9, 3), (8, 2), (10, 2), (12, 2)])
-def test_cpu_kernel_bf16_rows_alone_read_in_place_bitwise(heads):
+def test_cpu_kernel_half_rows_alone_read_in_place_bitwise(heads, dtype, d):
     """A row that walks its keys alone (a decode) reads a bf16 cache's rows in place
-    (csrc/paged_attention_keys_t.h: score_raw_t, accumulate_raw); rows that walk them together
-    (decodes sharing cached blocks) read a widened copy. The two must be one arithmetic: each
-    row bitwise the same alone as among the others, for every group size G = 1..6 and tiles
-    ending anywhere in a vector of 16 keys."""
+    (csrc/paged_attention_keys_t.h: score_raw_t, accumulate_raw; paged_attention_raw.h for
+    the other shapes), and a float16 cache's (paged_attention_raw.h); rows that walk them
+    together (decodes sharing cached blocks) read a widened copy. The two must be one
+    arithmetic: each row bitwise the same alone as among the others, for every group size
+    G = 1..6 and tiles ending anywhere in a vector of 16 keys (head size 128: Llama's)."""
     op = paged_attention_op()
     hq, hkv = heads
     gen = torch.Generator().manual_seed(11)
-    bs, d, nb, seqs = 16, 64, 400, 6
-    k_cache = torch.randn(nb, bs, hkv, d, generator=gen).bfloat16()
-    v_cache = torch.randn(nb, bs, hkv, d, generator=gen).bfloat16()
+    bs, nb, seqs = 16, 400, 6
+    k_cache = torch.randn(nb, bs, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(nb, bs, hkv, d, generator=gen).to(dtype)
     ids = torch.randperm(nb - 1, generator=gen).add(1)
     # 32 shared blocks (keys [0, 512): the first chunk, read once for all rows) and 12 own
     tables = torch.cat([ids[:32].repeat(seqs, 1), ids[32:32 + seqs * 12].view(seqs, 12)], 1)

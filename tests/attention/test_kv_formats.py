@@ -33,8 +33,8 @@ def test_a_cache_tensor_names_its_format(name):
 def test_rows_written_read_back_within_the_formats_step(name):
     """store_kv's torch path (non-contiguous k, so the C++ op declines) writes each format's
     rows, and as_float reads them back: exactly for the float format, within half a step
-    (bfloat16: 2^-8 relative; int8: max|x| / 254 per row; e4m3: 1/16 relative, 2^-10
-    absolute below its normals)."""
+    (bfloat16: 2^-8 relative; float16: 2^-11 relative above 2^-14, 2^-25 absolute below;
+    int8: max|x| / 254 per row; e4m3: 1/16 relative, 2^-10 absolute below its normals)."""
     fmt = kv_format(name)
     gen = torch.Generator().manual_seed(0)
     cache = allocate_kv_cache(1, 4, 4, 2, 8, torch.float32, torch.device("cpu"), name)[0]
@@ -48,6 +48,7 @@ def test_rows_written_read_back_within_the_formats_step(name):
         assert torch.equal(back, kv)
         return
     bound = {"bfloat16": kv.abs() * 2.0 ** -8,
+             "float16": kv.abs() * 2.0 ** -11 + 2.0 ** -25,
              "int8": kv.abs().amax(-1, keepdim=True) / 254,
              "fp8": kv.abs() / 16 + 2.0 ** -10}[name]
     assert bool(((back - kv).abs() <= bound * 1.0001).all())
@@ -56,12 +57,12 @@ def test_rows_written_read_back_within_the_formats_step(name):
 
 def test_names_aliases_and_refusals():
     assert kv_format("fp8_e4m3") is kv_format("fp8")
-    assert set(kv_format_names()) == {"auto", "float32", "bfloat16", "int8", "fp8",
+    assert set(kv_format_names()) == {"auto", "float32", "bfloat16", "float16", "int8", "fp8",
                                      "fp8_e4m3"}
     for name in PLANNED_KV_FORMATS:
         with pytest.raises(ValueError, match="not built yet"):
             kv_format(name)
-    known = "'auto' or 'float32' or 'bfloat16' or 'int8' or 'fp8' or 'fp8_e4m3'"
+    known = "'auto' or 'float32' or 'bfloat16' or 'float16' or 'int8' or 'fp8' or 'fp8_e4m3'"
     with pytest.raises(ValueError, match=f"{known}, got 'int4'"):
         kv_format("int4")
 

@@ -79,10 +79,10 @@ def test_split_decode_with_windows_and_soft_caps_matches_torch(variant):
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "float16"])
 def test_split_decode_reads_quantized_caches(kv_dtype):
-    """The split kernel on an int8 / fp8 cache equals the unsplit kernel on it (both read and
-    dequantize the same bytes)."""
+    """The split kernel on an int8 / fp8 / float16 cache equals the unsplit kernel on it (both
+    read and dequantize the same bytes)."""
     from tokenmill.attention.kv_cache import allocate_kv_cache, allocate_kv_scales
     from tokenmill.attention.triton_kernels import paged_attention, store_kv
 

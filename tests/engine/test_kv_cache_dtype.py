@@ -1,11 +1,11 @@
-"""The engine on a bfloat16, int8 or fp8 KV cache under a float32 model: the same memory holds
-2x the tokens in bfloat16, 64 / 20 = 3.2x the tokens of the tiny model in int8 (head_dim 16;
-SmolLM2's 64: 3.8x), 4x in fp8; outputs do not depend on
-how the cache got its blocks (prefix-cache reuse, chunked prefill, preemption by recompute or
-by swap: quantization is per token, or by a fixed per-head scale, so a recomputed or copied
-block is the same bytes), nor on the attention backend that reads it (the C++ kernel with the
-fused decode call, the PyTorch oracle: same greedy tokens); a quantized block is never read
-as float; SmolLM2's greedy answer survives it."""
+"""The engine on a bfloat16, float16, int8 or fp8 KV cache under a float32 model: the same
+memory holds 2x the tokens in bfloat16 or float16, 64 / 20 = 3.2x the tokens of the tiny model
+in int8 (head_dim 16; SmolLM2's 64: 3.8x), 4x in fp8; outputs do not depend on how the cache
+got its blocks (prefix-cache reuse, chunked prefill, preemption by recompute or by swap:
+quantization is per token, or by a fixed per-head scale, so a recomputed or copied block is
+the same bytes), nor on the attention backend that reads it (the C++ kernel with the fused
+decode call, the PyTorch oracle: same greedy tokens); a quantized block is never read as
+float; SmolLM2's greedy answer survives it."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from tests.engine.test_prefix_caching import run_in_two_waves, workload
 from tests.models.test_cpu_decode import _counting_fused_calls
 from tokenmill import LLM, SamplingParams
 
-STORAGE = {"bfloat16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+STORAGE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8,
+           "fp8": torch.float8_e4m3fn}
 
 
 @pytest.fixture(scope="module", params=list(STORAGE))
@@ -64,10 +65,11 @@ def test_outputs_do_not_depend_on_how_blocks_were_filled(reference, options, mon
 def test_same_memory_holds_about_four_times_the_tokens(tiny_model):
     path, _ = tiny_model("llama")
     blocks = {d: LLM(path, kv_cache_memory="8MiB", kv_cache_dtype=d).engine.runner.num_kv_blocks
-              for d in ("auto", "bfloat16", "int8", "fp8")}
-    # head_dim 16: 64 bytes a row in float32, 32 in bfloat16, 16 + a 4-byte scale in int8
-    # (SmolLM2's 64: 3.8x), 16 in fp8
+              for d in ("auto", "bfloat16", "float16", "int8", "fp8")}
+    # head_dim 16: 64 bytes a row in float32, 32 in bfloat16 / float16, 16 + a 4-byte scale
+    # in int8 (SmolLM2's 64: 3.8x), 16 in fp8
     assert 1.99 < blocks["bfloat16"] / blocks["auto"] <= 2.0
+    assert blocks["float16"] == blocks["bfloat16"]
     assert 3.19 < blocks["int8"] / blocks["auto"] <= 3.2
     assert 3.99 < blocks["fp8"] / blocks["auto"] <= 4.0
 

@@ -51,12 +51,13 @@ def with_random_norms_and_biases(folder: str, out) -> str:
 # mixtral: an MoE block (router, experts) in place of the MLP; qwen2_moe: with a shared
 # expert, top-k not renormalized, and a dense layer among them.
 # int8 / int4: quantized weights take the same fused call through their method objects;
-# bfloat16 / int8 / fp8 KV caches: the call stores and reads them with the same kernels as
+# bfloat16 / float16 / int8 / fp8 KV caches: the call stores and reads them with the same kernels as
 # the modules.
 @pytest.mark.parametrize("kind,quantization,kv", [
     ("llama", None, "auto"), ("qwen2", None, "auto"), ("qwen3", None, "auto"),
     ("llama", "int8", "auto"), ("qwen2", "int4", "auto"), ("llama", "int4+int8acts", "auto"),
     ("llama", None, "int8"), ("qwen2", "int8", "fp8"), ("llama", None, "bfloat16"),
+    ("qwen2", None, "float16"),
     ("mixtral", None, "auto"), ("mixtral", "int8", "auto"), ("qwen2_moe", None, "auto"),
     ("qwen3_moe", None, "auto"), ("qwen3", "int8", "int8"), ("olmoe", None, "auto")])
 def test_same_outputs_as_module_path(kind, quantization, kv, tiny_model, tmp_path, monkeypatch):

@@ -132,6 +132,26 @@ class BFloat16KV(KVFormat):
         return rows
 
 
+class Float16KV(KVFormat):
+    """float16 rows: the cache of a float16 checkpoint kept in float16 on CPU (computed in
+    float32), as vLLM keeps an fp16 model's. Not quantized: 11 bits of mantissa on every value,
+    whose range (65504) a K or V value of a float16 model's own layers stays within. Triton
+    reads and writes it as any float cache (kernel_id 0: the storage's own dtype)."""
+
+    name = "float16"
+    quantized = False
+    kernel_id = 0
+
+    def row(self, head_dim: int, model_dtype: torch.dtype) -> tuple[int, torch.dtype]:
+        return head_dim, torch.float16
+
+    def quantize(self, x: torch.Tensor, head_scales: torch.Tensor | None) -> torch.Tensor:
+        return x.to(torch.float16)  # round to nearest even, as the kernels write
+
+    def dequantize(self, rows: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        return rows
+
+
 class Int8KV(KVFormat):
     name = "int8"
     kernel_id = 1
@@ -184,7 +204,7 @@ class Fp8E4M3KV(KVFormat):
 
 
 KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (ModelDtypeKV(), Float32KV(), BFloat16KV(),
-                                                         Int8KV(), Fp8E4M3KV())}
+                                                         Float16KV(), Int8KV(), Fp8E4M3KV())}
 _BY_NAME = {alias: f for f in KV_FORMATS.values() for alias in (f.name, *f.aliases)}
 
 
@@ -213,10 +233,13 @@ def op_variant(storage: torch.dtype) -> str:
 
 
 def format_of_storage(dtype: torch.dtype) -> KVFormat:
-    """The format a cache tensor of storage `dtype` holds: bfloat16 storage is "bfloat16"
-    (under a bfloat16 model, "auto" is the same bytes and reads alike), another float "auto"."""
+    """The format a cache tensor of storage `dtype` holds: bfloat16 storage is "bfloat16" and
+    float16 storage "float16" (under a model of that dtype, "auto" is the same bytes and reads
+    alike), another float "auto"."""
     if dtype == torch.bfloat16:
         return KV_FORMATS["bfloat16"]
+    if dtype == torch.float16:
+        return KV_FORMATS["float16"]
     if dtype == torch.int8:
         return KV_FORMATS["int8"]
     if dtype == getattr(torch, "float8_e4m3fn", None):

@@ -47,7 +47,8 @@ namespace {
 const std::vector<std::string> kOps = {
     "pre_norm_block", "rms_norm", "rope",
     "attention", "attention.window", "attention.key_rotation", "attention.kv_float32",
-    "attention.kv_bfloat16", "attention.kv_int8", "attention.kv_fp8", "attention.qk_norm",
+    "attention.kv_bfloat16", "attention.kv_float16", "attention.kv_int8", "attention.kv_fp8",
+    "attention.qk_norm",
     "attention.qk_norm_all_heads", "attention.clip_qkv",
     "linear", "linear.bias", "linear.tp_all_reduce", "linear.lora",
     "gated_mlp", "gated_act", "gated_act.silu", "gated_act.gelu", "gated_act.gelu_tanh",

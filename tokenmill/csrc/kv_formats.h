@@ -4,6 +4,8 @@
 // - float32: D floats.
 // - bfloat16: D bfloat16 values (a float32 model's cache at half the bytes): read by widening
 //   (the 16 bits above 16 zero bits), written rounded to nearest even (torch's .to(bfloat16)).
+// - float16: D float16 values (a float16 checkpoint's cache, computed in float32): read by
+//   F16C's exact widening, written rounded to nearest even (torch's .to(float16)).
 // - int8: D int8 values, then their float32 scale (4 bytes): x = q * scale, symmetric,
 //   scale = max|x| / 127, q = round-half-even(x / scale) (torch's quantize_rows exactly).
 // - fp8 (float8_e4m3fn): D bytes; x = fp8 value * head_scale, the layer's fixed scale of that
@@ -17,6 +19,7 @@
 #pragma once
 #include <torch/extension.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <algorithm>
 #include <cfloat>
@@ -27,7 +30,7 @@
 #include <immintrin.h>
 #endif
 
-enum class KVFormat { kFloat32, kBf16, kInt8, kFp8 };
+enum class KVFormat { kFloat32, kBf16, kFp16, kInt8, kFp8 };
 
 constexpr int64_t kInt8ScaleBytes = 4;
 constexpr float kFp8Max = 448.f;
@@ -39,9 +42,10 @@ inline KVFormat kv_format(const torch::Tensor& cache) {
   switch (cache.scalar_type()) {
     case torch::kFloat32: return KVFormat::kFloat32;
     case torch::kBFloat16: return KVFormat::kBf16;
+    case torch::kHalf: return KVFormat::kFp16;
     case torch::kInt8: return KVFormat::kInt8;
     case torch::kFloat8_e4m3fn: return KVFormat::kFp8;
-    default: TORCH_CHECK(false, "KV cache must be float32, bfloat16, int8 or float8_e4m3fn, got ",
+    default: TORCH_CHECK(false, "KV cache must be float32, bfloat16, float16, int8 or float8_e4m3fn, got ",
                          cache.scalar_type());
   }
   return KVFormat::kFloat32;
@@ -51,7 +55,8 @@ inline KVFormat kv_format(const torch::Tensor& cache) {
 inline int64_t kv_row_bytes(KVFormat f, int64_t D) {
   switch (f) {
     case KVFormat::kFloat32: return 4 * D;
-    case KVFormat::kBf16: return 2 * D;
+    case KVFormat::kBf16:
+    case KVFormat::kFp16: return 2 * D;
     case KVFormat::kInt8: return D + kInt8ScaleBytes;
     default: return D;
   }
@@ -99,6 +104,20 @@ inline void bf16_load_row(const uint8_t* row, int64_t D, float* out) {
   }
 }
 
+// out[0, D) = the D float16 values at row, widened (exact: F16C's vcvtph2ps).
+inline void fp16_load_row(const uint8_t* row, int64_t D, float* out) {
+  const auto* h = reinterpret_cast<const uint16_t*>(row);
+  int64_t d = 0;
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)
+  for (; d + 16 <= D; d += 16)
+    _mm512_storeu_ps(out + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + d))));
+#elif defined(CPU_CAPABILITY_AVX2) && defined(__F16C__)
+  for (; d + 8 <= D; d += 8)
+    _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + d))));
+#endif
+  for (; d < D; ++d) out[d] = static_cast<float>(c10::Half(h[d], c10::Half::from_bits()));
+}
+
 // out[0, D) = the values of one row. head_scale: fp8's (ignored otherwise).
 inline void kv_load_row(KVFormat f, const uint8_t* row, int64_t D, float head_scale,
                         float* out) {
@@ -108,6 +127,10 @@ inline void kv_load_row(KVFormat f, const uint8_t* row, int64_t D, float head_sc
   }
   if (f == KVFormat::kBf16) {
     bf16_load_row(row, D, out);
+    return;
+  }
+  if (f == KVFormat::kFp16) {
+    fp16_load_row(row, D, out);
     return;
   }
   float scale = head_scale;
@@ -163,6 +186,11 @@ inline void kv_store_row(KVFormat f, const float* x, int64_t D, float head_scale
   if (f == KVFormat::kBf16) {  // c10's rounding: nearest even, NaN kept (torch's)
     auto* h = reinterpret_cast<uint16_t*>(row);
     for (int64_t d = 0; d < D; ++d) h[d] = c10::BFloat16(x[d]).x;
+    return;
+  }
+  if (f == KVFormat::kFp16) {  // c10's rounding: nearest even, saturating to inf (torch's)
+    auto* h = reinterpret_cast<uint16_t*>(row);
+    for (int64_t d = 0; d < D; ++d) h[d] = c10::Half(x[d]).x;
     return;
   }
   if (f == KVFormat::kFp8) {

@@ -21,7 +21,7 @@ struct PagedArgs {
   bool keys_t;  // bf16 keys read transposed (paged_attention_keys_t.h), else row-major
   bool tiles;   // bf16 on the AMX tile unit (paged_attention_amx.h): every row (keys_t off)
   bool dot;     // keys_t on vdpbf16ps (paged_attention_keys_dp.h): q and p rounded to bf16
-  bool raw;     // a lone row's bf16 K and V read in place (paged_attention_raw.h), keys_t off
+  bool raw;     // a lone row's bf16 / fp16 K and V read in place (paged_attention_raw.h), keys_t off
 };
 
 constexpr int64_t kTileKeys = 64;  // keys of a tile of the online softmax
@@ -57,7 +57,7 @@ struct PagedScratch {
   std::vector<float> scores, kbuf, vbuf, corr, kT;  // kT: a.dot's word pairs (uint32) there
   std::vector<uint32_t> qp;           // dot: the item's q rounded, (heads G, 32) bf16 pairs
   std::vector<const float*> krows, vrows;
-  std::vector<const uint16_t*> kraw, vraw;  // keys_t, raw: a tile's bf16 K (V) rows of a head
+  std::vector<const uint16_t*> kraw, vraw;  // keys_t, raw: a tile's half K (V) rows of a head
   std::vector<int64_t> key_rows;      // keys_t, raw: each key's first row (head h0) in the cache
   std::vector<int64_t> next_rows;     // direct: the next tile's keys' first rows,
   LinesAhead ahead;                   // whose cache lines are asked for through this

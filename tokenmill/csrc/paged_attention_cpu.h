@@ -158,11 +158,12 @@ inline bool keys_dot(KVFormat fmt, int64_t D, int64_t G) {
 #endif
 }
 
-// Whether a lone row reads such a cache's bf16 K and V rows in place through
-// paged_attention_raw.h (where the transposed keys, which read them in place too, do not apply).
+// Whether a lone row reads such a cache's bf16 or fp16 K and V rows in place through
+// paged_attention_raw.h (where the transposed keys, which read bf16 in place too, do not apply).
 inline bool reads_raw(KVFormat fmt, int64_t D, int64_t G) {
 #ifdef TM_ATTENTION_RAW
-  return attention_raw::applies(fmt == KVFormat::kBf16, D, G) && !keys_transposed(fmt, D, G);
+  const bool half = fmt == KVFormat::kBf16 || fmt == KVFormat::kFp16;
+  return attention_raw::applies(half, D, G) && !keys_transposed(fmt, D, G);
 #else
   return false;
 #endif

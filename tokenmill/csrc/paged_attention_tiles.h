@@ -130,27 +130,28 @@ static void attend_tile_dot(const PagedArgs& a, PagedScratch& s, const RowState&
 #endif
 
 #ifdef TM_ATTENTION_RAW
-// attend_tile for a row alone where paged_attention_raw.h applies: the bf16 K and V rows of
-// s.key_rows read in place, the widened path's arithmetic.
+// attend_tile for a row alone where paged_attention_raw.h applies: the bf16 or fp16 K and V
+// rows of s.key_rows read in place, the widened path's arithmetic.
 static void attend_tile_raw(const PagedArgs& a, PagedScratch& s, const RowState& row,
                             int64_t h0, int64_t heads, int64_t keys) {
   const int64_t G = a.G, D = a.D;
   const float* qn = a.q + (row.n * a.Hq + h0 * G) * D;
-  attention_raw::score_heads_raw(G, qn, a.kb, a.vb, s.key_rows.data(), a.row_bytes, heads, D,
+  const bool f16 = a.fmt == KVFormat::kFp16;
+  attention_raw::score_heads_raw(f16, G, qn, a.kb, a.vb, s.key_rows.data(), a.row_bytes, heads, D,
                                  a.scale, keys, s.scores.data());
   softmax_tile(a, s, row, heads * G, keys);
   const int64_t lines = s.ahead.steps();  // a share per head
   for (int64_t h = 0; h < heads; ++h) {
     raw_rows(a, a.vb, s.key_rows.data(), h, keys, s.vraw.data());
     const int64_t l0 = lines * h / heads, l1 = lines * (h + 1) / heads;
-    attention_raw::accumulate_group_raw(G, s.scores.data() + h * G * keys, keys, s.vraw.data(),
+    attention_raw::accumulate_group_raw(f16, G, s.scores.data() + h * G * keys, keys, s.vraw.data(),
                                         keys, D, &s.corr[h * G], row.acc + h * G * D,
                                         s.ahead, l1 - l0);
   }
 }
 #endif
 
-// One tile's `keys` keys (rows in s.krows / s.vrows; `direct`: the bf16 rows of
+// One tile's `keys` keys (rows in s.krows / s.vrows; `direct`: the half rows of
 // s.key_rows, read in place) for one query row: scores, the online softmax's rescale, the
 // weighted sum of V.
 static void attend_tile(const PagedArgs& a, PagedScratch& s, const RowState& row, int64_t h0,
@@ -328,7 +329,7 @@ static void attend_keys_tiles(const PagedArgs& a, PagedScratch& s, const RowStat
 // item) are read from memory (and widened) once for every row and stay in cache while each
 // query head of each row uses them; a row's arithmetic is that of the row alone (its tiles
 // are [k0 + 64 j, min(k1, k0 + 64 (j + 1))) whatever the group), so grouping changes no
-// result. A bf16 cache's rows are read in place for a row alone (`direct`) and widened once
+// result. A bf16 or fp16 cache's rows are read in place for a row alone (`direct`) and widened once
 // for a group's rows otherwise: the same arithmetic either way.
 static void attend_keys(const PagedArgs& a, PagedScratch& s, const RowState* rows, int64_t R,
                         int64_t h0, int64_t heads, int64_t k0) {
