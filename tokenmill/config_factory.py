@@ -79,8 +79,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         model = dataclasses.replace(model, quantization=default_quantization(model, device))
     half = asked_half_weights(model, device) if args.dtype != "auto" else None
     if half is not None:
-        logger.info("dtype=%s on CPU: keeping %s's weights in %s (rounded at load from float32 "
-                    "where stored so), computing as for a %s checkpoint (float32 activations)",
+        logger.info("dtype=%s on CPU: keeping %s's weights in %s (rounded at load where stored "
+                    "in another dtype), computing as for a %s checkpoint (float32 activations)",
                     args.dtype, model.path, args.dtype, args.dtype)
         model = dataclasses.replace(model, dtype=torch.float32, weight_dtype=half)
     elif args.dtype == "auto":

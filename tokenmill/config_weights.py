@@ -113,16 +113,21 @@ def asked_half_weights(model: ModelConfig, device: str) -> torch.dtype | None:
     """The dtype dense weights are kept in when a half dtype is asked for on CPU (model.dtype:
     `--dtype bfloat16`, the dtype vLLM's CPU backend runs, or float16): the checkpoint's own,
     or a float32 checkpoint's weights rounded to it as they load (half its size, no float32
-    copy). Either is then served as dtype="auto" serves a half-precision checkpoint there:
+    copy), or a float16 checkpoint's asked in bfloat16 (what vLLM's CPU backend serves a
+    float16 model in; bfloat16 holds float16's range, so only precision is rounded away, as
+    asked: the bf16 products then run at ~1.8x the float16 weights' float32 ones batched).
+    Each is then served as dtype="auto" serves a half-precision checkpoint there:
     the weights kept in half precision, products in bf16 where matmul_dtype says so,
     activations, norms and sums in float32; not every module in half precision through
     torch's ops (a Qwen3-0.6B-shaped decode after 500 tokens took 166-168 ms a step so, most
     of it in MKL's bf16 GEMV, against 58-75 ms served as auto serves it: benchmarks/
     RESULTS.md, fifty-first session). None: served as asked (quantized or GGUF weights, a
-    GPU, a bf16 checkpoint asked in float16 or the reverse, whose range or precision the
-    rounding would change); a config that names no dtype counts as float32 (stored_dtype)."""
+    GPU, a bf16 checkpoint asked in float16, whose range the rounding would cut); a config
+    that names no dtype counts as float32 (stored_dtype)."""
     asked, stored = model.dtype, stored_dtype(model)
-    if asked not in (torch.bfloat16, torch.float16) or stored not in (asked, torch.float32):
+    roundable = (asked, torch.float32) if asked == torch.float16 else \
+        (asked, torch.float32, torch.float16)
+    if asked not in (torch.bfloat16, torch.float16) or stored not in roundable:
         return None
     return asked if _dense_on_cpu_kernels(model, device) else None
 

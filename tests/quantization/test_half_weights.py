@@ -92,20 +92,55 @@ def test_a_half_checkpoint_keeps_its_weights_and_decodes_as_float32(half_model):
 def test_asking_a_half_checkpoints_own_dtype_serves_it_as_auto_does(half_model):
     """`dtype="bfloat16"` for a bf16 checkpoint (the dtype vLLM's CPU backend runs), "float16"
     for an fp16 one: the weights kept as stored and computed as dtype="auto" computes them,
-    bit for bit, not every module in half precision through torch's ops; another half dtype
-    is served as asked."""
+    bit for bit, not every module in half precision through torch's ops. A bf16 checkpoint
+    asked in float16 (whose range float16 would cut) is served as asked; the reverse is the
+    next test's."""
     path, dtype, _ = half_model
-    own, other = ("bfloat16", "float16") if dtype == torch.bfloat16 else ("float16", "bfloat16")
+    own = "bfloat16" if dtype == torch.bfloat16 else "float16"
     asked, auto = engine_config(path, device="cpu", dtype=own), engine_config(path, device="cpu")
     assert asked.model.dtype == torch.float32 and asked.model.weight_dtype == dtype
     assert asked.model.matmul_dtype == auto.model.matmul_dtype
     assert asked.cache.kv_cache_dtype == auto.cache.kv_cache_dtype
-    elsewhere = engine_config(path, device="cpu", dtype=other).model
-    assert elsewhere.dtype == getattr(torch, other) and elsewhere.weight_dtype is None
+    if dtype == torch.bfloat16:
+        elsewhere = engine_config(path, device="cpu", dtype="float16").model
+        assert elsewhere.dtype == torch.float16 and elsewhere.weight_dtype is None
     prompts = [[1, 504, 3458, 282, 4649, 314], list(range(2000, 2050))]
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
     got = LLM(path, dtype=own, num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
     want = LLM(path, num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs
+
+
+def test_a_float16_checkpoint_asked_in_bfloat16_serves_as_its_bfloat16_copy(half_model,
+                                                                            tmp_path):
+    """`dtype="bfloat16"` for a float16 checkpoint on CPU (what vLLM's CPU backend serves an
+    fp16 model in): its weights rounded to bfloat16 as they load and served as the same model
+    saved in bfloat16 is by default (bf16 products where the CPU has them, their bf16 cache),
+    bit for bit; not every module in bfloat16 through torch's ops."""
+    import transformers
+
+    path, dtype, _ = half_model
+    if dtype != torch.float16:
+        pytest.skip("a float16 checkpoint")
+    copy = tmp_path / "bf16-copy"
+    transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16) \
+        .save_pretrained(copy)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{path}/{f}", copy / f)
+    asked, saved = engine_config(path, device="cpu", dtype="bfloat16"), engine_config(str(copy))
+    assert asked.model.dtype == torch.float32 and asked.model.weight_dtype == torch.bfloat16
+    assert asked.model.matmul_dtype == saved.model.matmul_dtype
+    assert asked.cache.kv_cache_dtype == saved.cache.kv_cache_dtype
+    llm = LLM(path, dtype="bfloat16", num_kv_blocks=64)
+    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert {w.dtype for w in qkv.parameters()} == {torch.bfloat16}
+    prompts = [[1, 504, 3458, 282, 4649, 314], list(range(2000, 2050))]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert_kv_all_free(llm.engine)
+    want = LLM(str(copy), num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
     for g, w in zip(got, want, strict=True):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert g.outputs[0].logprobs == w.outputs[0].logprobs
