@@ -117,39 +117,41 @@ class Float32KV(KVFormat):
         return rows
 
 
-class BFloat16KV(KVFormat):
-    name = "bfloat16"
-    quantized = False  # 8 bits of mantissa on every value: no outlier channel sets a step
-    kernel_id = 3
+class HalfKV(KVFormat):
+    """Half-precision rows (`storage`) of a cache computed in float32: written rounded to
+    nearest even (torch's .to, as the kernels write), read widened exactly. Not quantized:
+    every value keeps its own exponent, so no outlier channel sets a step."""
+
+    quantized = False
+    storage: torch.dtype
 
     def row(self, head_dim: int, model_dtype: torch.dtype) -> tuple[int, torch.dtype]:
-        return head_dim, torch.bfloat16
+        return head_dim, self.storage
 
     def quantize(self, x: torch.Tensor, head_scales: torch.Tensor | None) -> torch.Tensor:
-        return x.to(torch.bfloat16)  # round to nearest even, as the kernels write
+        return x.to(self.storage)
 
     def dequantize(self, rows: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
         return rows
 
 
-class Float16KV(KVFormat):
-    """float16 rows: the cache of a float16 checkpoint kept in float16 on CPU (computed in
-    float32), as vLLM keeps an fp16 model's. Not quantized: 11 bits of mantissa on every value,
-    whose range (65504) a K or V value of a float16 model's own layers stays within. Triton
-    reads and writes it as any float cache (kernel_id 0: the storage's own dtype)."""
+class BFloat16KV(HalfKV):
+    """bfloat16 rows (8 bits of mantissa): a float32 model's cache at half the bytes; Triton's
+    own KV_FORMAT (its interpreter's cast truncates, so the kernel rounds in integers)."""
+
+    name = "bfloat16"
+    kernel_id = 3
+    storage = torch.bfloat16
+
+
+class Float16KV(HalfKV):
+    """float16 rows (11 bits of mantissa): a float16 checkpoint's cache kept in float16 on CPU
+    (computed in float32), as vLLM keeps an fp16 model's; the range (65504) is the model's
+    own. Triton reads and writes it as any float cache (kernel_id 0: the storage's dtype)."""
 
     name = "float16"
-    quantized = False
     kernel_id = 0
-
-    def row(self, head_dim: int, model_dtype: torch.dtype) -> tuple[int, torch.dtype]:
-        return head_dim, torch.float16
-
-    def quantize(self, x: torch.Tensor, head_scales: torch.Tensor | None) -> torch.Tensor:
-        return x.to(torch.float16)  # round to nearest even, as the kernels write
-
-    def dequantize(self, rows: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-        return rows
+    storage = torch.float16
 
 
 class Int8KV(KVFormat):
