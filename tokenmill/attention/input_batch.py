@@ -74,7 +74,7 @@ class InputBatch:
             logits_indices = torch.tensor(
                 [query_start_locs[i + 1] - c + t for i in sample_rows
                  for c in [reqs[i].num_sample_positions] for t in range(c)], dtype=torch.long)
-        parts = _to_device([input_ids, positions, slots, block_tables, qsl,
+        parts = to_device([input_ids, positions, slots, block_tables, qsl,
                             torch.tensor(seq_lens, dtype=torch.long), logits_indices], device)
         return InputBatch(
             input_ids=parts[0], positions=parts[1], slot_mapping=parts[2],
@@ -83,10 +83,11 @@ class InputBatch:
             query_start_locs=query_start_locs, seq_lens=seq_lens, sample_rows=sample_rows)
 
 
-def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """The step's int64 host tensors on `device`: on CUDA packed into one pinned buffer and
-    sent in one asynchronous copy (one transfer instead of seven; the host does not wait for
-    it), then viewed apart; elsewhere as they are."""
+def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host tensors of one dtype on `device`: on CUDA packed into one pinned buffer and sent
+    in one asynchronous copy (one transfer for all; the host does not wait for it, where a
+    copy from pageable memory first waits for the stream's queued work), then viewed apart;
+    elsewhere as they are."""
     if device.type != "cuda":
         return tensors
     flat = torch.cat([t.reshape(-1) for t in tensors]).pin_memory()

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.attention.base import AttentionBackend, AttentionLayer, DecodeGraphState
-from tokenmill.attention.input_batch import InputBatch
+from tokenmill.attention.input_batch import InputBatch, to_device
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.utils import cdiv
 
@@ -129,15 +129,15 @@ class TritonPagedAttention(AttentionBackend):
             count = cdiv(n, self.split_keys)
             tiles += [t] * count
             splits += range(count)
-        cols = torch.tensor(tiles + splits + starts, dtype=torch.int32).to(self.device,
-                                                                         non_blocking=True)
+        cols = to_device([torch.tensor(tiles + splits + starts, dtype=torch.int32)],
+                         self.device)[0]
         w = len(tiles)
         return SplitWork(cols[:w], cols[w:2 * w], cols[2 * w:], self.split_keys)
 
     def _query_tiles(self, tile: int, tiles: list[tuple[int, int, int, int]],
                      block_tables: torch.Tensor) -> QueryTiles:
         cols = torch.tensor(tiles, dtype=torch.int32).T.contiguous()  # (4, N)
-        cols = cols.to(self.device, non_blocking=True)
+        cols = to_device([cols], self.device)[0]
         return QueryTiles(tile=tile, rows=cols[0], q_starts=cols[1], q_lens=cols[2],
                           first_ctx=cols[3], block_tables=block_tables)
 
