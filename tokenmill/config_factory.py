@@ -161,7 +161,6 @@ def resolve_kv_cache_dtype(asked: str, model: ModelConfig, dtype_asked: str = "a
     return asked
 
 
-
 def _sleep_mode(asked: bool | None, parallel: ParallelConfig) -> bool:
     if asked and (parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1):
         raise ValueError("enable_sleep_mode runs with tensor_parallel_size 1 and "
