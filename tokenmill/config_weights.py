@@ -125,9 +125,10 @@ def asked_half_weights(model: ModelConfig, device: str) -> torch.dtype | None:
     GPU, a bf16 checkpoint asked in float16, whose range the rounding would cut); a config
     that names no dtype counts as float32 (stored_dtype)."""
     asked, stored = model.dtype, stored_dtype(model)
-    roundable = (asked, torch.float32) if asked == torch.float16 else \
-        (asked, torch.float32, torch.float16)
-    if asked not in (torch.bfloat16, torch.float16) or stored not in roundable:
+    if asked not in (torch.bfloat16, torch.float16):
+        return None
+    # float32 rounds to either half dtype, float16 to bfloat16 (its range fits); not bf16 to fp16
+    if stored not in (asked, torch.float32) and (stored, asked) != (torch.float16, torch.bfloat16):
         return None
     return asked if _dense_on_cpu_kernels(model, device) else None
 

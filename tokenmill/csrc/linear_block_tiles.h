@@ -237,7 +237,6 @@ static TM_BT_INLINE void block_vectors(const Weight& w, int64_t g, int64_t b, __
 // memory, 250-307 with this; a 1B Q8_0 decode step at batch 4 1.65x, at 16 1.33x faster.
 // Not for one row (a decode of one sequence): the prefetchers alone follow its stream
 // better (the 1B's gate_up at 57 GB/s without, 43 with; fifty-seventh session, Zen 4).
-
 template <int R, bool Q4, bool WIDE, bool AHEAD>
 static void vector_rows(const Weight& w, const Acts& a, int64_t m0, int64_t g,
                         const float* bias, float* y) {

@@ -133,17 +133,25 @@ static void accumulate_chunks(const float* p, int64_t stride, const uint16_t* co
   accumulate_raw<G, F16, NV>(p, stride, rows, n, D, corr, acc, ahead, steps);
 }
 
+// f(std::integral_constant<int, G>{}, std::bool_constant<f16>{}) for a runtime G (1 .. 8)
+// and half kind (f16: the cache's rows are float16, else bfloat16).
+template <class F>
+static inline void with_group_and_kind(int64_t G, bool f16, F&& f) {
+  with_group_size<8>(G, [&](auto g) {
+    if (f16) return f(g, std::true_type{});
+    f(g, std::false_type{});
+  });
+}
+
 // The scores of `heads` KV heads' G query heads against keys read in place (score_raw);
-// one KV head's weighted V sums (accumulate_raw). f16: the cache's rows are float16 (else
-// bfloat16).
+// one KV head's weighted V sums (accumulate_raw).
 static inline void score_heads_raw(bool f16, int64_t G, const float* q, const uint8_t* kb,
                                    const uint8_t* vb, const int64_t* key_rows,
                                    int64_t row_bytes, int64_t heads, int64_t D, float scale,
                                    int64_t own, float* scores) {
-  with_group_size<8>(G, [&](auto g) {
-    if (f16) return score_raw<g.value, true>(q, kb, vb, key_rows, row_bytes, heads, D, scale,
-                                             own, scores);
-    score_raw<g.value, false>(q, kb, vb, key_rows, row_bytes, heads, D, scale, own, scores);
+  with_group_and_kind(G, f16, [&](auto g, auto half) {
+    score_raw<g.value, half.value>(q, kb, vb, key_rows, row_bytes, heads, D, scale, own,
+                                   scores);
   });
 }
 
@@ -151,10 +159,8 @@ static inline void accumulate_group_raw(bool f16, int64_t G, const float* p, int
                                         const uint16_t* const* rows, int64_t n, int64_t D,
                                         const float* corr, float* acc,
                                         LinesAhead& ahead, int64_t steps) {
-  with_group_size<8>(G, [&](auto g) {
-    if (f16) return accumulate_chunks<g.value, true>(p, stride, rows, n, D, corr, acc, ahead,
-                                                     steps);
-    accumulate_chunks<g.value, false>(p, stride, rows, n, D, corr, acc, ahead, steps);
+  with_group_and_kind(G, f16, [&](auto g, auto half) {
+    accumulate_chunks<g.value, half.value>(p, stride, rows, n, D, corr, acc, ahead, steps);
   });
 }
 
