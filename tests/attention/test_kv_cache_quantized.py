@@ -105,11 +105,11 @@ def test_store_and_block_copy_keep_values_and_scales_together(fmt):
 
 def _triton_store(cache, k, v, slots, scales):
     """Triton's store on its device (compiled on a GPU), written back into `cache`."""
-    from tokenmill.attention import triton_kernels
+    from tokenmill.attention import triton_kv_store
 
     device = kernel_device("triton")
     on_device = cache.to(device)
-    triton_kernels.store_kv(on_device, k.to(device), v.to(device), slots.to(device),
+    triton_kv_store.store_kv(on_device, k.to(device), v.to(device), slots.to(device),
                             None if scales is None else scales.to(device))
     cache.copy_(on_device.cpu())
 

@@ -84,7 +84,8 @@ def test_split_decode_reads_quantized_caches(kv_dtype):
     """The split kernel on an int8 / fp8 / float16 cache equals the unsplit kernel on it (both
     read and dequantize the same bytes)."""
     from tokenmill.attention.kv_cache import allocate_kv_cache, allocate_kv_scales
-    from tokenmill.attention.triton_kernels import paged_attention, store_kv
+    from tokenmill.attention.triton_kernels import paged_attention
+    from tokenmill.attention.triton_kv_store import store_kv
 
     bs, hq, hkv, d = 8, 8, 2, 32
     device = kernel_device("triton")
@@ -114,7 +115,8 @@ def test_split_decode_reads_quantized_caches(kv_dtype):
 
 
 def test_one_split_is_the_unsplit_kernel_bit_for_bit():
-    from tokenmill.attention.triton_kernels import paged_attention, store_kv
+    from tokenmill.attention.triton_kernels import paged_attention
+    from tokenmill.attention.triton_kv_store import store_kv
 
     shape = (8, 6, 2, 16)
     meta, split_out, (batch, q, *_) = triton_step(shape, LONG, 512)  # every context < 512

@@ -116,11 +116,13 @@ def test_rotary_in_place(dtype, tokens, hq, hkv, d, r):
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "phi3-partial", "gemma2", "olmoe"])
 def test_models_on_the_triton_ops_match_hf(tiny_model, monkeypatch, kind):
     """The layers' CUDA path end to end: on CPU the ops are routed to the interpreted kernels
-    (as cuda_ops routes a CUDA tensor), with the Triton attention backend; greedy == HF.
-    Llama-shaped norms and SiLU, Qwen3's per-head q/k norms (3-d views), half-rotated heads,
-    Gemma 2's GELU-tanh and (1 + w) norms, OLMoE's all-heads norms and experts."""
+    (as cuda_ops routes a CUDA tensor), with the Triton attention backend, which applies RoPE
+    in its KV store (attention/triton_kv_store.py); greedy == HF. Llama-shaped norms and SiLU,
+    Qwen3's per-head q/k norms (3-d views), half-rotated heads, Gemma 2's GELU-tanh and (1 + w)
+    norms, OLMoE's all-heads norms and experts."""
     from tests.conftest import generate_greedy, hf_greedy, mixed_prompts
     from tokenmill import LLM
+    from tokenmill.attention import triton_kv_store
     from tokenmill.layers import activation, layernorm, rotary, triton_ops
     from tokenmill.models import gemma
 
@@ -135,9 +137,17 @@ def test_models_on_the_triton_ops_match_hf(tiny_model, monkeypatch, kind):
 
     for module in (activation, layernorm, rotary, gemma):
         monkeypatch.setattr(module, "cuda_ops", counted)
+    fused_store = triton_kv_store.rotary_store_kv
+
+    def counted_store(*args):
+        calls["rotary_store_kv"] = calls.get("rotary_store_kv", 0) + 1
+        return fused_store(*args)
+
+    monkeypatch.setattr(triton_kv_store, "rotary_store_kv", counted_store)
     path, hf = tiny_model(kind)
     cases = [(p, min(m, 6)) for p, m in mixed_prompts(3, hf.config.vocab_size, seed=4,
                                                       max_len=40)]
     llm = LLM(path, attention_backend="triton", dtype="float32", max_num_batched_tokens=64)
     assert generate_greedy(llm, cases) == [hf_greedy(hf, p, m) for p, m in cases]
-    assert min(calls.get(op, 0) for op in ("gated_act", "rotary_", "rms_norm")) > 0
+    assert min(calls.get(op, 0) for op in ("gated_act", "rotary_store_kv", "rms_norm")) > 0
+    assert "rotary_" not in calls  # RoPE never ran as a launch of its own

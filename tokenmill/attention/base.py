@@ -91,6 +91,20 @@ class AttentionBackend(ABC):
         any format of kv_cache.py, read in place; the layer's variant (scale, window, soft
         cap, as `features` said) and its fp8 cache's kv_scales come from `layer`."""
 
+    def fuses_rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> bool:
+        """Whether `forward_rotary` takes these operands: the layer's RoPE tables cos / sin
+        (T, 1, R) applied to q and k inside the step's store (one launch fewer a layer).
+        Default: never (the layer rotates q and k itself, then calls forward)."""
+        return False
+
+    def forward_rotary(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """forward() of q and k rotated by cos / sin (rotate_half over their first R
+        features, rounded as layers/rotary.py rounds), only where fuses_rotary said so."""
+        raise NotImplementedError(f"{type(self).__name__} does not fuse RoPE into its store")
+
     def fused_decode_queries(self, meta: AttentionMetadata, num_tokens: int) -> Any | None:
         """When every one of the step's `num_tokens` queries can go to the CPU paged-attention
         kernel (csrc/paged_attention_cpu.h) from inside the fused CPU layers call

@@ -1,5 +1,5 @@
 """The Triton kernels of the GPU backend: paged attention over query tiles straight from the
-paged KV cache, and the KV store that quantizes as it writes (`store_kv`, at the end).
+paged KV cache (the store that fills it: attention/triton_kv_store.py).
 
 One program attends one tile (up to TILE consecutive queries of one sequence) for one KV head:
 the tile's queries x the G query heads of that KV head form the rows of one matrix, so every
@@ -210,7 +210,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _, Hq, D = q.shape
     _, block_size, Hkv, row = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "cache halves must be contiguous"
-    k_cache, v_cache, kv_scales, kv_format = _cache_args(k_cache, v_cache, kv_scales)
+    k_cache, v_cache, kv_scales, kv_format = cache_args(k_cache, v_cache, kv_scales)
     assert q.stride(2) == 1 and out.stride(2) == 1
     assert split is None or (tile == 1 and split.split_keys % 32 == 0)
     G = Hq // Hkv
@@ -253,91 +253,11 @@ def runs_here(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-# 1.5 * 2^23: x + it - it rounds float32 |x| < 2^22 half-to-even. A constexpr: compiled
-# Triton reads no other module globals (the interpreter does, so only the GPU showed it).
-_RNE_MAGIC = tl.constexpr(12582912.0)
-
-
-@triton.jit
-def _store_kv_rows(src_ptr, stride_t, stride_h, cache_ptr, slot, head_scale, t, h, d, d_ok,
-                   HKV: tl.constexpr, D: tl.constexpr, ROW: tl.constexpr,
-                   KV_FORMAT: tl.constexpr):
-    """One (token, KV head) row of k or v into its cache slot, quantized as kv_cache.py's
-    torch ops do (bit for bit: the same divisions, round-half-even, e4m3 encoding)."""
-    x = tl.load(src_ptr + t * stride_t + h * stride_h + d, mask=d_ok, other=0.0)
-    row_ptr = cache_ptr + (slot * HKV + h) * ROW
-    if KV_FORMAT == 0:  # the cache holds k's own dtype
-        tl.store(row_ptr + d, x.to(cache_ptr.dtype.element_ty), mask=d_ok)
-    elif KV_FORMAT == 1:  # int8 values, then their float32 scale
-        x = x.to(tl.float32)
-        scale = tl.math.div_rn(tl.max(tl.abs(x), axis=0), 127.0)
-        q = tl.math.div_rn(x, tl.maximum(scale, 1.1754943508222875e-38))
-        q = (q + _RNE_MAGIC) - _RNE_MAGIC
-        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-        tl.store(row_ptr + d, q.to(tl.int8), mask=d_ok)
-        tl.store((row_ptr + D).to(tl.pointer_type(tl.float32)), scale)
-    elif KV_FORMAT == 3:  # bfloat16, rounded half-to-even in integers as torch rounds (the
-        # interpreter's float cast truncates); NaN stays NaN
-        bits = x.to(tl.float32).to(tl.int32, bitcast=True)
-        r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        r = tl.where(x != x, 0x7FC0, r)
-        tl.store(row_ptr + d, r.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=d_ok)
-    else:  # fp8 e4m3fn bytes (the cache read as uint8), saturating at 448
-        v = tl.math.div_rn(x.to(tl.float32), head_scale)
-        a = tl.minimum(tl.abs(v), 448.0)
-        bits = a.to(tl.int32, bitcast=True)
-        # normal (a >= 2^-6): round the mantissa to 3 bits half-to-even, rebias 127 -> 7
-        normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20
-        normal = normal - ((127 - 7) << 3)
-        # subnormal: a multiple of 2^-9, rounded half-to-even (8 is the smallest normal)
-        sub = ((a * 512.0 + _RNE_MAGIC) - _RNE_MAGIC).to(tl.int32)
-        code = tl.where(a >= 0.015625, normal, sub)
-        code = code | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)  # the sign bit
-        tl.store(row_ptr + d, code.to(tl.uint8), mask=d_ok)
-
-
-@triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, kv_scales_ptr,
-                     stride_kt, stride_kh, stride_vt, stride_vh,
-                     HKV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                     ROW: tl.constexpr, KV_FORMAT: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    d = tl.arange(0, D_PAD)
-    d_ok = d < D
-    k_scale = 1.0
-    v_scale = 1.0
-    if KV_FORMAT == 2:
-        k_scale = tl.load(kv_scales_ptr + h)
-        v_scale = tl.load(kv_scales_ptr + HKV + h)
-    _store_kv_rows(k_ptr, stride_kt, stride_kh, k_cache_ptr, slot, k_scale, t, h, d, d_ok,
-                   HKV, D, ROW, KV_FORMAT)
-    _store_kv_rows(v_ptr, stride_vt, stride_vh, v_cache_ptr, slot, v_scale, t, h, d, d_ok,
-                   HKV, D, ROW, KV_FORMAT)
-
-
-def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
-    """k, v (T, Hkv, D) into one layer's cache (2, num_blocks, block_size, Hkv, R) at
-    slot_mapping (T,), quantized in the same kernel when the cache is int8 or fp8 (one
-    program per token and KV head)."""
-    T, Hkv, D = k.shape
-    if T == 0:
-        return
-    assert k.stride(2) == 1 and v.stride(2) == 1 and kv_cache.is_contiguous()
-    k_cache, v_cache, kv_scales, kv_format = _cache_args(kv_cache[0], kv_cache[1], kv_scales)
-    _store_kv_kernel[(T, Hkv)](
-        k, v, k_cache, v_cache, slot_mapping, kv_scales,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        HKV=Hkv, D=D, D_PAD=triton.next_power_of_2(D), ROW=kv_cache.shape[-1],
-        KV_FORMAT=kv_format)
-
-
-def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: torch.Tensor | None
+def cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """A layer's cache halves and fp8 scales as both kernels take them, with KV_FORMAT: an fp8
-    cache as its bytes (the kernels decode them), an empty scales tensor where none is read."""
+    """A layer's cache halves and fp8 scales as the attention and store kernels take them,
+    with KV_FORMAT: an fp8 cache as its bytes (the kernels decode them), an empty scales
+    tensor where none is read."""
     fmt = format_of_storage(k_cache.dtype)
     k_cache, v_cache = fmt.bytes_view(k_cache), fmt.bytes_view(v_cache)
     if fmt.kernel_id == FP8:

@@ -11,7 +11,9 @@ idle). The cut is at fixed multiples of split_keys, which depends only on max_mo
 sequence's result never depends on its neighbours, and a sequence of one split computes
 exactly what the unsplit kernel would. No K/V is gathered into a contiguous
 copy: the kernel follows the block tables. This step's k/v are written by one more kernel,
-which quantizes them as it writes when the cache is int8 or fp8 (triton_kernels.store_kv).
+which quantizes them as it writes when the cache is int8 or fp8 (triton_kv_store.store_kv),
+and applies the layer's RoPE to q and k in the same launch when the layer hands its tables
+over (`forward_rotary`).
 Same contract and results as TorchPagedAttention, its oracle
 (tests/attention/test_paged_backends.py runs both on the same steps).
 
@@ -94,12 +96,12 @@ class TritonPagedAttention(AttentionBackend):
         if not triton_available():
             raise RuntimeError("attention_backend='triton' needs the triton package "
                                "(it comes with torch's CUDA builds)")
-        from tokenmill.attention import triton_kernels
+        from tokenmill.attention import triton_kernels, triton_kv_store
 
         if not triton_kernels.runs_here(device):
             raise RuntimeError(f"the Triton attention kernel does not run on {device}: it "
                                "needs a CUDA device (or TRITON_INTERPRET=1 on CPU, for tests)")
-        self._kernels = triton_kernels
+        self._kernels, self._store = triton_kernels, triton_kv_store
 
     def build_metadata(self, batch: InputBatch) -> TritonAttentionMetadata:
         meta = TritonAttentionMetadata(num_tokens=batch.num_tokens,
@@ -144,9 +146,25 @@ class TritonPagedAttention(AttentionBackend):
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, kv_cache: torch.Tensor, meta: TritonAttentionMetadata
                 ) -> torch.Tensor:
+        self._store.store_kv(kv_cache, k, v, meta.slot_mapping, layer.kv_scales)
+        return self._attend(layer, q, kv_cache, meta)
+
+    def fuses_rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> bool:
+        return self._store.rotary_fits(q, k, cos, sin)
+
+    def forward_rotary(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       kv_cache: torch.Tensor, meta: TritonAttentionMetadata) -> torch.Tensor:
+        self._store.rotary_store_kv(q, k, v, cos, sin, kv_cache, meta.slot_mapping,
+                                    layer.kv_scales)
+        return self._attend(layer, q, kv_cache, meta)
+
+    def _attend(self, layer: AttentionLayer, q: torch.Tensor, kv_cache: torch.Tensor,
+                meta: TritonAttentionMetadata) -> torch.Tensor:
+        """The step's queries over the cache, which already holds this step's keys."""
         scale, sliding_window, soft_cap = layer.variant  # what the layer computes
         kv_scales = layer.kv_scales
-        self._kernels.store_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
         T, Hq, D = q.shape
         out = torch.empty_like(q)
         for t in meta.tiles:

@@ -14,6 +14,7 @@ from torch import nn
 from tokenmill.attention import AttentionBackend, AttentionMetadata
 from tokenmill.attention.base import AttentionVariant
 from tokenmill.layers import cpu_ops
+from tokenmill.layers.rotary import apply_rotary
 from tokenmill.quantization.base import CPULinearKernel
 from tokenmill.utils.profiling import scope
 
@@ -45,10 +46,20 @@ class Attention(nn.Module):
         self.rotation_weight = None if key_rotation is None else key_rotation.t().contiguous()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q (T, Hq, D); k, v (T, Hkv, D) → (T, Hq * D)."""
+                meta: AttentionMetadata,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """q (T, Hq, D); k, v (T, Hkv, D) → (T, Hq * D). rotary: the step's RoPE tables cos,
+        sin (T, 1, R) to apply to q and k first (layers/rotary.py's apply_rotary), inside the
+        backend's KV store where it fuses them (the Triton backend), else here."""
         if self.backend is None or self.kv_cache is None:
             raise RuntimeError("attention layer used before its KV cache was bound")
+        if rotary is not None:
+            # keys stored rotated by R (a quantized cache) take RoPE before R: not fused
+            if self.key_rotation is None and self.backend.fuses_rotary(q, k, *rotary):
+                with scope("attention"):
+                    return self.backend.forward_rotary(self, q, k, v, *rotary, self.kv_cache,
+                                                       meta)
+            q, k = apply_rotary(q, k, *rotary)
         with scope("attention"):
             if self.key_rotation is not None:  # q . k = (q R) . (k R): keys stored rotated
                 q, k = self._rotate(q), self._rotate(k)

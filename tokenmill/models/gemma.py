@@ -32,7 +32,6 @@ from tokenmill.layers.attention import Attention
 from tokenmill.layers.cuda_ops import cuda_ops
 from tokenmill.layers.layernorm import RMSNorm, cuda_rms_norm
 from tokenmill.layers.op_spec import OpSpec
-from tokenmill.layers.rotary import apply_rotary
 from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from tokenmill.quantization import QuantizationConfig
 
@@ -79,8 +78,7 @@ class GemmaAttention(LlamaAttention):
         q, k, v = self.split_heads(self.qkv_proj(hidden))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *position_embeddings)
-        return self.o_proj(self.attn(q, k, v, meta))  # (T, hidden)
+        return self.o_proj(self.attn(q, k, v, meta, position_embeddings))  # (T, hidden)
 
 
 class GemmaDecoderLayer(LlamaDecoderLayer):

@@ -26,7 +26,7 @@ from tokenmill.layers.attention import Attention
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.op_spec import OpSpec, specs_of
-from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary, rope_key
+from tokenmill.layers.rotary import RotaryEmbedding, rope_key
 from tokenmill.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.quantization import QuantizationConfig
 
@@ -64,8 +64,9 @@ class LlamaAttention(nn.Module):
     def forward(self, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.split_heads(self.qkv_proj(hidden))
-        q, k = apply_rotary(q, k, *position_embeddings)
-        return self.o_proj(self.attn(q, k, v, meta))  # (T, hidden)
+        # RoPE (position_embeddings) applied by the attention layer, fused into its KV store
+        # where the backend can
+        return self.o_proj(self.attn(q, k, v, meta, position_embeddings))  # (T, hidden)
 
     def op_spec(self) -> OpSpec | None:
         """qkv projection, RoPE (the model's table), paged attention over the layer's cache

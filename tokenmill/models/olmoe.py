@@ -16,7 +16,6 @@ from tokenmill.attention import AttentionMetadata
 from tokenmill.distributed import ParallelState
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.op_spec import OpSpec
-from tokenmill.layers.rotary import apply_rotary
 from tokenmill.models.llama import LlamaAttention, LlamaForCausalLM, with_qk_norms
 from tokenmill.models.qwen_moe import QwenSparseMoeBlock, map_qwen_moe_weight
 from tokenmill.quantization import QuantizationConfig
@@ -43,8 +42,8 @@ class OlmoeAttention(LlamaAttention):
         q, k = self.q_norm(q), self.k_norm(k)  # (T, Hq D), (T, Hkv D)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
-        q, k = apply_rotary(q.view(T, -1, D), k.view(T, -1, D), *position_embeddings)
-        return self.o_proj(self.attn(q, k, v.reshape(T, -1, D), meta))  # (T, hidden)
+        return self.o_proj(self.attn(q.view(T, -1, D), k.view(T, -1, D), v.reshape(T, -1, D),
+                                     meta, position_embeddings))  # (T, hidden)
 
     def op_spec(self) -> OpSpec | None:
         """Llama's attention with one RMSNorm over all of q's heads and one over k's

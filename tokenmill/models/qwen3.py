@@ -10,7 +10,6 @@ from tokenmill.attention import AttentionMetadata
 from tokenmill.distributed import ParallelState
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.op_spec import OpSpec
-from tokenmill.layers.rotary import apply_rotary
 from tokenmill.models.llama import LlamaAttention, LlamaForCausalLM, with_qk_norms
 from tokenmill.quantization import QuantizationConfig
 
@@ -27,8 +26,8 @@ class Qwen3Attention(LlamaAttention):
     def forward(self, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.split_heads(self.qkv_proj(hidden))
-        q, k = apply_rotary(self.q_norm(q), self.k_norm(k), *position_embeddings)
-        return self.o_proj(self.attn(q, k, v, meta))  # (T, hidden)
+        q, k = self.q_norm(q), self.k_norm(k)  # then RoPE, in the attention layer
+        return self.o_proj(self.attn(q, k, v, meta, position_embeddings))  # (T, hidden)
 
     def op_spec(self) -> OpSpec | None:
         """Llama's attention with an RMSNorm over each head's q and k before RoPE ("qk_norm")."""
