@@ -193,7 +193,10 @@ def main() -> None:
                   prepack_weights=args.prepack, attention_backend=args.attention_backend,
                   enable_prefix_caching=False, quantization=args.quantization,
                   int8_activations=args.int8_activations, kv_cache_dtype=args.kv_cache_dtype,
-                  matmul_dtype=args.matmul_dtype)
+                  matmul_dtype=args.matmul_dtype,
+                  # synchronous steps (the CUDA default runs each step ahead on its own
+                  # thread): the scopes then add up to the step
+                  async_scheduling=False)
         profile_engine(llm, args)
 
 

@@ -13,9 +13,10 @@ needed. Per model and engine mode:
 - batch: --batch requests of 256 prompt + 128 generated tokens submitted at once: total
   tokens/s (the shape of the HF static-batching figures in ../shared/README.md).
 
-Modes on CUDA: the Triton backend with CUDA graphs (the default), the Triton backend eager
-(--enforce-eager) and the PyTorch backend eager (the oracle). On CPU (`--device cpu
---models tiny`, used by the tests) the default mode only.
+Modes on CUDA: the default (the Triton backend, CUDA graphs, async scheduling), the same with
+synchronous steps (--no-async-scheduling), the Triton backend eager (--enforce-eager), and with
+--torch-eager the PyTorch backend eager (the oracle). On CPU (`--device cpu --models tiny`,
+used by the tests) the default mode only.
 """
 
 from __future__ import annotations
@@ -34,9 +35,13 @@ import torch
 
 from tokenmill.bench.shapes import SHAPES, write_model_folder
 
-MODES_CUDA = {"triton + CUDA graphs": {},
-              "triton eager": {"enforce_eager": True},
-              "torch eager": {"attention_backend": "torch", "enforce_eager": True}}
+# the default (graphs, async scheduling: each step prepared while the one before runs), the
+# same with synchronous steps (what the overlap buys), and eager (what graphs buy); the PyTorch
+# backend (the oracle) with --torch-eager
+MODES_CUDA = {"graphs + async (default)": {},
+              "graphs, sync steps": {"async_scheduling": False},
+              "triton eager": {"enforce_eager": True}}
+TORCH_EAGER = {"torch eager": {"attention_backend": "torch", "enforce_eager": True}}
 
 
 def single_stream(llm: Any, vocab: int, rng: random.Random) -> tuple[float, float]:
@@ -72,18 +77,21 @@ def main() -> None:
     # default on CUDA 8 GiB, which hold the batch's 64 x 384 tokens of the 8B model (128 KiB a
     # token in bfloat16) without preemption; on CPU the engine's own default
     parser.add_argument("--kv-cache-memory", default=None)
+    parser.add_argument("--torch-eager", action="store_true",
+                        help="CUDA: also the PyTorch attention backend, eager")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
     from tokenmill import LLM
 
-    modes = MODES_CUDA if args.device == "cuda" else {"default": {}}
+    modes = ((MODES_CUDA | (TORCH_EAGER if args.torch_eager else {}))
+             if args.device == "cuda" else {"default": {}})
     kv = args.kv_cache_memory or ("8GiB" if args.device == "cuda" else None)
     kv_memory = {"kv_cache_memory": kv} if kv else {}
     read_gbps = args.read_gbps or (3090.0 if args.device == "cuda" else 30.0)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"torch {torch.__version__}, device {gpu}, dtype {args.dtype}\n")
-    print(f"{'model':<10} {'mode':<22} {'TTFT s':>8} {'decode ms/tok':>14} {'x floor':>8} "
+    print(f"{'model':<10} {'mode':<24} {'TTFT s':>8} {'decode ms/tok':>14} {'x floor':>8} "
           f"{'batch ' + str(args.batch) + ' tok/s':>16}")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,7 +109,7 @@ def main() -> None:
                 tps = batched(llm, vocab, random.Random(0), args.batch)
                 results.append(dict(model=name, mode=mode, ttft_s=ttft, decode_ms=ms,
                                     floor_ms=floor_ms, batch=args.batch, total_tok_s=tps))
-                print(f"{name:<10} {mode:<22} {ttft:>8.4f} {ms:>14.3f} {ms / floor_ms:>8.2f} "
+                print(f"{name:<10} {mode:<24} {ttft:>8.4f} {ms:>14.3f} {ms / floor_ms:>8.2f} "
                       f"{tps:>16.1f}", flush=True)
                 del llm
                 gc.collect()

@@ -87,17 +87,14 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         model = dataclasses.replace(model, weight_dtype=default_weight_dtype(model, device))
     model = dataclasses.replace(model, matmul_dtype=resolve_matmul_dtype(args.matmul_dtype,
                                                                          model))
-    scheduler = _scheduler_config(args, model)
     speculative = SpeculativeConfig.parse(args.speculative_config)
     draft = None
     if speculative is not None and speculative.method == "draft_model":
         draft = draft_model_config(speculative, model, device)
     parallel = ParallelConfig(**args.group("parallel"))
     check_parallel(parallel, model.hf_config, device, draft is not None)
-    if scheduler.async_scheduling and (speculative is not None
-                                       or parallel.pipeline_parallel_size > 1):
-        raise ValueError("async_scheduling does not run with speculative decoding or "
-                         "pipeline_parallel_size > 1 yet")
+    scheduler = _scheduler_config(args, model, resolve_async_scheduling(
+        args.async_scheduling, device, speculative, parallel))
     if speculative is not None and parallel.pipeline_parallel_size > 1:
         raise ValueError("speculative decoding does not run with "
                          "pipeline_parallel_size > 1 yet")
@@ -179,8 +176,9 @@ def _lora_config(args: EngineArgs, model: ModelConfig) -> LoRAConfig | None:
     return LoRAConfig(**options)
 
 
-def _scheduler_config(args: EngineArgs, model: ModelConfig) -> SchedulerConfig:
-    options = args.group("scheduler")
+def _scheduler_config(args: EngineArgs, model: ModelConfig, async_scheduling: bool
+                      ) -> SchedulerConfig:
+    options = args.group("scheduler") | {"async_scheduling": async_scheduling}
     budget = options.pop("max_num_batched_tokens")
     if budget is None:
         # Without chunking a whole prompt must fit in one step (vLLM's rule too).
@@ -191,6 +189,25 @@ def _scheduler_config(args: EngineArgs, model: ModelConfig) -> SchedulerConfig:
         raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_model_len "
                          f"({model.max_model_len}) when chunked prefill is off")
     return SchedulerConfig(max_num_batched_tokens=budget, **options)
+
+
+def resolve_async_scheduling(asked: bool | None, device: str,
+                             speculative: SpeculativeConfig | None,
+                             parallel: ParallelConfig) -> bool:
+    """Whether steps are scheduled and prepared while the one before runs: as asked, or by
+    default (vLLM's: on where it runs) on CUDA with one rank, where the host's work for a
+    step then hides behind the device's. Off by default on CPU: the forward pass already
+    takes every core, and on 2 cores the overlap measured within noise (RESULTS.md,
+    thirteenth and fourteenth sessions)."""
+    if asked is not None and not isinstance(asked, bool):
+        raise ValueError(f"async_scheduling must be True or False, got {asked!r}")
+    blocked = speculative is not None or parallel.pipeline_parallel_size > 1
+    if asked and blocked:
+        raise ValueError("async_scheduling does not run with speculative decoding or "
+                         "pipeline_parallel_size > 1 yet")
+    if asked is None:
+        return device == "cuda" and parallel.tensor_parallel_size == 1 and not blocked
+    return asked
 
 
 def resolve_device(device: str | None) -> str:

@@ -141,9 +141,11 @@ class EngineArgs:
         SchedulerConfig.preemption_mode, "what a request preempted for memory loses: "
         "recompute (its KV, computed again) or swap (copied to CPU memory and back)",
         "scheduler", choices=PREEMPTION_MODES)
-    async_scheduling: bool = option(
-        SchedulerConfig.async_scheduling, "schedule each step while the model runs the one "
-        "before", "scheduler")
+    async_scheduling: bool | None = option(
+        None, "schedule and prepare each step while the model runs the one before (default: "
+        "on for CUDA where it runs: tensor_parallel_size 1, no speculative decoding, "
+        "pipeline_parallel_size 1; off on CPU, where the forward pass already uses every "
+        "core); --no-: never", "scheduler")
     scheduling_policy: str = option(
         SchedulerConfig.scheduling_policy, "the order requests are served in: fcfs, or "
         "priority (a request's `priority`, lower first, then arrival; a full batch gives up "

@@ -1,5 +1,6 @@
 """Async scheduling (vLLM's --async-scheduling): step N+1 is scheduled while the model runs
-step N, feeding the token the runner sampled itself. Outputs must be exactly those of
+step N, and prepared by the runner before N's tokens reach the host, fed the ids N sampled on
+the device (worker/in_flight.py). Outputs must be exactly those of
 synchronous steps (greedy: Hugging Face's) under chunked prefill, prefix-cache hits, preemption
 by recompute and by swap, parallel samples, penalties, logprobs, min_tokens, stop strings and
 EOS, aborts; every KV block comes back; under TP=2 too. Speculative decoding and PP > 1 are
@@ -26,6 +27,8 @@ def test_greedy_is_identical_to_hf_under_pressure(tiny_model, mode):
     engine = llm.engine
     assert engine.scheduler.num_preemptions > 0 and engine.kv.prefix_hits > 0
     assert_kv_all_free(engine)
+    # steps were prepared while the one before ran: their tokens fed on the device
+    assert engine.runner.num_fed_in_flight > 50
 
 
 def test_sampled_outputs_are_those_of_synchronous_steps(tiny_model):
@@ -151,3 +154,22 @@ def test_refused_with_what_it_does_not_run_with(tiny_model, options):
     path, _ = tiny_model("llama")
     with pytest.raises(ValueError, match="async_scheduling does not run with"):
         LLM(path, async_scheduling=True, **options)
+
+
+def test_on_by_default_where_it_runs_on_cuda():
+    """vLLM's default: on where it runs (CUDA, one rank, no drafts, no pipeline); off on CPU
+    unless asked; asked off, off."""
+    from tokenmill.config_factory import resolve_async_scheduling
+    from tokenmill.distributed.config import ParallelConfig
+    from tokenmill.spec_decode.config import SpeculativeConfig
+
+    one, tp2 = ParallelConfig(), ParallelConfig(tensor_parallel_size=2)
+    ngram = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2})
+    assert resolve_async_scheduling(None, "cuda", None, one) is True
+    assert resolve_async_scheduling(None, "cpu", None, one) is False
+    assert resolve_async_scheduling(None, "cuda", None, tp2) is False
+    assert resolve_async_scheduling(None, "cuda", ngram, one) is False
+    assert resolve_async_scheduling(False, "cuda", None, one) is False
+    assert resolve_async_scheduling(True, "cpu", None, tp2) is True
+    with pytest.raises(ValueError, match="True or False"):
+        resolve_async_scheduling("yes", "cuda", None, one)

@@ -46,8 +46,21 @@ def run(engine, requests: dict[str, tuple[list[int], SamplingParams]], inject_at
     return finals
 
 
-def test_failing_request_fails_alone_in_a_running_batch(llm):
+@pytest.fixture(scope="module")
+def llm_ahead(tiny_model):
+    """Async scheduling: each step's inputs are prepared while the one before runs, its
+    tokens fed on the device (worker/in_flight.py)."""
+    path, _ = tiny_model("llama")
+    return LLM(path, max_model_len=256, num_kv_blocks=64, async_scheduling=True)
+
+
+@pytest.mark.parametrize("engine_kind", ["sync", "ahead"])
+def test_failing_request_fails_alone_in_a_running_batch(llm, llm_ahead, engine_kind):
+    """With steps run ahead, the bad request's step fails before its tokens are in flight
+    and the next step is sent only after its requests were executed again alone."""
+    llm = llm if engine_kind == "sync" else llm_ahead
     engine = llm.engine
+    fed = engine.runner.num_fed_in_flight
     ref = {f"r{i}": o.outputs[0].token_ids
            for i, o in enumerate(llm.generate(PROMPTS, GREEDY, use_tqdm=False))}
     requests = {f"r{i}": (p, GREEDY) for i, p in enumerate(PROMPTS)}
@@ -65,6 +78,7 @@ def test_failing_request_fails_alone_in_a_running_batch(llm):
     # the engine keeps serving
     again = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == ref["r0"]
+    assert (engine.runner.num_fed_in_flight > fed) == (engine_kind == "ahead")
 
 
 def test_prefix_cache_suspended_after_a_failure(llm):

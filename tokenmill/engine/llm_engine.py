@@ -96,10 +96,11 @@ class LLMEngine:
                                     config.runner, config.pooler_config, self.adapters,
                                     config.scheduler.scheduling_policy)
         self._all_failed_steps = 0  # consecutive steps in which every request failed
-        # steps sent and not yet applied, oldest first, with their outputs' Futures (async
-        # scheduling: the one the model is running; pipeline parallelism: one per stage)
+        # steps sent and not yet applied, oldest first, with the Futures of their outputs'
+        # Futures, set once the step's work is queued (async scheduling: the one the model is
+        # running; pipeline parallelism: one per stage)
         self._in_flight: deque[tuple[SchedulerOutput, GrammarOutput | None,
-                                     Future[ModelRunnerOutput]]] = deque()
+                                     Future[Future[ModelRunnerOutput]]]] = deque()
 
     @property
     def runner(self) -> ModelRunner:
@@ -121,7 +122,9 @@ class LLMEngine:
         """Finish the steps in flight; stop the worker processes, if any (idempotent)."""
         while self._in_flight:
             with contextlib.suppress(Exception):  # their requests are being dropped anyway
-                self._in_flight.popleft()[2].result()
+                output = self._in_flight.popleft()[2].result()
+                self.executor.finish_in_flight()
+                output.result()
         try:
             self._save_cached_blocks()
         except Exception as e:  # shutting down regardless
@@ -288,17 +291,25 @@ class LLMEngine:
     def _step_async(self) -> list[RequestOutput]:
         if not self._in_flight:
             self._in_flight.append(self._launch(*self._schedule()))
-        sched_out, grammar, future = self._in_flight.popleft()
+        sched_out, grammar, queued = self._in_flight.popleft()
         next_out, next_grammar = self._schedule()  # meanwhile the model runs sched_out
-        runner_out, failed = self._run(sched_out, grammar, future)
-        # NOTE: sent only now: if sched_out failed, its requests are re-executed first
-        if not next_out.is_noop:
+        output = queued.result()  # sched_out's work is queued, or it failed
+        # NOTE: sent before sched_out's tokens are back only if it did not fail before its
+        # work was queued: a failed step's requests are re-executed first
+        ahead = not next_out.is_noop and not (output.done() and output.exception())
+        if ahead:  # its inputs are prepared while the device runs sched_out
+            self._in_flight.append(self._launch(next_out, next_grammar))
+        else:
+            self.executor.finish_in_flight()
+        runner_out, failed = self._run(sched_out, grammar, output)
+        if not ahead and not next_out.is_noop:
             self._in_flight.append(self._launch(next_out, next_grammar))
         return self._apply(sched_out, runner_out, failed)
 
     def _launch(self, sched_out: SchedulerOutput, grammar: GrammarOutput | None
-                ) -> tuple[SchedulerOutput, GrammarOutput | None, Future[ModelRunnerOutput]]:
-        return sched_out, grammar, self.executor.execute_async(sched_out, grammar)
+                ) -> tuple[SchedulerOutput, GrammarOutput | None,
+                           Future[Future[ModelRunnerOutput]]]:
+        return sched_out, grammar, self.executor.launch_async(sched_out, grammar)
 
     def _step_pipelined(self) -> list[RequestOutput]:
         """Fill the pipeline (up to one step per stage, each of requests with no step in
@@ -308,8 +319,8 @@ class LLMEngine:
             if sched_out.is_noop and self._in_flight:
                 break  # nothing new to start: wait for the oldest
             self._in_flight.append(self._launch(sched_out, grammar))
-        sched_out, grammar, future = self._in_flight.popleft()
-        return self._apply(sched_out, *self._run(sched_out, grammar, future))
+        sched_out, grammar, queued = self._in_flight.popleft()
+        return self._apply(sched_out, *self._run(sched_out, grammar, queued.result()))
 
     def _schedule(self) -> tuple[SchedulerOutput, GrammarOutput | None]:
         """The next step, and its grammar bitmasks (being filled) beside it."""

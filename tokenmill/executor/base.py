@@ -7,7 +7,9 @@ rank's `ModelRunnerOutput` (`grammar`: the step's GrammarOutput beside it, or No
 `WorkerDiedError` once a worker is gone; `shutdown()` leaves no process behind.
 `execute_async(sched, grammar)` starts a step and returns its output's Future (async
 scheduling and pipeline parallelism: the engine schedules the next step meanwhile; the
-model's kernels release the GIL); `_submit` runs work on the executor's one step thread.
+model's kernels release the GIL); `launch_async` also says when the step's work is queued
+(in process, before its tokens are back: the next step is prepared meanwhile);
+`_submit` runs work on the executor's one step thread.
 
     uni        the runner in this process (executor/uniproc.py)
     mp         one spawned process per rank, torch.distributed between them
@@ -84,6 +86,20 @@ class Executor(ABC):
                       ) -> Future[ModelRunnerOutput]:
         """Start one step; its output's Future. Steps complete in the order started (one at a
         time on the runner's step thread in process; through the stages of a worker pool)."""
+
+    def launch_async(self, sched: SchedulerOutput, grammar: GrammarOutput | None = None
+                     ) -> Future[Future[ModelRunnerOutput]]:
+        """Start one step (async scheduling); a Future set once the step's work is queued,
+        holding its output's Future: the engine then sends the next step, whose inputs the
+        runner prepares while this one runs (worker/in_flight.py). Here: set once the
+        output is back (workers elsewhere run a step to its end)."""
+        output = self.execute_async(sched, grammar)
+        queued: Future[Future[ModelRunnerOutput]] = Future()
+        output.add_done_callback(lambda _: queued.set_result(output))
+        return queued
+
+    def finish_in_flight(self) -> None:  # noqa: B027 (workers elsewhere leave none)
+        """Bring a step launched ahead of the next to its end: no next step is coming."""
 
     def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """fn(*args) on the executor's one step thread."""

@@ -51,6 +51,13 @@ class UniProcExecutor(Executor):
         if self.runner.offload is not None:
             self.runner.offload.close()
 
+    def launch_async(self, sched: SchedulerOutput, grammar: GrammarOutput | None = None
+                     ) -> Future[Future[ModelRunnerOutput]]:
+        return self._submit(self.runner.launch, sched, grammar)
+
+    def finish_in_flight(self) -> None:
+        self._submit(self.runner.finish_in_flight)  # the engine waits on the step's output
+
     def execute_async(self, sched: SchedulerOutput, grammar: GrammarOutput | None = None
                       ) -> Future[ModelRunnerOutput]:
         # the runner's own execute: the base's would submit `execute`, which itself submits

@@ -4,7 +4,9 @@
 (worker/request_states.py), block copies for copy-on-write, input tensors, attention
 metadata (once per step), the forward pass over the flat batch (a CUDA graph replay for a
 plain decode step on CUDA: worker/cuda_graphs.py), logits only at
-`logits_indices`, sampling, and one host transfer of the sampled ids.
+`logits_indices`, sampling, and one host transfer of the sampled ids. `launch(sched_out)`
+(async scheduling, one rank) leaves the sampled ids on the device for the next step's inputs
+and brings them to the host once that step's forward pass is queued (worker/in_flight.py).
 
 Under tensor parallelism every rank runs one ModelRunner over its shard (the KV cache holds its
 share of KV heads); every rank executes the same steps in the same order, since the layers'
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -36,17 +39,15 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.interface import (
     GrammarOutput,
     ModelRunnerOutput,
-    PositionLogprobs,
     ScheduledRequest,
     SchedulerOutput,
 )
 from tokenmill.distributed import ParallelState, PeerFailed
 from tokenmill.distributed.pipeline import recv_from_prev_stage, send_to_next_stage
+from tokenmill.kv_offload.ops import OffloadOps
 from tokenmill.kv_offload.worker import OffloadWorker
 from tokenmill.layers.attention import attention_features
-from tokenmill.layers.rejection_sampler import verify
-from tokenmill.layers.sampler import Sampler, gather_logprobs
-from tokenmill.layers.token_bitmask import apply_token_bitmask_
+from tokenmill.layers.sampler import Sampler
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.model_loader.loader import load_model
 from tokenmill.models.cpu_decode import attach_fused_layers
@@ -60,10 +61,17 @@ from tokenmill.utils.huge_pages import move_parameters_to_huge_pages
 from tokenmill.utils.profiling import scope
 from tokenmill.worker import sleep_mode
 from tokenmill.worker.cuda_graphs import DecodeGraphs
+from tokenmill.worker.in_flight import InFlightStep
 from tokenmill.worker.kv_budget import allocate_swap, num_kv_blocks
 from tokenmill.worker.memory_profile import profiled_kv_budget
 from tokenmill.worker.pooler import pool_step
 from tokenmill.worker.request_states import RequestStates
+from tokenmill.worker.step_sampling import (
+    apply_grammar,
+    prompt_logprobs,
+    select_logprobs,
+    verify_drafts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +99,8 @@ class ModelRunner:
         self._allocate_kv()
         self._bind_attention()
         self.states = RequestStates()  # the requests' tokens and block tables
+        self.in_flight: InFlightStep | None = None  # launched, tokens not yet on the host
+        self.num_fed_in_flight = 0  # ids fed on the device from a step in flight
         self._load_speculative()
         self._capture_graphs()
         if self.device.type == "cpu":
@@ -238,6 +248,42 @@ class ModelRunner:
             return None
         return DecodeGraphs(self.model, state, self.device, max_seqs, capture=capture)
 
+    def can_run_ahead(self) -> bool:
+        """Whether `launch` leaves a step in flight (worker/in_flight.py): one rank (under TP the
+        others need the tokens at once), no draft model (it proposes from them)."""
+        return (self.ps.tp_size == 1 and self.ps.pp_size == 1 and self.drafter is None
+                and self.offload is None)
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, grammar: GrammarOutput | None = None
+               ) -> Future[ModelRunnerOutput]:
+        """Async scheduling: queue a step and return its output's Future, set once its
+        sampled tokens reach the host (by the next launch, after queueing that step's forward
+        pass, or by finish_in_flight); the step's error, if it fails, in the Future. Without
+        can_run_ahead, the step runs to its end here."""
+        prev, done = self.in_flight, Future()
+        try:
+            if not self.can_run_ahead():
+                done.set_result(self.execute(sched, True, grammar))
+                return done
+            out = self._execute(sched, grammar, defer=True)[0]  # finishes prev
+            if isinstance(out, InFlightStep):
+                self.in_flight, done = out, out.done
+            else:
+                done.set_result(out)
+        except Exception as e:
+            done.set_exception(e)
+        finally:
+            if self.in_flight is prev:  # this step failed or stopped before its forward pass
+                self.finish_in_flight()
+        return done
+
+    def finish_in_flight(self) -> None:
+        """Bring the step in flight to its end (its tokens to the host)."""
+        prev, self.in_flight = self.in_flight, None
+        if prev is not None:
+            prev.finish()
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_ops: bool = True,
                 grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
@@ -249,6 +295,7 @@ class ModelRunner:
         Under pipeline parallelism a stage first receives the previous stage's hidden states
         and, last, sends its own to the next stage, or a failure flag when it failed
         (distributed/pipeline.py: one message each way per step, whatever happens)."""
+        self.finish_in_flight()
         if self.ps.pp_size == 1:
             out = self._execute(sched, grammar, block_ops)[0]
             if self.offload is not None:
@@ -268,10 +315,13 @@ class ModelRunner:
 
     def _execute(self, sched: SchedulerOutput, grammar: GrammarOutput | None,
                  block_ops: bool = True,
-                 hidden_in: torch.Tensor | None = None, failed_upstream: bool = False
-                 ) -> tuple[ModelRunnerOutput, torch.Tensor | None]:
+                 hidden_in: torch.Tensor | None = None, failed_upstream: bool = False,
+                 defer: bool = False
+                 ) -> tuple[ModelRunnerOutput | InFlightStep, torch.Tensor | None]:
         """The step's output, and the hidden states for the next pipeline stage (None on the
-        last stage)."""
+        last stage). defer (launch): the step in flight (self.in_flight) is finished after
+        this one's forward pass is queued, and this one's sampled tokens are left in flight
+        (an InFlightStep instead of the output) where it samples them."""
         req_ids = [r.req_id for r in sched.scheduled]
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         with scope("prepare_inputs"):
@@ -280,38 +330,28 @@ class ModelRunner:
             if self.drafter is not None:  # preempted ones' blocks move: their drafts restart
                 self.drafter.forget(sched.finished_req_ids)
                 self.drafter.forget(sched.preempted_req_ids, finished=False)
-            offload = sched.kv_offload if block_ops and self.offload is not None else None
-            if block_ops:
-                try:
-                    if offload:  # evicted blocks out before this step reuses them
-                        self.offload.save(offload, self.kv_cache)
-                    swap_blocks(self.kv_cache, self.swap_cache, sched.blocks_to_swap_out,
-                                sched.blocks_to_swap_in)
-                    copy_blocks(self.kv_cache, sched.blocks_to_copy)
-                    if self.drafter is not None:
-                        copy_blocks(self.drafter.kv_cache, sched.blocks_to_copy)
-                    if offload:  # hits from the tiers in
-                        self.offload.load(offload, self.kv_cache)
-                except Exception as e:
-                    raise KVBlockOpsError(f"{type(e).__name__}: {e}") from e
+            offload = self._block_ops(sched) if block_ops else None
             if failed_upstream:  # after the block ops, which every stage does once
                 raise PeerFailed("an earlier pipeline stage failed this step")
             if sched.is_empty:
                 return out, None
             reqs = [self.states.resolve(step) for step in sched.scheduled]
             batch = InputBatch.build(reqs, self.block_size, self.device)
+            if self.in_flight is not None:
+                self.num_fed_in_flight += self.in_flight.feed(batch, reqs)
             meta = self.backend.build_metadata(batch)
         with scope("forward"):
             hidden = self.decode_graphs.run(batch, meta) if self.decode_graphs else None
             if hidden is None:  # (T, hidden)
                 hidden = self._forward(reqs, batch, meta, hidden_in)
+        self.finish_in_flight()  # its tokens, which this step's sampling reads
         if offload:  # a producer's prompt blocks, now computed
             self.offload.publish(offload, self.kv_cache)
         if not self.ps.is_last_stage:
             return out, hidden
         # NOTE: every collective of the step (the LM head's gathers) before the driver's
         # sampling, so that a sampling error on the driver leaves the ranks in step.
-        self._prompt_logprobs(reqs, batch, hidden, out)
+        prompt_logprobs(self.model, reqs, batch, hidden, out)
         out.pooled = pool_step(reqs, batch, hidden)  # embedding requests
         if batch.sample_rows:
             with scope("logits"):
@@ -319,7 +359,12 @@ class ModelRunner:
             if self.share_samples:
                 self._sample_and_share(sched, grammar, reqs, batch, logits, out)
             elif self.is_driver:
-                self._sample(sched, grammar, reqs, batch, logits, out)
+                tokens = self._sample(sched, grammar, reqs, batch, logits, out, defer)
+                if tokens is not None:  # left in flight
+                    rows = batch.sample_rows
+                    return InFlightStep.start(out, rows, tokens, [
+                        self.states.requests[out.req_ids[i]].output_token_ids
+                        for i in rows]), None
         if self.drafter is not None:
             with scope("draft"):
                 out.draft_token_ids, out.draft_probs = self.drafter.propose(
@@ -327,26 +372,48 @@ class ModelRunner:
         self.states.append_sampled(req_ids, out.sampled_token_ids)
         return out, None
 
+    def _block_ops(self, sched: SchedulerOutput) -> OffloadOps | None:
+        """The step's block swaps and copies, and its KV tiers' saves and loads (what the
+        tiers publish once the step is computed: returned)."""
+        offload = sched.kv_offload if self.offload is not None else None
+        try:
+            if offload:  # evicted blocks out before this step reuses them
+                self.offload.save(offload, self.kv_cache)
+            swap_blocks(self.kv_cache, self.swap_cache, sched.blocks_to_swap_out,
+                        sched.blocks_to_swap_in)
+            copy_blocks(self.kv_cache, sched.blocks_to_copy)
+            if self.drafter is not None:
+                copy_blocks(self.drafter.kv_cache, sched.blocks_to_copy)
+            if offload:  # hits from the tiers in
+                self.offload.load(offload, self.kv_cache)
+        except Exception as e:
+            raise KVBlockOpsError(f"{type(e).__name__}: {e}") from e
+        return offload
+
     def _sample(self, sched: SchedulerOutput, grammar: GrammarOutput | None,
                 reqs: list[ScheduledRequest], batch: InputBatch, logits: torch.Tensor,
-                out: ModelRunnerOutput) -> None:
+                out: ModelRunnerOutput, defer: bool = False) -> torch.Tensor | None:
         """Tokens for the rows that sample (logits (S, V)): grammar masks, then sampling or
-        the verification of drafts, and the logprobs asked for."""
+        the verification of drafts, and the logprobs asked for. defer: the sampled ids (S,)
+        are returned on the device, not yet in `out` (drafts are never deferred)."""
         if grammar is not None:
             with scope("grammar_bitmask"):
-                _apply_grammar(sched, grammar, batch.sample_rows, logits)
+                apply_grammar(sched, grammar, batch.sample_rows, logits)
         with scope("sample"):
             rows = [reqs[i] for i in batch.sample_rows]
             if any(r.spec_token_ids for r in rows):
-                self._verify(logits, rows, batch.sample_rows, out)
-                return
+                verify_drafts(self.sampler, logits, rows, batch.sample_rows, out)
+                return None
             tokens, logprobs = self.sampler(logits, rows)
-            tokens = tokens.tolist()  # the step's one host sync
-            for j, (i, t) in enumerate(zip(batch.sample_rows, tokens, strict=True)):
-                out.sampled_token_ids[i] = [t]
+            for j, i in enumerate(batch.sample_rows):
                 k = rows[j].sampling_params.logprobs
                 if logprobs is not None and k is not None:
-                    out.logprobs[out.req_ids[i]] = _select(logprobs, j, 1 + k)
+                    out.logprobs[out.req_ids[i]] = select_logprobs(logprobs, j, 1 + k)
+            if defer:
+                return tokens
+            for i, t in zip(batch.sample_rows, tokens.tolist(), strict=True):  # one host sync
+                out.sampled_token_ids[i] = [t]
+        return None
 
     def _sample_and_share(self, sched: SchedulerOutput, grammar: GrammarOutput | None,
                           reqs: list[ScheduledRequest], batch: InputBatch,
@@ -368,53 +435,3 @@ class ModelRunner:
                 raise PeerFailed("the driver failed this step's sampling")
             for i, t in zip(rows, tokens.tolist(), strict=True):
                 out.sampled_token_ids[i] = [t]
-
-    def _verify(self, logits: torch.Tensor, rows: list[ScheduledRequest],
-                sample_rows: list[int], out: ModelRunnerOutput) -> None:
-        """A step with draft tokens: each row's accepted drafts and next token (logits (P, V),
-        num_sample_positions rows per request; layers/rejection_sampler.py)."""
-        emitted, logprobs = verify(self.sampler, logits, rows)
-        for i, tokens, lps in zip(sample_rows, emitted, logprobs, strict=True):
-            out.sampled_token_ids[i] = tokens
-            if lps is not None:
-                out.logprobs[out.req_ids[i]] = lps
-
-    def _prompt_logprobs(self, reqs: list[ScheduledRequest], batch: InputBatch,
-                         hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
-        """Logprobs of prompt tokens covered by this step, for requests that asked for them."""
-        for i, r in enumerate(reqs):
-            positions = r.prompt_logprob_positions
-            if not positions:
-                continue
-            first = batch.query_start_locs[i] + positions.start - r.start_pos
-            idx = torch.arange(first, first + len(positions), device=self.device)
-            logprobs = self.model.compute_logits(hidden, idx).float().log_softmax(dim=-1)
-            targets = torch.tensor(r.prompt_token_ids[positions.start + 1:positions.stop + 1],
-                                   device=self.device)
-            out.prompt_logprobs[r.req_id] = (positions.start + 1, gather_logprobs(
-                logprobs, targets, r.sampling_params.prompt_logprobs))
-
-
-def _apply_grammar(sched: SchedulerOutput, grammar: GrammarOutput, sample_rows: list[int],
-                   logits: torch.Tensor) -> None:
-    """Mask each constrained request's sampled positions with its grammar's bitmask (filled on
-    the worker thread during the forward pass), before the sampler sees the logits (P, V)."""
-    masks = grammar.masks()  # req_id → (num_sample_positions, W)
-    rows: list[int] = []
-    parts: list[torch.Tensor] = []
-    first = 0
-    for i in sample_rows:
-        r = sched.scheduled[i]
-        if (mask := masks.get(r.req_id)) is not None:
-            rows += range(first, first + r.num_sample_positions)
-            parts.append(mask[:r.num_sample_positions])
-        first += r.num_sample_positions
-    if rows:
-        apply_token_bitmask_(logits, torch.cat(parts),
-                             torch.tensor(rows, device=logits.device))
-
-
-def _select(lp: PositionLogprobs, row: int, width: int) -> PositionLogprobs:
-    """One row of a batch's logprobs, cut to the request's own top-k."""
-    return PositionLogprobs([lp.token_ids[row][:width]], [lp.logprobs[row][:width]],
-                            [lp.ranks[row][:width]])

@@ -1,0 +1,73 @@
+"""The parts of a step's sampling that read no runner state: the grammars' bitmasks over the
+logits, the verification of draft tokens, the logprobs of prompt tokens and one row's share of
+a batch's logprobs (worker/model_runner.py calls them; the Sampler does the drawing).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.attention.input_batch import InputBatch
+from tokenmill.core.interface import (
+    GrammarOutput,
+    ModelRunnerOutput,
+    PositionLogprobs,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from tokenmill.layers.rejection_sampler import verify
+from tokenmill.layers.sampler import Sampler, gather_logprobs
+from tokenmill.layers.token_bitmask import apply_token_bitmask_
+
+
+def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[ScheduledRequest],
+                  sample_rows: list[int], out: ModelRunnerOutput) -> None:
+    """A step with draft tokens: each row's accepted drafts and next token (logits (P, V),
+    num_sample_positions rows per request; layers/rejection_sampler.py)."""
+    emitted, logprobs = verify(sampler, logits, rows)
+    for i, tokens, lps in zip(sample_rows, emitted, logprobs, strict=True):
+        out.sampled_token_ids[i] = tokens
+        if lps is not None:
+            out.logprobs[out.req_ids[i]] = lps
+
+
+def prompt_logprobs(model: nn.Module, reqs: list[ScheduledRequest], batch: InputBatch,
+                    hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+    """Logprobs of prompt tokens covered by this step, for requests that asked for them."""
+    for i, r in enumerate(reqs):
+        positions = r.prompt_logprob_positions
+        if not positions:
+            continue
+        first = batch.query_start_locs[i] + positions.start - r.start_pos
+        idx = torch.arange(first, first + len(positions), device=hidden.device)
+        logprobs = model.compute_logits(hidden, idx).float().log_softmax(dim=-1)
+        targets = torch.tensor(r.prompt_token_ids[positions.start + 1:positions.stop + 1],
+                               device=hidden.device)
+        out.prompt_logprobs[r.req_id] = (positions.start + 1, gather_logprobs(
+            logprobs, targets, r.sampling_params.prompt_logprobs))
+
+
+def apply_grammar(sched: SchedulerOutput, grammar: GrammarOutput, sample_rows: list[int],
+                  logits: torch.Tensor) -> None:
+    """Mask each constrained request's sampled positions with its grammar's bitmask (filled on
+    the worker thread during the forward pass), before the sampler sees the logits (P, V)."""
+    masks = grammar.masks()  # req_id → (num_sample_positions, W)
+    rows: list[int] = []
+    parts: list[torch.Tensor] = []
+    first = 0
+    for i in sample_rows:
+        r = sched.scheduled[i]
+        if (mask := masks.get(r.req_id)) is not None:
+            rows += range(first, first + r.num_sample_positions)
+            parts.append(mask[:r.num_sample_positions])
+        first += r.num_sample_positions
+    if rows:
+        apply_token_bitmask_(logits, torch.cat(parts),
+                             torch.tensor(rows, device=logits.device))
+
+
+def select_logprobs(lp: PositionLogprobs, row: int, width: int) -> PositionLogprobs:
+    """One row of a batch's logprobs, cut to the request's own top-k."""
+    return PositionLogprobs([lp.token_ids[row][:width]], [lp.logprobs[row][:width]],
+                            [lp.ranks[row][:width]])
