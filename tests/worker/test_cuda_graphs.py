@@ -43,11 +43,62 @@ def test_padded_static_decode_matches_hf(llama_cases):
     # used above, must be padding again (no stale slot or block table of a finished request).
     assert generate_greedy(llm, [(p, 5) for p, _ in cases[:3]]) == [e[:5] for e in expected[:3]]
     attn = graphs.attention  # the Triton backend's static buffers
-    null_row = attn.block_tables.shape[0] - 1
-    assert attn.rows[3] == null_row and attn.slot_mapping[3] == 0
-    assert graphs.positions[3] == 0 and attn.first_ctx[3] == 1
-    assert not attn.block_tables[null_row].any()
+    meta = attn.metadata(4, graphs.positions)  # what the last replay computed
+    assert graphs.positions[3] == 0 and attn.block_tables[3, 0] == 0
+    assert meta.slot_mapping[3] == 0 and meta.tiles[0].first_ctx[3] == 1
     assert_kv_all_free(llm.engine)
+
+
+@pytest.mark.parametrize("split_keys", [512, 32])
+def test_graph_metadata_is_the_eager_metadata_of_a_decode_step(split_keys):
+    """The metadata a graph computes on the device from its positions and block tables is
+    the one the backend builds on the host for the same decode step (slots, context lengths,
+    block-table rows, queries), its split work the same items in a dense layout, the padding
+    rows on the null block."""
+    from tests.attention.test_paged_backends import kernel_device
+    from tokenmill.attention.input_batch import InputBatch
+    from tokenmill.attention.triton_paged import TritonPagedAttention
+    from tokenmill.core.interface import ScheduledRequest
+    from tokenmill.sampling_params import SamplingParams
+
+    device = kernel_device("triton")
+    backend = TritonPagedAttention(16, device, max_model_len=1024)
+    backend.split_keys = split_keys
+    state = backend.decode_graph_state(8, 64)
+    positions = torch.zeros(8, dtype=torch.long, device=device)
+    starts, tables = [0, 37, 300, 16, 15], [[3], [5, 9, 2], list(range(10, 29)), [4, 6], [7]]
+    reqs = [ScheduledRequest(req_id=str(i), token_ids=[1], start_pos=p, block_ids=t,
+                             sample=True, sampling_params=SamplingParams())
+            for i, (p, t) in enumerate(zip(starts, tables, strict=True))]
+    batch = InputBatch.build(reqs, 16, device)
+    eager = backend.build_metadata(batch)
+    state.block_tables.fill_(99)  # what earlier steps left
+    assert state.load(batch, 8)
+    positions[:5] = batch.positions
+    graph = state.metadata(8, positions)
+    assert graph.slot_mapping[:5].tolist() == eager.slot_mapping.tolist()
+    assert graph.slot_mapping[5:].tolist() == [0, 0, 0]  # padding: slot 0, the null block
+    e, g = eager.tiles[0], graph.tiles[0]
+    assert g.first_ctx.tolist() == e.first_ctx.tolist() + [1, 1, 1]
+    for name in ("rows", "q_starts", "q_lens"):
+        assert getattr(g, name)[:5].tolist() == getattr(e, name).tolist()
+    rows = g.block_tables[:5, :batch.block_tables.shape[1]]
+    assert rows.tolist() == batch.block_tables.tolist()
+    # the same (row, split) items; each row's first item where the merge looks for it
+    dense = {(int(t), int(s)) for t, s in zip(g.split.work_tiles, g.split.work_splits,
+                                              strict=True)
+             if s * split_keys < g.first_ctx[t]}
+    assert dense == {(int(t), int(s)) for t, s in zip(e.split.work_tiles, e.split.work_splits,
+                                                      strict=True)} | {(5, 0), (6, 0), (7, 0)}
+    starts_at = g.split.tile_work_start.tolist()
+    assert all(g.split.work_tiles[i] == t and g.split.work_splits[i] == 0
+               for t, i in enumerate(starts_at))
+    # not a plain decode step: left to the eager path, nothing copied
+    chunk = InputBatch.build([ScheduledRequest(req_id="c", token_ids=[1, 2], start_pos=0,
+                                               block_ids=[1], sample=True,
+                                               sampling_params=SamplingParams())], 16, device)
+    before = state.block_tables.clone()
+    assert not state.load(chunk, 1) and torch.equal(state.block_tables, before)
 
 
 def test_padded_static_decode_with_split_keys_matches_hf(llama_cases):
@@ -65,9 +116,6 @@ def test_padded_static_decode_with_split_keys_matches_hf(llama_cases):
     assert state.split_keys == 128 and state.max_splits == -(-512 // 128)
     assert generate_greedy(llm, cases) == expected
     assert generate_greedy(llm, [(p, 5) for p, _ in cases[:3]]) == [e[:5] for e in expected[:3]]
-    # the last step (3 rows padded to 4): items past its own do nothing
-    used = int(state.tile_work_start[3]) + 1  # the padding row's one item is the last used
-    assert (state.work_splits[used:4 * state.max_splits] == state.max_splits).all()
     assert_kv_all_free(llm.engine)
 
 

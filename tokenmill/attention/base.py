@@ -53,15 +53,16 @@ class AttentionLayer(Protocol):
 
 class DecodeGraphState(ABC):
     """A backend's attention inputs for decode steps of up to `max_seqs` sequences captured as
-    CUDA graphs, in static buffers. Rows past a step's n sequences are padding that attends
-    only the null block (block 0, never handed out), through a block-table row of zeros."""
+    CUDA graphs, in static buffers. Rows past a step's n sequences are padding at position 0
+    that attends only the null block (block 0, never handed out)."""
 
     @abstractmethod
-    def metadata(self, size: int) -> AttentionMetadata:
-        """Metadata over the static buffers for a graph of `size` rows."""
+    def metadata(self, size: int, positions: torch.Tensor) -> AttentionMetadata:
+        """Metadata for a graph of `size` rows at static `positions` (max_seqs,): what it
+        derives from them and the buffers is computed by device ops, captured in the graph."""
 
     @abstractmethod
-    def load(self, batch: InputBatch, meta: AttentionMetadata, size: int) -> bool:
+    def load(self, batch: InputBatch, size: int) -> bool:
         """Copy a step's attention inputs into the buffers, rows n..size padded; False (nothing
         copied) when the step cannot replay a graph (not a plain decode step, too wide)."""
 

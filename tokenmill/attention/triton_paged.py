@@ -176,69 +176,49 @@ class TritonPagedAttention(AttentionBackend):
     def decode_graph_state(self, max_seqs: int, max_blocks: int) -> TritonDecodeGraphState:
         max_splits = cdiv(max_blocks * self.block_size, self.split_keys)
         return TritonDecodeGraphState(max_seqs, max_blocks, self.device, self.split_keys,
-                                      max_splits)
+                                      max_splits, self.block_size)
 
 
 class TritonDecodeGraphState(DecodeGraphState):
-    """The decode tile launch (TILE = 1) over static buffers: slot mapping, block tables with
-    one all-zero row past the last real one (what padding rows attend: the null block), each
-    row's block-table row, query start, query length and first context length, and the split
-    work items: max_splits per row of the graph's size, those a step does not use doing
-    nothing (a split index past every sequence's keys)."""
+    """The decode tile launch (TILE = 1) over static buffers whose metadata is computed on the
+    device from the graph's positions and block tables (inside the graph: a step copies only
+    its block tables here, its ids and positions to DecodeGraphs). Row i of a graph attends
+    block-table row i up to position p_i: first context p_i + 1, this step's slot
+    block_tables[i, p_i // block_size] * block_size + p_i % block_size. A padding row
+    (position 0, column 0 of its block-table row zeroed) reads and writes slot 0 of the null
+    block. The split work is a fixed dense layout: item t * max_splits + s is split s of row t,
+    and an item past its row's keys does nothing."""
 
     def __init__(self, max_seqs: int, max_blocks: int, device: torch.device, split_keys: int,
-                 max_splits: int) -> None:
-        long = dict(dtype=torch.long, device=device)
+                 max_splits: int, block_size: int) -> None:
         i32 = dict(dtype=torch.int32, device=device)
-        self.max_blocks = max_blocks
+        self.max_blocks, self.block_size = max_blocks, block_size
         self.split_keys, self.max_splits = split_keys, max_splits
-        self.slot_mapping = torch.zeros(max_seqs, **long)
-        self.block_tables = torch.zeros(max_seqs + 1, max_blocks, **long)
-        self.rows = torch.full((max_seqs,), max_seqs, **i32)
-        self.q_starts = torch.arange(max_seqs, **i32)
+        self.block_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.long, device=device)
+        self.rows = torch.arange(max_seqs, **i32)  # also each row's query
         self.q_lens = torch.ones(max_seqs, **i32)
-        self.first_ctx = torch.ones(max_seqs, **i32)
-        self.work_tiles = torch.zeros(max_seqs * max_splits, **i32)
-        self.work_splits = torch.full((max_seqs * max_splits,), max_splits, **i32)
-        self.tile_work_start = torch.zeros(max_seqs, **i32)
-        self.row_ids = torch.arange(max_seqs, **i32)
+        items = torch.arange(max_seqs * max_splits, **i32)
+        self.work_tiles, self.work_splits = items // max_splits, items % max_splits
+        self.tile_work_start = self.rows * max_splits
 
-    def metadata(self, size: int) -> TritonAttentionMetadata:
+    def metadata(self, size: int, positions: torch.Tensor) -> TritonAttentionMetadata:
+        pos = positions[:size]  # (size,) long
+        block = self.block_tables[:size].gather(1, (pos // self.block_size)[:, None])[:, 0]
+        slot_mapping = block * self.block_size + pos % self.block_size  # (size,) long
+        first_ctx = (pos + 1).to(torch.int32)  # a decode sees the cache up to itself
         items = size * self.max_splits
         split = SplitWork(self.work_tiles[:items], self.work_splits[:items],
                           self.tile_work_start[:size], self.split_keys)
-        tiles = QueryTiles(tile=1, rows=self.rows[:size], q_starts=self.q_starts[:size],
-                           q_lens=self.q_lens[:size], first_ctx=self.first_ctx[:size],
+        tiles = QueryTiles(tile=1, rows=self.rows[:size], q_starts=self.rows[:size],
+                           q_lens=self.q_lens[:size], first_ctx=first_ctx,
                            block_tables=self.block_tables, split=split)
-        return TritonAttentionMetadata(num_tokens=size, slot_mapping=self.slot_mapping[:size],
+        return TritonAttentionMetadata(num_tokens=size, slot_mapping=slot_mapping,
                                        tiles=[tiles])
 
-    def load(self, batch: InputBatch, meta: TritonAttentionMetadata, size: int) -> bool:
-        n = batch.num_tokens
-        if (len(meta.tiles) != 1 or meta.tiles[0].tile != 1 or meta.tiles[0].rows.numel() != n
-                or batch.block_tables.shape[1] > self.max_blocks):
+    def load(self, batch: InputBatch, size: int) -> bool:
+        n, width = batch.num_tokens, batch.block_tables.shape[1]
+        if n != len(batch.query_lens) or width > self.max_blocks:
             return False  # not a plain decode step, or a context longer than the buffers
-        t = meta.tiles[0]
-        self.slot_mapping[:n].copy_(batch.slot_mapping)
-        self.block_tables[:n, :batch.block_tables.shape[1]].copy_(batch.block_tables)
-        self.rows[:n].copy_(t.rows)
-        self.first_ctx[:n].copy_(t.first_ctx)
-        # Padding rows: reset what a larger earlier batch left there.
-        self.slot_mapping[n:size].zero_()
-        self.rows[n:size].fill_(self.block_tables.shape[0] - 1)
-        self.first_ctx[n:size].fill_(1)
-        self._load_splits(t.split, n, size)
+        self.block_tables[:n, :width].copy_(batch.block_tables)
+        self.block_tables[n:size, 0].zero_()  # padding rows: the null block
         return True
-
-    def _load_splits(self, split: SplitWork, n: int, size: int) -> None:
-        """The step's work items, then one item per padding row (its one key), then items
-        that do nothing up to the graph's size x max_splits."""
-        w, pad = split.work_tiles.numel(), size - n
-        self.work_tiles[:w].copy_(split.work_tiles)
-        self.work_splits[:w].copy_(split.work_splits)
-        self.tile_work_start[:n].copy_(split.tile_work_start)
-        self.work_tiles[w:w + pad].copy_(self.row_ids[n:size])
-        self.work_splits[w:w + pad].zero_()
-        self.tile_work_start[n:size].copy_(self.row_ids[:pad] + w)
-        self.work_tiles[w + pad:size * self.max_splits].zero_()
-        self.work_splits[w + pad:size * self.max_splits].fill_(self.max_splits)

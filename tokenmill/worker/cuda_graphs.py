@@ -7,8 +7,10 @@ capped at max_num_seqs, which is added): a batch takes the next size up, so it p
 most 7 padding rows up to 256 sequences (15 beyond), under 12% of its rows from 64 on, where
 the earlier coarse sizes (96, 128, 192, 256) cost up to a third of a step. Static buffers:
 input ids and positions here, and the attention backend's own
-(`AttentionBackend.decode_graph_state`: for the Triton backend the slot mapping, block tables
-and decode tiles). A step copies its inputs into those buffers and replays.
+(`AttentionBackend.decode_graph_state`: for the Triton backend the block tables, and its
+decode tiles in a fixed layout). A step copies its ids, positions and block tables into those
+buffers and replays; the metadata derived from them (slots, context lengths) is computed by
+ops captured in the graph, so a replayed step builds no metadata on the host.
 
 Invariants:
 - Only backends that provide a graph state take this path, and only for steps their state
@@ -31,7 +33,6 @@ from torch import nn
 
 from tokenmill.attention.base import DecodeGraphState
 from tokenmill.attention.input_batch import InputBatch
-from tokenmill.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         return self.model(self.input_ids[:size], self.positions[:size],
-                          self.attention.metadata(size))
+                          self.attention.metadata(size, self.positions))
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -85,14 +86,14 @@ class DecodeGraphs:
         logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.graphs),
                     self.sizes[0], self.sizes[-1], time.perf_counter() - t0)
 
-    def run(self, batch: InputBatch, meta: AttentionMetadata) -> torch.Tensor | None:
+    def run(self, batch: InputBatch) -> torch.Tensor | None:
         """Final hidden states (n, hidden) of a plain decode step of n sequences, or None:
         run the step eagerly."""
         n = batch.num_tokens
         if n > self.sizes[-1]:
             return None
         size = next(s for s in self.sizes if s >= n)
-        if not self.attention.load(batch, meta, size):
+        if not self.attention.load(batch, size):
             return None
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)

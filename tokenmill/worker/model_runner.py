@@ -339,11 +339,13 @@ class ModelRunner:
             batch = InputBatch.build(reqs, self.block_size, self.device)
             if self.in_flight is not None:
                 self.num_fed_in_flight += self.in_flight.feed(batch, reqs)
-            meta = self.backend.build_metadata(batch)
         with scope("forward"):
-            hidden = self.decode_graphs.run(batch, meta) if self.decode_graphs else None
-            if hidden is None:  # (T, hidden)
-                hidden = self._forward(reqs, batch, meta, hidden_in)
+            hidden = self.decode_graphs.run(batch) if self.decode_graphs else None
+        if hidden is None:  # not a graph replay: the step's metadata, then its forward pass
+            with scope("prepare_inputs"):
+                meta = self.backend.build_metadata(batch)
+            with scope("forward"):
+                hidden = self._forward(reqs, batch, meta, hidden_in)  # (T, hidden)
         self.finish_in_flight()  # its tokens, which this step's sampling reads
         if offload:  # a producer's prompt blocks, now computed
             self.offload.publish(offload, self.kv_cache)
