@@ -9,7 +9,8 @@ of one sequence of 4k tokens is 8 x Hkv programs instead of Hkv, which leave mos
 idle). The cut is at fixed multiples of split_keys, which depends only on max_model_len
 (512 keys, more for contexts over 16k so that a sequence has at most MAX_SPLITS): a
 sequence's result never depends on its neighbours, and a sequence of one split computes
-exactly what the unsplit kernel would. No K/V is gathered into a contiguous
+exactly what the unsplit kernel would: so an eager step whose decodes all fit one split runs
+the unsplit kernel, without the merge's launch. No K/V is gathered into a contiguous
 copy: the kernel follows the block tables. This step's k/v are written by one more kernel,
 which quantizes them as it writes when the cache is int8 or fp8 (triton_kv_store.store_kv),
 and applies the layer's RoPE to q and k in the same launch when the layer hands its tables
@@ -119,8 +120,11 @@ class TritonPagedAttention(AttentionBackend):
         for tile, tiles in ((1, decode), (PREFILL_TILE, chunk)):
             if tiles:
                 meta.tiles.append(self._query_tiles(tile, tiles, batch.block_tables))
-        if decode:
-            meta.tiles[0].split = self._split_work([first for *_, first in decode])
+        keys = [first for *_, first in decode]
+        if keys and max(keys) > self.split_keys:
+            meta.tiles[0].split = self._split_work(keys)
+        # else every decode is one split: the unsplit kernel computes it bit for bit, without
+        # the merge's launch (a CUDA graph's fixed layout always splits)
         return meta
 
     def _split_work(self, keys: list[int]) -> SplitWork:
