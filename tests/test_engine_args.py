@@ -211,10 +211,30 @@ def test_unknown_options_and_defaults():
     assert EngineArgs.from_options(None, max_model_len=None) == EngineArgs()
     # the defaults are the configs' own
     assert EngineArgs().block_size == CacheConfig().block_size
-    assert EngineArgs().max_num_seqs == SchedulerConfig().max_num_seqs
+    assert EngineArgs().max_num_seqs is None  # by device and use (scheduler_defaults)
 
 
 def test_engine_config_is_what_llm_runs(tiny_model):
     path = tiny_model("llama")[0]
     assert engine_config(path, max_num_seqs=3) == \
         EngineArgs(model=path, max_num_seqs=3).create_engine_config()
+
+
+@pytest.mark.parametrize("name, gib, offline, want", [
+    ("NVIDIA H100 80GB HBM3", 80, True, (16384, 1024)),
+    ("NVIDIA H200", 141, False, (8192, 1024)),
+    ("NVIDIA A100-SXM4-80GB", 80, True, (8192, 256)),
+    ("NVIDIA L4", 23, False, (2048, 256)),
+])
+def test_cuda_step_defaults_are_vllm_s(monkeypatch, name, gib, offline, want):
+    """max_num_batched_tokens and max_num_seqs where not asked: on CUDA vLLM's (by the GPU's
+    memory, the offline LLM's larger than a server's), on CPU SchedulerConfig's."""
+    import types
+
+    from tokenmill import config_factory
+
+    props = types.SimpleNamespace(name=name, total_memory=gib * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    assert config_factory.scheduler_defaults("cuda", offline) == want
+    assert config_factory.scheduler_defaults("cpu", offline) == (
+        SchedulerConfig.max_num_batched_tokens, SchedulerConfig.max_num_seqs)

@@ -69,8 +69,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def create_engine_config(args: EngineArgs) -> EngineConfig:
-    """The engine's config from its options (each EngineArgs field lands in one place here)."""
+def create_engine_config(args: EngineArgs, offline: bool = False) -> EngineConfig:
+    """The engine's config from its options (each EngineArgs field lands in one place here);
+    offline: for the offline LLM (vLLM's usage context: larger default steps on CUDA)."""
     device = resolve_device(args.device)
     model = model_config(args.model, args.dtype, args.max_model_len, args.load_format,
                          args.quantization, args.int8_activations, args.revision,
@@ -94,7 +95,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     parallel = ParallelConfig(**args.group("parallel"))
     check_parallel(parallel, model.hf_config, device, draft is not None)
     scheduler = _scheduler_config(args, model, resolve_async_scheduling(
-        args.async_scheduling, device, speculative, parallel))
+        args.async_scheduling, device, speculative, parallel), device, offline)
     if speculative is not None and parallel.pipeline_parallel_size > 1:
         raise ValueError("speculative decoding does not run with "
                          "pipeline_parallel_size > 1 yet")
@@ -176,19 +177,39 @@ def _lora_config(args: EngineArgs, model: ModelConfig) -> LoRAConfig | None:
     return LoRAConfig(**options)
 
 
-def _scheduler_config(args: EngineArgs, model: ModelConfig, async_scheduling: bool
-                      ) -> SchedulerConfig:
+def _scheduler_config(args: EngineArgs, model: ModelConfig, async_scheduling: bool,
+                      device: str, offline: bool) -> SchedulerConfig:
     options = args.group("scheduler") | {"async_scheduling": async_scheduling}
+    default_budget, default_seqs = scheduler_defaults(device, offline)
+    if options["max_num_seqs"] is None:
+        options["max_num_seqs"] = default_seqs
     budget = options.pop("max_num_batched_tokens")
     if budget is None:
         # Without chunking a whole prompt must fit in one step (vLLM's rule too).
-        budget = SchedulerConfig.max_num_batched_tokens
+        budget = default_budget
         if not options["enable_chunked_prefill"]:
             budget = max(model.max_model_len, budget)
     elif not options["enable_chunked_prefill"] and budget < model.max_model_len:
         raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_model_len "
                          f"({model.max_model_len}) when chunked prefill is off")
     return SchedulerConfig(max_num_batched_tokens=budget, **options)
+
+
+# vLLM's defaults on CUDA (vllm/engine/arg_utils.py), (max_num_batched_tokens, max_num_seqs)
+# by (a GPU of 70 GiB or more but an A100, the offline LLM rather than a server)
+_CUDA_SCHEDULER_DEFAULTS = {(True, True): (16384, 1024), (True, False): (8192, 1024),
+                            (False, True): (8192, 256), (False, False): (2048, 256)}
+
+
+def scheduler_defaults(device: str, offline: bool) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) where not asked: on CUDA vLLM's, by the GPU's
+    memory and by use (the offline LLM takes larger steps than a server, whose steps bound its
+    streams' latency); on CPU SchedulerConfig's (2048, 256) for both."""
+    if not device.startswith("cuda"):
+        return SchedulerConfig.max_num_batched_tokens, SchedulerConfig.max_num_seqs
+    props = torch.cuda.get_device_properties(torch.device(device))
+    large = props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower()
+    return _CUDA_SCHEDULER_DEFAULTS[large, offline]
 
 
 def resolve_async_scheduling(asked: bool | None, device: str,

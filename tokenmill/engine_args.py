@@ -131,9 +131,11 @@ class EngineArgs:
     # ---- the scheduler ---------------------------------------------------------------------
     max_num_batched_tokens: int | None = option(
         None, f"the token budget of one step (default: {SchedulerConfig.max_num_batched_tokens}"
-        "; without chunked prefill at least max_model_len)", "scheduler")
-    max_num_seqs: int = option(SchedulerConfig.max_num_seqs, "requests running at once",
-                               "scheduler")
+        "; on CUDA vLLM's: 8192 for a server and 16384 offline on GPUs of 70 GiB or more, "
+        "else 2048 and 8192; without chunked prefill at least max_model_len)", "scheduler")
+    max_num_seqs: int | None = option(
+        None, f"requests running at once (default: {SchedulerConfig.max_num_seqs}; on CUDA "
+        "vLLM's: 1024 on GPUs of 70 GiB or more)", "scheduler")
     enable_chunked_prefill: bool = option(
         SchedulerConfig.enable_chunked_prefill, "split long prompts over steps, beside the "
         "decoding requests", "scheduler", negations=("--no-chunked-prefill",))
@@ -247,8 +249,9 @@ class EngineArgs:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.metadata["group"] == name}
 
-    def create_engine_config(self) -> EngineConfig:
-        return create_engine_config(self)
+    def create_engine_config(self, offline: bool = False) -> EngineConfig:
+        """offline: for the offline LLM (its larger default steps on CUDA)."""
+        return create_engine_config(self, offline)
 
     # ---- the command line ------------------------------------------------------------------
     @classmethod
@@ -294,4 +297,4 @@ def _cli_type(hint: Any) -> type:
 
 def engine_config(model: str | None = None, **options: Any) -> EngineConfig:
     """The config `LLM(model, **options)` runs with."""
-    return EngineArgs.from_options(model, **options).create_engine_config()
+    return EngineArgs.from_options(model, **options).create_engine_config(offline=True)

@@ -34,7 +34,7 @@ class LLM:
             raise ValueError("data_parallel_size > 1 runs engine replicas behind one API server "
                              "(tokenmill serve --data-parallel-size D); an offline LLM is one "
                              "engine: run one LLM per process for offline data parallelism")
-        self.engine = LLMEngine.from_engine_args(args)
+        self.engine = LLMEngine.from_engine_args(args, offline=True)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:

@@ -142,15 +142,17 @@ class LLMEngine:
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> LLMEngine:
         """An engine from `LLM`'s keywords (engine_args.py EngineArgs: vLLM's names)."""
-        return cls.from_engine_args(EngineArgs.from_options(model, **options))
+        return cls.from_engine_args(EngineArgs.from_options(model, **options), offline=True)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+    def from_engine_args(cls, args: EngineArgs, offline: bool = False) -> LLMEngine:
+        """offline: for the offline LLM (its larger default steps on CUDA; a server's
+        otherwise)."""
         if resolve_device(args.device).startswith("cpu"):
             # A first start compiles the kernels side by side while the model loads.
             prebuild_cpu_extensions()
         t0 = time.perf_counter()
-        engine = cls(args.create_engine_config())
+        engine = cls(args.create_engine_config(offline))
         logger.info("engine ready in %.1f s", time.perf_counter() - t0)
         return engine
 
