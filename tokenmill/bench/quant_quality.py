@@ -37,10 +37,10 @@ from tokenmill.quantization.awq_search import calibration_text
 def score_windows(llm, windows: list[list[int]]) -> list[torch.Tensor]:
     """Teacher-forced next-token log-probabilities, (len(w) - 1, V) per window."""
     from tokenmill import SamplingParams
+    from tokenmill.worker import model_runner
 
-    runner = llm.engine.runner
-    model = runner.model
-    real, real_prompt_logprobs = model.compute_logits, runner._prompt_logprobs
+    model = llm.engine.runner.model
+    real, real_prompt_logprobs = model.compute_logits, model_runner.prompt_logprobs
     captured: list[torch.Tensor] = []
     in_prompt_logprobs = [False]
 
@@ -58,7 +58,7 @@ def score_windows(llm, windows: list[list[int]]) -> list[torch.Tensor]:
             in_prompt_logprobs[0] = False
 
     model.compute_logits = keep
-    runner._prompt_logprobs = prompt_logprobs
+    model_runner.prompt_logprobs = prompt_logprobs  # what the runner calls
     try:
         out = []
         for w in windows:  # one at a time: the captures come back in order
@@ -70,7 +70,7 @@ def score_windows(llm, windows: list[list[int]]) -> list[torch.Tensor]:
         return out
     finally:
         model.compute_logits = real
-        runner._prompt_logprobs = real_prompt_logprobs
+        model_runner.prompt_logprobs = real_prompt_logprobs
 
 
 def text_windows(tokenizer, tokens: int, window: int) -> list[list[int]]:
