@@ -69,3 +69,32 @@ def test_stop_string_respects_min_tokens(tok):
     # "Hi" appears in the first tokens, before min_tokens: no stop there; no later "Hi" either
     assert outs[-1].outputs[0].finish_reason is None
     assert outs[-1].outputs[0].text.startswith("Hi 😀 日本")
+
+
+class _WindowOnly:
+    """The tokenizer without its Rust backend: the detokenizer's window path."""
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+
+    def decode(self, ids, **kwargs):
+        return self.tok.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("path", ["stream", "window"])
+@pytest.mark.parametrize("prompt", ["Say:", "Say 日", "😀 and " + "日本" * 9, ""])
+def test_text_is_the_outputs_decoded_whatever_the_prompt_ends_with(tok, path, prompt):
+    """DecodeStream (fast tokenizers) and the decoded window (others) give the outputs' own
+    text token by token, with or without special tokens, for every cut of the prompt: one
+    mid-character too (its bytes are not the output's)."""
+    ids = tok.encode(TEXT + "<|im_end|> and on")
+    prompt_ids = tok.encode(prompt)
+    cuts = range(len(prompt_ids) + 1) if path == "stream" else [len(prompt_ids)]
+    for cut in cuts:
+        for skip in (True, False):
+            detok = IncrementalDetokenizer(tok if path == "stream" else _WindowOnly(tok),
+                                           prompt_ids[:cut], skip_special_tokens=skip)
+            assert (detok._rust is None) == (path == "window")
+            deltas = [detok.add_tokens([t]) for t in ids]
+            assert "".join(deltas) == detok.text == tok.decode(ids, skip_special_tokens=skip)
+            assert all("\ufffd" not in d for d in deltas)
