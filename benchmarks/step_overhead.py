@@ -1,9 +1,10 @@
 """The engine's own work in a decode step, next to the model's, without the profiler.
 
     python benchmarks/step_overhead.py [--model PATH] [--steps 64] [--async-rounds 3]
-                                       [--parts overhead,async] [--tensor-parallel-size N]
+                                       [--parts overhead,async,detok] [--batches 1,64]
+                                       [--tensor-parallel-size N]
 
-For decode batches of 1 and 64 (SmolLM2 float32 unless --model), each step's wall time is
+For decode batches of 1 and 64 (--batches; SmolLM2 float32 unless --model), each step's wall time is
 split into the model's forward pass and logits (timed around the model's own methods) and
 everything else the engine does: scheduling, input tensors, attention metadata, sampling,
 output processing (each timed around its function). Medians over --steps steps.
@@ -14,6 +15,11 @@ the sampler uses (layers/cpu_ops.py), alternated in rounds.
 Then async scheduling (--async-scheduling): the same decode batches on an engine that schedules
 step N+1 and processes step N's outputs while the model runs, against synchronous steps;
 median ms between step() returns, rounds alternated between the two engines.
+
+Then (detok) incremental detokenization, µs per output token, the model's tokenizer streaming
+through tokenizers' DecodeStream against the same tokenizer decoding a window twice per token
+(engine/detokenizer.py's two paths), on multilingual text, alternated rounds: a cost the engine
+pays for every running request at every step.
 """
 
 from __future__ import annotations
@@ -147,8 +153,10 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--async-rounds", type=int, default=3)
-    parser.add_argument("--parts", default="overhead,async",
-                        help="overhead (with the argmax comparison), async")
+    parser.add_argument("--parts", default="overhead,async,detok",
+                        help="overhead (with the argmax comparison), async, detok")
+    parser.add_argument("--batches", default="1,64",
+                        help="overhead part: the decode batch sizes")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="async part: the engines' TP size (worker processes above 1)")
     parser.add_argument("--probe", choices=["sync", "async"], default=None,
@@ -157,24 +165,28 @@ def main() -> None:
     if args.probe:
         return probe(args.model, args.probe, args.steps, args.tensor_parallel_size)
     print(describe_machine())
-    if "overhead" in args.parts:
-        llm = LLM(args.model)
-        overhead_part(llm, args.steps)
-        if cpu_ops.ops_available():
-            argmax_part(llm)
+    batches = [int(b) for b in args.batches.split(",")]
+    if "overhead" in args.parts or "detok" in args.parts:
+        llm = LLM(args.model, max_num_seqs=max(256, *batches))
+        if "overhead" in args.parts:
+            overhead_part(llm, args.steps, batches)
+            if cpu_ops.ops_available():
+                argmax_part(llm)
+        if "detok" in args.parts:
+            detok_part(llm)
         del llm
     if "async" in args.parts:
         async_part(args.model, args.steps, args.async_rounds, args.tensor_parallel_size)
 
 
-def overhead_part(llm: LLM, steps: int) -> None:
+def overhead_part(llm: LLM, steps: int, batches: list[int]) -> None:
     timings = instrument(llm)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     cols = ["wall", "forward", "logits", "engine", "schedule", "inputs", "metadata", "sample",
             "outputs"]
     print("batch " + "".join(f"{c:>10}" for c in cols) + "   (ms per decode step, medians)")
-    for batch, prompt_len in ((1, 128), (64, 32)):
-        parts = decode_steps(llm, timings, batch, prompt_len, steps)
+    for batch in batches:
+        parts = decode_steps(llm, timings, batch, 128 if batch == 1 else 32, steps)
         print(f"{batch:>5} " + "".join(f"{parts[c]:>10.3f}" for c in cols))
 
 
@@ -188,6 +200,41 @@ def argmax_part(llm: LLM) -> None:
                         rounds=6, calls=200, warmup=10)
         t, c = res["torch.argmax"] * 1e6, res["C++ argmax_rows"] * 1e6
         print(f"  ({rows}, {vocab}): torch.argmax {t:8.1f}   C++ {c:8.1f}   {t / c:5.1f}x")
+
+
+
+class _WindowOnly:
+    """A tokenizer seen without its Rust backend: the detokenizer's decoded-window path."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str:
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+def detok_part(llm: LLM) -> None:
+    from tokenmill.engine.detokenizer import IncrementalDetokenizer
+
+    tok = llm.get_tokenizer()
+    ids = tok.encode("Le café coûte 3 € — 日本語のテキスト, emoji 😀🚀, and plain English "
+                     "words with punctuation; tabs\tand newlines.\n" * 8)
+    prompt = tok.encode("Write something:")
+
+    def stream(t: Any) -> None:
+        detok = IncrementalDetokenizer(t, prompt, skip_special_tokens=True)
+        for i in ids:
+            detok.add_tokens([i])
+
+    res = alternate({"DecodeStream": lambda: stream(tok),
+                     "decoded window": lambda: stream(_WindowOnly(tok))},
+                    rounds=7, calls=3, warmup=1)
+    per = {k: v / len(ids) * 1e6 for k, v in res.items()}
+    print(f"\nincremental detokenization, µs per output token ({len(ids)} tokens, "
+          f"{type(tok).__name__}; 7 alternated rounds):")
+    for name, us in per.items():
+        print(f"  {name:<16}{us:8.2f}")
+    print(f"  window / stream {per['decoded window'] / per['DecodeStream']:6.1f}x")
 
 
 if __name__ == "__main__":
