@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tokenmill.attention.input_batch import InputBatch
@@ -38,3 +39,21 @@ def test_mixed_step():
     assert b.query_start_loc.tolist() == [0, 3, 4, 6]
     assert b.seq_lens == [17, 6, 2]
     assert b.logits_indices.tolist() == [2, 3]
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_host_lists_and_tensors_reach_the_device_as_they_are(device):
+    """to_device (one transfer for several tensors) and tensor_on (a list): on CUDA through
+    pinned memory without blocking the host; the same values, dtypes and shapes anywhere."""
+    from tokenmill.attention.input_batch import tensor_on, to_device
+
+    device = torch.device(device)
+    got = tensor_on([1.5, 2.0, -3.25], device, torch.float32)
+    assert got.device.type == device.type and got.dtype == torch.float32
+    assert got.tolist() == [1.5, 2.0, -3.25]
+    assert tensor_on([True, False], device).tolist() == [True, False]
+    assert tensor_on([], device, torch.long).shape == (0,)
+    a, b = torch.arange(6).view(2, 3), torch.tensor([7, 8])
+    moved = to_device([a, b], device)
+    assert [t.shape for t in moved] == [(2, 3), (2,)]
+    assert moved[0].tolist() == a.tolist() and moved[1].tolist() == b.tolist()

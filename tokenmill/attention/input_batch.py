@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -97,3 +98,15 @@ def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.T
         out.append(on_device[start:start + t.numel()].view(t.shape))
         start += t.numel()
     return out
+
+
+def tensor_on(data: Any, device: torch.device, dtype: torch.dtype | None = None
+              ) -> torch.Tensor:
+    """torch.tensor(data, dtype=dtype) on `device`. On CUDA built in pinned memory and copied
+    without blocking the host: torch.tensor(..., device=cuda) copies from pageable memory and
+    waits for every kernel queued before it (the step's forward pass), which would stall the
+    host's work for the next step (async scheduling) behind this one's."""
+    t = torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t if device.type == "cpu" else t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

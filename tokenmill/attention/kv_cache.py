@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.attention.input_batch import tensor_on
 from tokenmill.attention.kv_formats import KVFormat, format_of_storage, kv_format
 from tokenmill.layers import cpu_ops
 from tokenmill.utils import huge_pages
@@ -138,6 +139,6 @@ def copy_blocks(kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
     """Copy-on-write: copy whole blocks src -> dst in every layer."""
     if not pairs:
         return
-    src = torch.tensor([p[0] for p in pairs], device=kv_cache.device)
-    dst = torch.tensor([p[1] for p in pairs], device=kv_cache.device)
+    src = tensor_on([p[0] for p in pairs], kv_cache.device)
+    dst = tensor_on([p[1] for p in pairs], kv_cache.device)
     kv_cache[:, :, dst] = kv_cache[:, :, src]

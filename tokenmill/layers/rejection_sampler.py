@@ -23,6 +23,7 @@ import dataclasses
 
 import torch
 
+from tokenmill.attention.input_batch import tensor_on
 from tokenmill.core.interface import PositionLogprobs, ScheduledRequest
 from tokenmill.layers import cpu_ops
 from tokenmill.layers.sampler import Sampler, gather_logprobs
@@ -110,6 +111,6 @@ def _logprobs(raw: torch.Tensor | None, rows: list[ScheduledRequest],
             out.append(None)
         else:
             idx = torch.arange(first, first + len(tokens), device=raw.device)
-            out.append(gather_logprobs(raw[idx], torch.tensor(tokens, device=raw.device), want))
+            out.append(gather_logprobs(raw[idx], tensor_on(tokens, raw.device), want))
         first += r.num_sample_positions
     return out

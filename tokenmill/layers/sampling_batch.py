@@ -5,6 +5,9 @@ is a whole-batch tensor op and is skipped when no row needs it.
 Penalties (vLLM and HF semantics): repetition divides positive logits and multiplies negative
 ones by the penalty for every token seen in the prompt or output; frequency subtracts
 penalty * count and presence subtracts penalty once, for tokens seen in the output.
+
+The parameters cross to a GPU from pinned memory without blocking the host (input_batch.py's
+tensor_on), so building them never waits for the step's forward pass.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.attention.input_batch import tensor_on
 from tokenmill.core.interface import ScheduledRequest
 
 
@@ -34,17 +38,16 @@ class SamplingBatch:
         greedy = [p.is_greedy for p in params]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingBatch(
-            temperature=torch.tensor([1.0 if g else p.temperature
-                                      for g, p in zip(greedy, params, strict=True)],
-                                     device=device),
-            is_greedy=torch.tensor(greedy, device=device),
+            temperature=tensor_on([1.0 if g else p.temperature
+                                   for g, p in zip(greedy, params, strict=True)], device),
+            is_greedy=tensor_on(greedy, device),
             all_greedy=all(greedy), any_greedy=any(greedy),
             seeded_rows=[i for i, p in enumerate(params) if p.seed is not None and not greedy[i]],
             rows=rows, vocab_size=vocab_size, max_logprobs=max(wanted) if wanted else None)
 
     def _param(self, name: str, logits: torch.Tensor) -> torch.Tensor:
-        return torch.tensor([getattr(r.sampling_params, name) for r in self.rows],
-                            dtype=logits.dtype, device=logits.device)
+        return tensor_on([getattr(r.sampling_params, name) for r in self.rows],
+                         logits.device, logits.dtype)
 
     def apply_bias_and_bans(self, logits: torch.Tensor) -> torch.Tensor:
         rows, cols, vals = [], [], []
@@ -58,13 +61,11 @@ class SamplingBatch:
             ban_rows += [i] * len(r.banned_token_ids)
             ban_cols += r.banned_token_ids
         if rows:
-            idx = (torch.tensor(rows, device=logits.device),
-                   torch.tensor(cols, device=logits.device))
-            logits = logits.index_put(idx, torch.tensor(vals, dtype=logits.dtype,
-                                                        device=logits.device), accumulate=True)
+            idx = (tensor_on(rows, logits.device), tensor_on(cols, logits.device))
+            logits = logits.index_put(idx, tensor_on(vals, logits.device, logits.dtype),
+                                      accumulate=True)
         if ban_rows:
-            idx = (torch.tensor(ban_rows, device=logits.device),
-                   torch.tensor(ban_cols, device=logits.device))
+            idx = (tensor_on(ban_rows, logits.device), tensor_on(ban_cols, logits.device))
             logits = logits.index_put(idx, torch.tensor(float("-inf"), dtype=logits.dtype,
                                                         device=logits.device))
         return logits
@@ -103,12 +104,12 @@ class SamplingBatch:
             return self._top_k_only(logits, top_k)
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # (S, V)
         ranks = torch.arange(vocab, device=logits.device)
-        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
+        k = tensor_on([k if k > 0 else vocab for k in top_k], logits.device)
         sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
         # Keep a token when the mass strictly before it is below top_p (the first always stays).
         before = probs.cumsum(dim=-1) - probs
-        p = torch.tensor(top_p, dtype=probs.dtype, device=logits.device)
+        p = tensor_on(top_p, logits.device, probs.dtype)
         sorted_logits = sorted_logits.masked_fill(before >= p[:, None], float("-inf"))
         return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
@@ -125,7 +126,7 @@ class SamplingBatch:
         k = torch.tensor([min(k, k_max) if k > 0 else k_max for k in top_k],
                          device=logits.device)
         kth = top.gather(-1, (k - 1)[:, None])  # (S, 1)
-        no_top_k = torch.tensor([k <= 0 or k >= vocab for k in top_k], device=logits.device)
+        no_top_k = tensor_on([k <= 0 or k >= vocab for k in top_k], logits.device)
         kth = kth.masked_fill(no_top_k[:, None], float("-inf"))
         return logits.masked_fill(logits < kth, float("-inf"))
 
@@ -138,5 +139,9 @@ def _token_counts(token_lists: list[list[int]], S: int, V: int,
     if flat.numel() == 0:
         return torch.zeros(S, V, dtype=like.dtype, device=like.device)
     offsets = torch.repeat_interleave(torch.arange(S) * V, lengths)
-    counts = torch.bincount(flat + offsets, minlength=S * V)
+    # the ids cross to the device, not the (S, V) counts (integer counts: the same anywhere)
+    ids = flat + offsets
+    if like.is_cuda:
+        ids = ids.pin_memory().to(like.device, non_blocking=True)
+    counts = torch.bincount(ids, minlength=S * V)
     return counts.view(S, V).to(device=like.device, dtype=like.dtype)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.attention.input_batch import InputBatch
+from tokenmill.attention.input_batch import InputBatch, tensor_on
 from tokenmill.core.interface import (
     GrammarOutput,
     ModelRunnerOutput,
@@ -42,8 +42,8 @@ def prompt_logprobs(model: nn.Module, reqs: list[ScheduledRequest], batch: Input
         first = batch.query_start_locs[i] + positions.start - r.start_pos
         idx = torch.arange(first, first + len(positions), device=hidden.device)
         logprobs = model.compute_logits(hidden, idx).float().log_softmax(dim=-1)
-        targets = torch.tensor(r.prompt_token_ids[positions.start + 1:positions.stop + 1],
-                               device=hidden.device)
+        targets = tensor_on(r.prompt_token_ids[positions.start + 1:positions.stop + 1],
+                            hidden.device)
         out.prompt_logprobs[r.req_id] = (positions.start + 1, gather_logprobs(
             logprobs, targets, r.sampling_params.prompt_logprobs))
 
@@ -63,8 +63,7 @@ def apply_grammar(sched: SchedulerOutput, grammar: GrammarOutput, sample_rows: l
             parts.append(mask[:r.num_sample_positions])
         first += r.num_sample_positions
     if rows:
-        apply_token_bitmask_(logits, torch.cat(parts),
-                             torch.tensor(rows, device=logits.device))
+        apply_token_bitmask_(logits, torch.cat(parts), tensor_on(rows, logits.device))
 
 
 def select_logprobs(lp: PositionLogprobs, row: int, width: int) -> PositionLogprobs:
