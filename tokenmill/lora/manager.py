@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tokenmill.attention.input_batch import to_device
 from tokenmill.layers.linear import LinearBase, QKVParallelLinear, RowParallelLinear
 from tokenmill.lora.layers import LinearLoRA, LoRAStep
 from tokenmill.lora.peft_files import PeftAdapter, read_adapter
@@ -154,7 +155,7 @@ class LoRAManager:
     def _rows(self, spans: list[tuple[int, int]]) -> slice | torch.Tensor:
         if len(spans) == 1:
             return slice(*spans[0])
-        return torch.cat([torch.arange(s, e) for s, e in spans]).to(self.device)
+        return to_device([torch.cat([torch.arange(s, e) for s, e in spans])], self.device)[0]
 
     def end_step(self) -> None:
         self.step.groups, self.step.row_slot = [], None
