@@ -14,8 +14,19 @@ from tests.conftest import assert_kv_all_free, generate_greedy, hf_greedy, mixed
 from tokenmill import LLM, SamplingParams
 
 
+@pytest.fixture(params=["step thread", "inline"])
+def launches(request, monkeypatch):
+    """Where the runner's launches run: the executor's step thread (CPU), or the engine's own
+    thread, each returning once its step is queued (a GPU's way, executor/uniproc.py)."""
+    if request.param == "inline":
+        from tokenmill.executor.uniproc import UniProcExecutor
+
+        monkeypatch.setattr(UniProcExecutor, "STEP_THREAD_DEVICES", frozenset())
+    return request.param
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_greedy_is_identical_to_hf_under_pressure(tiny_model, mode):
+def test_greedy_is_identical_to_hf_under_pressure(tiny_model, mode, launches):
     path, hf = tiny_model("llama")
     cases = mixed_prompts(10, 49152, seed=3, max_len=120, max_new=24)
     llm = LLM(path, async_scheduling=True, num_kv_blocks=40, block_size=8,
@@ -29,9 +40,10 @@ def test_greedy_is_identical_to_hf_under_pressure(tiny_model, mode):
     assert_kv_all_free(engine)
     # steps were prepared while the one before ran: their tokens fed on the device
     assert engine.runner.num_fed_in_flight > 50
+    assert engine.executor.on_step_thread == (launches == "step thread")
 
 
-def test_sampled_outputs_are_those_of_synchronous_steps(tiny_model):
+def test_sampled_outputs_are_those_of_synchronous_steps(tiny_model, launches):
     """Seeded sampling with penalties (which read the runner's own copy of the outputs, its
     in-flight token included), n = 3, logprobs and min_tokens; some requests end by EOS or a
     stop string (a step already scheduled for them is dropped)."""
@@ -77,7 +89,7 @@ def test_chat_answers_with_eos_are_unchanged(smollm2_path):
     assert answers[1][0][1] == "stop"  # ended by EOS with a step in flight
 
 
-def test_abort_with_a_step_in_flight_frees_everything(tiny_model):
+def test_abort_with_a_step_in_flight_frees_everything(tiny_model, launches):
     path, _ = tiny_model("llama")
     llm = LLM(path, async_scheduling=True, num_kv_blocks=64)
     engine = llm.engine

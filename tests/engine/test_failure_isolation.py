@@ -54,11 +54,23 @@ def llm_ahead(tiny_model):
     return LLM(path, max_model_len=256, num_kv_blocks=64, async_scheduling=True)
 
 
-@pytest.mark.parametrize("engine_kind", ["sync", "ahead"])
-def test_failing_request_fails_alone_in_a_running_batch(llm, llm_ahead, engine_kind):
+@pytest.fixture(scope="module")
+def llm_inline(tiny_model):
+    """The same, each step launched from the engine's own thread (a GPU's way)."""
+    from tokenmill.executor.uniproc import UniProcExecutor
+
+    path, _ = tiny_model("llama")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(UniProcExecutor, "STEP_THREAD_DEVICES", frozenset())
+        return LLM(path, max_model_len=256, num_kv_blocks=64, async_scheduling=True)
+
+
+@pytest.mark.parametrize("engine_kind", ["sync", "ahead", "inline"])
+def test_failing_request_fails_alone_in_a_running_batch(llm, llm_ahead, llm_inline,
+                                                        engine_kind):
     """With steps run ahead, the bad request's step fails before its tokens are in flight
     and the next step is sent only after its requests were executed again alone."""
-    llm = llm if engine_kind == "sync" else llm_ahead
+    llm = {"sync": llm, "ahead": llm_ahead, "inline": llm_inline}[engine_kind]
     engine = llm.engine
     fed = engine.runner.num_fed_in_flight
     ref = {f"r{i}": o.outputs[0].token_ids
@@ -78,7 +90,7 @@ def test_failing_request_fails_alone_in_a_running_batch(llm, llm_ahead, engine_k
     # the engine keeps serving
     again = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == ref["r0"]
-    assert (engine.runner.num_fed_in_flight > fed) == (engine_kind == "ahead")
+    assert (engine.runner.num_fed_in_flight > fed) == (engine_kind != "sync")
 
 
 def test_prefix_cache_suspended_after_a_failure(llm):
