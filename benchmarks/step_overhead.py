@@ -14,7 +14,9 @@ the sampler uses (layers/cpu_ops.py), alternated in rounds.
 
 Then async scheduling (--async-scheduling): the same decode batches on an engine that schedules
 step N+1 and processes step N's outputs while the model runs, against synchronous steps;
-median ms between step() returns, rounds alternated between the two engines.
+median ms between step() returns, rounds alternated between the engines. "inline" is async
+scheduling with the launches on the engine's own thread, as on a GPU (executor/uniproc.py): on
+CPU the forward pass is then not overlapped, so it shows what the step thread's hand-offs cost.
 
 Then (detok) incremental detokenization, µs per output token, the model's tokenizer streaming
 through tokenizers' DecodeStream against the same tokenizer decoding a window twice per token
@@ -123,7 +125,7 @@ def async_part(model: str | None, steps: int, rounds: int, tp: int = 1) -> None:
           f"tensor_parallel_size={tp})")
     got: dict[tuple[str, int], list[float]] = defaultdict(list)
     for _ in range(rounds):
-        for mode in ("sync", "async"):
+        for mode in ("sync", "async", "inline"):
             cmd = [sys.executable, __file__, "--probe", mode, "--steps", str(steps),
                    "--tensor-parallel-size", str(tp)]
             if model:
@@ -131,18 +133,23 @@ def async_part(model: str | None, steps: int, rounds: int, tp: int = 1) -> None:
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             for batch, ms in json.loads(out.strip().splitlines()[-1]).items():
                 got[(mode, int(batch))].append(ms)
-    print(f"{'batch':>5}{'sync':>10}{'async':>10}{'saved':>10}{'saved %':>9}")
+    print(f"{'batch':>5}{'sync':>10}{'async':>10}{'inline':>10}{'saved':>10}{'saved %':>9}")
     for batch in (1, 64):
-        sync, asyn = (statistics.median(got[(m, batch)]) for m in ("sync", "async"))
-        print(f"{batch:>5}{sync:>10.3f}{asyn:>10.3f}{sync - asyn:>10.3f}"
-              f"{100 * (sync - asyn) / sync:>8.1f}%   rounds: sync "
-              + " ".join(f"{x:.2f}" for x in got[("sync", batch)]) + " | async "
-              + " ".join(f"{x:.2f}" for x in got[("async", batch)]))
+        sync, asyn, inline = (statistics.median(got[(m, batch)])
+                              for m in ("sync", "async", "inline"))
+        print(f"{batch:>5}{sync:>10.3f}{asyn:>10.3f}{inline:>10.3f}{sync - asyn:>10.3f}"
+              f"{100 * (sync - asyn) / sync:>8.1f}%   rounds: "
+              + " | ".join(f"{m} " + " ".join(f"{x:.2f}" for x in got[(m, batch)])
+                           for m in ("sync", "async", "inline")))
 
 
 def probe(model: str | None, mode: str, steps: int, tp: int) -> None:
     """One engine, one mode: print {batch: ms per decode step} as JSON."""
-    llm = LLM(model, async_scheduling=mode == "async", tensor_parallel_size=tp)
+    if mode == "inline":  # async launches on the engine's thread, as on a GPU
+        from tokenmill.executor.uniproc import UniProcExecutor
+
+        UniProcExecutor.STEP_THREAD_DEVICES = frozenset()
+    llm = LLM(model, async_scheduling=mode != "sync", tensor_parallel_size=tp)
     print(json.dumps({batch: step_wall(llm, batch, prompt_len, steps, f"p{batch}")
                       for batch, prompt_len in ((1, 128), (64, 32))}))
     llm.engine.shutdown()
@@ -159,7 +166,7 @@ def main() -> None:
                         help="overhead part: the decode batch sizes")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="async part: the engines' TP size (worker processes above 1)")
-    parser.add_argument("--probe", choices=["sync", "async"], default=None,
+    parser.add_argument("--probe", choices=["sync", "async", "inline"], default=None,
                         help=argparse.SUPPRESS)  # one async_part measurement
     args = parser.parse_args()
     if args.probe:
