@@ -55,6 +55,7 @@ from tokenmill.spec_decode.cost_model import measure_spec_costs
 from tokenmill.spec_decode.draft_model import DraftModelProposer
 from tokenmill.spec_decode.policy import SpecCosts
 from tokenmill.utils import cdiv
+from tokenmill.utils.cuda_device import device_current
 from tokenmill.utils.file_maps import file_mapped_bytes
 from tokenmill.utils.heap import keep_step_memory
 from tokenmill.utils.huge_pages import move_parameters_to_huge_pages
@@ -254,6 +255,7 @@ class ModelRunner:
         return (self.ps.tp_size == 1 and self.ps.pp_size == 1 and self.drafter is None
                 and self.offload is None)
 
+    @device_current
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, grammar: GrammarOutput | None = None
                ) -> Future[ModelRunnerOutput]:
@@ -278,12 +280,14 @@ class ModelRunner:
                 self.finish_in_flight()
         return done
 
+    @device_current
     def finish_in_flight(self) -> None:
         """Bring the step in flight to its end (its tokens to the host)."""
         prev, self.in_flight = self.in_flight, None
         if prev is not None:
             prev.finish()
 
+    @device_current
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_ops: bool = True,
                 grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
