@@ -251,7 +251,8 @@ class ModelRunner:
 
     def can_run_ahead(self) -> bool:
         """Whether `launch` leaves a step in flight (worker/in_flight.py): one rank (under TP the
-        others need the tokens at once), no draft model (it proposes from them)."""
+        others need the tokens at once), no draft model (it proposes from them), no KV tiers
+        (their step's result rides on the output execute builds)."""
         return (self.ps.tp_size == 1 and self.ps.pp_size == 1 and self.drafter is None
                 and self.offload is None)
 
