@@ -227,7 +227,7 @@ def resolve_async_scheduling(asked: bool | None, device: str,
         raise ValueError("async_scheduling does not run with speculative decoding or "
                          "pipeline_parallel_size > 1 yet")
     if asked is None:
-        return device == "cuda" and parallel.tensor_parallel_size == 1 and not blocked
+        return device.startswith("cuda") and parallel.tensor_parallel_size == 1 and not blocked
     return asked
 
 

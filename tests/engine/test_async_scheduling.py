@@ -178,6 +178,7 @@ def test_on_by_default_where_it_runs_on_cuda():
     one, tp2 = ParallelConfig(), ParallelConfig(tensor_parallel_size=2)
     ngram = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2})
     assert resolve_async_scheduling(None, "cuda", None, one) is True
+    assert resolve_async_scheduling(None, "cuda:1", None, one) is True
     assert resolve_async_scheduling(None, "cpu", None, one) is False
     assert resolve_async_scheduling(None, "cuda", None, tp2) is False
     assert resolve_async_scheduling(None, "cuda", ngram, one) is False
