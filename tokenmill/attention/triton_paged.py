@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.attention.base import AttentionBackend, AttentionLayer, DecodeGraphState
-from tokenmill.attention.input_batch import InputBatch, to_device
+from tokenmill.attention.input_batch import InputBatch, tensor_on, to_device
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.utils import cdiv
 
@@ -135,8 +135,7 @@ class TritonPagedAttention(AttentionBackend):
             count = cdiv(n, self.split_keys)
             tiles += [t] * count
             splits += range(count)
-        cols = to_device([torch.tensor(tiles + splits + starts, dtype=torch.int32)],
-                         self.device)[0]
+        cols = tensor_on(tiles + splits + starts, self.device, torch.int32)
         w = len(tiles)
         return SplitWork(cols[:w], cols[w:2 * w], cols[2 * w:], self.split_keys)
 

@@ -48,8 +48,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: list[ScheduledRequest]
     prow = [p for r in rows for p in position_rows(r)]
     b = SamplingBatch.build(prow, logits.shape[-1], logits.device)
     raw, target = sampler.target_logits(logits, b)
-    drafts = torch.tensor([d for r in rows for d in [*r.spec_token_ids, -1]],
-                          device=logits.device)  # (P,): -1 at each row's last position
+    # (P,): -1 at each row's last position
+    drafts = tensor_on([d for r in rows for d in [*r.spec_token_ids, -1]], logits.device)
     has_draft = drafts >= 0
     safe = drafts.clamp(min=0)[:, None]
     greedy_ids = cpu_ops.argmax(target)  # (P,)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.attention.input_batch import tensor_on
+from tokenmill.attention.input_batch import tensor_on, to_device
 from tokenmill.core.interface import ScheduledRequest
 
 
@@ -66,8 +66,8 @@ class SamplingBatch:
                                       accumulate=True)
         if ban_rows:
             idx = (tensor_on(ban_rows, logits.device), tensor_on(ban_cols, logits.device))
-            logits = logits.index_put(idx, torch.tensor(float("-inf"), dtype=logits.dtype,
-                                                        device=logits.device))
+            logits = logits.index_put(idx, tensor_on(float("-inf"), logits.device,
+                                                     logits.dtype))
         return logits
 
     def apply_penalties(self, logits: torch.Tensor) -> torch.Tensor:
@@ -123,8 +123,7 @@ class SamplingBatch:
         if k_max >= vocab:
             return logits
         top = logits.topk(k_max, dim=-1).values  # (S, k_max), descending
-        k = torch.tensor([min(k, k_max) if k > 0 else k_max for k in top_k],
-                         device=logits.device)
+        k = tensor_on([min(k, k_max) if k > 0 else k_max for k in top_k], logits.device)
         kth = top.gather(-1, (k - 1)[:, None])  # (S, 1)
         no_top_k = tensor_on([k <= 0 or k >= vocab for k in top_k], logits.device)
         kth = kth.masked_fill(no_top_k[:, None], float("-inf"))
@@ -140,8 +139,6 @@ def _token_counts(token_lists: list[list[int]], S: int, V: int,
         return torch.zeros(S, V, dtype=like.dtype, device=like.device)
     offsets = torch.repeat_interleave(torch.arange(S) * V, lengths)
     # the ids cross to the device, not the (S, V) counts (integer counts: the same anywhere)
-    ids = flat + offsets
-    if like.is_cuda:
-        ids = ids.pin_memory().to(like.device, non_blocking=True)
+    ids = to_device([flat + offsets], like.device)[0]
     counts = torch.bincount(ids, minlength=S * V)
     return counts.view(S, V).to(device=like.device, dtype=like.dtype)

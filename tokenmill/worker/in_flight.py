@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.attention.input_batch import InputBatch, to_device
+from tokenmill.attention.input_batch import InputBatch, tensor_on
 from tokenmill.core.interface import ModelRunnerOutput, ScheduledRequest
 
 PLACEHOLDER = -1  # an in-flight token in a runner's output list (never a vocabulary id)
@@ -86,7 +86,7 @@ class InFlightStep:
                 dst.append(batch.query_start_locs[i + 1] - 1)
                 src.append(self.index[r.req_id])
         if dst:
-            at = to_device([torch.tensor(dst + src, dtype=torch.long)], self.tokens.device)[0]
+            at = tensor_on(dst + src, self.tokens.device, torch.long)
             n = len(dst)
             batch.input_ids.index_copy_(0, at[:n], self.tokens.index_select(0, at[n:]))
         return len(dst)
