@@ -233,8 +233,10 @@ class AsyncLLM:
             for out in outputs:
                 if out.error is not None:
                     self._timings.forget(out.request_id)
-            self._deliver_all([(out.request_id, out) for out in outputs])
+            # metrics first: a client that has its last token and then reads /metrics finds
+            # the step counted (delivered first, a loaded machine let it read them before)
             self._publish([o for o in outputs if o.error is None])
+            self._deliver_all([(out.request_id, out) for out in outputs])
         self._fail_all(EngineDeadError("the server is shutting down"))
 
     def _drain_commands(self) -> bool:
