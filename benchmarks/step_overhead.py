@@ -1,10 +1,13 @@
 """The engine's own work in a decode step, next to the model's, without the profiler.
 
     python benchmarks/step_overhead.py [--model PATH] [--steps 64] [--async-rounds 3]
-                                       [--parts overhead,async,detok] [--batches 1,64]
+                                       [--parts overhead,async,gc,detok] [--batches 1,64]
+                                       [--gc-requests 4096] [--gc-rounds 2]
                                        [--tensor-parallel-size N]
 
-For decode batches of 1 and 64 (--batches; SmolLM2 float32 unless --model), each step's wall time is
+For decode batches of 1 and 64 (--batches; SmolLM2 float32 unless --model), with outputs at every
+step (cumulative: a server's streamed request) and at the end only (final_only: what LLM.generate
+asks; --output-kinds), each step's wall time is
 split into the model's forward pass and logits (timed around the model's own methods) and
 everything else the engine does: scheduling, input tensors, attention metadata, sampling,
 output processing (each timed around its function). Medians over --steps steps.
@@ -18,6 +21,11 @@ median ms between step() returns, rounds alternated between the engines. "inline
 scheduling with the launches on the engine's own thread, as on a GPU (executor/uniproc.py): on
 CPU the forward pass is then not overlapped, so it shows what the step thread's hand-offs cost.
 
+Then (gc) the cyclic garbage collector's pauses during one offline run (--gc-requests requests
+of 32 prompt tokens and 64 output tokens, up to 1024 at once), each engine in a fresh process:
+as started (its start-up heap frozen, utils/gc_heap.py) against the same engine with that heap
+unfrozen (gc.unfreeze() after start: what every engine did before), rounds alternated.
+
 Then (detok) incremental detokenization, µs per output token, the model's tokenizer streaming
 through tokenizers' DecodeStream against the same tokenizer decoding a window twice per token
 (engine/detokenizer.py's two paths), on multilingual text, alternated rounds: a cost the engine
@@ -27,6 +35,7 @@ pays for every running request at every step.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -37,7 +46,7 @@ from typing import Any
 
 import torch
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, RequestOutputKind, SamplingParams
 from tokenmill.attention import input_batch
 from tokenmill.bench.alternate import alternate
 from tokenmill.bench.machine import describe_machine
@@ -74,10 +83,12 @@ def instrument(llm: LLM) -> Timings:
 
 
 def start_decode_batch(llm: LLM, batch: int, prompt_len: int, max_tokens: int,
-                       tag: str) -> None:
+                       tag: str, kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+                       ) -> None:
     """`batch` requests prefilled (chunked) until every one decodes."""
     eng = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                            output_kind=kind)
     for i in range(batch):
         eng.add_request(f"{tag}-{i}", [1000 + (i * 7 + j) % 40000 for j in range(prompt_len)],
                         params)
@@ -96,10 +107,10 @@ def step_walls(llm: LLM) -> list[float]:
     return walls
 
 
-def decode_steps(llm: LLM, timings: Timings, batch: int, prompt_len: int, steps: int
-                 ) -> dict[str, float]:
+def decode_steps(llm: LLM, timings: Timings, batch: int, prompt_len: int, steps: int,
+                 kind: RequestOutputKind) -> dict[str, float]:
     """Median ms per decode step of each part, for `batch` requests decoding together."""
-    start_decode_batch(llm, batch, prompt_len, steps + 1, f"b{batch}")
+    start_decode_batch(llm, batch, prompt_len, steps + 1, f"b{batch}-{kind.name}", kind)
     timings.clear()
     walls = step_walls(llm)
     med = lambda xs: statistics.median(xs) * 1e3
@@ -143,6 +154,56 @@ def async_part(model: str | None, steps: int, rounds: int, tp: int = 1) -> None:
                            for m in ("sync", "async", "inline")))
 
 
+def gc_part(model: str | None, requests: int, rounds: int) -> None:
+    print(f"\ngarbage collector pauses in one offline run ({requests} requests, 32 + 64 "
+          f"tokens, max_num_seqs 1024; {rounds} alternated rounds, fresh processes)")
+    got: dict[str, list[dict]] = defaultdict(list)
+    for _ in range(rounds):
+        for mode in ("frozen", "unfrozen"):
+            cmd = [sys.executable, __file__, "--probe", f"gc-{mode}",
+                   "--gc-requests", str(requests)] + (["--model", model] if model else [])
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            got[mode].append(json.loads(out.strip().splitlines()[-1]))
+    print(f"{'heap':>9}{'gen-2':>7}{'gen-2 ms':>10}{'max ms':>8}{'gen-0/1 ms':>11}"
+          f"{'run s':>8}{'step p50':>9}{'p99':>8}{'max':>8}")
+    for mode, runs in got.items():
+        for r in runs:
+            print(f"{mode:>9}{r['gen2']:>7}{r['gen2_ms']:>10.1f}{r['gen2_max_ms']:>8.1f}"
+                  f"{r['young_ms']:>11.1f}{r['run_s']:>8.2f}{r['p50_ms']:>9.2f}"
+                  f"{r['p99_ms']:>8.2f}{r['max_ms']:>8.2f}")
+
+
+def probe_gc(model: str | None, frozen: bool, requests: int) -> None:
+    """One offline run; print the collector's pauses and the step times as JSON."""
+    llm = LLM(model, max_num_seqs=1024)
+    if not frozen:
+        gc.unfreeze()
+    pauses: list[tuple[int, float]] = []
+    began: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            began.append(time.perf_counter())
+        else:
+            pauses.append((info["generation"], time.perf_counter() - began.pop()))
+
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    for i in range(requests):
+        eng.add_request(f"gc-{i}", [1000 + (i * 7 + j) % 40000 for j in range(32)], params)
+    gc.callbacks.append(on_gc)
+    t0 = time.perf_counter()
+    walls = step_walls(llm)
+    run_s = time.perf_counter() - t0
+    gc.callbacks.remove(on_gc)
+    old = [d for g, d in pauses if g == 2]
+    q = statistics.quantiles(walls, n=100)
+    print(json.dumps({"gen2": len(old), "gen2_ms": sum(old) * 1e3,
+                      "gen2_max_ms": max(old, default=0.0) * 1e3,
+                      "young_ms": sum(d for g, d in pauses if g < 2) * 1e3, "run_s": run_s,
+                      "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3, "max_ms": max(walls) * 1e3}))
+
+
 def probe(model: str | None, mode: str, steps: int, tp: int) -> None:
     """One engine, one mode: print {batch: ms per decode step} as JSON."""
     if mode == "inline":  # async launches on the engine's thread, as on a GPU
@@ -161,14 +222,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--async-rounds", type=int, default=3)
     parser.add_argument("--parts", default="overhead,async,detok",
-                        help="overhead (with the argmax comparison), async, detok")
+                        help="overhead (with the argmax comparison), async, gc, detok")
+    parser.add_argument("--output-kinds", default="cumulative,final_only",
+                        help="overhead part: the requests' output kinds (a server's streamed "
+                        "request is cumulative; LLM.generate asks final_only)")
+    parser.add_argument("--gc-requests", type=int, default=4096)
+    parser.add_argument("--gc-rounds", type=int, default=2)
     parser.add_argument("--batches", default="1,64",
                         help="overhead part: the decode batch sizes")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="async part: the engines' TP size (worker processes above 1)")
-    parser.add_argument("--probe", choices=["sync", "async", "inline"], default=None,
-                        help=argparse.SUPPRESS)  # one async_part measurement
+    parser.add_argument("--probe", choices=["sync", "async", "inline", "gc-frozen",
+                                            "gc-unfrozen"], default=None,
+                        help=argparse.SUPPRESS)  # one async_part or gc_part measurement
     args = parser.parse_args()
+    if args.probe and args.probe.startswith("gc-"):
+        return probe_gc(args.model, args.probe == "gc-frozen", args.gc_requests)
     if args.probe:
         return probe(args.model, args.probe, args.steps, args.tensor_parallel_size)
     print(describe_machine())
@@ -176,7 +245,8 @@ def main() -> None:
     if "overhead" in args.parts or "detok" in args.parts:
         llm = LLM(args.model, max_num_seqs=max(256, *batches))
         if "overhead" in args.parts:
-            overhead_part(llm, args.steps, batches)
+            overhead_part(llm, args.steps, batches,
+                          [RequestOutputKind[k.upper()] for k in args.output_kinds.split(",")])
             if cpu_ops.ops_available():
                 argmax_part(llm)
         if "detok" in args.parts:
@@ -184,17 +254,22 @@ def main() -> None:
         del llm
     if "async" in args.parts:
         async_part(args.model, args.steps, args.async_rounds, args.tensor_parallel_size)
+    if "gc" in args.parts:
+        gc_part(args.model, args.gc_requests, args.gc_rounds)
 
 
-def overhead_part(llm: LLM, steps: int, batches: list[int]) -> None:
+def overhead_part(llm: LLM, steps: int, batches: list[int],
+                  kinds: list[RequestOutputKind]) -> None:
     timings = instrument(llm)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     cols = ["wall", "forward", "logits", "engine", "schedule", "inputs", "metadata", "sample",
             "outputs"]
     print("batch " + "".join(f"{c:>10}" for c in cols) + "   (ms per decode step, medians)")
     for batch in batches:
-        parts = decode_steps(llm, timings, batch, 128 if batch == 1 else 32, steps)
-        print(f"{batch:>5} " + "".join(f"{parts[c]:>10.3f}" for c in cols))
+        for kind in kinds:
+            parts = decode_steps(llm, timings, batch, 128 if batch == 1 else 32, steps, kind)
+            print(f"{batch:>5} " + "".join(f"{parts[c]:>10.3f}" for c in cols)
+                  + f"   {kind.name}")
 
 
 def argmax_part(llm: LLM) -> None:

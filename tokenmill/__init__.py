@@ -22,7 +22,7 @@ from tokenmill.outputs import (
     RequestOutput,
 )
 from tokenmill.pooling_params import PoolerConfig, PoolingParams
-from tokenmill.sampling_params import BeamSearchParams, SamplingParams
+from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from tokenmill.structured_output.params import StructuredOutputsParams
 from tokenmill.utils import heap
 
@@ -33,4 +33,4 @@ __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
            "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "EngineArgs",
            "EngineConfig",
            "LLMEngine", "LoRARequest", "Logprob", "PoolerConfig", "PoolingParams", "RequestOutput",
-           "SamplingParams", "StructuredOutputsParams", "__version__"]
+           "RequestOutputKind", "SamplingParams", "StructuredOutputsParams", "__version__"]

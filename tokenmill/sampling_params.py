@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any
 
 from tokenmill.structured_output.params import StructuredOutputsParams
@@ -23,6 +24,20 @@ _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # the OpenAI API's cap on top_logprobs
 # Seeds are 64-bit signed integers, as in vLLM's API: torch generators take no more.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+class RequestOutputKind(IntEnum):
+    """What each RequestOutput of a request holds (vLLM's `RequestOutputKind`, same values).
+
+    CUMULATIVE: everything so far, at every step (the default). DELTA: only what is new since
+    the request's previous output (text, token_ids, logprobs; cumulative_logprob stays the
+    running total; prompt_logprobs come with the first output only), and only the samples that
+    changed. FINAL_ONLY: one output, when the request finishes (`LLM.generate` asks this:
+    nothing is built for the steps in between)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -49,6 +64,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # the output must match a JSON schema, regex, choice or grammar (structured_output/)
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._check_int("n", self.n, 1)
@@ -89,6 +105,11 @@ class SamplingParams:
         elif not isinstance(self.structured_outputs, StructuredOutputsParams | None):
             raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")
+        if (not isinstance(self.output_kind, int) or isinstance(self.output_kind, bool)
+                or self.output_kind not in set(RequestOutputKind)):
+            raise ValueError("output_kind must be a RequestOutputKind (0 CUMULATIVE, 1 DELTA, "
+                             f"2 FINAL_ONLY), got {self.output_kind!r}")
+        self.output_kind = RequestOutputKind(self.output_kind)
 
     @staticmethod
     def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:

@@ -103,7 +103,8 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._deadlines: list[tuple[float, str]] = []  # heap of (monotonic deadline, id)
-        self._timings = RequestTimings()
+        if on_step is not None:  # the engine's output processor times each request
+            engine.outputs.timings = RequestTimings()
         self._wakeup = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
@@ -215,7 +216,7 @@ class AsyncLLM:
     def _run(self) -> None:
         while not self._stop.is_set():
             if self._drain_commands() | self._expire_deadlines():
-                self._publish([])
+                self._publish()
             if not self.engine.has_unfinished_requests():
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
@@ -230,12 +231,9 @@ class AsyncLLM:
             except Exception as e:  # EngineDeadError, or a bug outside any one request
                 self._die(e)
                 return
-            for out in outputs:
-                if out.error is not None:
-                    self._timings.forget(out.request_id)
             # metrics first: a client that has its last token and then reads /metrics finds
             # the step counted (delivered first, a loaded machine let it read them before)
-            self._publish([o for o in outputs if o.error is None])
+            self._publish()
             self._deliver_all([(out.request_id, out) for out in outputs])
         self._fail_all(EngineDeadError("the server is shutting down"))
 
@@ -265,7 +263,6 @@ class AsyncLLM:
                     done.set_exception(e)
             elif kind == "abort":
                 self.engine.abort_request(payload)
-                self._timings.forget(payload)
             else:  # abort_all
                 for request_id in self.engine.outputs.request_ids():
                     self._finish_aborted(request_id)
@@ -282,7 +279,6 @@ class AsyncLLM:
         if out is None:
             return False
         logger.info("request %s aborted: %s", request_id, why)
-        self._timings.forget(request_id)
         self._deliver(request_id, out)
         return True
 
@@ -301,10 +297,10 @@ class AsyncLLM:
         for loop, puts in by_loop.items():
             loop.call_soon_threadsafe(_put_all, puts)
 
-    def _publish(self, outputs: list[RequestOutput]) -> None:
+    def _publish(self) -> None:
         if self.on_step is None:
             return
-        step: StepTimings = self._timings.observe(outputs)
+        step: StepTimings = self.engine.outputs.timings.take()
         stats: SchedulerStats = self.engine.stats()
         self.on_step(stats, step)
 
@@ -312,7 +308,7 @@ class AsyncLLM:
         logger.critical("the engine died: %s: %s", type(error).__name__, error, exc_info=error)
         self.dead_error = error
         self._fail_all(EngineDeadError(f"the engine died: {error}"))
-        self._publish([])
+        self._publish()
         if self.on_dead is not None:
             self.on_dead(error)
 
@@ -322,5 +318,4 @@ class AsyncLLM:
                 self.engine.abort_request(request_id)
             except Exception:  # a dead engine's state may be inconsistent; streams still end
                 logger.exception("abort of %s failed", request_id)
-            self._timings.forget(request_id)
             self._deliver(request_id, error)

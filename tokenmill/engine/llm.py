@@ -9,6 +9,7 @@ subclass) and drives it until every submitted request has finished.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +22,7 @@ from tokenmill.engine_args import EngineArgs
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenmill.pooling_params import PoolingParams
-from tokenmill.sampling_params import BeamSearchParams, SamplingParams
+from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -79,6 +80,8 @@ class LLM:
         refused aborts those added before it."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(params, len(prompts), kind)
+        if kind is SamplingParams:
+            params = _final_only(params)
         loras = _as_lora_list(lora_request, len(prompts))
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
@@ -165,6 +168,18 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # a single prompt given as token ids
     return prompts
+
+
+def _final_only(params: list[SamplingParams]) -> list[SamplingParams]:
+    """The params asking for the final output only (as vLLM's LLM does: generate returns
+    nothing else, so no output is built for the steps in between); copies, the caller's
+    objects are left as they were."""
+    copies: dict[int, SamplingParams] = {}
+    for p in params:
+        if id(p) not in copies:
+            copies[id(p)] = (p if p.output_kind is RequestOutputKind.FINAL_ONLY else
+                             dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY))
+    return [copies[id(p)] for p in params]
 
 
 def _as_lora_list(lora_request: Any, n: int) -> list[LoRARequest | None]:

@@ -49,6 +49,7 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SEED_MIN, SamplingParams
 from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.utils.cpp_extension import prebuild_cpu_extensions
+from tokenmill.utils.gc_heap import freeze_startup_heap
 from tokenmill.utils.profiling import scope
 from tokenmill.worker.model_runner import KVBlockOpsError, ModelRunner
 
@@ -101,6 +102,7 @@ class LLMEngine:
         # running; pipeline parallelism: one per stage)
         self._in_flight: deque[tuple[SchedulerOutput, GrammarOutput | None,
                                      Future[Future[ModelRunnerOutput]]]] = deque()
+        freeze_startup_heap()  # last: the engine's own objects are start-up heap too
 
     @property
     def runner(self) -> ModelRunner:

@@ -8,10 +8,17 @@ are added up here too (engine/pooled_outputs.py), into an EmbeddingRequestOutput
 
 While a sample with stop strings is running, its visible text holds back the last
 (longest stop string - 1) characters, which could still turn out to begin a stop string.
+
+What an output holds follows the request's `output_kind` (sampling_params.RequestOutputKind):
+everything so far (CUMULATIVE), what is new since its last output (DELTA: each sample keeps how
+much of its tokens, visible text and logprobs it has handed out), or nothing until it finishes
+(FINAL_ONLY: no output is built for the steps in between, the offline `LLM`'s saving at a
+thousand running requests).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +26,7 @@ from tokenmill.core.interface import ModelRunnerOutput, PositionLogprobs
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.pooled_outputs import PooledState
+from tokenmill.metrics.stats import RequestTimings
 from tokenmill.outputs import (
     CompletionOutput,
     EmbeddingRequestOutput,
@@ -26,7 +34,7 @@ from tokenmill.outputs import (
     PositionLogprobDict,
     RequestOutput,
 )
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -40,6 +48,18 @@ class SampleState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # DELTA outputs: how much has been handed out (tokens, visible characters, logprobs),
+    # and whether the finish reason has
+    sent_tokens: int = 0
+    sent_text: int = 0
+    sent_logprobs: int = 0
+    sent_finish: bool = False
+
+    def visible_text(self) -> str:
+        text = self.detok.text
+        if self.finish_reason is None and self.params.stop:
+            return text[:max(0, len(text) - self.params.stop_buffer_length)]
+        return text
 
 
 @dataclass
@@ -48,8 +68,11 @@ class ParentState:
     prompt: str | None
     prompt_token_ids: list[int]
     leader: Request  # its first_scheduled_time is the request's
+    kind: RequestOutputKind
     samples: list[SampleState] = field(default_factory=list)
+    child_ids: list[str] = field(default_factory=list)  # the scheduler's, one per sample
     prompt_logprobs: list[PositionLogprobDict | None] | None = None
+    sent_prompt_logprobs: bool = False  # DELTA: they come with the first output only
 
     @property
     def finished(self) -> bool:
@@ -63,11 +86,14 @@ class OutputProcessor:
         self.samples: dict[str, SampleState] = {}  # scheduler request id → sample
         self.pooled: dict[str, PooledState] = {}  # embedding requests (one id for both)
         self._token_text: dict[int, str] = {}
+        # latency observations, for whoever reports them (the server's AsyncLLM sets it)
+        self.timings: RequestTimings | None = None
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
             children: list[Request]) -> None:
-        parent = ParentState(request_id, prompt, prompt_token_ids, children[0])
         params = children[0].sampling_params
+        parent = ParentState(request_id, prompt, prompt_token_ids, children[0],
+                             params.output_kind)
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None] * len(prompt_token_ids)
         for i, child in enumerate(children):
@@ -78,6 +104,7 @@ class OutputProcessor:
             if p.logprobs is not None:
                 sample.logprobs, sample.cumulative_logprob = [], 0.0
             parent.samples.append(sample)
+            parent.child_ids.append(child.request_id)
             self.samples[child.request_id] = sample
         self.parents[request_id] = parent
 
@@ -87,13 +114,16 @@ class OutputProcessor:
     def child_ids(self, request_id: str) -> list[str]:
         if request_id in self.pooled:
             return [request_id]
-        return [cid for cid, s in self.samples.items() if s.parent.request_id == request_id]
+        parent = self.parents.get(request_id)
+        return [] if parent is None else list(parent.child_ids)
 
     def remove(self, request_id: str) -> None:
         for cid in self.child_ids(request_id):
             self.samples.pop(cid, None)
         self.parents.pop(request_id, None)
         self.pooled.pop(request_id, None)
+        if self.timings is not None:
+            self.timings.forget(request_id)
 
     def is_known(self, request_id: str) -> bool:
         return request_id in self.parents or request_id in self.pooled
@@ -117,6 +147,7 @@ class OutputProcessor:
             if s.finish_reason is None:
                 s.finish_reason = finish_reason
         out = self._make_output(parent)
+        assert out is not None  # (every kind gives a finished request its output)
         out.error = error
         return out
 
@@ -129,29 +160,43 @@ class OutputProcessor:
     def process(self, progressed: list[Request], runner_out: ModelRunnerOutput
                 ) -> tuple[list[RequestOutput | EmbeddingRequestOutput], list[str]]:
         """Outputs of the requests that moved, and sample ids that hit a stop string."""
-        touched: dict[str, ParentState] = {}
+        now = time.monotonic()
         for rid, (first, n, vector) in runner_out.pooled.items():
             if (pooled := self.pooled.get(rid)) is not None:
                 pooled.add(first, n, vector)
         embeddings = []
         for request in [r for r in progressed if r.request_id in self.pooled]:
             if request.is_finished:  # (only a finished embedding request progresses)
-                embeddings.append(self.pooled.pop(request.request_id).output())
+                embeddings.append(out := self.pooled.pop(request.request_id).output())
+                if self.timings is not None:
+                    self.timings.pooled(out.request_id, out.metrics,
+                                        len(out.prompt_token_ids), now)
         progressed = [r for r in progressed if r.pooling_params is None]
         for rid, (start, lps) in runner_out.prompt_logprobs.items():
             parent = self.samples[rid].parent
             for j in range(len(lps.token_ids)):
                 parent.prompt_logprobs[start + j] = self._to_dict(lps, j)
         stopped = []
+        touched: dict[str, ParentState] = {}
+        new_tokens: dict[str, int] = {}  # user request id → tokens this step, all samples
         for request in progressed:
             sample = self.samples[request.request_id]
+            before = len(sample.token_ids)
             if self._update_sample(sample, request, runner_out.logprobs.get(request.request_id)):
                 stopped.append(request.request_id)
-            touched[sample.parent.request_id] = sample.parent
-        outputs = [self._make_output(p) for p in touched.values()]
-        for p in touched.values():
-            if p.finished:
-                self.remove(p.request_id)
+            pid = sample.parent.request_id
+            touched[pid] = sample.parent
+            new_tokens[pid] = new_tokens.get(pid, 0) + len(sample.token_ids) - before
+        outputs: list[RequestOutput | EmbeddingRequestOutput] = []
+        for pid, p in touched.items():
+            finished = p.finished
+            if self.timings is not None:
+                self.timings.progress(pid, self._metrics(p), len(p.prompt_token_ids),
+                                      new_tokens[pid], finished, now)
+            if (out := self._make_output(p)) is not None:
+                outputs.append(out)
+            if finished:
+                self.remove(pid)
         return outputs + embeddings, stopped
 
     def _update_sample(self, s: SampleState, request: Request,
@@ -178,23 +223,27 @@ class OutputProcessor:
         s.finish_reason, s.stop_reason = "stop", stop
         return stopped_before
 
-    def _make_output(self, parent: ParentState) -> RequestOutput:
-        completions = []
-        for s in parent.samples:
-            text = s.detok.text
-            if s.finish_reason is None and s.params.stop:
-                text = text[:max(0, len(text) - s.params.stop_buffer_length)]
-            completions.append(CompletionOutput(
-                index=s.index, text=text, token_ids=list(s.token_ids),
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                cumulative_logprob=s.cumulative_logprob))
+    def _make_output(self, parent: ParentState) -> RequestOutput | None:
+        """The parent's output as its kind asks; None while a FINAL_ONLY one runs."""
+        finished = parent.finished
+        if parent.kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = parent.kind is RequestOutputKind.DELTA
+        completions = [c for s in parent.samples
+                       if (c := (_delta(s) if delta else _cumulative(s))) is not None]
+        prompt_logprobs = parent.prompt_logprobs
+        if delta:
+            prompt_logprobs = None if parent.sent_prompt_logprobs else prompt_logprobs
+            parent.sent_prompt_logprobs = True
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, outputs=completions,
-            finished=parent.finished, prompt_logprobs=parent.prompt_logprobs,
-            metrics={"arrival_time": parent.leader.arrival_time,
-                     "first_scheduled_time": parent.leader.first_scheduled_time})
+            finished=finished, prompt_logprobs=prompt_logprobs, metrics=self._metrics(parent))
+
+    @staticmethod
+    def _metrics(parent: ParentState) -> dict[str, float]:
+        return {"arrival_time": parent.leader.arrival_time,
+                "first_scheduled_time": parent.leader.first_scheduled_time}
 
     def _to_dict(self, lps: PositionLogprobs, j: int) -> PositionLogprobDict:
         out: PositionLogprobDict = {}
@@ -208,6 +257,32 @@ class OutputProcessor:
         if text is None:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
+
+
+def _cumulative(s: SampleState) -> CompletionOutput:
+    return CompletionOutput(
+        index=s.index, text=s.visible_text(), token_ids=list(s.token_ids),
+        finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+        logprobs=list(s.logprobs) if s.logprobs is not None else None,
+        cumulative_logprob=s.cumulative_logprob)
+
+
+def _delta(s: SampleState) -> CompletionOutput | None:
+    """What the sample has not handed out yet, marked as handed out; None if nothing (no new
+    tokens, no new visible text, its finish already reported)."""
+    text = s.visible_text()
+    new_finish = s.finish_reason is not None and not s.sent_finish
+    if len(s.token_ids) == s.sent_tokens and len(text) <= s.sent_text and not new_finish:
+        return None
+    out = CompletionOutput(
+        index=s.index, text=text[s.sent_text:], token_ids=s.token_ids[s.sent_tokens:],
+        finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+        logprobs=s.logprobs[s.sent_logprobs:] if s.logprobs is not None else None,
+        cumulative_logprob=s.cumulative_logprob)
+    s.sent_tokens, s.sent_text = len(s.token_ids), max(s.sent_text, len(text))
+    s.sent_logprobs = len(s.logprobs) if s.logprobs is not None else 0
+    s.sent_finish = s.finish_reason is not None
+    return out
 
 
 def _find_stop(text: str, delta_len: int, params: SamplingParams) -> tuple[int, str] | None:

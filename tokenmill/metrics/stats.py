@@ -1,5 +1,5 @@
 """Statistics the engine reports: a snapshot of the scheduler after a step, and per-request
-timings (TTFT, inter-token latency, end-to-end latency, queue time) derived from outputs.
+timings (TTFT, inter-token latency, end-to-end latency, queue time) from each step's progress.
 
 All times are `time.monotonic()` seconds.
 """
@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
 
 if TYPE_CHECKING:
     from tokenmill.core.kv_cache_manager import KVCacheManager
@@ -134,47 +131,63 @@ class StepTimings:
 
 
 class RequestTimings:
-    """Follows each request's outputs and turns them into latency observations."""
+    """Turns each request's progress into latency observations, accumulated until `take`.
+
+    The engine's output processor reports every step's progress here (new tokens per user
+    request, whatever its output kind: a FINAL_ONLY request hands back no output until it
+    ends, yet its first token and each step's tokens are timed when they come), so the
+    observations are vLLM v1's: TTFT when the first token is back, one inter-token
+    observation per later step that produced tokens, end-to-end when it finishes."""
 
     def __init__(self) -> None:
         self._timers: dict[str, RequestTimer] = {}
+        self._step = StepTimings()
 
-    def observe(self, outputs: list[RequestOutput], now: float | None = None) -> StepTimings:
-        now = time.monotonic() if now is None else now
-        step = StepTimings()
-        for out in outputs:
-            t = self._timers.get(out.request_id)
-            if t is None:
-                t = self._timers[out.request_id] = RequestTimer(out.metrics["arrival_time"])
-            if isinstance(out, EmbeddingRequestOutput):  # one output, when its prompt is done
-                step.prompt_tokens += len(out.prompt_token_ids)
-                scheduled = out.metrics.get("first_scheduled_time")
-                if scheduled is not None:
-                    step.queue.append(scheduled - t.arrival_time)
-                step.e2e.append(now - t.arrival_time)
-                step.finished += 1
-                del self._timers[out.request_id]
-                continue
-            n = sum(len(c.token_ids) for c in out.outputs)
-            new = n - t.num_tokens
-            if new > 0:
-                if t.first_token_time is None:
-                    t.first_token_time = now
-                    step.ttft.append(now - t.arrival_time)
-                    step.prompt_tokens += len(out.prompt_token_ids)
-                    scheduled = out.metrics.get("first_scheduled_time")
-                    if scheduled is not None:
-                        step.queue.append(scheduled - t.arrival_time)
-                else:  # as in vLLM v1: one observation per step that produced tokens
-                    step.inter_token.append(now - t.last_token_time)
-                t.last_token_time = now
-                t.num_tokens = n
-                step.generation_tokens += new
-            if out.finished:
-                step.e2e.append(now - t.arrival_time)
-                step.finished += 1
-                del self._timers[out.request_id]
+    def progress(self, request_id: str, metrics: dict[str, float], num_prompt_tokens: int,
+                 new_tokens: int, finished: bool, now: float) -> None:
+        """A generating request produced `new_tokens` (maybe 0) this step; `metrics`: its
+        arrival_time and first_scheduled_time."""
+        step = self._step
+        t = self._timers.get(request_id)
+        if t is None:
+            t = self._timers[request_id] = RequestTimer(metrics["arrival_time"])
+        if new_tokens > 0:
+            if t.first_token_time is None:
+                t.first_token_time = now
+                step.ttft.append(now - t.arrival_time)
+                step.prompt_tokens += num_prompt_tokens
+                self._queued(metrics, t)
+            else:  # as in vLLM v1: one observation per step that produced tokens
+                step.inter_token.append(now - t.last_token_time)
+            t.last_token_time = now
+            t.num_tokens += new_tokens
+            step.generation_tokens += new_tokens
+        if finished:
+            self._finished(request_id, t, now)
+
+    def pooled(self, request_id: str, metrics: dict[str, float], num_prompt_tokens: int,
+               now: float) -> None:
+        """An embedding request's prompt is done: its one output."""
+        t = self._timers.get(request_id) or RequestTimer(metrics["arrival_time"])
+        self._step.prompt_tokens += num_prompt_tokens
+        self._queued(metrics, t)
+        self._finished(request_id, t, now)
+
+    def take(self) -> StepTimings:
+        """The observations since the last take."""
+        step, self._step = self._step, StepTimings()
         return step
 
     def forget(self, request_id: str) -> None:
+        """It ended otherwise (aborted, failed): never observed as finished."""
+        self._timers.pop(request_id, None)
+
+    def _queued(self, metrics: dict[str, float], t: RequestTimer) -> None:
+        scheduled = metrics.get("first_scheduled_time")
+        if scheduled is not None:
+            self._step.queue.append(scheduled - t.arrival_time)
+
+    def _finished(self, request_id: str, t: RequestTimer, now: float) -> None:
+        self._step.e2e.append(now - t.arrival_time)
+        self._step.finished += 1
         self._timers.pop(request_id, None)

@@ -33,7 +33,13 @@ from pydantic import (
     model_validator,
 )
 
-from tokenmill.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+from tokenmill.sampling_params import (
+    MAX_LOGPROBS,
+    SEED_MAX,
+    SEED_MIN,
+    RequestOutputKind,
+    SamplingParams,
+)
 from tokenmill.structured_output.params import StructuredOutputsParams
 
 MAX_N = 128  # OpenAI's own cap on n
@@ -164,7 +170,11 @@ class SamplingFields(StrictModel):
             min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
             logit_bias=self.logit_bias, skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            structured_outputs=self.structured_outputs_params())
+            structured_outputs=self.structured_outputs_params(),
+            # a response sent whole needs only the final output (as vLLM's server asks): no
+            # output is built, nor handed to the event loop, for the steps in between
+            output_kind=(RequestOutputKind.CUMULATIVE if self.stream
+                         else RequestOutputKind.FINAL_ONLY))
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one structured-output constraint the request sets, or None; ValueError naming

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from tokenmill.utils.gc_heap import freeze_startup_heap
+
 # A collective whose peer never arrives (a rank stuck or desynchronised) fails after this long
 # instead of hanging the engine forever.
 COLLECTIVE_TIMEOUT_S = 120
@@ -100,6 +102,7 @@ def worker_main(rank: int, world_size: int, config: Any, init_method: str, conn:
     torch.set_num_threads(num_threads)
     try:
         runner = build_runner(rank, world_size, config, init_method, shm_paths)
+        freeze_startup_heap()
         conn.send(("ready", runner_facts(runner)))
     except BaseException:
         conn.send(("error", traceback.format_exc()))

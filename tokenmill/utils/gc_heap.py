@@ -1,0 +1,26 @@
+"""Keep the start-up heap out of Python's cyclic garbage collector (vLLM's freeze_gc_heap).
+
+An engine holds millions of long-lived objects once started (torch, transformers, the model's
+modules, the tokenizer). Every collection of the oldest generation walks all of them: on a
+2-core machine that was a pause of ~140 ms inside a step, several times a minute under load.
+Frozen (gc.freeze), they are never walked again; objects made later (requests, outputs) are
+collected as before.
+
+Invariant: called once the engine is built, after a full collection, so nothing already
+garbage is frozen. Frozen objects are still freed by reference counting when dropped; only a
+reference cycle among them would outlive its last reference (the engine holds none: the
+test checks a dropped engine's model is freed).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+def freeze_startup_heap() -> None:
+    gc.collect()
+    gc.freeze()
+    logger.debug("froze %d start-up objects out of the garbage collector", gc.get_freeze_count())
