@@ -147,3 +147,28 @@ def test_output_kind_accepts_its_values(value, want):
 def test_output_kind_refuses_anything_else(value):
     with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
         SamplingParams(output_kind=value)
+
+
+def test_latencies_are_observed_alike_whatever_the_kind(llm, stop_string):
+    """The server's TTFT / inter-token / end-to-end observations come from each step's
+    progress: a FINAL_ONLY request, which hands back one output, is timed as a streamed one."""
+    from tokenmill.metrics.stats import RequestTimings
+
+    eng = llm.engine
+    counts = {}
+    for kind in KINDS:
+        eng.outputs.timings = timings = RequestTimings()
+        try:
+            got = _run(llm, kind, stop_string)
+        finally:
+            eng.outputs.timings = None
+        step = timings.take()
+        generated = sum(len(c.token_ids) for outs in got.values() for o in outs
+                        for c in o.outputs)
+        counts[kind] = (len(step.ttft), len(step.inter_token), len(step.e2e), step.finished,
+                        step.generation_tokens, step.prompt_tokens)
+        if kind is not KINDS.CUMULATIVE:
+            assert step.generation_tokens == generated
+    ttft, inter_token, e2e, finished = counts[KINDS.CUMULATIVE][:4]
+    assert ttft == e2e == finished == 3 and inter_token > 10
+    assert counts[KINDS.DELTA] == counts[KINDS.CUMULATIVE] == counts[KINDS.FINAL_ONLY]
