@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tokenmill.attention.base import AttentionBackend, AttentionLayer
@@ -85,15 +86,13 @@ class CPUPagedAttention(AttentionBackend):
         self._op = op
 
     def build_metadata(self, batch: InputBatch) -> CPUAttentionMetadata:
-        seq_rows: list[int] = []
-        ctx_lens: list[int] = []
-        for i, n in enumerate(batch.query_lens):
-            first_ctx = batch.seq_lens[i] - n + 1  # query j sees the cache up to itself
-            seq_rows += [i] * n
-            ctx_lens += range(first_ctx, first_ctx + n)
+        # query token t (of sequence seq_rows[t], at position p) sees the cache up to itself:
+        # p + 1 keys
+        seq_rows = np.repeat(np.arange(len(batch.query_lens)), batch.query_lens)
+        ctx_lens = batch.positions + 1
         many = len(seq_rows) >= 4 * torch.get_num_threads()
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
-        paged = PagedQueries(seq_rows=as_long(seq_rows), ctx_lens=as_long(ctx_lens),
+        paged = PagedQueries(seq_rows=torch.from_numpy(seq_rows).to(self.device),
+                             ctx_lens=ctx_lens.to(self.device),
                              block_tables=batch.block_tables,
                              split_keys=SPLIT_KEYS if self.invariant or many else 0)
         return CPUAttentionMetadata(num_tokens=batch.num_tokens,

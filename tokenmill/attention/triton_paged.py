@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tokenmill.attention.base import AttentionBackend, AttentionLayer, DecodeGraphState
@@ -107,44 +108,50 @@ class TritonPagedAttention(AttentionBackend):
     def build_metadata(self, batch: InputBatch) -> TritonAttentionMetadata:
         meta = TritonAttentionMetadata(num_tokens=batch.num_tokens,
                                        slot_mapping=batch.slot_mapping)
-        decode: list[tuple[int, int, int, int]] = []
-        chunk: list[tuple[int, int, int, int]] = []
-        for i, n in enumerate(batch.query_lens):
-            start = batch.query_start_locs[i]
-            first_ctx = batch.seq_lens[i] - n + 1  # the first query sees the cache up to itself
-            if n == 1:
-                decode.append((i, start, 1, first_ctx))
-                continue
-            for j in range(0, n, PREFILL_TILE):
-                chunk.append((i, start + j, min(PREFILL_TILE, n - j), first_ctx + j))
-        for tile, tiles in ((1, decode), (PREFILL_TILE, chunk)):
-            if tiles:
-                meta.tiles.append(self._query_tiles(tile, tiles, batch.block_tables))
-        keys = [first for *_, first in decode]
-        if keys and max(keys) > self.split_keys:
+        q_lens = np.array(batch.query_lens, dtype=np.int64)
+        q_starts = np.array(batch.query_start_locs[:-1], dtype=np.int64)
+        # the first query of each sequence sees the cache up to itself
+        first_ctx = np.array(batch.seq_lens, dtype=np.int64) - q_lens + 1
+        rows = np.arange(len(q_lens))
+        decode = q_lens == 1
+        if decode.any():
+            meta.tiles.append(self._query_tiles(1, np.stack(
+                [rows[decode], q_starts[decode], q_lens[decode], first_ctx[decode]]),
+                batch.block_tables))
+        if not decode.all():  # each longer query in tiles of PREFILL_TILE tokens
+            chunked = rows[~decode]
+            per_row = -(-q_lens[chunked] // PREFILL_TILE)
+            tile_rows = np.repeat(chunked, per_row)
+            offsets = PREFILL_TILE * _index_within_runs(per_row)
+            meta.tiles.append(self._query_tiles(PREFILL_TILE, np.stack(
+                [tile_rows, q_starts[tile_rows] + offsets,
+                 np.minimum(PREFILL_TILE, q_lens[tile_rows] - offsets),
+                 first_ctx[tile_rows] + offsets]), batch.block_tables))
+        keys = first_ctx[decode]
+        if keys.size and keys.max() > self.split_keys:
             meta.tiles[0].split = self._split_work(keys)
         # else every decode is one split: the unsplit kernel computes it bit for bit, without
         # the merge's launch (a CUDA graph's fixed layout always splits)
         return meta
 
-    def _split_work(self, keys: list[int]) -> SplitWork:
+    def _split_work(self, keys: np.ndarray | list[int]) -> SplitWork:
         """Work items for decode tiles seeing `keys` keys each (SplitWork)."""
-        starts, tiles, splits = [], [], []
-        for t, n in enumerate(keys):
-            starts.append(len(tiles))
-            count = cdiv(n, self.split_keys)
-            tiles += [t] * count
-            splits += range(count)
-        cols = tensor_on(tiles + splits + starts, self.device, torch.int32)
+        keys = np.asarray(keys, dtype=np.int64)
+        counts = -(-keys // self.split_keys)
+        starts = np.cumsum(counts) - counts
+        tiles = np.repeat(np.arange(len(keys)), counts)
+        splits = _index_within_runs(counts)
+        cols = tensor_on(np.concatenate([tiles, splits, starts]).astype(np.int32),
+                         self.device)
         w = len(tiles)
         return SplitWork(cols[:w], cols[w:2 * w], cols[2 * w:], self.split_keys)
 
-    def _query_tiles(self, tile: int, tiles: list[tuple[int, int, int, int]],
-                     block_tables: torch.Tensor) -> QueryTiles:
-        cols = torch.tensor(tiles, dtype=torch.int32).T.contiguous()  # (4, N)
-        cols = to_device([cols], self.device)[0]
-        return QueryTiles(tile=tile, rows=cols[0], q_starts=cols[1], q_lens=cols[2],
-                          first_ctx=cols[3], block_tables=block_tables)
+    def _query_tiles(self, tile: int, cols: np.ndarray, block_tables: torch.Tensor
+                     ) -> QueryTiles:
+        """cols (4, N): each tile's row, first query, query count and first context."""
+        t = to_device([torch.from_numpy(cols.astype(np.int32))], self.device)[0]
+        return QueryTiles(tile=tile, rows=t[0], q_starts=t[1], q_lens=t[2], first_ctx=t[3],
+                          block_tables=block_tables)
 
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, kv_cache: torch.Tensor, meta: TritonAttentionMetadata
@@ -225,3 +232,9 @@ class TritonDecodeGraphState(DecodeGraphState):
         self.block_tables[:n, :width].copy_(batch.block_tables)
         self.block_tables[n:size, 0].zero_()  # padding rows: the null block
         return True
+
+
+def _index_within_runs(lengths: np.ndarray) -> np.ndarray:
+    """0, 1, ..., n - 1 for each run length n, concatenated ([2, 3] -> [0, 1, 0, 1, 2])."""
+    ends = np.cumsum(lengths)
+    return np.arange(ends[-1] if len(ends) else 0) - np.repeat(ends - lengths, lengths)

@@ -12,8 +12,10 @@ tensor_on), so building them never waits for the step's forward pass.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tokenmill.attention.input_batch import tensor_on, to_device
@@ -134,7 +136,10 @@ def _token_counts(token_lists: list[list[int]], S: int, V: int,
                   like: torch.Tensor) -> torch.Tensor:
     """(S, V) counts of each token id in each row's list, via one bincount over offset ids."""
     lengths = torch.tensor([len(t) for t in token_lists])
-    flat = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long)
+    # (numpy reads the lists at ~10 ns a token: every prompt and output token of the rows
+    # with penalties, at every step)
+    flat = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(token_lists), np.int64,
+                                        int(lengths.sum())))
     if flat.numel() == 0:
         return torch.zeros(S, V, dtype=like.dtype, device=like.device)
     offsets = torch.repeat_interleave(torch.arange(S) * V, lengths)
