@@ -73,6 +73,7 @@ class ParentState:
     child_ids: list[str] = field(default_factory=list)  # the scheduler's, one per sample
     prompt_logprobs: list[PositionLogprobDict | None] | None = None
     sent_prompt_logprobs: bool = False  # DELTA: they come with the first output only
+    num_timed_tokens: int = 0  # tokens reported to the latency observations (all samples)
 
     @property
     def finished(self) -> bool:
@@ -146,7 +147,7 @@ class OutputProcessor:
         for s in parent.samples:
             if s.finish_reason is None:
                 s.finish_reason = finish_reason
-        out = self._make_output(parent)
+        out = self._make_output(parent, finished=True)
         assert out is not None  # (every kind gives a finished request its output)
         out.error = error
         return out
@@ -178,26 +179,28 @@ class OutputProcessor:
                 parent.prompt_logprobs[start + j] = self._to_dict(lps, j)
         stopped = []
         touched: dict[str, ParentState] = {}
-        new_tokens: dict[str, int] = {}  # user request id → tokens this step, all samples
         for request in progressed:
             sample = self.samples[request.request_id]
-            before = len(sample.token_ids)
             if self._update_sample(sample, request, runner_out.logprobs.get(request.request_id)):
                 stopped.append(request.request_id)
-            pid = sample.parent.request_id
-            touched[pid] = sample.parent
-            new_tokens[pid] = new_tokens.get(pid, 0) + len(sample.token_ids) - before
+            touched[sample.parent.request_id] = sample.parent
         outputs: list[RequestOutput | EmbeddingRequestOutput] = []
         for pid, p in touched.items():
             finished = p.finished
             if self.timings is not None:
-                self.timings.progress(pid, self._metrics(p), len(p.prompt_token_ids),
-                                      new_tokens[pid], finished, now)
-            if (out := self._make_output(p)) is not None:
+                self._time(p, finished, now)
+            if (out := self._make_output(p, finished)) is not None:
                 outputs.append(out)
             if finished:
                 self.remove(pid)
         return outputs + embeddings, stopped
+
+    def _time(self, parent: ParentState, finished: bool, now: float) -> None:
+        """Report the parent's progress since the last step to the latency observations."""
+        num_tokens = sum(len(s.token_ids) for s in parent.samples)
+        new, parent.num_timed_tokens = num_tokens - parent.num_timed_tokens, num_tokens
+        self.timings.progress(parent.request_id, self._metrics(parent),
+                              len(parent.prompt_token_ids), new, finished, now)
 
     def _update_sample(self, s: SampleState, request: Request,
                        lps: PositionLogprobs | None) -> bool:
@@ -223,18 +226,17 @@ class OutputProcessor:
         s.finish_reason, s.stop_reason = "stop", stop
         return stopped_before
 
-    def _make_output(self, parent: ParentState) -> RequestOutput | None:
+    def _make_output(self, parent: ParentState, finished: bool) -> RequestOutput | None:
         """The parent's output as its kind asks; None while a FINAL_ONLY one runs."""
-        finished = parent.finished
         if parent.kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        delta = parent.kind is RequestOutputKind.DELTA
-        completions = [c for s in parent.samples
-                       if (c := (_delta(s) if delta else _cumulative(s))) is not None]
         prompt_logprobs = parent.prompt_logprobs
-        if delta:
+        if parent.kind is RequestOutputKind.DELTA:
+            completions = [c for s in parent.samples if (c := _delta(s)) is not None]
             prompt_logprobs = None if parent.sent_prompt_logprobs else prompt_logprobs
             parent.sent_prompt_logprobs = True
+        else:
+            completions = [_cumulative(s) for s in parent.samples]
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, outputs=completions,
