@@ -19,9 +19,11 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.request_states import RequestStates
 
 
-def scheduler(mode: str = "recompute", num_blocks: int = 40, budget: int = 48) -> Scheduler:
+def scheduler(mode: str = "recompute", num_blocks: int = 40, budget: int = 48,
+              sliding_window: int | None = None) -> Scheduler:
     kv = KVCacheManager(num_blocks, 4, enable_prefix_caching=True,
-                        num_swap_blocks=64 if mode == "swap" else 0)
+                        num_swap_blocks=64 if mode == "swap" else 0,
+                        sliding_window=sliding_window)
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8,
                           preemption_mode=mode)
     return Scheduler(cfg, kv, max_model_len=512)
@@ -85,6 +87,32 @@ def test_copy_on_write_replaces_a_block_in_the_runners_table():
         s.update_from_output(out, ModelRunnerOutput(
             [r.req_id for r in out.scheduled], [[7] if r.sample else [] for r in out.scheduled]))
     assert replaced >= 1
+
+
+def test_a_sliding_windows_null_blocks_reach_the_runners_table():
+    """Blocks that leave the window become the null block in place: a rewrite of the table,
+    not an append, which the diff must carry (with parallel samples' copy on write too)."""
+    rng = random.Random(1)
+    s = scheduler(num_blocks=60, sliding_window=8)
+    for i in range(4):
+        prompt = [rng.randrange(3, 100) for _ in range(rng.randrange(10, 40))]
+        reqs = request(str(i), prompt, rng.randrange(10, 30), n=2 if i % 2 else 1)
+        s.add_request(reqs[0], reqs[1:])
+    states, cut, nulls = RequestStates(), 0, 0
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        held = {rid: len(st.block_ids) for rid, st in states.requests.items()}
+        states.update(out)
+        cut += sum(d.block_start < held[d.req_id] for d in out.cached_requests)
+        for step in out.scheduled:
+            table = states.requests[step.req_id].block_ids
+            assert table == s.kv.get_block_ids(step.req_id)
+            nulls += table.count(0)
+        s.update_from_output(out, ModelRunnerOutput(
+            [r.req_id for r in out.scheduled],
+            [[rng.randrange(3, 100)] if r.sample else [] for r in out.scheduled]))
+    assert cut >= 4 and nulls > 0  # tables really were rewritten, blocks really dropped
+    assert s.kv.num_free_blocks == s.kv.num_usable_blocks
 
 
 def test_a_decode_step_sends_the_new_token_only():

@@ -77,6 +77,10 @@ class KVCacheManager:
         self._handles: dict[str, RadixNode] = {}  # the locked tree node of each request
         self._num_offered: dict[str, int] = {}  # leading blocks already offered to the tree
         self._pending_copies: list[tuple[int, int]] = []
+        # requests whose table had entries replaced since it was last sent to the runner, not
+        # only appended to (copy on write, the window's null blocks, a table given anew):
+        # only theirs must be compared whole with what the runner holds (pop_rewritten)
+        self._rewritten: set[str] = set()
         self.prefix_queries = 0  # prompt tokens of admitted requests
         self.prefix_hits = 0  # of which found in the cache
         self.prefix_cache_suspended = False  # see suspend_prefix_cache
@@ -239,7 +243,8 @@ class KVCacheManager:
             num_computed = computed.num_tokens
         if hit is not None:
             self.offload.pin(hit.slots)  # before eviction below saves blocks to host slots
-        self._drop_out_of_window(blocks, min(num_computed, request.num_tokens))
+        if self._drop_out_of_window(blocks, min(num_computed, request.num_tokens)):
+            self._rewritten.add(rid)
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = max(0, num_required - len(blocks))
         # Copy-on-write: the block receiving the next token is shared and partly filled.
@@ -258,6 +263,7 @@ class KVCacheManager:
             (copy,) = self.pool.get_new_blocks(1)
             self.pool.free_blocks([shared])
             blocks[cow_index] = copy
+            self._rewritten.add(rid)
             self._pending_copies.append((shared.block_id, copy.block_id))
             new_ids.append(copy.block_id)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
@@ -272,11 +278,12 @@ class KVCacheManager:
         self._offer_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return new_ids
 
-    def _drop_out_of_window(self, blocks: list[KVBlock], next_position: int) -> None:
+    def _drop_out_of_window(self, blocks: list[KVBlock], next_position: int) -> bool:
         """Put the null block in place of the blocks no query from `next_position` on will
-        attend (keys at positions <= next_position - window), and release them."""
+        attend (keys at positions <= next_position - window), and release them; whether
+        there were any."""
         if self.sliding_window is None:
-            return
+            return False
         first_needed = next_position - self.sliding_window + 1  # the window's first key
         dropped = []
         for i in range(min(max(0, first_needed) // self.block_size, len(blocks))):
@@ -284,6 +291,7 @@ class KVCacheManager:
                 dropped.append(blocks[i])
                 blocks[i] = self.pool.null_block
         self.pool.free_blocks(reversed(dropped))
+        return bool(dropped)
 
     def _held(self, blocks: list[KVBlock]) -> list[KVBlock]:
         """The blocks a request references (its table without the null block's places)."""
@@ -300,6 +308,7 @@ class KVCacheManager:
         blocks = list(blocks)
         self.pool.incr_ref(self._held(blocks))
         self.req_to_blocks[child.request_id] = blocks
+        self._rewritten.add(child.request_id)
         self._lock(child.request_id, self._handles.get(parent.request_id))
         full = len(blocks) if num_tokens is None else num_tokens // self.block_size
         self._num_offered[child.request_id] = min(
@@ -316,6 +325,7 @@ class KVCacheManager:
         if handle is not None:
             self.tree.lock_handle(handle, unlock=True)
         self.pool.free_blocks(reversed(self._held(self.req_to_blocks.pop(rid, []))))
+        self._rewritten.discard(rid)  # (the runner drops it too: a later table is new)
         self._num_offered.pop(rid, None)
         if self.offload is not None:
             self.offload.forget(rid)
@@ -343,13 +353,26 @@ class KVCacheManager:
         blocks = self.pool.get_new_blocks(len(cpu))
         copies = [(c, b.block_id) for c, b in zip(cpu, blocks, strict=True)]
         self.req_to_blocks[request.request_id] = blocks
+        self._rewritten.add(request.request_id)
         self.swap.free(request.request_id)
         self.allocate_slots(request, num_new_tokens)  # fits: room was made for `need`
         return copies
 
     # ---- queries ----------------------------------------------------------------------------
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+    def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's block table from entry `start` on."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])[start:]]
+
+    def num_table_blocks(self, request_id: str) -> int:
+        return len(self.req_to_blocks.get(request_id, ()))
+
+    def pop_rewritten(self, request_id: str) -> bool:
+        """Whether the request's table changed otherwise than by appending since the last
+        call for it (the scheduler asks as it sends the table; see _rewritten)."""
+        if request_id in self._rewritten:
+            self._rewritten.remove(request_id)
+            return True
+        return False
 
     def save_cached_blocks(self) -> OffloadOps | None:
         """The disk tier's copies of every block the prefix cache holds that it lacks (at

@@ -1,9 +1,14 @@
 """RunnerView: what the model runner holds of each request, as the scheduler last sent it.
 
-The scheduler asks `diff(request, block_ids)` for every request it schedules and puts the answer
-in the step's `SchedulerOutput`: `NewRequestData` for a request the runner does not hold,
+The scheduler asks `diff(request, kv, rewritten)` for every request it schedules and puts the
+answer in the step's `SchedulerOutput`: `NewRequestData` for a request the runner does not hold,
 `CachedRequestData` with only what changed since the last send, or None when nothing did (a
 decode step inside a block, after the runner was told of the last token).
+
+A table is compared whole with the one sent only when the KV manager says it was rewritten
+(KVCacheManager.pop_rewritten: copy on write, a sliding window's null blocks); otherwise it
+has only grown, and its new entries are read alone, so a step's diffs cost O(new blocks), not
+O(every block of every running request).
 
 Invariant: an entry exists exactly while the runner holds the request; `forget` is called when
 the request finishes or is preempted (the runner drops it on the same step's
@@ -13,9 +18,13 @@ the request finishes or is preempted (the runner drops it on the same step's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tokenmill.core.interface import CachedRequestData, NewRequestData
 from tokenmill.core.request import Request
+
+if TYPE_CHECKING:
+    from tokenmill.core.kv_cache_manager import KVCacheManager
 
 
 @dataclass
@@ -28,25 +37,35 @@ class RunnerView:
     def __init__(self) -> None:
         self._sent: dict[str, _Sent] = {}
 
-    def diff(self, request: Request, block_ids: list[int]
+    def diff(self, request: Request, kv: KVCacheManager, rewritten: bool
              ) -> NewRequestData | CachedRequestData | None:
-        """What the runner must be told of `request` (block_ids: its table now), recorded as
-        sent."""
+        """What the runner must be told of `request` (its table in `kv`, `rewritten` or only
+        appended to since the last step), recorded as sent."""
         rid = request.request_id
         sent = self._sent.get(rid)
         if sent is None:
+            block_ids = kv.get_block_ids(rid)
             self._sent[rid] = _Sent(request.num_tokens, block_ids)
             return NewRequestData(rid, list(request.prompt_token_ids),
                                   list(request.output_token_ids), request.sampling_params,
                                   list(block_ids), request.lora)
         token_start = sent.num_tokens
-        block_start = _first_difference(sent.block_ids, block_ids)
-        if token_start == request.num_tokens and block_start == len(block_ids) == \
-                len(sent.block_ids):
+        if rewritten:
+            block_ids = kv.get_block_ids(rid)
+            block_start = _first_difference(sent.block_ids, block_ids)
+            grown = block_start != len(block_ids) or len(block_ids) != len(sent.block_ids)
+            new_block_ids = block_ids[block_start:]
+            sent.block_ids = block_ids
+        else:
+            block_start = len(sent.block_ids)
+            grown = kv.num_table_blocks(rid) > block_start
+            new_block_ids = kv.get_block_ids(rid, block_start) if grown else []
+            sent.block_ids += new_block_ids
+        if token_start == request.num_tokens and not grown:
             return None
-        sent.num_tokens, sent.block_ids = request.num_tokens, block_ids
+        sent.num_tokens = request.num_tokens
         return CachedRequestData(rid, token_start, request.all_token_ids[token_start:],
-                                 block_start, block_ids[block_start:])
+                                 block_start, new_block_ids)
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)

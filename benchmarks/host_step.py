@@ -1,9 +1,11 @@
-"""Host time to build one step's input tensors (attention/input_batch.py InputBatch.build) and
-its attention metadata (each backend's build_metadata: the CPU kernel's and the Triton kernel's,
-the latter in Triton's interpreter mode, which changes nothing of the host work), ms.
+"""The engine's host work in one step, without a model, ms: the scheduler's step (schedule() and
+update_from_output() with one sampled token per request), the step's input tensors
+(attention/input_batch.py InputBatch.build) and its attention metadata (each backend's
+build_metadata: the CPU kernel's and the Triton kernel's, the latter in Triton's interpreter
+mode, which changes nothing of the host work).
 
-    python benchmarks/input_batch.py                      # this tree
-    python benchmarks/input_batch.py --trees /tmp/before .  # two checkouts, rounds alternated
+    python benchmarks/host_step.py                        # this tree
+    python benchmarks/host_step.py --trees /tmp/before .  # two checkouts, rounds alternated
 
 Synthetic steps of the shapes a GPU serves: decode batches of 1 to 1,024 sequences with
 contexts of 300-900 tokens (block tables of ~20-57 blocks), and a prefill step of 16 prompts of
@@ -58,6 +60,35 @@ def _median_ms(fn: Any) -> float:
     return statistics.median(times) * 1e3
 
 
+def scheduler_step_ms(batch: int) -> float:
+    """schedule() + update_from_output() for `batch` requests decoding at contexts of
+    300-900 tokens (prefix caching on, a 16-token block), median over 30 steps."""
+    from tokenmill.config import SchedulerConfig
+    from tokenmill.core.interface import ModelRunnerOutput
+    from tokenmill.core.kv_cache_manager import KVCacheManager
+    from tokenmill.core.request import Request
+    from tokenmill.core.scheduler import Scheduler
+    from tokenmill.sampling_params import SamplingParams
+
+    rng = random.Random(0)
+    kv = KVCacheManager(batch * 64, 16, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=1 << 20, max_num_seqs=batch),
+                      kv, max_model_len=4096)
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    for i in range(batch):
+        prompt = [rng.randrange(100, 40_000) for _ in range(rng.randrange(300, 900))]
+        sched.add_request(Request(str(i), prompt, params, [2], 1000))
+
+    def step() -> None:
+        out = sched.schedule()
+        sched.update_from_output(out, ModelRunnerOutput(
+            [r.req_id for r in out.scheduled],
+            [[rng.randrange(100, 40_000)] if r.sample else [] for r in out.scheduled]))
+
+    step()  # the prompts
+    return _median_ms(step)
+
+
 def measure() -> dict[str, float]:
     os.environ["TRITON_INTERPRET"] = "1"  # the Triton backend on CPU tensors
     import torch
@@ -69,6 +100,8 @@ def measure() -> dict[str, float]:
     cpu, out = torch.device("cpu"), {}
     backends = {name: get_attention_backend(name, 16, cpu, max_model_len=4096)
                 for name in ("cpu", "triton")}
+    for batch in (64, 256, 1024):
+        out[f"decode {batch}: scheduler"] = scheduler_step_ms(batch)
     for name, reqs in cases().items():
         out[f"{name}: inputs"] = _median_ms(lambda r=reqs: InputBatch.build(r, 16, cpu))
         batch = InputBatch.build(reqs, 16, cpu)
