@@ -3,6 +3,8 @@ under pressure, swap out/in bookkeeping; integrity checked after every operation
 
 from __future__ import annotations
 
+import pytest
+
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request
 from tokenmill.sampling_params import SamplingParams
@@ -112,3 +114,43 @@ def test_reset_prefix_cache_only_when_idle():
     again = req("b", list(range(100, 110)))
     assert kv.get_computed_blocks(again).num_tokens == 0  # computed from scratch
     assert KVCacheManager(3, BS).reset_prefix_cache()  # no prefix caching: nothing to drop
+
+
+@pytest.mark.parametrize("sliding_window", [None, 12])
+def test_decoding_offers_blocks_as_a_whole_prefix_insert_would(monkeypatch, sliding_window):
+    """A decoding request's newly full blocks continue its locked node in the tree
+    (KVCacheManager._extend_offered) rather than matching the whole path from the root: the
+    tree, the pool's references and the locks end exactly as with insert_prefix alone, also
+    with another request sharing then leaving the path, and a window dropping blocks."""
+    import random
+
+    extend, extended = KVCacheManager._extend_offered, []
+
+    def run(fast: bool) -> tuple:
+        def offer(self, *args) -> bool:  # the fast path, or always the whole-prefix insert
+            if not fast:
+                return False
+            extended.append(extend(self, *args))
+            return extended[-1]
+
+        monkeypatch.setattr(KVCacheManager, "_extend_offered", offer)
+        rng = random.Random(0)
+        kv = KVCacheManager(64, BS, enable_prefix_caching=True, sliding_window=sliding_window)
+        shared = [rng.randrange(100, 200) for _ in range(9)]
+        a, b = req("a", shared + [5]), req("b", shared + [6, 6, 6])
+        for r in (a, b):
+            admit(kv, r)
+        for step in range(23):
+            for r in (a, b) if step < 11 else (a,):
+                r.append_output_token(rng.randrange(100, 104))  # often the same tokens
+                assert kv.allocate_slots(r, 1) is not None
+                r.num_computed_tokens += 1
+                kv.check_integrity()
+            if step == 10:
+                kv.free(b)
+        tree = sorted((tuple(kv.tree.path_tokens(n)), tuple(n.value), n.lock_ref)
+                      for n in kv.tree.nodes())
+        return tree, [blk.ref_cnt for blk in kv.pool.blocks], kv.get_block_ids("a")
+
+    assert run(fast=True) == run(fast=False)
+    assert extended.count(True) >= (0 if sliding_window else 5)  # the fast path really ran

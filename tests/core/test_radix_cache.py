@@ -90,3 +90,33 @@ def test_integrity_check_catches_drift():
 def test_insert_needs_whole_blocks():
     with pytest.raises(ValueError):
         RadixCache(BS).insert_prefix([1, 2, 3], [7])
+
+
+def test_extend_continues_a_node_as_insert_prefix_would():
+    t = RadixCache(BS)
+    h = t.insert_prefix(toks(1, 2), [11, 12]).handle
+    r = t.extend(h, toks(3), [13])
+    assert r.cached_len == 2 * BS and r.handle.end == 3 * BS and r.handle.parent is h
+    assert t.match_prefix(toks(1, 2, 3)).block_ids == [11, 12, 13]
+    assert t.num_cached_blocks == 3 and t.num_evictable_blocks == 3
+    # the path was touched as a match touches it: the whole path is newer than a later leaf's
+    assert h.last_access == r.handle.last_access
+    t.check_integrity()
+    # a split above the handle keeps its end: extending it goes on from the same place
+    t.match_prefix(toks(1))
+    r2 = t.extend(r.handle, toks(4, 5), [14, 15])
+    assert r2.handle.end == 5 * BS
+    assert t.match_prefix(toks(1, 2, 3, 4, 5)).block_ids == [11, 12, 13, 14, 15]
+    t.check_integrity()
+
+
+def test_extend_declines_where_the_tree_already_continues():
+    t = RadixCache(BS)
+    h = t.insert_prefix(toks(1, 2), [11, 12]).handle
+    t.insert_prefix(toks(1, 2, 3), [11, 12, 23])  # another request's block 3
+    assert t.extend(h, toks(3, 4), [13, 14]) is None  # insert_prefix must share block 3
+    assert t.extend(t.root, toks(9), [19]) is None
+    assert t.num_cached_blocks == 3
+    with pytest.raises(ValueError):
+        t.extend(h, toks(5)[:3], [15])
+    t.check_integrity()

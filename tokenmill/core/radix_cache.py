@@ -18,11 +18,17 @@ node below the root keeps its parent's namespace. Contract:
   blocks of a prefix; the leading `cached_len` tokens were already cached, and for those the
   tree keeps its own blocks (the caller's are not adopted). The blocks after `cached_len` now
   belong to the tree.
+- `extend(node, ids, block_ids, namespace)`: the same for blocks that continue `node`'s path
+  (a running request's newly full blocks after its locked handle), without walking the path
+  from the root: O(new blocks + the path's nodes), not O(the path's tokens). None, changing
+  nothing, when `node` has a child with the same first block (insert_prefix then finds what
+  is shared).
 - `evict(n)` → freed block ids (at least n if possible): whole unlocked leaves, least recently
   used first; a parent left childless and unlocked becomes a candidate in turn.
 
 Invariants (`check_integrity`): key/value lengths agree; lock counts are >= 0 and a parent's
-count is at least each child's; `num_cached_blocks` and `num_evictable_blocks` match the tree.
+count is at least each child's; `num_cached_blocks` and `num_evictable_blocks` match the tree;
+a node's `end` is the length of its path from the root (a split keeps the lower half's).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class RadixNode:
     lock_ref: int = 0
     last_access: int = 0
     namespace: str | None = None  # whose KV the blocks hold (a LoRA adapter's key, or None)
+    end: int = 0  # tokens from the root to the end of this node's key
 
     def __lt__(self, other: RadixNode) -> bool:  # heap order: least recently used first
         return self.last_access < other.last_access
@@ -114,7 +121,7 @@ class RadixCache:
         parent = node.parent
         upper = RadixNode(key=node.key[:cut], value=node.value[:n_blocks], parent=parent,
                           lock_ref=node.lock_ref, last_access=node.last_access,
-                          namespace=node.namespace)
+                          namespace=node.namespace, end=parent.end + cut)
         parent.children[self._filed(upper)] = upper
         node.key, node.value, node.parent = node.key[cut:], node.value[n_blocks:], upper
         upper.children[self._filed(node)] = node
@@ -146,13 +153,36 @@ class RadixCache:
         cached = len(match.block_ids)
         node = match.handle
         if cached < len(block_ids):
-            node = RadixNode(key=tuple(token_ids[cached * bs:]), value=list(block_ids[cached:]),
-                             parent=match.handle, last_access=next(_clock),
-                             namespace=namespace)
-            match.handle.children[self._filed(node)] = node
-            self.num_cached_blocks += len(node.value)
-            self.num_evictable_blocks += len(node.value)
+            node = self._add_child(match.handle, token_ids[cached * bs:], block_ids[cached:],
+                                   namespace, next(_clock))
         return InsertResult(cached * bs, node)
+
+    def extend(self, node: RadixNode, token_ids: list[int], block_ids: list[int],
+               namespace: str | None = None) -> InsertResult | None:
+        """Cache blocks continuing `node`'s path (token_ids: theirs only), as insert_prefix of
+        the whole path would, touching the path as a match does; None when `node` is the root
+        or has a child with the same first block."""
+        if len(token_ids) != len(block_ids) * self.block_size:
+            raise ValueError(f"{len(token_ids)} tokens do not fill {len(block_ids)} blocks")
+        if node is self.root or self._child_key(namespace, token_ids) in node.children:
+            return None
+        now = next(_clock)
+        up: RadixNode | None = node
+        while up is not None:
+            up.last_access = now
+            up = up.parent
+        return InsertResult(node.end, self._add_child(node, token_ids, block_ids, namespace,
+                                                      now))
+
+    def _add_child(self, parent: RadixNode, token_ids: list[int], block_ids: list[int],
+                   namespace: str | None, now: int) -> RadixNode:
+        node = RadixNode(key=tuple(token_ids), value=list(block_ids), parent=parent,
+                         last_access=now, namespace=namespace,
+                         end=parent.end + len(token_ids))
+        parent.children[self._filed(node)] = node
+        self.num_cached_blocks += len(node.value)
+        self.num_evictable_blocks += len(node.value)
+        return node
 
     # ---- eviction ---------------------------------------------------------------------------
     def evict(self, num_blocks: int,
@@ -207,6 +237,8 @@ class RadixCache:
             if node.parent.children.get(self._filed(node)) is not node or (
                     node.parent is not self.root and node.namespace != node.parent.namespace):
                 raise AssertionError("a node is filed under the wrong key")
+            if node.end != node.parent.end + len(node.key):
+                raise AssertionError("a node's end is not its path's length")
             cached += len(node.value)
             evictable += len(node.value) if node.lock_ref == 0 else 0
         if (cached, evictable) != (self.num_cached_blocks, self.num_evictable_blocks):
