@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pickle
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -70,34 +71,9 @@ def test_runner_copy_follows_the_scheduler_under_pressure(mode):
     assert s.kv.num_free_blocks == s.kv.num_usable_blocks
 
 
-def test_copy_on_write_replaces_a_block_in_the_runners_table():
-    s = scheduler(num_blocks=40)
-    leader, follower = request("a", list(range(3, 13)), 4, n=2)  # 10 tokens: a shared part
-    s.add_request(leader, [follower])
-    states = RequestStates()
-    replaced = 0
-    while s.has_unfinished_requests():
-        out = s.schedule()
-        held = {rid: len(st.block_ids) for rid, st in states.requests.items()}
-        states.update(out)
-        # a diff that cuts into the table the runner held: a block was replaced
-        replaced += sum(d.block_start < held[d.req_id] for d in out.cached_requests)
-        for step in out.scheduled:
-            assert states.requests[step.req_id].block_ids == s.kv.get_block_ids(step.req_id)
-        s.update_from_output(out, ModelRunnerOutput(
-            [r.req_id for r in out.scheduled], [[7] if r.sample else [] for r in out.scheduled]))
-    assert replaced >= 1
-
-
-def test_a_sliding_windows_null_blocks_reach_the_runners_table():
-    """Blocks that leave the window become the null block in place: a rewrite of the table,
-    not an append, which the diff must carry (with parallel samples' copy on write too)."""
-    rng = random.Random(1)
-    s = scheduler(num_blocks=60, sliding_window=8)
-    for i in range(4):
-        prompt = [rng.randrange(3, 100) for _ in range(rng.randrange(10, 40))]
-        reqs = request(str(i), prompt, rng.randrange(10, 30), n=2 if i % 2 else 1)
-        s.add_request(reqs[0], reqs[1:])
+def run_counting_rewrites(s: Scheduler, next_token: Callable[[], int]) -> tuple[int, int]:
+    """Run s to completion, checking the runner's tables after each step; (the diffs that cut
+    into a table the runner held, the null blocks seen in the runner's tables)."""
     states, cut, nulls = RequestStates(), 0, 0
     while s.has_unfinished_requests():
         out = s.schedule()
@@ -110,7 +86,28 @@ def test_a_sliding_windows_null_blocks_reach_the_runners_table():
             nulls += table.count(0)
         s.update_from_output(out, ModelRunnerOutput(
             [r.req_id for r in out.scheduled],
-            [[rng.randrange(3, 100)] if r.sample else [] for r in out.scheduled]))
+            [[next_token()] if r.sample else [] for r in out.scheduled]))
+    return cut, nulls
+
+
+def test_copy_on_write_replaces_a_block_in_the_runners_table():
+    s = scheduler(num_blocks=40)
+    leader, follower = request("a", list(range(3, 13)), 4, n=2)  # 10 tokens: a shared part
+    s.add_request(leader, [follower])
+    replaced, _ = run_counting_rewrites(s, lambda: 7)
+    assert replaced >= 1  # a diff cut into the table the runner held: a block was replaced
+
+
+def test_a_sliding_windows_null_blocks_reach_the_runners_table():
+    """Blocks that leave the window become the null block in place: a rewrite of the table,
+    not an append, which the diff must carry (with parallel samples' copy on write too)."""
+    rng = random.Random(1)
+    s = scheduler(num_blocks=60, sliding_window=8)
+    for i in range(4):
+        prompt = [rng.randrange(3, 100) for _ in range(rng.randrange(10, 40))]
+        reqs = request(str(i), prompt, rng.randrange(10, 30), n=2 if i % 2 else 1)
+        s.add_request(reqs[0], reqs[1:])
+    cut, nulls = run_counting_rewrites(s, lambda: rng.randrange(3, 100))
     assert cut >= 4 and nulls > 0  # tables really were rewritten, blocks really dropped
     assert s.kv.num_free_blocks == s.kv.num_usable_blocks
 
