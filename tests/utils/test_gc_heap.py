@@ -30,3 +30,23 @@ def test_an_engine_freezes_its_start_up_heap_and_is_freed_when_dropped(tiny_mode
     del llm
     gc.collect()
     assert model() is None
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_garbage_frozen_by_one_engine_is_collected_when_the_next_starts(tiny_model):
+    """A process that starts several engines (a notebook, this test suite) keeps none of the
+    cycles that became garbage while frozen: each start unfreezes what the last one froze."""
+    path, _ = tiny_model("llama")
+    cycle = _Cycle()
+    alive = weakref.ref(cycle)
+    first = LLM(path, max_model_len=128, num_kv_blocks=16)  # freezes the cycle with the rest
+    del cycle
+    gc.collect()
+    assert alive() is not None  # frozen: the collector does not see it
+    del first
+    LLM(path, max_model_len=128, num_kv_blocks=16)
+    assert alive() is None

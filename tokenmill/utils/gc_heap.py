@@ -7,9 +7,13 @@ Frozen (gc.freeze), they are never walked again; objects made later (requests, o
 collected as before.
 
 Invariant: called once the engine is built, after a full collection, so nothing already
-garbage is frozen. Frozen objects are still freed by reference counting when dropped; only a
-reference cycle among them would outlive its last reference (the engine holds none: the
-test checks a dropped engine's model is freed).
+garbage is frozen. Frozen objects are still freed by reference counting when dropped; a
+reference cycle among them would outlive its last reference, so each call first unfreezes
+what the previous one froze: garbage made since an earlier engine started (another engine in
+the same process, a notebook's or a test suite's objects) is collected when the next one
+starts, not kept for the process's life (a test suite that froze without unfreezing grew to
+twice the memory). The engine itself holds no cycle (the test checks a dropped engine's model
+is freed even while frozen).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 def freeze_startup_heap() -> None:
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
     logger.debug("froze %d start-up objects out of the garbage collector", gc.get_freeze_count())
