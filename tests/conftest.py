@@ -29,6 +29,14 @@ if not torch.cuda.is_available():
     # reads this when a kernel is defined, so it is set before any test imports one.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Engines here do not freeze their start-up heap out of the garbage collector: each freeze is
+# a full collection of this process's heap, and the suite starts hundreds of engines (+6
+# minutes); tests/utils/test_gc_heap.py turns it on where it is tested. (Imported after the
+# environment above: it imports the package.)
+from tokenmill.utils import gc_heap  # noqa: E402
+
+gc_heap.ENABLED = False
+
 # name → (config class name, extra config kwargs)
 TINY_MODELS = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=True)),

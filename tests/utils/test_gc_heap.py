@@ -6,7 +6,16 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
+
 from tokenmill import LLM, SamplingParams
+from tokenmill.utils import gc_heap
+
+
+@pytest.fixture(autouse=True)
+def freezing(monkeypatch):
+    """As every engine outside the test suite does (tests/conftest.py turns it off)."""
+    monkeypatch.setattr(gc_heap, "ENABLED", True)
 
 
 def _tracked_ids() -> set[int]:
