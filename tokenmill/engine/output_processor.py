@@ -170,7 +170,8 @@ class OutputProcessor:
             if request.is_finished:  # (only a finished embedding request progresses)
                 embeddings.append(out := self.pooled.pop(request.request_id).output())
                 if self.timings is not None:
-                    self.timings.pooled(out.request_id, out.metrics,
+                    self.timings.pooled(out.request_id, out.metrics["arrival_time"],
+                                        out.metrics.get("first_scheduled_time"),
                                         len(out.prompt_token_ids), now)
         progressed = [r for r in progressed if r.pooling_params is None]
         for rid, (start, lps) in runner_out.prompt_logprobs.items():
@@ -199,8 +200,9 @@ class OutputProcessor:
         """Report the parent's progress since the last step to the latency observations."""
         num_tokens = sum(len(s.token_ids) for s in parent.samples)
         new, parent.num_timed_tokens = num_tokens - parent.num_timed_tokens, num_tokens
-        self.timings.progress(parent.request_id, self._metrics(parent),
-                              len(parent.prompt_token_ids), new, finished, now)
+        self.timings.progress(parent.request_id, parent.leader.arrival_time,
+                              parent.leader.first_scheduled_time, len(parent.prompt_token_ids),
+                              new, finished, now)
 
     def _update_sample(self, s: SampleState, request: Request,
                        lps: PositionLogprobs | None) -> bool:

@@ -114,7 +114,6 @@ class RequestTimer:
     arrival_time: float
     first_token_time: float | None = None
     last_token_time: float | None = None
-    num_tokens: int = 0
 
 
 @dataclass
@@ -143,34 +142,33 @@ class RequestTimings:
         self._timers: dict[str, RequestTimer] = {}
         self._step = StepTimings()
 
-    def progress(self, request_id: str, metrics: dict[str, float], num_prompt_tokens: int,
-                 new_tokens: int, finished: bool, now: float) -> None:
-        """A generating request produced `new_tokens` (maybe 0) this step; `metrics`: its
-        arrival_time and first_scheduled_time."""
+    def progress(self, request_id: str, arrival_time: float, scheduled_time: float | None,
+                 num_prompt_tokens: int, new_tokens: int, finished: bool, now: float) -> None:
+        """A generating request (arrived at `arrival_time`, first scheduled at
+        `scheduled_time`) produced `new_tokens` (maybe 0) this step."""
         step = self._step
         t = self._timers.get(request_id)
         if t is None:
-            t = self._timers[request_id] = RequestTimer(metrics["arrival_time"])
+            t = self._timers[request_id] = RequestTimer(arrival_time)
         if new_tokens > 0:
             if t.first_token_time is None:
                 t.first_token_time = now
                 step.ttft.append(now - t.arrival_time)
                 step.prompt_tokens += num_prompt_tokens
-                self._queued(metrics, t)
+                self._queued(scheduled_time, t)
             else:  # as in vLLM v1: one observation per step that produced tokens
                 step.inter_token.append(now - t.last_token_time)
             t.last_token_time = now
-            t.num_tokens += new_tokens
             step.generation_tokens += new_tokens
         if finished:
             self._finished(request_id, t, now)
 
-    def pooled(self, request_id: str, metrics: dict[str, float], num_prompt_tokens: int,
-               now: float) -> None:
+    def pooled(self, request_id: str, arrival_time: float, scheduled_time: float | None,
+               num_prompt_tokens: int, now: float) -> None:
         """An embedding request's prompt is done: its one output."""
-        t = self._timers.get(request_id) or RequestTimer(metrics["arrival_time"])
+        t = self._timers.get(request_id) or RequestTimer(arrival_time)
         self._step.prompt_tokens += num_prompt_tokens
-        self._queued(metrics, t)
+        self._queued(scheduled_time, t)
         self._finished(request_id, t, now)
 
     def take(self) -> StepTimings:
@@ -182,10 +180,9 @@ class RequestTimings:
         """It ended otherwise (aborted, failed): never observed as finished."""
         self._timers.pop(request_id, None)
 
-    def _queued(self, metrics: dict[str, float], t: RequestTimer) -> None:
-        scheduled = metrics.get("first_scheduled_time")
-        if scheduled is not None:
-            self._step.queue.append(scheduled - t.arrival_time)
+    def _queued(self, scheduled_time: float | None, t: RequestTimer) -> None:
+        if scheduled_time is not None:
+            self._step.queue.append(scheduled_time - t.arrival_time)
 
     def _finished(self, request_id: str, t: RequestTimer, now: float) -> None:
         self._step.e2e.append(now - t.arrival_time)
