@@ -8,12 +8,13 @@ Invariants (checked by `check_integrity`):
 Free blocks are of two kinds: blocks never handed out yet (a flag per id, taken in id order by
 a cursor that only moves up) and blocks freed since (an insertion-ordered dict: O(1) pop,
 append and removal by id). Taking the lowest fresh id from a dict instead (`next(iter(d))`
-after popping its first entries) walks every entry deleted before it: quadratic, 2.8 s of
-host time to hand out 100,000 blocks once (an H200 holds ~300,000 of SmolLM2's). Allocation takes
-the most recently freed block first and a fresh one only when none is left: recently used blocks are
-resident and warm, while a fresh block's first write page-faults its memory in (about 15 ms
-of a 128-token prefill on CPU when every request got fresh blocks). Cached prefixes never sit
-here: the radix tree holds a reference to each of its blocks and evicts them in LRU order.
+after popping its first entries) walks every entry deleted before it: quadratic, 2.8 s of host
+time to hand out 100,000 blocks once (an H200 holds ~300,000 of SmolLM2's). Allocation takes
+the most recently freed block first and a fresh one only when none is left: recently used
+blocks are resident and warm, while a fresh block's first write page-faults its memory in
+(about 15 ms of a 128-token prefill on CPU when every request got fresh blocks). Cached
+prefixes never sit here: the radix tree holds a reference to each of its blocks and evicts them
+in LRU order.
 """
 
 from __future__ import annotations

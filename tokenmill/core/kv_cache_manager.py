@@ -392,7 +392,7 @@ class KVCacheManager:
 
     def pop_rewritten(self, request_id: str) -> bool:
         """Whether the request's table changed otherwise than by appending since the last
-        call for it (the scheduler asks as it sends the table; see _rewritten)."""
+        call for it (RunnerView asks as it sends the table; see _rewritten)."""
         if request_id in self._rewritten:
             self._rewritten.remove(request_id)
             return True

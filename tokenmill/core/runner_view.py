@@ -1,7 +1,7 @@
 """RunnerView: what the model runner holds of each request, as the scheduler last sent it.
 
-The scheduler asks `diff(request, kv, rewritten)` for every request it schedules and puts the
-answer in the step's `SchedulerOutput`: `NewRequestData` for a request the runner does not hold,
+The scheduler asks `diff(request, kv)` for every request it schedules and puts the answer in
+the step's `SchedulerOutput`: `NewRequestData` for a request the runner does not hold,
 `CachedRequestData` with only what changed since the last send, or None when nothing did (a
 decode step inside a block, after the runner was told of the last token).
 
@@ -37,11 +37,11 @@ class RunnerView:
     def __init__(self) -> None:
         self._sent: dict[str, _Sent] = {}
 
-    def diff(self, request: Request, kv: KVCacheManager, rewritten: bool
+    def diff(self, request: Request, kv: KVCacheManager
              ) -> NewRequestData | CachedRequestData | None:
-        """What the runner must be told of `request` (its table in `kv`, `rewritten` or only
-        appended to since the last step), recorded as sent."""
+        """What the runner must be told of `request` (its table in `kv`), recorded as sent."""
         rid = request.request_id
+        rewritten = kv.pop_rewritten(rid)  # (taken for a new request too: it is sent whole)
         sent = self._sent.get(rid)
         if sent is None:
             block_ids = kv.get_block_ids(rid)
@@ -53,15 +53,15 @@ class RunnerView:
         if rewritten:
             block_ids = kv.get_block_ids(rid)
             block_start = _first_difference(sent.block_ids, block_ids)
-            grown = block_start != len(block_ids) or len(block_ids) != len(sent.block_ids)
+            changed = block_start != len(block_ids) or len(block_ids) != len(sent.block_ids)
             new_block_ids = block_ids[block_start:]
             sent.block_ids = block_ids
-        else:
+        else:  # only appended to
             block_start = len(sent.block_ids)
-            grown = kv.num_table_blocks(rid) > block_start
-            new_block_ids = kv.get_block_ids(rid, block_start) if grown else []
+            changed = kv.num_table_blocks(rid) > block_start
+            new_block_ids = kv.get_block_ids(rid, block_start) if changed else []
             sent.block_ids += new_block_ids
-        if token_start == request.num_tokens and not grown:
+        if token_start == request.num_tokens and not changed:
             return None
         sent.num_tokens = request.num_tokens
         return CachedRequestData(rid, token_start, request.all_token_ids[token_start:],

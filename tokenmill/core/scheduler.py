@@ -245,8 +245,7 @@ class Scheduler:
             start = request.num_computed_tokens
             self.num_prompt_tokens_computed += max(0, min(start + n, request.num_prompt_tokens)
                                                    - start)
-            diff = self.runner_view.diff(request, self.kv,
-                                         self.kv.pop_rewritten(request.request_id))
+            diff = self.runner_view.diff(request, self.kv)
             if diff is not None:
                 (out.cached_requests if isinstance(diff, CachedRequestData)
                  else out.new_requests).append(diff)
