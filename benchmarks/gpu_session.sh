@@ -68,7 +68,7 @@ for part in $parts; do
              tests/quantization/test_triton_block_gemm.py tests/quantization/test_fp8.py \
              tests/quantization/test_fp8_checkpoints.py \
              tests/lora/test_lora_generate.py::test_mixed_adapters_match_peft_on_cuda \
-             tests/utils/test_cuda_device.py \
+             tests/utils/test_cuda_device.py tests/utils/test_host_syncs.py \
              --ignore=tests/worker/test_memory_profile.py" 2>&1 | tee "$out/tests.log" ;;
     shapes) timeout "${SHAPES_S:-150}" python3 benchmarks/real_shapes.py \
               --json "$out/real_shapes.json" 2>&1 | tee "$out/real_shapes.log" ;;

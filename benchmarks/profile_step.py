@@ -27,7 +27,9 @@ steps through the modules, which the profiler can split.
 
 On CUDA the scopes are the host's time (the device runs behind it) and the profiler also
 records the device: its kernels' time a step, and with --ops the kernels of most device time
-(inside a CUDA graph replay too), beside the ops of most host time.
+(inside a CUDA graph replay too), beside the ops of most host time. A third run of the same
+steps under torch's sync debug mode counts where the host waited for the device, by line
+(utils/host_syncs.py).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.bench.shapes import SHAPES, write_model_folder  # noqa: E402
 from tokenmill.bench.workloads import make_workload  # noqa: E402
+from tokenmill.utils.host_syncs import HostSyncs  # noqa: E402
 
 GEMM_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm",
             "tokenmill::linear"}
@@ -127,6 +130,7 @@ def run_scenario(llm: LLM, name: str, steps: int, vocab: int, special: set[int])
             llm.engine.step()
         sync()
     _drain(llm)
+    syncs = _count_host_syncs(llm, name, steps, vocab, special) if cuda else None
     events = prof.key_averages()
     ops = sorted(events, key=lambda e: -e.self_cpu_time_total)
     # the device's own events (kernels, copies); a CPU op's row repeats its kernels' time
@@ -137,7 +141,23 @@ def run_scenario(llm: LLM, name: str, steps: int, vocab: int, special: set[int])
             "top_ops_ms_per_step": {e.key: e.self_cpu_time_total / 1e3 / steps for e in ops[:30]},
             "device_ms_per_step": sum(e.self_device_time_total for e in kernels) / 1e3 / steps,
             "top_kernels_ms_per_step": {e.key: e.self_device_time_total / 1e3 / steps
-                                        for e in kernels[:30]}}
+                                        for e in kernels[:30]},
+            "host_syncs_per_step": syncs and syncs.total / steps,
+            "host_sync_sites_per_step": syncs and {site: n / steps for site, n in
+                                                   syncs.sites.most_common()}}
+
+
+def _count_host_syncs(llm: LLM, name: str, steps: int, vocab: int,
+                      special: set[int]) -> HostSyncs:
+    """The same steps a third time under torch's sync debug mode: each point where the host
+    waited for the device, by the line that asked (a sync inside the step serializes the
+    host's work with the device's)."""
+    _advance(llm, name, vocab, special)
+    with HostSyncs() as syncs:
+        for _ in range(steps):
+            llm.engine.step()
+    _drain(llm)
+    return syncs
 
 
 def print_result(r: dict, top_ops: int = 0) -> None:
@@ -153,6 +173,10 @@ def print_result(r: dict, top_ops: int = 0) -> None:
         print(f"{indent}{key:<22}{b[key]:>9.1f} ms {100 * b[key] / total:>6.1f}%")
     if r["top_kernels_ms_per_step"]:
         print(f"  device: kernels {r['device_ms_per_step']:.1f} ms a step")
+    if r["host_syncs_per_step"] is not None:
+        print(f"  host waits for the device: {r['host_syncs_per_step']:.1f} a step")
+        for site, n in r["host_sync_sites_per_step"].items():
+            print(f"    {site[:64]:<64}{n:>5.1f}")
     if top_ops:
         print("  ops by self time (host):")
         for op, ms in list(r["top_ops_ms_per_step"].items())[:top_ops]:

@@ -28,7 +28,9 @@ def test_profile_step_script_on_a_shape(tmp_path):
     parts = ("forward.gemm", "forward.attention", "forward.fused_layers", "forward.other")
     assert abs(sum(scopes[p] for p in parts) - scopes["forward"]) < 1e-6 * scopes["forward"]
     assert result["device_ms_per_step"] == 0 and result["top_kernels_ms_per_step"] == {}
+    assert result["host_syncs_per_step"] is None  # CUDA only
     assert len(result["top_ops_ms_per_step"]) > 3
     total = sum(scopes[s] for s in SCOPES)
     assert f"profiled scopes {total:.1f} ms" in proc.stdout
     assert "ops by self time (host):" in proc.stdout and "kernels by device time" not in proc.stdout
+    assert "host waits for the device" not in proc.stdout
