@@ -119,12 +119,14 @@ def test_reset_prefix_cache_only_when_idle():
 @pytest.mark.parametrize("sliding_window", [None, 12])
 def test_decoding_offers_blocks_as_a_whole_prefix_insert_would(monkeypatch, sliding_window):
     """A decoding request's newly full blocks continue its locked node in the tree
-    (KVCacheManager._extend_offered) rather than matching the whole path from the root: the
+    (PrefixOffers._extend) rather than matching the whole path from the root: the
     tree, the pool's references and the locks end exactly as with insert_prefix alone, also
     with another request sharing then leaving the path, and a window dropping blocks."""
     import random
 
-    extend, extended = KVCacheManager._extend_offered, []
+    from tokenmill.core.prefix_offers import PrefixOffers
+
+    extend, extended = PrefixOffers._extend, []
 
     def run(fast: bool) -> tuple:
         def offer(self, *args) -> bool:  # the fast path, or always the whole-prefix insert
@@ -133,7 +135,7 @@ def test_decoding_offers_blocks_as_a_whole_prefix_insert_would(monkeypatch, slid
             extended.append(extend(self, *args))
             return extended[-1]
 
-        monkeypatch.setattr(KVCacheManager, "_extend_offered", offer)
+        monkeypatch.setattr(PrefixOffers, "_extend", offer)
         rng = random.Random(0)
         kv = KVCacheManager(64, BS, enable_prefix_caching=True, sliding_window=sliding_window)
         shared = [rng.randrange(100, 200) for _ in range(9)]

@@ -9,7 +9,8 @@ as soon as the step that fills them is scheduled (the K/V of a step is written b
 attention reads it, so a request admitted in the same step may already share them). The tree
 node path covering a request's cached blocks is locked while the request lives, so evictable
 (unlocked) tree blocks are exactly those no request holds: they count as free, and
-`allocate_slots` evicts them LRU when the pool runs dry.
+`allocate_slots` evicts them LRU when the pool runs dry. The offers and the locks are kept
+by core/prefix_offers.py (`self.offers`).
 
 A request's blocks are cached under its LoRA adapter's key (`Request.lora_key`; None for the
 base model): the same tokens under another adapter are other K/V and never a hit.
@@ -41,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenmill.core.block_pool import BlockPool, KVBlock
+from tokenmill.core.prefix_offers import PrefixOffers
 from tokenmill.core.radix_cache import RadixCache, RadixNode
 from tokenmill.core.request import Request
 from tokenmill.core.swap_space import SwapSpace
@@ -74,8 +76,9 @@ class KVCacheManager:
         self.tree = RadixCache(block_size) if enable_prefix_caching else None
         self.swap = SwapSpace(num_swap_blocks)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
-        self._handles: dict[str, RadixNode] = {}  # the locked tree node of each request
-        self._num_offered: dict[str, int] = {}  # leading blocks already offered to the tree
+        # what each request offered the tree and keeps locked (None without prefix caching)
+        self.offers = (PrefixOffers(self.tree, self.pool, block_size, sliding_window, offload)
+                       if self.tree is not None else None)
         self._pending_copies: list[tuple[int, int]] = []
         # requests whose table had entries replaced since it was last sent to the runner, not
         # only appended to (copy on write, the window's null blocks, a table given anew):
@@ -148,84 +151,6 @@ class KVCacheManager:
             computed.offloaded = hit
             computed.num_tokens += len(hit.slots) * self.block_size
 
-    def _offer_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Insert the request's blocks that are full once `num_tokens` are computed."""
-        rid, bs, ns = request.request_id, self.block_size, request.lora_key
-        num_full = num_tokens // bs
-        offered = self._num_offered.get(rid, 0)
-        if self.tree is None or num_full <= offered:
-            return
-        blocks = self.req_to_blocks[rid]
-        if self.offload is not None and self.offload.publishes:
-            self._publish(request, [b.block_id for b in blocks[:num_full]], offered)
-        if self._extend_offered(request, blocks, offered, num_full):
-            return
-        tokens = request.all_token_ids[:num_full * bs]
-        ids = [b.block_id for b in blocks[:num_full]]
-        null = self.pool.null_block.block_id
-        if null in ids:  # blocks dropped out of the window: offer on only where the tree
-            last = len(ids) - 1 - ids[::-1].index(null)  # holds their tokens already
-            if len(self.tree.match_prefix(tokens[:(last + 1) * bs], ns).block_ids) <= last:
-                self._num_offered[rid] = num_full  # (the tree lost them: stop offering)
-                return
-        result = self.tree.insert_prefix(tokens, ids, ns)
-        self.pool.incr_ref(blocks[result.cached_len // bs:num_full])  # the tree's references
-        handle = result.handle
-        if result.cached_len == len(tokens):
-            # NOTE: nothing adopted. If the tree held some of these tokens under other blocks
-            # (computed by another request), lock only as deep as the blocks we really share,
-            # so we do not pin cached blocks we never use.
-            tree_ids = self.tree.match_prefix(tokens, ns).block_ids
-            shared = next((i for i, (a, b) in enumerate(zip(tree_ids, ids, strict=True))
-                           if a != b and b != null), len(ids))
-            if shared < len(ids):
-                handle = (self.tree.match_prefix(tokens[:shared * bs], ns).handle if shared
-                          else None)
-        self._lock(rid, handle)
-        self._num_offered[rid] = num_full
-
-    def _extend_offered(self, request: Request, blocks: list[KVBlock], offered: int,
-                        num_full: int) -> bool:
-        """Offer blocks offered..num_full as the continuation of the request's locked node,
-        when that node ends where its offered blocks do (it does after each offer that
-        adopted blocks: a decoding request's every newly full block) and nothing cached
-        continues it the same way; whether it did. insert_prefix would match the whole path
-        from the root again: ~40 µs at a 600-token context, once per block filled."""
-        handle = self._handles.get(request.request_id)
-        if (handle is None or self.sliding_window is not None
-                or handle.end != offered * self.block_size):
-            return False
-        new = blocks[offered:num_full]
-        tokens = request.all_token_ids[offered * self.block_size:num_full * self.block_size]
-        result = self.tree.extend(handle, tokens, [b.block_id for b in new], request.lora_key)
-        if result is None:
-            return False
-        self.pool.incr_ref(new)  # the tree's references
-        self._lock(request.request_id, result.handle)
-        self._num_offered[request.request_id] = num_full
-        return True
-
-    def _publish(self, request: Request, block_ids: list[int], first: int) -> None:
-        """Hand a producer's newly full prompt blocks to the KV transfer."""
-        end = min(len(block_ids), request.num_prompt_tokens // self.block_size)
-        if end > first:
-            keys = self.offload.keys(request.request_id, request.all_token_ids,
-                                     request.lora_key, end)
-            self.offload.on_prompt_computed(keys[first:end], block_ids[first:end])
-
-    def _lock(self, rid: str, handle: RadixNode | None) -> None:
-        """Make `handle` the request's locked node (lock the new before unlocking the old);
-        None (or the root) leaves it locking nothing."""
-        if self.tree is None:
-            return
-        if handle is not None and handle is not self.tree.root:
-            self.tree.lock_handle(handle)
-        old = self._handles.pop(rid, None)
-        if old is not None:
-            self.tree.lock_handle(old, unlock=True)
-        if handle is not None and handle is not self.tree.root:
-            self._handles[rid] = handle
-
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's `reset_prefix_cache`), so that the next prompts
         are computed from scratch (benchmarks of cold prefill). Only while no request holds
@@ -260,10 +185,10 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens
         hit = computed.offloaded if is_new and computed is not None else None
         if is_new and computed is not None and computed.num_tokens:
-            self._lock(rid, computed.handle)  # first, so eviction below cannot take them
+            # locked first, so that eviction below cannot take them
+            self.offers.adopt_hit(rid, computed.handle, len(computed.blocks))
             self.pool.incr_ref(computed.blocks)
             blocks.extend(computed.blocks)
-            self._num_offered[rid] = len(computed.blocks)
             num_computed = computed.num_tokens
         if hit is not None:
             self.offload.pin(hit.slots)  # before eviction below saves blocks to host slots
@@ -299,7 +224,9 @@ class KVCacheManager:
             self.prefix_queries += request.num_prompt_tokens
             self.prefix_hits += min(num_computed, request.num_prompt_tokens)
         # Only verified tokens enter the prefix cache: drafts past num_tokens are not offered.
-        self._offer_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+        if self.offers is not None:
+            self.offers.offer(request, blocks,
+                              min(num_computed + num_new_tokens, request.num_tokens))
         return new_ids
 
     def _drop_out_of_window(self, blocks: list[KVBlock], next_position: int) -> bool:
@@ -333,10 +260,9 @@ class KVCacheManager:
         self.pool.incr_ref(self._held(blocks))
         self.req_to_blocks[child.request_id] = blocks
         self._rewritten.add(child.request_id)
-        self._lock(child.request_id, self._handles.get(parent.request_id))
-        full = len(blocks) if num_tokens is None else num_tokens // self.block_size
-        self._num_offered[child.request_id] = min(
-            self._num_offered.get(parent.request_id, 0), full)
+        if self.offers is not None:
+            full = len(blocks) if num_tokens is None else num_tokens // self.block_size
+            self.offers.inherit(parent.request_id, child.request_id, full)
 
     def free(self, request: Request) -> None:
         """Release the request's GPU blocks (tail first, so they are reused first) and swap
@@ -345,12 +271,10 @@ class KVCacheManager:
         self.swap.free(request.request_id)
 
     def _release_gpu_blocks(self, rid: str) -> None:
-        handle = self._handles.pop(rid, None)
-        if handle is not None:
-            self.tree.lock_handle(handle, unlock=True)
+        if self.offers is not None:
+            self.offers.forget(rid)
         self.pool.free_blocks(reversed(self._held(self.req_to_blocks.pop(rid, []))))
         self._rewritten.discard(rid)  # (the runner drops it too: a later table is new)
-        self._num_offered.pop(rid, None)
         if self.offload is not None:
             self.offload.forget(rid)
 
