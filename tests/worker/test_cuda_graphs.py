@@ -194,7 +194,7 @@ def test_a_decode_step_waits_for_the_device_only_for_its_tokens(llama_cases, enf
     assert syncs.total == (0 if async_scheduling else steps), syncs.sites
     if not async_scheduling:
         [site] = syncs.sites
-        assert site.startswith("tokenmill/worker/model_runner.py:") and "_sample" in site
+        assert site.startswith("tokenmill/worker/step_sampling.py:") and "sample_step" in site
     while engine.has_unfinished_requests():
         engine.step()
     assert_kv_all_free(engine)

@@ -67,12 +67,7 @@ from tokenmill.worker.kv_budget import allocate_swap, num_kv_blocks
 from tokenmill.worker.memory_profile import profiled_kv_budget
 from tokenmill.worker.pooler import pool_step
 from tokenmill.worker.request_states import RequestStates
-from tokenmill.worker.step_sampling import (
-    apply_grammar,
-    prompt_logprobs,
-    select_logprobs,
-    verify_drafts,
-)
+from tokenmill.worker.step_sampling import prompt_logprobs, sample_step
 
 logger = logging.getLogger(__name__)
 
@@ -366,7 +361,8 @@ class ModelRunner:
             if self.share_samples:
                 self._sample_and_share(sched, grammar, reqs, batch, logits, out)
             elif self.is_driver:
-                tokens = self._sample(sched, grammar, reqs, batch, logits, out, defer)
+                tokens = sample_step(self.sampler, sched, grammar, reqs, batch, logits,
+                                     out, defer)
                 if tokens is not None:  # left in flight
                     rows = batch.sample_rows
                     return InFlightStep.start(out, rows, tokens, [
@@ -397,31 +393,6 @@ class ModelRunner:
             raise KVBlockOpsError(f"{type(e).__name__}: {e}") from e
         return offload
 
-    def _sample(self, sched: SchedulerOutput, grammar: GrammarOutput | None,
-                reqs: list[ScheduledRequest], batch: InputBatch, logits: torch.Tensor,
-                out: ModelRunnerOutput, defer: bool = False) -> torch.Tensor | None:
-        """Tokens for the rows that sample (logits (S, V)): grammar masks, then sampling or
-        the verification of drafts, and the logprobs asked for. defer: the sampled ids (S,)
-        are returned on the device, not yet in `out` (drafts are never deferred)."""
-        if grammar is not None:
-            with scope("grammar_bitmask"):
-                apply_grammar(sched, grammar, batch.sample_rows, logits)
-        with scope("sample"):
-            rows = [reqs[i] for i in batch.sample_rows]
-            if any(r.spec_token_ids for r in rows):
-                verify_drafts(self.sampler, logits, rows, batch.sample_rows, out)
-                return None
-            tokens, logprobs = self.sampler(logits, rows)
-            for j, i in enumerate(batch.sample_rows):
-                k = rows[j].sampling_params.logprobs
-                if logprobs is not None and k is not None:
-                    out.logprobs[out.req_ids[i]] = select_logprobs(logprobs, j, 1 + k)
-            if defer:
-                return tokens
-            for i, t in zip(batch.sample_rows, tokens.tolist(), strict=True):  # one host sync
-                out.sampled_token_ids[i] = [t]
-        return None
-
     def _sample_and_share(self, sched: SchedulerOutput, grammar: GrammarOutput | None,
                           reqs: list[ScheduledRequest], batch: InputBatch,
                           logits: torch.Tensor, out: ModelRunnerOutput) -> None:
@@ -433,7 +404,7 @@ class ModelRunner:
         tokens = torch.full((len(rows),), -1, dtype=torch.int64)
         try:
             if self.is_driver:
-                self._sample(sched, grammar, reqs, batch, logits, out)
+                sample_step(self.sampler, sched, grammar, reqs, batch, logits, out)
                 tokens = torch.tensor([out.sampled_token_ids[i][0] for i in rows])
         finally:
             tokens = self.ps.broadcast_from_driver(tokens)

@@ -1,6 +1,7 @@
-"""The parts of a step's sampling that read no runner state: the grammars' bitmasks over the
-logits, the verification of draft tokens, the logprobs of prompt tokens and one row's share of
-a batch's logprobs (worker/model_runner.py calls them; the Sampler does the drawing).
+"""A step's sampling, which reads no runner state but its Sampler: the grammars' bitmasks over
+the logits, the sampling or the verification of draft tokens, the logprobs of prompt tokens and
+one row's share of a batch's logprobs (worker/model_runner.py calls them; the Sampler does the
+drawing).
 """
 
 from __future__ import annotations
@@ -19,6 +20,33 @@ from tokenmill.core.interface import (
 from tokenmill.layers.rejection_sampler import verify
 from tokenmill.layers.sampler import Sampler, gather_logprobs
 from tokenmill.layers.token_bitmask import apply_token_bitmask_
+from tokenmill.utils.profiling import scope
+
+
+def sample_step(sampler: Sampler, sched: SchedulerOutput, grammar: GrammarOutput | None,
+                reqs: list[ScheduledRequest], batch: InputBatch, logits: torch.Tensor,
+                out: ModelRunnerOutput, defer: bool = False) -> torch.Tensor | None:
+    """Tokens for the rows that sample (logits (S, V)): grammar masks, then sampling or the
+    verification of drafts, and the logprobs asked for. defer: the sampled ids (S,) are
+    returned on the device, not yet in `out` (drafts are never deferred)."""
+    if grammar is not None:
+        with scope("grammar_bitmask"):
+            apply_grammar(sched, grammar, batch.sample_rows, logits)
+    with scope("sample"):
+        rows = [reqs[i] for i in batch.sample_rows]
+        if any(r.spec_token_ids for r in rows):
+            verify_drafts(sampler, logits, rows, batch.sample_rows, out)
+            return None
+        tokens, logprobs = sampler(logits, rows)
+        for j, i in enumerate(batch.sample_rows):
+            k = rows[j].sampling_params.logprobs
+            if logprobs is not None and k is not None:
+                out.logprobs[out.req_ids[i]] = select_logprobs(logprobs, j, 1 + k)
+        if defer:
+            return tokens
+        for i, t in zip(batch.sample_rows, tokens.tolist(), strict=True):  # one host sync
+            out.sampled_token_ids[i] = [t]
+    return None
 
 
 def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[ScheduledRequest],
