@@ -231,10 +231,10 @@ def test_cuda_step_defaults_are_vllm_s(monkeypatch, name, gib, offline, want):
     memory, the offline LLM's larger than a server's), on CPU SchedulerConfig's."""
     import types
 
-    from tokenmill import config_factory
+    from tokenmill import config_scheduler
 
     props = types.SimpleNamespace(name=name, total_memory=gib * 2**30)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
-    assert config_factory.scheduler_defaults("cuda", offline) == want
-    assert config_factory.scheduler_defaults("cpu", offline) == (
+    assert config_scheduler.scheduler_defaults("cuda", offline) == want
+    assert config_scheduler.scheduler_defaults("cpu", offline) == (
         SchedulerConfig.max_num_batched_tokens, SchedulerConfig.max_num_seqs)

@@ -171,7 +171,7 @@ def test_refused_with_what_it_does_not_run_with(tiny_model, options):
 def test_on_by_default_where_it_runs_on_cuda():
     """vLLM's default: on where it runs (CUDA, one rank, no drafts, no pipeline); off on CPU
     unless asked; asked off, off."""
-    from tokenmill.config_factory import resolve_async_scheduling
+    from tokenmill.config_scheduler import resolve_async_scheduling
     from tokenmill.distributed.config import ParallelConfig
     from tokenmill.spec_decode.config import SpeculativeConfig
 
