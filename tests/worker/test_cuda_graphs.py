@@ -96,6 +96,14 @@ def test_graph_metadata_is_the_eager_metadata_of_a_decode_step(split_keys):
     starts_at = g.split.tile_work_start.tolist()
     assert all(g.split.work_tiles[i] == t and g.split.work_splits[i] == 0
                for t, i in enumerate(starts_at))
+    # The unsplit variant of a small graph: the same metadata without split work, chosen
+    # only when every row's keys fit one split (as the eager rule above).
+    assert state.variants(8) == (False, True) and state.variants(24) == (True,)
+    assert state.variant(batch, 8) == (split_keys == 32) and state.variant(batch, 24)
+    one = state.metadata(8, positions, False)
+    assert one.tiles[0].split is None
+    assert one.slot_mapping.tolist() == graph.slot_mapping.tolist()
+    assert one.tiles[0].first_ctx.tolist() == g.first_ctx.tolist()
     # not a plain decode step: left to the eager path, nothing copied
     chunk = InputBatch.build([ScheduledRequest(req_id="c", token_ids=[1, 2], start_pos=0,
                                                block_ids=[1], sample=True,
@@ -118,6 +126,10 @@ def test_padded_static_decode_with_split_keys_matches_hf(llama_cases):
     state = runner.decode_graphs.attention
     assert state.split_keys == 128 and state.max_splits == -(-512 // 128)
     assert generate_greedy(llm, cases) == expected
+    # batches of up to 6 rows: unsplit graphs while every context fits 128 keys, split ones
+    # from the step one passes it (the 300- and 130-token prompts' decodes)
+    replayed = runner.decode_graphs.replays
+    assert {v for _, v in replayed} == {False, True}, replayed
     assert generate_greedy(llm, [(p, 5) for p, _ in cases[:3]]) == [e[:5] for e in expected[:3]]
     assert_kv_all_free(llm.engine)
 

@@ -25,6 +25,7 @@ Contract:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -56,10 +57,21 @@ class DecodeGraphState(ABC):
     CUDA graphs, in static buffers. Rows past a step's n sequences are padding at position 0
     that attends only the null block (block 0, never handed out)."""
 
+    def variants(self, size: int) -> tuple[Hashable, ...]:
+        """The layouts a graph of `size` rows is captured in (one graph each); one by default.
+        A variant must compute what the others compute for every step it is chosen for."""
+        return (None,)
+
+    def variant(self, batch: InputBatch, size: int) -> Hashable:
+        """Which of `variants(size)` replays this step (called after `load` accepted it)."""
+        return None
+
     @abstractmethod
-    def metadata(self, size: int, positions: torch.Tensor) -> AttentionMetadata:
-        """Metadata for a graph of `size` rows at static `positions` (max_seqs,): what it
-        derives from them and the buffers is computed by device ops, captured in the graph."""
+    def metadata(self, size: int, positions: torch.Tensor, variant: Hashable = None
+                 ) -> AttentionMetadata:
+        """Metadata for a graph of `size` rows at static `positions` (max_seqs,) in `variant`:
+        what it derives from them and the buffers is computed by device ops, captured in the
+        graph."""
 
     @abstractmethod
     def load(self, batch: InputBatch, size: int) -> bool:

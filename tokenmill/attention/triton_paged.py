@@ -37,6 +37,8 @@ from tokenmill.utils import cdiv
 PREFILL_TILE = 16
 SPLIT_KEYS = 512
 MAX_SPLITS = 32
+# decode graphs of up to this many rows are also captured unsplit (TritonDecodeGraphState)
+ONE_SPLIT_GRAPHS = 16
 
 
 def split_keys_for(max_model_len: int | None) -> int:
@@ -131,7 +133,7 @@ class TritonPagedAttention(AttentionBackend):
         if keys.size and keys.max() > self.split_keys:
             meta.tiles[0].split = self._split_work(keys)
         # else every decode is one split: the unsplit kernel computes it bit for bit, without
-        # the merge's launch (a CUDA graph's fixed layout always splits)
+        # the merge's launch (a small batch's graph too: TritonDecodeGraphState.variants)
         return meta
 
     def _split_work(self, keys: np.ndarray | list[int]) -> SplitWork:
@@ -197,7 +199,13 @@ class TritonDecodeGraphState(DecodeGraphState):
     block_tables[i, p_i // block_size] * block_size + p_i % block_size. A padding row
     (position 0, column 0 of its block-table row zeroed) reads and writes slot 0 of the null
     block. The split work is a fixed dense layout: item t * max_splits + s is split s of row t,
-    and an item past its row's keys does nothing."""
+    and an item past its row's keys does nothing.
+
+    Variants (a graph each): `True`, that split layout (its merge is one more launch a layer),
+    and, for the small batches whose step is mostly launches (up to ONE_SPLIT_GRAPHS rows),
+    `False`: the unsplit kernel, replayed only when every row's keys fit one split, where it
+    computes the split layout's results bit for bit (the eager rule: build_metadata).
+    Without a second split (max_splits 1) there is only `False`."""
 
     def __init__(self, max_seqs: int, max_blocks: int, device: torch.device, split_keys: int,
                  max_splits: int, block_size: int) -> None:
@@ -211,14 +219,27 @@ class TritonDecodeGraphState(DecodeGraphState):
         self.work_tiles, self.work_splits = items // max_splits, items % max_splits
         self.tile_work_start = self.rows * max_splits
 
-    def metadata(self, size: int, positions: torch.Tensor) -> TritonAttentionMetadata:
+    def variants(self, size: int) -> tuple[bool, ...]:
+        if self.max_splits == 1:
+            return (False,)
+        return (False, True) if size <= ONE_SPLIT_GRAPHS else (True,)
+
+    def variant(self, batch: InputBatch, size: int) -> bool:
+        # a decode's keys are its seq_len: the cache up to itself
+        return (self.max_splits > 1 and (size > ONE_SPLIT_GRAPHS
+                                         or max(batch.seq_lens) > self.split_keys))
+
+    def metadata(self, size: int, positions: torch.Tensor, variant: bool = True
+                 ) -> TritonAttentionMetadata:
         pos = positions[:size]  # (size,) long
         block = self.block_tables[:size].gather(1, (pos // self.block_size)[:, None])[:, 0]
         slot_mapping = block * self.block_size + pos % self.block_size  # (size,) long
         first_ctx = (pos + 1).to(torch.int32)  # a decode sees the cache up to itself
-        items = size * self.max_splits
-        split = SplitWork(self.work_tiles[:items], self.work_splits[:items],
-                          self.tile_work_start[:size], self.split_keys)
+        split = None
+        if variant and self.max_splits > 1:
+            items = size * self.max_splits
+            split = SplitWork(self.work_tiles[:items], self.work_splits[:items],
+                              self.tile_work_start[:size], self.split_keys)
         tiles = QueryTiles(tile=1, rows=self.rows[:size], q_starts=self.rows[:size],
                            q_lens=self.q_lens[:size], first_ctx=first_ctx,
                            block_tables=self.block_tables, split=split)

@@ -10,7 +10,10 @@ input ids and positions here, and the attention backend's own
 (`AttentionBackend.decode_graph_state`: for the Triton backend the block tables, and its
 decode tiles in a fixed layout). A step copies its ids, positions and block tables into those
 buffers and replays; the metadata derived from them (slots, context lengths) is computed by
-ops captured in the graph, so a replayed step builds no metadata on the host.
+ops captured in the graph, so a replayed step builds no metadata on the host. A backend may
+capture a size in several layouts (`DecodeGraphState.variants`: the Triton backend's small
+batches also without its split-KV merge) and pick one per step (`variant`): a graph per
+(size, variant).
 
 Invariants:
 - Only backends that provide a graph state take this path, and only for steps their state
@@ -27,6 +30,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
+from collections.abc import Hashable
 
 import torch
 from torch import nn
@@ -51,9 +56,9 @@ class DecodeGraphs:
         self.attention = attention
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.num_replays = 0
+        self.graphs: dict[tuple[int, Hashable], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, Hashable], torch.Tensor] = {}
+        self.replays: Counter[tuple[int, Hashable]] = Counter()  # by (size, variant)
 
     @staticmethod
     def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -63,25 +68,33 @@ class DecodeGraphs:
             sizes.append(max_num_seqs)
         return sizes
 
-    def _forward(self, size: int) -> torch.Tensor:
+    @property
+    def num_replays(self) -> int:
+        return self.replays.total()
+
+    def keys(self) -> list[tuple[int, Hashable]]:
+        """(size, variant) of every graph, smallest size first."""
+        return [(size, v) for size in self.sizes for v in self.attention.variants(size)]
+
+    def _forward(self, size: int, variant: Hashable) -> torch.Tensor:
         return self.model(self.input_ids[:size], self.positions[:size],
-                          self.attention.metadata(size, self.positions))
+                          self.attention.metadata(size, self.positions, variant))
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture one graph per size, largest first, sharing one memory pool."""
+        """Capture one graph per size and variant, largest first, sharing one memory pool."""
         if not self.capture:
             return
         t0 = time.perf_counter()
         pool = None
-        for size in reversed(self.sizes):
-            self._forward(size)  # warm-up: Triton compiles, allocator settles
+        for key in reversed(self.keys()):
+            self._forward(*key)  # warm-up: Triton compiles, allocator settles
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._forward(size)
+                self.outputs[key] = self._forward(*key)
             pool = graph.pool()
-            self.graphs[size] = graph
+            self.graphs[key] = graph
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.graphs),
                     self.sizes[0], self.sizes[-1], time.perf_counter() - t0)
@@ -100,8 +113,9 @@ class DecodeGraphs:
         # Padding rows: reset what a larger earlier batch left there.
         self.input_ids[n:size].zero_()
         self.positions[n:size].zero_()
-        self.num_replays += 1
+        key = (size, self.attention.variant(batch, size))
+        self.replays[key] += 1
         if not self.capture:
-            return self._forward(size)[:n]
-        self.graphs[size].replay()
-        return self.outputs[size][:n]
+            return self._forward(*key)[:n]
+        self.graphs[key].replay()
+        return self.outputs[key][:n]
