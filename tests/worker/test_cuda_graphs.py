@@ -175,38 +175,3 @@ def test_capture_sizes_bound_the_padding(max_num_seqs):
     if max_num_seqs >= 24:
         assert sizes[:6] == [1, 2, 4, 8, 16, 24]
 
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a CUDA matter")
-@pytest.mark.parametrize("async_scheduling", [False, True])
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_a_decode_step_waits_for_the_device_only_for_its_tokens(llama_cases, enforce_eager,
-                                                                 async_scheduling):
-    """Issue 39: no host sync inside a step. A synchronous step waits once, for its sampled
-    tokens (the runner's tolist); an async step waits on an event, which is no sync of the
-    stream, and its tokens come from pinned memory. The sites are listed when it fails."""
-    from tokenmill import SamplingParams
-    from tokenmill.utils.host_syncs import HostSyncs
-
-    path, cases, _ = llama_cases
-    llm = LLM(path, dtype="float32", enforce_eager=enforce_eager,
-              async_scheduling=async_scheduling)
-    engine = llm.engine
-    for i, (prompt, _) in enumerate(cases[:4]):
-        engine.add_request(f"r{i}", prompt,
-                           SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    sched = engine.scheduler
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
-        engine.step()
-    for _ in range(2):
-        engine.step()  # past the last prefill's own token (an async step runs one ahead)
-    steps = 5
-    with HostSyncs() as syncs:
-        for _ in range(steps):
-            engine.step()
-    assert syncs.total == (0 if async_scheduling else steps), syncs.sites
-    if not async_scheduling:
-        [site] = syncs.sites
-        assert site.startswith("tokenmill/worker/step_sampling.py:") and "sample_step" in site
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert_kv_all_free(engine)

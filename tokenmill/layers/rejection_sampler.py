@@ -69,16 +69,18 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: list[ScheduledRequest]
         drawn = cpu_ops.argmax(residual / sampler.noise(residual, b, prow))
         accept = torch.where(b.is_greedy, accept, accept_random)
         chosen = torch.where(b.is_greedy, greedy_ids, drawn)
-    accept, chosen = (accept & has_draft).tolist(), chosen.tolist()
+    # one transfer to the host (one sync on a GPU): -1 where the draft is accepted, else the
+    # token chosen in its place (never negative)
+    verdict = torch.where(accept & has_draft, -1, chosen).tolist()
     emitted: list[list[int]] = []
     first = 0
     for r in rows:
         tokens = []
         for j in range(r.num_sample_positions):
-            if accept[first + j]:
+            if verdict[first + j] < 0:
                 tokens.append(r.spec_token_ids[j])
             else:
-                tokens.append(chosen[first + j])
+                tokens.append(verdict[first + j])
                 break
         emitted.append(tokens)
         first += r.num_sample_positions
