@@ -180,46 +180,52 @@ class KVCacheManager:
         cannot supply them, in which case nothing changed.
         """
         rid = request.request_id
-        is_new = rid not in self.req_to_blocks
-        blocks = self.req_to_blocks.setdefault(rid, [])
+        blocks = self.req_to_blocks.get(rid)
+        is_new = blocks is None
         num_computed = request.num_computed_tokens
-        hit = computed.offloaded if is_new and computed is not None else None
-        if is_new and computed is not None and computed.num_tokens:
-            # locked first, so that eviction below cannot take them
-            self.offers.adopt_hit(rid, computed.handle, len(computed.blocks))
-            self.pool.incr_ref(computed.blocks)
-            blocks.extend(computed.blocks)
-            num_computed = computed.num_tokens
-        if hit is not None:
-            self.offload.pin(hit.slots)  # before eviction below saves blocks to host slots
-        if self._drop_out_of_window(blocks, min(num_computed, request.num_tokens)):
+        hit = None
+        if is_new:
+            blocks = self.req_to_blocks[rid] = []
+            if computed is not None:
+                hit = computed.offloaded
+                if computed.num_tokens:
+                    # locked first, so that eviction below cannot take them
+                    self.offers.adopt_hit(rid, computed.handle, len(computed.blocks))
+                    self.pool.incr_ref(computed.blocks)
+                    blocks.extend(computed.blocks)
+                    num_computed = computed.num_tokens
+            if hit is not None:
+                self.offload.pin(hit.slots)  # before eviction below saves blocks to host slots
+        if (self.sliding_window is not None
+                and self._drop_out_of_window(blocks, min(num_computed, request.num_tokens))):
             self._rewritten.add(rid)
-        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
-        num_new_blocks = max(0, num_required - len(blocks))
+        num_new_blocks = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks)
         # Copy-on-write: the block receiving the next token is shared and partly filled.
         cow_index = num_computed // self.block_size
         needs_cow = (num_new_tokens > 0 and num_computed % self.block_size != 0
                      and cow_index < len(blocks) and blocks[cow_index].ref_cnt > 1)
-        if not self._make_room(num_new_blocks + int(needs_cow)):
-            if hit is not None:
-                self.offload.pin(hit.slots, unpin=True)
-            if is_new:
-                self.free(request)
-            return None
         new_ids = []
-        if needs_cow:
-            shared = blocks[cow_index]
-            (copy,) = self.pool.get_new_blocks(1)
-            self.pool.free_blocks([shared])
-            blocks[cow_index] = copy
-            self._rewritten.add(rid)
-            self._pending_copies.append((shared.block_id, copy.block_id))
-            new_ids.append(copy.block_id)
-        new_blocks = self.pool.get_new_blocks(num_new_blocks)
-        blocks.extend(new_blocks)
-        new_ids.extend(b.block_id for b in new_blocks)
-        if hit is not None:  # the hit's blocks are the first new ones
-            self.offload.load(rid, hit, [b.block_id for b in new_blocks[:len(hit.slots)]])
+        if num_new_blocks > 0 or needs_cow:  # (a decode inside its last block needs neither)
+            num_new_blocks = max(0, num_new_blocks)
+            if not self._make_room(num_new_blocks + int(needs_cow)):
+                if hit is not None:
+                    self.offload.pin(hit.slots, unpin=True)
+                if is_new:
+                    self.free(request)
+                return None
+            if needs_cow:
+                shared = blocks[cow_index]
+                (copy,) = self.pool.get_new_blocks(1)
+                self.pool.free_blocks([shared])
+                blocks[cow_index] = copy
+                self._rewritten.add(rid)
+                self._pending_copies.append((shared.block_id, copy.block_id))
+                new_ids.append(copy.block_id)
+            new_blocks = self.pool.get_new_blocks(num_new_blocks)
+            blocks.extend(new_blocks)
+            new_ids.extend(b.block_id for b in new_blocks)
+            if hit is not None:  # the hit's blocks are the first new ones
+                self.offload.load(rid, hit, [b.block_id for b in new_blocks[:len(hit.slots)]])
         if is_new and request.num_computed_tokens == 0 and request.num_preemptions == 0:
             self.prefix_queries += request.num_prompt_tokens
             self.prefix_hits += min(num_computed, request.num_prompt_tokens)

@@ -161,10 +161,12 @@ class Scheduler:
             if n == 0:  # waiting for its token in flight
                 i += 1
                 continue
-            drafts = self.grammar.cut(request, self.spec.drafts(
-                request, n, min(spec_room, budget - n), self._tokens_left(request)))
-            lookahead = self.spec.lookahead(request, n, len(self.running),
-                                            self._tokens_left(request))
+            drafts, lookahead = [], 0
+            if self.spec.speculative is not None:
+                left = self._tokens_left(request)
+                drafts = self.grammar.cut(request, self.spec.drafts(
+                    request, n, min(spec_room, budget - n), left))
+                lookahead = self.spec.lookahead(request, n, len(self.running), left)
             while self.kv.allocate_slots(request, n + len(drafts) + lookahead) is None:
                 victim = self.running.pop()  # the last in self.order's order
                 self._preempt(victim)
@@ -312,7 +314,7 @@ class Scheduler:
             for token_id in token_ids:
                 if (status := self._append(request, token_id)) is not None:
                     break
-            if status is None:
+            if status is None and request.grammar is not None:
                 status = self.grammar.jump(request, self._tokens_left(request), self._append)
             if status is not None:
                 # preempted after it was scheduled (async scheduling): it waits

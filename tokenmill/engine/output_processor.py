@@ -166,14 +166,9 @@ class OutputProcessor:
             if (pooled := self.pooled.get(rid)) is not None:
                 pooled.add(first, n, vector)
         embeddings = []
-        for request in [r for r in progressed if r.request_id in self.pooled]:
-            if request.is_finished:  # (only a finished embedding request progresses)
-                embeddings.append(out := self.pooled.pop(request.request_id).output())
-                if self.timings is not None:
-                    self.timings.pooled(out.request_id, out.metrics["arrival_time"],
-                                        out.metrics.get("first_scheduled_time"),
-                                        len(out.prompt_token_ids), now)
-        progressed = [r for r in progressed if r.pooling_params is None]
+        if self.pooled:  # (without embedding requests in flight every request generates)
+            embeddings = self._pooled_outputs(progressed, now)
+            progressed = [r for r in progressed if r.pooling_params is None]
         for rid, (start, lps) in runner_out.prompt_logprobs.items():
             parent = self.samples[rid].parent
             for j in range(len(lps.token_ids)):
@@ -195,6 +190,19 @@ class OutputProcessor:
             if finished:
                 self.remove(pid)
         return outputs + embeddings, stopped
+
+    def _pooled_outputs(self, progressed: list[Request], now: float
+                        ) -> list[EmbeddingRequestOutput]:
+        """The outputs of the embedding requests among `progressed` (each finished)."""
+        embeddings = []
+        for request in [r for r in progressed if r.request_id in self.pooled]:
+            if request.is_finished:  # (only a finished embedding request progresses)
+                embeddings.append(out := self.pooled.pop(request.request_id).output())
+                if self.timings is not None:
+                    self.timings.pooled(out.request_id, out.metrics["arrival_time"],
+                                        out.metrics.get("first_scheduled_time"),
+                                        len(out.prompt_token_ids), now)
+        return embeddings
 
     def _time(self, parent: ParentState, finished: bool, now: float) -> None:
         """Report the parent's progress since the last step to the latency observations."""
