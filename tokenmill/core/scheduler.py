@@ -255,19 +255,16 @@ class Scheduler:
             ahead = request.num_output_placeholders
             # an embedding request samples nothing: it ends when its prompt is computed
             sample = start + n == request.num_tokens + ahead and request.pooling_params is None
-            out.scheduled.append(RequestStep(
-                req_id=request.request_id,
-                start_pos=start,
-                num_new_tokens=n,
-                sample=sample,
-                banned_token_ids=request.banned_token_ids(ahead),
-                spec_token_ids=drafts,
-                spec_banned_token_ids=[request.banned_token_ids(j)
-                                       for j in range(1, len(drafts) + 1)],
-                spec_draft_probs=(request.proposed_probs[:len(drafts)]
-                                  if drafts and request.proposed_probs is not None else None),
-                num_lookahead_tokens=lookahead, pooling=request.pooling_type,
-            ))
+            step = RequestStep(req_id=request.request_id, start_pos=start, num_new_tokens=n,
+                               sample=sample, banned_token_ids=request.banned_token_ids(ahead),
+                               num_lookahead_tokens=lookahead, pooling=request.pooling_type)
+            if drafts:
+                step.spec_token_ids = drafts
+                step.spec_banned_token_ids = [request.banned_token_ids(j)
+                                              for j in range(1, len(drafts) + 1)]
+                if request.proposed_probs is not None:
+                    step.spec_draft_probs = request.proposed_probs[:len(drafts)]
+            out.scheduled.append(step)
             # NOTE: advanced here, not after the forward pass, so the next schedule() sees the
             # tokens in flight (drafts included); update_from_output appends sampled tokens
             # and rolls back rejected drafts.
