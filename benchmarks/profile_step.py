@@ -140,8 +140,10 @@ def run_scenario(llm: LLM, name: str, steps: int, vocab: int, special: set[int])
             "profiled_ms_per_step": breakdown(prof, steps),
             "top_ops_ms_per_step": {e.key: e.self_cpu_time_total / 1e3 / steps for e in ops[:30]},
             "device_ms_per_step": sum(e.self_device_time_total for e in kernels) / 1e3 / steps,
+            "device_ops_per_step": sum(e.count for e in kernels) / steps,
             "top_kernels_ms_per_step": {e.key: e.self_device_time_total / 1e3 / steps
                                         for e in kernels[:30]},
+            "top_kernels_calls_per_step": {e.key: e.count / steps for e in kernels[:30]},
             "host_syncs_per_step": syncs and syncs.total / steps,
             "host_sync_sites_per_step": syncs and {site: n / steps for site, n in
                                                    syncs.sites.most_common()}}
@@ -172,7 +174,8 @@ def print_result(r: dict, top_ops: int = 0) -> None:
         indent = "    " if key.startswith("forward.") else "  "
         print(f"{indent}{key:<22}{b[key]:>9.1f} ms {100 * b[key] / total:>6.1f}%")
     if r["top_kernels_ms_per_step"]:
-        print(f"  device: kernels {r['device_ms_per_step']:.1f} ms a step")
+        print(f"  device: kernels {r['device_ms_per_step']:.1f} ms a step, "
+              f"{r['device_ops_per_step']:.0f} kernels and copies a step")
     if r["host_syncs_per_step"] is not None:
         print(f"  host waits for the device: {r['host_syncs_per_step']:.1f} a step")
         for site, n in r["host_sync_sites_per_step"].items():
@@ -183,8 +186,9 @@ def print_result(r: dict, top_ops: int = 0) -> None:
             print(f"    {op[:60]:<60}{ms:>9.2f} ms")
         if r["top_kernels_ms_per_step"]:
             print("  kernels by device time:")
+            calls = r["top_kernels_calls_per_step"]
             for op, ms in list(r["top_kernels_ms_per_step"].items())[:top_ops]:
-                print(f"    {op[:60]:<60}{ms:>9.2f} ms")
+                print(f"    {op[:60]:<60}{ms:>9.2f} ms {calls[op]:>6.0f} a step")
 
 
 def main() -> None:

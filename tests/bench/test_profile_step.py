@@ -28,6 +28,7 @@ def test_profile_step_script_on_a_shape(tmp_path):
     parts = ("forward.gemm", "forward.attention", "forward.fused_layers", "forward.other")
     assert abs(sum(scopes[p] for p in parts) - scopes["forward"]) < 1e-6 * scopes["forward"]
     assert result["device_ms_per_step"] == 0 and result["top_kernels_ms_per_step"] == {}
+    assert result["device_ops_per_step"] == 0
     assert result["host_syncs_per_step"] is None  # CUDA only
     assert len(result["top_ops_ms_per_step"]) > 3
     total = sum(scopes[s] for s in SCOPES)
