@@ -55,12 +55,15 @@ class PrefixOffers:
         offered = self.num_offered.get(rid, 0)
         if num_full <= offered:
             return
+        ids = None  # the full blocks' ids, built once if needed
         if self.offload is not None and self.offload.publishes:
-            self._publish(request, [b.block_id for b in blocks[:num_full]], offered)
+            ids = [b.block_id for b in blocks[:num_full]]
+            self._publish(request, ids, offered)
         if self._extend(request, blocks, offered, num_full):
             return
         tokens = request.all_token_ids[:num_full * bs]
-        ids = [b.block_id for b in blocks[:num_full]]
+        if ids is None:
+            ids = [b.block_id for b in blocks[:num_full]]
         null = self.pool.null_block.block_id
         if null in ids:  # blocks dropped out of the window: offer on only where the tree
             last = len(ids) - 1 - ids[::-1].index(null)  # holds their tokens already
