@@ -6,6 +6,7 @@ of one split, and batch-invariant (a sequence's output alone == within any batch
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -128,7 +129,7 @@ def test_one_split_is_the_unsplit_kernel_bit_for_bit():
     meta = backend.build_metadata(batch_to(batch, device))
     t = meta.tiles[0]
     assert t.split is None  # every decode is one split: the unsplit kernel
-    split = backend._split_work(t.first_ctx.tolist())
+    split = backend._split_work(t.first_ctx.cpu().numpy().astype(np.int64))
     assert split.work_splits.max() == 0
     cache = cache.to(device)
     store_kv(cache, k_new.to(device), v_new.to(device), batch_to(batch, device).slot_mapping)

@@ -8,6 +8,7 @@ compute. On a CUDA machine the engine captures real graphs and the second test r
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -87,7 +88,7 @@ def test_graph_metadata_is_the_eager_metadata_of_a_decode_step(split_keys):
     # the same (row, split) items (eager: only where some decode has two splits); each
     # row's first item where the merge looks for it
     assert (e.split is None) == (split_keys == 512)
-    work = e.split or backend._split_work(e.first_ctx.tolist())
+    work = e.split or backend._split_work(e.first_ctx.cpu().numpy().astype(np.int64))
     dense = {(int(t), int(s)) for t, s in zip(g.split.work_tiles, g.split.work_splits,
                                               strict=True)
              if s * split_keys < g.first_ctx[t]}

@@ -136,9 +136,8 @@ class TritonPagedAttention(AttentionBackend):
         # the merge's launch (a small batch's graph too: TritonDecodeGraphState.variants)
         return meta
 
-    def _split_work(self, keys: np.ndarray | list[int]) -> SplitWork:
-        """Work items for decode tiles seeing `keys` keys each (SplitWork)."""
-        keys = np.asarray(keys, dtype=np.int64)
+    def _split_work(self, keys: np.ndarray) -> SplitWork:
+        """Work items for decode tiles seeing `keys` (N,) int64 keys each (SplitWork)."""
         counts = -(-keys // self.split_keys)
         starts = np.cumsum(counts) - counts
         tiles = np.repeat(np.arange(len(keys)), counts)
