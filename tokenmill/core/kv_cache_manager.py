@@ -182,20 +182,11 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self.req_to_blocks.get(rid)
         is_new = blocks is None
-        num_computed = request.num_computed_tokens
-        hit = None
+        num_computed, hit = request.num_computed_tokens, None
         if is_new:
             blocks = self.req_to_blocks[rid] = []
             if computed is not None:
-                hit = computed.offloaded
-                if computed.num_tokens:
-                    # locked first, so that eviction below cannot take them
-                    self.offers.adopt_hit(rid, computed.handle, len(computed.blocks))
-                    self.pool.incr_ref(computed.blocks)
-                    blocks.extend(computed.blocks)
-                    num_computed = computed.num_tokens
-            if hit is not None:
-                self.offload.pin(hit.slots)  # before eviction below saves blocks to host slots
+                num_computed, hit = self._adopt(request, blocks, computed)
         if (self.sliding_window is not None
                 and self._drop_out_of_window(blocks, min(num_computed, request.num_tokens))):
             self._rewritten.add(rid)
@@ -234,6 +225,21 @@ class KVCacheManager:
             self.offers.offer(request, blocks,
                               min(num_computed + num_new_tokens, request.num_tokens))
         return new_ids
+
+    def _adopt(self, request: Request, blocks: list[KVBlock], computed: ComputedBlocks
+               ) -> tuple[int, OffloadHit | None]:
+        """A new request's cache hit into its (empty) table `blocks`: the tree's blocks locked
+        first, so that eviction cannot take them, and the host tier's slots pinned, so that
+        it does not save evicted blocks into them; the tokens computed, and the host hit."""
+        num_computed = request.num_computed_tokens
+        if computed.num_tokens:
+            self.offers.adopt_hit(request.request_id, computed.handle, len(computed.blocks))
+            self.pool.incr_ref(computed.blocks)
+            blocks.extend(computed.blocks)
+            num_computed = computed.num_tokens
+        if computed.offloaded is not None:
+            self.offload.pin(computed.offloaded.slots)
+        return num_computed, computed.offloaded
 
     def _drop_out_of_window(self, blocks: list[KVBlock], next_position: int) -> bool:
         """Put the null block in place of the blocks no query from `next_position` on will

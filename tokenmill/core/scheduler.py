@@ -161,12 +161,7 @@ class Scheduler:
             if n == 0:  # waiting for its token in flight
                 i += 1
                 continue
-            drafts, lookahead = [], 0
-            if self.spec.speculative is not None:
-                left = self._tokens_left(request)
-                drafts = self.grammar.cut(request, self.spec.drafts(
-                    request, n, min(spec_room, budget - n), left))
-                lookahead = self.spec.lookahead(request, n, len(self.running), left)
+            drafts, lookahead = self._speculation(request, n, min(spec_room, budget - n))
             while self.kv.allocate_slots(request, n + len(drafts) + lookahead) is None:
                 victim = self.running.pop()  # the last in self.order's order
                 self._preempt(victim)
@@ -205,6 +200,15 @@ class Scheduler:
             budget -= n
 
         return self._make_output(scheduled, preempted)
+
+    def _speculation(self, request: Request, n: int, room: int) -> tuple[list[int], int]:
+        """A running request's drafts this step (at most `room`) and a draft model's
+        lookahead after it; none without a speculative config."""
+        if self.spec.speculative is None:
+            return [], 0
+        left = self._tokens_left(request)
+        drafts = self.grammar.cut(request, self.spec.drafts(request, n, room, left))
+        return drafts, self.spec.lookahead(request, n, len(self.running), left)
 
     def _displace(self) -> list[Request]:
         """Priority policy: running requests preempted so that waiting ones of a higher
