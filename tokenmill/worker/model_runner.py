@@ -325,12 +325,7 @@ class ModelRunner:
         req_ids = [r.req_id for r in sched.scheduled]
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         with scope("prepare_inputs"):
-            self.states.update(sched)
-            self.sampler.forget(sched.finished_req_ids)
-            if self.drafter is not None:  # preempted ones' blocks move: their drafts restart
-                self.drafter.forget(sched.finished_req_ids)
-                self.drafter.forget(sched.preempted_req_ids, finished=False)
-            offload = self._block_ops(sched) if block_ops else None
+            offload = self._take_changes(sched, block_ops)
             if failed_upstream:  # after the block ops, which every stage does once
                 raise PeerFailed("an earlier pipeline stage failed this step")
             if sched.is_empty:
@@ -374,6 +369,17 @@ class ModelRunner:
                     reqs, out.sampled_token_ids)
         self.states.append_sampled(req_ids, out.sampled_token_ids)
         return out, None
+
+    def _take_changes(self, sched: SchedulerOutput, block_ops: bool) -> OffloadOps | None:
+        """The step's diffs into the request states, the requests that left out of the
+        sampler and the drafter, then (block_ops) its block copies and swaps: what the KV
+        tiers publish once the step is computed, returned."""
+        self.states.update(sched)
+        self.sampler.forget(sched.finished_req_ids)
+        if self.drafter is not None:  # preempted ones' blocks move: their drafts restart
+            self.drafter.forget(sched.finished_req_ids)
+            self.drafter.forget(sched.preempted_req_ids, finished=False)
+        return self._block_ops(sched) if block_ops else None
 
     def _block_ops(self, sched: SchedulerOutput) -> OffloadOps | None:
         """The step's block swaps and copies, and its KV tiers' saves and loads (what the
