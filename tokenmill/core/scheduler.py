@@ -301,7 +301,8 @@ class Scheduler:
         progressed = []
         if self.kv.offload is not None:
             self.kv.offload.apply(runner_out.kv_offload)
-        self._stepping.difference_update(r.req_id for r in sched_out.scheduled)
+        if self._stepping:  # (pipeline parallelism only)
+            self._stepping.difference_update(r.req_id for r in sched_out.scheduled)
         for req_id, token_ids in zip(runner_out.req_ids, runner_out.sampled_token_ids,
                                      strict=True):
             request = self.requests.get(req_id)
