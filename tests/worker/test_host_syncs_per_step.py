@@ -25,7 +25,8 @@ def _syncs_over_decode_steps(llm: LLM, prompts: list[list[int]]) -> HostSyncs:
         engine.add_request(f"r{i}", prompt,
                            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     sched = engine.scheduler
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
+    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                               for r in sched.running):
         engine.step()
     for _ in range(2):
         engine.step()  # past the last prefill's own token (an async step runs one ahead)
