@@ -144,9 +144,9 @@ def run_scenario(llm: LLM, name: str, steps: int, vocab: int, special: set[int])
             "top_kernels_ms_per_step": {e.key: e.self_device_time_total / 1e3 / steps
                                         for e in kernels[:30]},
             "top_kernels_calls_per_step": {e.key: e.count / steps for e in kernels[:30]},
-            "host_syncs_per_step": syncs and syncs.total / steps,
-            "host_sync_sites_per_step": syncs and {site: n / steps for site, n in
-                                                   syncs.sites.most_common()}}
+            "host_syncs_per_step": None if syncs is None else syncs.total / steps,
+            "host_sync_sites_per_step": None if syncs is None else {
+                site: n / steps for site, n in syncs.sites.most_common()}}
 
 
 def _count_host_syncs(llm: LLM, name: str, steps: int, vocab: int,

@@ -175,4 +175,3 @@ def test_capture_sizes_bound_the_padding(max_num_seqs):
             assert (padded - n) / padded < 0.12, n
     if max_num_seqs >= 24:
         assert sizes[:6] == [1, 2, 4, 8, 16, 24]
-

@@ -244,9 +244,7 @@ class KVCacheManager:
     def _drop_out_of_window(self, blocks: list[KVBlock], next_position: int) -> bool:
         """Put the null block in place of the blocks no query from `next_position` on will
         attend (keys at positions <= next_position - window), and release them; whether
-        there were any."""
-        if self.sliding_window is None:
-            return False
+        there were any. Only with a sliding window (the caller checks)."""
         first_needed = next_position - self.sliding_window + 1  # the window's first key
         dropped = []
         for i in range(min(max(0, first_needed) // self.block_size, len(blocks))):

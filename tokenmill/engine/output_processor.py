@@ -77,8 +77,6 @@ class ParentState:
 
     @property
     def finished(self) -> bool:
-        if len(self.samples) == 1:  # (most requests: no generator to run)
-            return self.samples[0].finish_reason is not None
         return all(s.finish_reason is not None for s in self.samples)
 
 
