@@ -69,3 +69,29 @@ class EmbeddingRequestOutput:
     finished: bool = True
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def coalesce(earlier: RequestOutput, later: RequestOutput, delta: bool) -> RequestOutput:
+    """One output standing for two consecutive outputs of a request that its reader has not
+    taken yet (what vLLM's output collector does for a reader slower than the steps).
+
+    A CUMULATIVE or FINAL_ONLY output holds everything so far: the later one stands for both.
+    DELTA outputs are joined sample by sample: text, tokens and logprobs in order, the later
+    finish and cumulative logprob; prompt logprobs come with the first output only.
+    """
+    if not delta:
+        return later
+    samples = {c.index: c for c in earlier.outputs}
+    for c in later.outputs:
+        before = samples.get(c.index)
+        samples[c.index] = c if before is None else CompletionOutput(
+            index=c.index, text=before.text + c.text, token_ids=before.token_ids + c.token_ids,
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            logprobs=(None if c.logprobs is None else (before.logprobs or []) + c.logprobs),
+            cumulative_logprob=c.cumulative_logprob)
+    prompt_logprobs = (earlier.prompt_logprobs if earlier.prompt_logprobs is not None
+                       else later.prompt_logprobs)
+    return RequestOutput(
+        request_id=later.request_id, prompt=later.prompt, prompt_token_ids=later.prompt_token_ids,
+        outputs=[samples[i] for i in sorted(samples)], finished=later.finished,
+        prompt_logprobs=prompt_logprobs, metrics=later.metrics, error=later.error)

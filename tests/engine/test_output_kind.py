@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import assert_kv_all_free
 from tokenmill import LLM, RequestOutputKind, SamplingParams
+from tokenmill.outputs import coalesce
 
 KINDS = RequestOutputKind
 
@@ -93,6 +94,32 @@ def test_a_delta_holds_only_the_samples_that_changed(runs):
     assert lengths[0] != lengths[1]  # (seeded: the samples really finish apart)
     assert any(len(o.outputs) == 1 for o in pair)
     assert sum(len(o.outputs) for o in pair) < 2 * len(pair)
+
+
+def test_coalesced_outputs_equal_the_cumulative_output_of_their_last_step(runs):
+    """A reader that finds outputs k..j waiting takes them as one (engine/request_stream.py):
+    joined deltas, or the latest cumulative output, equal the cumulative output of step j."""
+    for rid, cumulative in runs[KINDS.CUMULATIVE].items():
+        deltas = runs[KINDS.DELTA][rid]
+        assert len(deltas) == len(cumulative) > 3
+        for start in (0, 1, 2):
+            joined, latest = deltas[start], cumulative[start]
+            for j in range(start + 1, len(deltas)):
+                joined = coalesce(joined, deltas[j], delta=True)
+                latest = coalesce(latest, cumulative[j], delta=False)
+                assert latest is cumulative[j]
+                assert joined.finished == cumulative[j].finished
+                # from the first output on, the join is everything so far
+                if start == 0:
+                    assert joined.outputs == cumulative[j].outputs
+                    assert joined.prompt_logprobs == cumulative[j].prompt_logprobs
+            if start > 0:  # a later run of deltas: the tail of the final output
+                for c in cumulative[-1].outputs:
+                    part = next(d for d in joined.outputs if d.index == c.index)
+                    assert c.token_ids[-len(part.token_ids):] == part.token_ids
+                    assert c.text.endswith(part.text)
+                    assert part.finish_reason == c.finish_reason
+                assert joined.prompt_logprobs is None
 
 
 def test_a_stop_string_is_cut_the_same_in_every_kind(runs, stop_string):

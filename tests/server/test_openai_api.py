@@ -113,6 +113,49 @@ def test_streaming_chat_with_n_and_usage(client):
     assert chunks[-1].usage.completion_tokens == 16 and chunks[-1].choices == []
 
 
+def test_streamed_logprobs_and_stops_equal_the_whole_answer(client):
+    """A stream reads DELTA outputs (each step's new tokens): its pieces, logprobs and text
+    offsets included, join up to the answer sent whole, for two prompts with n = 2 and a stop
+    string that holds text back."""
+    whole = client.completions.create(model="tiny-llama", prompt=PROMPTS[:2], max_tokens=14,
+                                      temperature=0, logprobs=2, n=2, stop=["e"])
+    stream = client.completions.create(model="tiny-llama", prompt=PROMPTS[:2], max_tokens=14,
+                                       temperature=0, logprobs=2, n=2, stop=["e"], stream=True)
+    got: dict[int, dict] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            g = got.setdefault(c.index, {"text": "", "tokens": [], "lps": [], "offsets": []})
+            g["text"] += c.text
+            g["tokens"] += c.logprobs.tokens
+            g["lps"] += c.logprobs.token_logprobs
+            g["offsets"] += c.logprobs.text_offset
+            g["finish"] = c.finish_reason
+    assert sorted(got) == [0, 1, 2, 3]
+    assert any(c.finish_reason == "stop" for c in whole.choices)
+    for c in whole.choices:
+        g = got[c.index]
+        assert (g["text"], g["finish"]) == (c.text, c.finish_reason)
+        assert g["tokens"] == c.logprobs.tokens and g["offsets"] == c.logprobs.text_offset
+        assert g["lps"] == pytest.approx(c.logprobs.token_logprobs, abs=1e-6)
+    messages = [{"role": "user", "content": "Count to ten"}]
+    whole = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=9,
+                                           temperature=0, logprobs=True, top_logprobs=2)
+    stream = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=9,
+                                            temperature=0, logprobs=True, top_logprobs=2,
+                                            stream=True, stream_options={"include_usage": True})
+    pieces, usage = [], None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            pieces += c.logprobs.content if c.logprobs is not None else []
+    want = whole.choices[0].logprobs.content
+    assert [p.token for p in pieces] == [p.token for p in want]
+    assert [[t.token for t in p.top_logprobs] for p in pieces] == [
+        [t.token for t in p.top_logprobs] for p in want]
+    assert usage.completion_tokens == whole.usage.completion_tokens == 9
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+
+
 def test_stop_and_logprobs(client, offline):
     ref = greedy(offline, PROMPTS[0], 16)
     stop = ref.text[len(ref.text) // 2:len(ref.text) // 2 + 3]

@@ -7,7 +7,8 @@ The event loop never waits for a model step and a step never waits for HTTP:
     prepare_request (thread pool)
     commands.put(add) ───────────────► drain commands (add / abort)
                                        step()  → outputs
-    per-request asyncio.Queue ◄─────── loop.call_soon_threadsafe(put all of a step's outputs)
+    per-request RequestStream ◄─────── loop.call_soon_threadsafe(put all of a step's outputs)
+    (outputs not read yet coalesce: engine/request_stream.py)
 
 A request whose consumer goes away (client disconnect, cancellation) is aborted, which frees
 its KV blocks on the engine thread's next iteration. A request past its deadline, or still
@@ -35,6 +36,7 @@ from typing import Any
 
 from tokenmill.engine.llm_engine import EngineDeadError, EngineSleepingError, LLMEngine
 from tokenmill.engine.request_intake import PreparedRequest
+from tokenmill.engine.request_stream import RequestStream
 from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import RequestTimings, SchedulerStats, StepTimings
 from tokenmill.outputs import RequestOutput
@@ -46,50 +48,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["AsyncLLM", "EngineDeadError", "RequestStream"]
 
 
-def _put_all(puts: list[tuple[asyncio.Queue, Any]]) -> None:
-    for q, item in puts:
-        q.put_nowait(item)
-
-
-class RequestStream:
-    """The outputs of one request. Cancelled while waiting, closed, or garbage-collected before
-    its last output, it aborts the request (so its KV blocks are freed), even if it was never
-    iterated: an async generator that never started would run no `finally` at all."""
-
-    def __init__(self, owner: AsyncLLM, request_id: str) -> None:
-        self.owner, self.request_id = owner, request_id
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self._done = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            out = await self.queue.get()
-        except BaseException:  # cancelled: the consumer went away
-            self.close()
-            raise
-        if isinstance(out, BaseException):
-            self.close()
-            raise out
-        if out.finished:
-            self._done = True
-            self.owner._streams.pop(self.request_id, None)
-        return out
-
-    def close(self) -> None:
-        if not self._done:
-            self._done = True
-            self.owner.abort(self.request_id)
-
-    async def aclose(self) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self.close()
+def _put_all(puts: list[tuple[RequestStream, Any]]) -> None:
+    for stream, item in puts:
+        stream.put(item)
 
 
 class AsyncLLM:
@@ -101,7 +62,7 @@ class AsyncLLM:
         self.on_dead = on_dead
         self.dead_error: BaseException | None = None
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}
         self._deadlines: list[tuple[float, str]] = []  # heap of (monotonic deadline, id)
         if on_step is not None:  # the engine's output processor times each request
             engine.outputs.timings = RequestTimings()
@@ -155,8 +116,8 @@ class AsyncLLM:
         self._check_running()
         if self.engine.is_sleeping:
             raise EngineSleepingError("the engine is asleep (sleep mode): POST /wake_up first")
-        stream = RequestStream(self, prepared.request_id)
-        self._streams[prepared.request_id] = (asyncio.get_running_loop(), stream.queue)
+        stream = RequestStream(self, prepared.request_id, prepared.params.output_kind)
+        self._streams[prepared.request_id] = (asyncio.get_running_loop(), stream)
         self._send("add", (prepared, deadline))
         return stream
 
@@ -179,6 +140,10 @@ class AsyncLLM:
         """add_request + iterate: the whole stream of one request."""
         async for out in await self.add_request(request_id, prompt, params):
             yield out
+
+    def stream_ended(self, request_id: str) -> None:
+        """A stream read its last output (RequestStream calls it)."""
+        self._streams.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         """Drop a request whose consumer is gone (nothing more is delivered)."""
@@ -288,12 +253,12 @@ class AsyncLLM:
     def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
         """Hand items to their streams: one wake-up of each event loop for all of them (a
         step's hundreds of outputs were as many wake-ups, which a loaded loop runs late)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
         for request_id, item in items:
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                loop, q = stream
-                by_loop.setdefault(loop, []).append((q, item))
+            entry = self._streams.get(request_id)
+            if entry is not None:
+                loop, stream = entry
+                by_loop.setdefault(loop, []).append((stream, item))
         for loop, puts in by_loop.items():
             loop.call_soon_threadsafe(_put_all, puts)
 

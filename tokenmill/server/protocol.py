@@ -171,9 +171,10 @@ class SamplingFields(StrictModel):
             logit_bias=self.logit_bias, skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             structured_outputs=self.structured_outputs_params(),
-            # a response sent whole needs only the final output (as vLLM's server asks): no
-            # output is built, nor handed to the event loop, for the steps in between
-            output_kind=(RequestOutputKind.CUMULATIVE if self.stream
+            # as vLLM's server asks: a stream, what is new at each step (nothing the engine
+            # builds grows with the answer; serving_common.StreamedChoices adds it up); a
+            # response sent whole, only the final output (none for the steps in between)
+            output_kind=(RequestOutputKind.DELTA if self.stream
                          else RequestOutputKind.FINAL_ONLY))
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:

@@ -28,8 +28,9 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admission import Ticket
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.server.serving_common import (
-    DeltaTracker,
+    ChoiceSoFar,
     OpenAIServing,
+    StreamedChoices,
     check_failed,
     collect,
     merge,
@@ -95,13 +96,14 @@ def render_chat(engine: LLMEngine, messages: list[ChatMessage], add_generation_p
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
-def chat_logprobs(c: CompletionOutput, top_k: int, start: int = 0) -> dict[str, Any] | None:
-    """OpenAI chat logprobs for tokens [start:]: the chosen token and the top_k alternatives
-    (the entries ranked 1..top_k; the chosen token is among them only if it ranks there)."""
+def chat_logprobs(c: CompletionOutput, top_k: int) -> dict[str, Any] | None:
+    """OpenAI chat logprobs for the output's tokens (a stream's: its new ones): the chosen
+    token and the top_k alternatives (the entries ranked 1..top_k; the chosen token is among
+    them only if it ranks there)."""
     if c.logprobs is None:
         return None
     content = []
-    for tid, entry in zip(c.token_ids[start:], c.logprobs[start:], strict=True):
+    for tid, entry in zip(c.token_ids, c.logprobs, strict=True):
         chosen = entry[tid]
         top = sorted((lp for lp in entry.values() if lp.rank <= top_k), key=lambda lp: lp.rank)
         content.append({"token": chosen.decoded_token, "logprob": chosen.logprob,
@@ -122,8 +124,10 @@ def with_tool_constraint(params: SamplingParams, plan: ToolPlan) -> SamplingPara
     return dataclasses.replace(params, structured_outputs=plan.constraint)
 
 
-def answer(plan: ToolPlan, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
-    """A choice's assistant message (content and tool calls) and finish reason."""
+def answer(plan: ToolPlan, c: CompletionOutput | ChoiceSoFar
+           ) -> tuple[dict[str, Any], str | None]:
+    """A choice's assistant message (content and tool calls) and finish reason (from its text
+    and finish: a whole answer's output, or a stream's choice so far)."""
     content, calls = plan.calls(c.text)
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
@@ -205,23 +209,19 @@ class OpenAIServingChat(OpenAIServing):
             try:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None} for i in range(n)])
-                sent = DeltaTracker()
+                streamed = StreamedChoices()
                 shown: dict[int, int] = {}  # choice index → content characters sent
-                final = None
                 async for _, out in merge([gen]):
                     check_failed([out])
-                    final = out
-                    for c in out.outputs:
-                        if (before := sent.advance(c.index, c)) is None:
-                            continue
-                        _, k0 = before
+                    for new in out.outputs:  # (DELTA: the new text, tokens and logprobs)
+                        c = streamed.add(0, new.index, out, new)
                         delta, finish = self.delta(plan, c, shown)
                         yield chunk([{"index": c.index, "delta": delta,
-                                      "logprobs": chat_logprobs(c, top_k, k0),
+                                      "logprobs": chat_logprobs(new, top_k),
                                       "finish_reason": finish,
                                       "stop_reason": c.stop_reason}])
-                if include_usage and final is not None:
-                    yield chunk([], usage=usage([final]).model_dump())
+                if include_usage and streamed.choices:
+                    yield chunk([], usage=streamed.usage().model_dump())
             except Exception as e:  # the engine failed it, or died: say so, then end cleanly
                 yield sse_error(e)
             yield sse("[DONE]")
@@ -229,10 +229,10 @@ class OpenAIServingChat(OpenAIServing):
             ticket.release()
 
     @staticmethod
-    def delta(plan: ToolPlan, c: CompletionOutput, shown: dict[int, int]
-               ) -> tuple[dict[str, Any], str | None]:
-        """The delta of a choice's new output (content not yet sent and safe to send; at its
-        finish, the rest and its tool calls) and its finish reason."""
+    def delta(plan: ToolPlan, c: ChoiceSoFar, shown: dict[int, int]
+              ) -> tuple[dict[str, Any], str | None]:
+        """The delta of a streamed choice's new output (content not yet sent and safe to send;
+        at its finish, the rest and its tool calls) and its finish reason."""
         sent = shown.get(c.index, 0)
         if c.finish_reason is None:
             hold = (None if plan.mode == "none" else

@@ -5,6 +5,7 @@ request that fails after its stream began), and usage counting."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import re
@@ -78,19 +79,43 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-class DeltaTracker:
-    """How much of each streamed choice the client has already been sent."""
+@dataclasses.dataclass
+class ChoiceSoFar:
+    """A streamed choice (one sample) as its outputs have built it up so far: a stream asks
+    for DELTA outputs (each holds only what is new, as vLLM's server does), so nothing the
+    engine sends grows with the answer; what needs the whole (tool calls found in the text,
+    the usage counts) reads it here."""
+
+    index: int
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class StreamedChoices:
+    """Every choice of a stream so far, built from its DELTA outputs."""
 
     def __init__(self) -> None:
-        self._sent: dict[int, tuple[int, int]] = {}  # choice index → (chars, tokens)
+        self.choices: dict[int, ChoiceSoFar] = {}  # choice index → the choice so far
+        self._prompt_tokens: dict[int, int] = {}  # prompt index → its length
 
-    def advance(self, index: int, c: CompletionOutput) -> tuple[int, int] | None:
-        """(chars, tokens) sent before, and marks everything sent; None if nothing is new."""
-        t0, k0 = self._sent.get(index, (0, 0))
-        if len(c.text) == t0 and len(c.token_ids) == k0 and c.finish_reason is None:
-            return None
-        self._sent[index] = (len(c.text), len(c.token_ids))
-        return t0, k0
+    def add(self, prompt: int, index: int, out: RequestOutput, new: CompletionOutput
+            ) -> ChoiceSoFar:
+        """`new` (a sample of `out`, the stream's output for prompt `prompt`) added to choice
+        `index`; the choice so far."""
+        self._prompt_tokens[prompt] = len(out.prompt_token_ids)
+        c = self.choices.setdefault(index, ChoiceSoFar(index))
+        c.text += new.text
+        c.num_tokens += len(new.token_ids)
+        c.finish_reason, c.stop_reason = new.finish_reason, new.stop_reason
+        return c
+
+    def usage(self) -> UsageInfo:
+        prompt = sum(self._prompt_tokens.values())
+        completion = sum(c.num_tokens for c in self.choices.values())
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                         total_tokens=prompt + completion)
 
 
 def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, Any] | None] | None:
@@ -157,9 +182,21 @@ _engine_ids = itertools.count()  # engine ids stay unique when clients reuse X-R
 
 async def merge(generators: list[AsyncIterator[RequestOutput]]
                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several output streams as (index, output); cancelling the consumer cancels
-    every producer, which aborts their requests."""
-    queue: asyncio.Queue = asyncio.Queue()
+    """Interleave several output streams as (index, output); closing or cancelling the
+    consumer closes every stream, which aborts their requests.
+
+    Nothing is read ahead of the consumer: a stream's outputs wait in the stream, which takes
+    them as one (engine/request_stream.py), while the consumer writes to a slow client. A
+    single stream is read directly; several hand over through a one-place queue."""
+    if len(generators) == 1:
+        gen = generators[0]
+        try:
+            async for out in gen:
+                yield 0, out
+        finally:
+            await _close(gen)
+        return
+    queue: asyncio.Queue = asyncio.Queue(maxsize=1)
     done = object()
 
     async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
@@ -169,6 +206,8 @@ async def merge(generators: list[AsyncIterator[RequestOutput]]
             await queue.put((i, done))
         except Exception as e:  # handed to the consumer, which raises it
             await queue.put((i, e))
+        finally:
+            await _close(gen)
 
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generators)]
     remaining = len(tasks)
@@ -185,6 +224,13 @@ async def merge(generators: list[AsyncIterator[RequestOutput]]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close(gen: AsyncIterator[RequestOutput]) -> None:
+    """End a stream (an unfinished request is aborted; a finished one, nothing)."""
+    aclose = getattr(gen, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 async def collect(generators: list[AsyncIterator[RequestOutput]],

@@ -18,8 +18,8 @@ from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.server.admission import Ticket
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.serving_common import (
-    DeltaTracker,
     OpenAIServing,
+    StreamedChoices,
     check_failed,
     collect,
     merge,
@@ -30,14 +30,14 @@ from tokenmill.server.serving_common import (
 )
 
 
-def completion_logprobs(c: CompletionOutput, start: int = 0,
-                        text_offset: int = 0) -> dict[str, Any] | None:
-    """OpenAI's legacy completions logprobs for tokens [start:] of a completion."""
+def completion_logprobs(c: CompletionOutput, text_offset: int = 0) -> dict[str, Any] | None:
+    """OpenAI's legacy completions logprobs for the output's tokens (a stream's: its new ones),
+    their text offsets counted from `text_offset`."""
     if c.logprobs is None:
         return None
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = text_offset
-    for tid, entry in zip(c.token_ids[start:], c.logprobs[start:], strict=True):
+    for tid, entry in zip(c.token_ids, c.logprobs, strict=True):
         chosen = entry[tid]
         tokens.append(chosen.decoded_token)
         token_lps.append(chosen.logprob)
@@ -88,28 +88,31 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(self, request_id: str, gens: list[AsyncIterator[RequestOutput]], n: int,
                       include_usage: bool, ticket: Ticket, model: str) -> AsyncIterator[str]:
         created = int(time.time())
-        sent = DeltaTracker()
-        finals: dict[int, RequestOutput] = {}
+        streamed = StreamedChoices()
+        # choice index → its next token's text offset: the decoded tokens' lengths so far, as
+        # the whole answer counts them (its visible text may hold a partial character back)
+        offsets: dict[int, int] = {}
         try:  # the ticket is released however the stream ends
             try:
                 async for i, out in merge(gens):
                     check_failed([out])
-                    finals[i] = out
-                    for c in out.outputs:
+                    for c in out.outputs:  # (DELTA: the new text, tokens and logprobs)
                         idx = i * n + c.index
-                        if (before := sent.advance(idx, c)) is None:
-                            continue
-                        t0, k0 = before
+                        streamed.add(i, idx, out, c)
+                        logprobs = completion_logprobs(c, offsets.get(idx, 0))
+                        if logprobs is not None and logprobs["tokens"]:
+                            offsets[idx] = (logprobs["text_offset"][-1]
+                                            + len(logprobs["tokens"][-1] or ""))
                         yield sse({"id": request_id, "object": "text_completion",
                                    "created": created, "model": model,
-                                   "choices": [{"index": idx, "text": c.text[t0:],
-                                                "logprobs": completion_logprobs(c, k0, t0),
+                                   "choices": [{"index": idx, "text": c.text,
+                                                "logprobs": logprobs,
                                                 "finish_reason": c.finish_reason,
                                                 "stop_reason": c.stop_reason}]})
                 if include_usage:
                     yield sse({"id": request_id, "object": "text_completion", "created": created,
                                "model": model, "choices": [],
-                               "usage": usage([finals[i] for i in sorted(finals)]).model_dump()})
+                               "usage": streamed.usage().model_dump()})
             except Exception as e:  # the engine failed it, or died: say so, then end cleanly
                 yield sse_error(e)
             yield sse("[DONE]")

@@ -33,7 +33,7 @@ from tokenmill.server.anthropic_protocol import CountTokensRequest, MessagesRequ
 from tokenmill.server.lora_modules import UnknownModel
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.serving_chat import OpenAIServingChat, answer
-from tokenmill.server.serving_common import check_failed, merge
+from tokenmill.server.serving_common import ChoiceSoFar, StreamedChoices, check_failed, merge
 from tokenmill.server.tools import ToolPlan
 
 _ERRORS: list[tuple[type[BaseException], int, str]] = [
@@ -73,7 +73,8 @@ async def in_anthropic_shape(handle: Callable[[], Awaitable[Response]]) -> Respo
         return error_for(e)
 
 
-def stop_reason(c: CompletionOutput, finish: str | None) -> tuple[str, str | None]:
+def stop_reason(c: CompletionOutput | ChoiceSoFar, finish: str | None
+                ) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) of a finished choice."""
     if finish == "tool_calls":
         return "tool_use", None
@@ -126,10 +127,12 @@ class AnthropicServingMessages:
             yield _event("message_start", {"message": message | {
                 "content": [], "stop_reason": None, "stop_sequence": None,
                 "usage": {"input_tokens": n_prompt, "output_tokens": 0}}})
-            index, text_open, shown = 0, False, {}
+            index, text_open, shown, streamed = 0, False, {}, StreamedChoices()
             async for _, out in merge([gen]):
                 check_failed([out])
-                c = out.outputs[0]
+                if not out.outputs:  # (DELTA: nothing new)
+                    continue
+                c = streamed.add(0, 0, out, out.outputs[0])
                 delta, finish = OpenAIServingChat.delta(plan, c, shown)
                 if delta.get("content"):
                     if not text_open:
@@ -154,7 +157,7 @@ class AnthropicServingMessages:
                 reason, sequence = stop_reason(c, finish)
                 yield _event("message_delta", {
                     "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                    "usage": {"output_tokens": len(c.token_ids)}})
+                    "usage": {"output_tokens": c.num_tokens}})
             yield _event("message_stop", {})
         except Exception as e:  # the engine failed it, or died, after it began
             body = json.loads(error_for(e).body)

@@ -25,7 +25,13 @@ from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.responses_protocol import ResponsesRequest
 from tokenmill.server.serving_chat import OpenAIServingChat, answer
-from tokenmill.server.serving_common import check_failed, error_body, merge
+from tokenmill.server.serving_common import (
+    ChoiceSoFar,
+    StreamedChoices,
+    check_failed,
+    error_body,
+    merge,
+)
 from tokenmill.server.tools import ToolPlan
 
 
@@ -73,17 +79,21 @@ class OpenAIServingResponses:
             skeleton, s.gen, s.plan, ticket))
         if isinstance(done, StreamingResponse):
             return done
-        return JSONResponse(self._finished(skeleton, done.plan, done.final))
-
-    def _finished(self, skeleton: dict[str, Any], plan: ToolPlan, final: RequestOutput
-                  ) -> dict[str, Any]:
+        final = done.final
         c = final.outputs[0]
+        return JSONResponse(self._finished(skeleton, done.plan, c, len(final.prompt_token_ids),
+                                           len(c.token_ids)))
+
+    def _finished(self, skeleton: dict[str, Any], plan: ToolPlan,
+                  c: CompletionOutput | ChoiceSoFar, n_prompt: int, n_output: int
+                  ) -> dict[str, Any]:
+        """The response object of an answer: its text and finish, and the usage counts."""
         message, _ = answer(plan, c)
         output = ([_message_item(f"msg_{skeleton['id']}", message["content"])]
                   if message["content"] else [])
         output += [_call_item(call) for call in message.get("tool_calls", [])]
         return skeleton | {"output": output, **_status(c),
-                           "usage": _usage(len(final.prompt_token_ids), len(c.token_ids))}
+                           "usage": _usage(n_prompt, n_output)}
 
     async def _stream(self, skeleton: dict[str, Any], gen: AsyncIterator[RequestOutput],
                       plan: ToolPlan, ticket: Any) -> AsyncIterator[str]:
@@ -97,10 +107,14 @@ class OpenAIServingResponses:
             started = skeleton | {"status": "in_progress", "output": [], "usage": None}
             yield event("response.created", response=started)
             yield event("response.in_progress", response=started)
-            msg_id, text, index, shown, final = f"msg_{skeleton['id']}", "", 0, {}, None
+            msg_id, text, index, shown = f"msg_{skeleton['id']}", "", 0, {}
+            streamed, n_prompt, c = StreamedChoices(), 0, ChoiceSoFar(0)
             async for _, out in merge([gen]):
                 check_failed([out])
-                final, c = out, out.outputs[0]
+                if not out.outputs:  # (DELTA: nothing new)
+                    continue
+                n_prompt = len(out.prompt_token_ids)
+                c = streamed.add(0, 0, out, out.outputs[0])
                 delta, finish = OpenAIServingChat.delta(plan, c, shown)
                 if delta.get("content"):
                     if not text:
@@ -116,8 +130,8 @@ class OpenAIServingResponses:
                     continue
                 for e in self._finish_events(event, msg_id, text, index, delta):
                     yield e
-            yield event("response.completed",
-                        response=self._finished(skeleton, plan, final))
+            yield event("response.completed", response=self._finished(
+                skeleton, plan, c, n_prompt, c.num_tokens))
         except Exception as e:  # the engine failed it, or died, after it began
             yield event("error", **error_body(400 if isinstance(e, ValueError) else 500,
                                               str(e))["error"])
@@ -150,7 +164,7 @@ class OpenAIServingResponses:
         return out
 
 
-def _status(c: CompletionOutput) -> dict[str, Any]:
+def _status(c: CompletionOutput | ChoiceSoFar) -> dict[str, Any]:
     if c.finish_reason == "length":
         return {"status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"}}
     return {"status": "completed"}
