@@ -156,6 +156,39 @@ def test_streamed_logprobs_and_stops_equal_the_whole_answer(client):
     assert usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+def test_continuous_usage_stats_count_each_choice_so_far(client):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so
+    far (its prompt's tokens and its own), then the last chunk the whole request's."""
+    stream = client.completions.create(
+        model="tiny-llama", prompt=PROMPTS[:2], max_tokens=7, temperature=0, logprobs=0,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = list(stream)
+    tokens: dict[int, int] = {}
+    for chunk in chunks[:-1]:
+        (c,) = chunk.choices
+        tokens[c.index] = tokens.get(c.index, 0) + len(c.logprobs.tokens)
+        assert chunk.usage.completion_tokens == tokens[c.index]
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + tokens[c.index]
+    assert tokens == {0: 7, 1: 7}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 14
+    messages = [{"role": "user", "content": "Hi"}]
+    stream = client.chat.completions.create(
+        model="tiny-llama", messages=messages, max_tokens=5, temperature=0, logprobs=True,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = list(stream)
+    prompt = chunks[0].usage.prompt_tokens
+    assert prompt > 0 and chunks[0].usage.completion_tokens == 0  # the role chunk
+    seen = 0
+    for chunk in chunks[1:-1]:
+        seen += len(chunk.choices[0].logprobs.content)
+        assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens) == (prompt, seen)
+    assert seen == 5 and chunks[-1].usage.completion_tokens == 5
+    plain = list(client.chat.completions.create(
+        model="tiny-llama", messages=messages, max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 5
+
+
 def test_stop_and_logprobs(client, offline):
     ref = greedy(offline, PROMPTS[0], 16)
     stop = ref.text[len(ref.text) // 2:len(ref.text) // 2 + 3]

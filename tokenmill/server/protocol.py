@@ -66,8 +66,9 @@ class StrictModel(BaseModel):
 
 
 class StreamOptions(StrictModel):
-    include_usage: bool = False
-    continuous_usage_stats: Literal[False] = False
+    include_usage: bool = False  # a last chunk with the request's usage
+    # vLLM's: with include_usage, every chunk also carries its choice's usage so far
+    continuous_usage_stats: bool = False
 
 
 # OpenAI fields tokenmill does not implement yet → the values that mean "not used" (and

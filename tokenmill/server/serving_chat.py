@@ -26,11 +26,12 @@ from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admission import Ticket
-from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage
+from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, UsageInfo
 from tokenmill.server.serving_common import (
     ChoiceSoFar,
     OpenAIServing,
     StreamedChoices,
+    StreamUsage,
     check_failed,
     collect,
     merge,
@@ -176,10 +177,9 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw: Request,
                      lora: LoRARequest | None = None) -> Any:
         request_id = self.response_id("chatcmpl")
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        stream_usage = StreamUsage.of(req.stream_options)
         done = await self.run(req, raw, lora, lambda s, ticket: self._stream(
-            request_id, s.gen, s.params.n, s.params.logprobs or 0, include_usage, ticket,
-            s.plan, self.served_name(lora)))
+            request_id, s, stream_usage, ticket, self.served_name(lora)))
         if isinstance(done, StreamingResponse):
             return done
         plan, params, final = done.plan, done.params, done.final
@@ -196,32 +196,38 @@ class OpenAIServingChat(OpenAIServing):
             body["prompt_logprobs"] = prompt_logprobs_json(final)
         return JSONResponse(body)
 
-    async def _stream(self, request_id: str, gen: AsyncIterator[RequestOutput], n: int,
-                      top_k: int, include_usage: bool, ticket: Ticket,
-                      plan: ToolPlan, model: str) -> AsyncIterator[str]:
+    async def _stream(self, request_id: str, started: Started, stream_usage: StreamUsage,
+                      ticket: Ticket, model: str) -> AsyncIterator[str]:
         created = int(time.time())
+        plan, n, top_k = started.plan, started.params.n, started.params.logprobs or 0
+        n_prompt = len(started.prompt["prompt_token_ids"])
 
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-            return sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                        "model": model, "choices": choices, **extra})
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+            body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                    "model": model, "choices": choices}
+            return sse(body if usage is None else body | {"usage": usage})
 
         try:  # the ticket is released however the stream ends
             try:
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None} for i in range(n)])
+                role = [{"index": i, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None} for i in range(n)]
+                yield chunk(role, UsageInfo(prompt_tokens=n_prompt, completion_tokens=0,
+                                            total_tokens=n_prompt).model_dump()
+                            if stream_usage.continuous else None)
                 streamed = StreamedChoices()
                 shown: dict[int, int] = {}  # choice index → content characters sent
-                async for _, out in merge([gen]):
+                async for _, out in merge([started.gen]):
                     check_failed([out])
                     for new in out.outputs:  # (DELTA: the new text, tokens and logprobs)
                         c = streamed.add(0, new.index, out, new)
                         delta, finish = self.delta(plan, c, shown)
                         yield chunk([{"index": c.index, "delta": delta,
                                       "logprobs": chat_logprobs(new, top_k),
-                                      "finish_reason": finish,
-                                      "stop_reason": c.stop_reason}])
-                if include_usage and streamed.choices:
-                    yield chunk([], usage=streamed.usage().model_dump())
+                                      "finish_reason": finish, "stop_reason": c.stop_reason}],
+                                    streamed.choice_usage(0, c.index)
+                                    if stream_usage.continuous else None)
+                if stream_usage.final and streamed.choices:
+                    yield chunk([], streamed.usage().model_dump())
             except Exception as e:  # the engine failed it, or died: say so, then end cleanly
                 yield sse_error(e)
             yield sse("[DONE]")

@@ -21,7 +21,7 @@ from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admission import AdmissionControl, Ticket
-from tokenmill.server.protocol import ErrorBody, ErrorResponse, UsageInfo
+from tokenmill.server.protocol import ErrorBody, ErrorResponse, StreamOptions, UsageInfo
 from tokenmill.utils import request_context
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
@@ -93,6 +93,20 @@ class ChoiceSoFar:
     stop_reason: int | str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class StreamUsage:
+    """Which chunks of a stream carry usage (`stream_options`)."""
+
+    final: bool = False  # include_usage: a last chunk, with no choices, for the whole request
+    continuous: bool = False  # continuous_usage_stats: every chunk, its choice's so far
+
+    @classmethod
+    def of(cls, options: StreamOptions | None) -> StreamUsage:
+        if options is None or not options.include_usage:
+            return cls()
+        return cls(final=True, continuous=options.continuous_usage_stats)
+
+
 class StreamedChoices:
     """Every choice of a stream so far, built from its DELTA outputs."""
 
@@ -110,6 +124,12 @@ class StreamedChoices:
         c.num_tokens += len(new.token_ids)
         c.finish_reason, c.stop_reason = new.finish_reason, new.stop_reason
         return c
+
+    def choice_usage(self, prompt: int, index: int) -> dict[str, int]:
+        """Choice `index` (of prompt `prompt`)'s usage so far, as vLLM's continuous usage
+        stats count it: its prompt's tokens and its own."""
+        p, c = self._prompt_tokens[prompt], self.choices[index].num_tokens
+        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c).model_dump()
 
     def usage(self) -> UsageInfo:
         prompt = sum(self._prompt_tokens.values())

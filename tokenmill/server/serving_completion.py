@@ -20,6 +20,7 @@ from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.serving_common import (
     OpenAIServing,
     StreamedChoices,
+    StreamUsage,
     check_failed,
     collect,
     merge,
@@ -62,8 +63,8 @@ class OpenAIServingCompletion(OpenAIServing):
             request_id = self.response_id("cmpl")
             gens = await self.add_all(prompts, params, req.timeout, lora, req.priority)
             if req.stream:
-                include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                return StreamingResponse(self._stream(request_id, gens, params.n, include_usage,
+                return StreamingResponse(self._stream(request_id, gens, params.n,
+                                                      StreamUsage.of(req.stream_options),
                                                       ticket, self.served_name(lora)),
                                          media_type="text/event-stream")
             finals = await collect(gens, raw)
@@ -86,7 +87,7 @@ class OpenAIServingCompletion(OpenAIServing):
                              "choices": choices, "usage": usage(finals).model_dump()})
 
     async def _stream(self, request_id: str, gens: list[AsyncIterator[RequestOutput]], n: int,
-                      include_usage: bool, ticket: Ticket, model: str) -> AsyncIterator[str]:
+                      stream_usage: StreamUsage, ticket: Ticket, model: str) -> AsyncIterator[str]:
         created = int(time.time())
         streamed = StreamedChoices()
         # choice index → its next token's text offset: the decoded tokens' lengths so far, as
@@ -103,13 +104,16 @@ class OpenAIServingCompletion(OpenAIServing):
                         if logprobs is not None and logprobs["tokens"]:
                             offsets[idx] = (logprobs["text_offset"][-1]
                                             + len(logprobs["tokens"][-1] or ""))
-                        yield sse({"id": request_id, "object": "text_completion",
-                                   "created": created, "model": model,
-                                   "choices": [{"index": idx, "text": c.text,
-                                                "logprobs": logprobs,
-                                                "finish_reason": c.finish_reason,
-                                                "stop_reason": c.stop_reason}]})
-                if include_usage:
+                        chunk = {"id": request_id, "object": "text_completion",
+                                 "created": created, "model": model,
+                                 "choices": [{"index": idx, "text": c.text,
+                                              "logprobs": logprobs,
+                                              "finish_reason": c.finish_reason,
+                                              "stop_reason": c.stop_reason}]}
+                        if stream_usage.continuous:
+                            chunk["usage"] = streamed.choice_usage(i, idx)
+                        yield sse(chunk)
+                if stream_usage.final:
                     yield sse({"id": request_id, "object": "text_completion", "created": created,
                                "model": model, "choices": [],
                                "usage": streamed.usage().model_dump()})
