@@ -145,7 +145,8 @@ def test_logprobs_are_raw_log_softmax_with_ranks():
     rows = [row(SamplingParams(temperature=0, logprobs=3, presence_penalty=1.0), "a",
                 output=[int(logits[0].argmax())]),
             row(SamplingParams(temperature=0), "b")]
-    out, lps = Sampler(0, CPU)(logits, rows)
+    out, tensors = Sampler(0, CPU)(logits, rows)
+    lps = tensors.to_lists()
     raw = logits.log_softmax(-1)
     chosen = int(out[0])
     assert chosen != int(logits[0].argmax())  # the penalty moved the choice ...

@@ -1,7 +1,8 @@
 """Issue 39: nothing inside a CUDA step makes the host wait for the device but the transfer
 of its sampled tokens (utils/host_syncs.py counts the waits by line, torch's sync debug
-mode). A synchronous step waits once, for its tokens; an async step waits on an event, which
-is no sync of the stream, and reads its tokens from pinned memory; a step verifying drafts
+mode). A synchronous step waits once, for its tokens (and their logprobs, copied before
+them); an async step waits on an event, which is no sync of the stream, and reads its
+tokens and logprobs from pinned memory; a step verifying drafts
 brings its verdicts over in one transfer. A failure lists the lines that waited. CUDA only
 (benchmarks/gpu_session.sh): a CPU has no stream to wait for."""
 
@@ -19,11 +20,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 STEPS = 5
 
 
-def _syncs_over_decode_steps(llm: LLM, prompts: list[list[int]]) -> HostSyncs:
+def _syncs_over_decode_steps(llm: LLM, prompts: list[list[int]],
+                             logprobs: int | None = None) -> HostSyncs:
     engine = llm.engine
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt,
-                           SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    for i, prompt in enumerate(prompts):  # (logprobs: the even requests ask)
+        engine.add_request(f"r{i}", prompt, SamplingParams(
+            temperature=0, max_tokens=24, ignore_eos=True,
+            logprobs=logprobs if i % 2 == 0 else None))
     sched = engine.scheduler
     while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                for r in sched.running):
@@ -40,15 +43,16 @@ def _syncs_over_decode_steps(llm: LLM, prompts: list[list[int]]) -> HostSyncs:
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-@pytest.mark.parametrize("enforce_eager", [False, True])
+@pytest.mark.parametrize("enforce_eager, logprobs", [(False, None), (True, None), (False, 3)])
 def test_a_decode_step_waits_for_the_device_only_for_its_tokens(tiny_model, enforce_eager,
-                                                                 async_scheduling):
+                                                                 logprobs, async_scheduling):
+    """Logprobs asked by some requests ride with the tokens: no wait of their own."""
     path, hf = tiny_model("llama")
     llm = LLM(path, dtype="float32", enforce_eager=enforce_eager,
               async_scheduling=async_scheduling)
     vocab = hf.config.vocab_size
     prompts = [[(7 * i + j) % vocab for j in range(n)] for i, n in enumerate([5, 40, 17, 3])]
-    syncs = _syncs_over_decode_steps(llm, prompts)
+    syncs = _syncs_over_decode_steps(llm, prompts, logprobs)
     assert syncs.total == (0 if async_scheduling else STEPS), syncs.sites
     if not async_scheduling:
         [site] = syncs.sites

@@ -9,8 +9,10 @@ import torch
 
 from tokenmill.attention.input_batch import InputBatch
 from tokenmill.core.interface import ModelRunnerOutput, ScheduledRequest
+from tokenmill.layers.sampler import LogprobTensors
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.in_flight import PLACEHOLDER, InFlightStep
+from tokenmill.worker.step_sampling import SampledLogprobs
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -25,7 +27,7 @@ def test_tokens_in_flight_are_fed_on_the_device_then_written_once():
     out = ModelRunnerOutput(req_ids=["a", "b", "c"], sampled_token_ids=[[], [], []])
     lists = [[11, 12], [21]]  # the runner's output lists of the rows that sampled (a, c)
     tokens = torch.tensor([105, 307], device=DEVICE)
-    step = InFlightStep.start(out, [0, 2], tokens, lists)
+    step = InFlightStep.start(out, [0, 2], tokens, None, lists)
     assert lists == [[11, 12, PLACEHOLDER], [21, PLACEHOLDER]]
     assert not step.done.done() and out.sampled_token_ids == [[], [], []]
 
@@ -45,8 +47,29 @@ def test_tokens_in_flight_are_fed_on_the_device_then_written_once():
 
 def test_a_step_feeding_nothing_in_flight_is_left_as_built():
     out = ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[]])
-    step = InFlightStep.start(out, [0], torch.tensor([9], device=DEVICE), [[1]])
+    step = InFlightStep.start(out, [0], torch.tensor([9], device=DEVICE), None, [[1]])
     reqs = [request("b", [4, 5], 0)]
     batch = InputBatch.build(reqs, 16, DEVICE)
     assert step.feed(batch, reqs) == 0
     assert batch.input_ids.tolist() == [4, 5]
+
+
+def test_logprobs_in_flight_come_with_their_tokens_each_cut_to_its_request():
+    """A step left in flight with logprobs asked: their copies go with the ids (no wait of
+    their own), and `finish` writes each request's rows, cut to its own top-k."""
+    out = ModelRunnerOutput(req_ids=["a", "b", "c"], sampled_token_ids=[[], [], []])
+    tensors = LogprobTensors(  # rows of the sampling rows (a, c): chosen, then the top 2
+        token_ids=torch.tensor([[105, 105, 3], [307, 4, 307]], device=DEVICE),
+        logprobs=torch.tensor([[-0.5, -0.5, -1.5], [-2.0, -0.25, -2.0]], device=DEVICE),
+        ranks=torch.tensor([[1, 1, 2], [2, 1, 2]], device=DEVICE))
+    logprobs = SampledLogprobs(tensors.to_host(), [("a", 0, 3), ("c", 1, 1)])
+    step = InFlightStep.start(out, [0, 2], torch.tensor([105, 307], device=DEVICE), logprobs,
+                              [[11], [21]])
+    assert out.logprobs == {}
+    step.finish()
+    assert out.sampled_token_ids == [[105], [], [307]]
+    assert out.logprobs["a"].token_ids == [[105, 105, 3]]
+    assert out.logprobs["a"].logprobs == [[-0.5, -0.5, -1.5]]
+    assert out.logprobs["a"].ranks == [[1, 1, 2]]
+    assert (out.logprobs["c"].token_ids, out.logprobs["c"].ranks) == ([[307]], [[2]])
+    assert "b" not in out.logprobs

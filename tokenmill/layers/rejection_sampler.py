@@ -113,6 +113,7 @@ def _logprobs(raw: torch.Tensor | None, rows: list[ScheduledRequest],
             out.append(None)
         else:
             idx = torch.arange(first, first + len(tokens), device=raw.device)
-            out.append(gather_logprobs(raw[idx], tensor_on(tokens, raw.device), want))
+            out.append(gather_logprobs(raw[idx], tensor_on(tokens, raw.device), want)
+                       .to_lists())
         first += r.num_sample_positions
     return out

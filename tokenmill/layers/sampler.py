@@ -14,6 +14,8 @@ never win the race.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tokenmill.core.interface import PositionLogprobs, ScheduledRequest
@@ -34,8 +36,9 @@ class Sampler:
             self._generators.pop(r, None)
 
     def __call__(self, logits: torch.Tensor, rows: list[ScheduledRequest]
-                 ) -> tuple[torch.Tensor, PositionLogprobs | None]:
-        """logits (S, V) → sampled ids (S,) and, if any row asked, their logprobs."""
+                 ) -> tuple[torch.Tensor, LogprobTensors | None]:
+        """logits (S, V) → sampled ids (S,) and, if any row asked, their logprobs (on the
+        logits' device)."""
         b = SamplingBatch.build(rows, logits.shape[-1], logits.device)
         raw, logits = self.target_logits(logits, b)
         sampled = cpu_ops.argmax(logits) if b.all_greedy else self._sample(logits, b, rows)
@@ -101,7 +104,45 @@ def _exponential_(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 _TINY = torch.finfo(torch.float32).tiny
 
 
-def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> PositionLogprobs:
+@dataclass
+class LogprobTensors:
+    """Chosen tokens' logprobs where they were computed: row i is the chosen token, then the
+    top k. Brought to the host without a wait of their own (`to_host`): on a GPU a step's
+    logprobs ride with its sampled ids (one wait for both, or none when the step is left in
+    flight: worker/in_flight.py)."""
+
+    token_ids: torch.Tensor  # (N, 1 + k) int64
+    logprobs: torch.Tensor  # (N, 1 + k) float32
+    ranks: torch.Tensor  # (N, 1 + k) int64, 1 = the most likely
+
+    def to_host(self) -> LogprobTensors:
+        """Copies in host memory, queued: pinned and non-blocking from a GPU (readable once
+        the stream has passed this point: a later synchronizing read, or an event recorded
+        after), the tensors themselves on the host."""
+        if not self.token_ids.is_cuda:
+            return self
+        return LogprobTensors(*(_pinned_copy(t) for t in (self.token_ids, self.logprobs,
+                                                          self.ranks)))
+
+    def lists(self) -> PositionLogprobs:
+        """As lists: for host tensors (`to_host`'s, once their copies are done)."""
+        return PositionLogprobs(self.token_ids.tolist(), self.logprobs.tolist(),
+                                self.ranks.tolist())
+
+    def to_lists(self) -> PositionLogprobs:
+        """As lists now: one wait for the device at most."""
+        host = self.to_host()
+        if self.token_ids.is_cuda:
+            torch.cuda.current_stream(self.token_ids.device).synchronize()
+        return host.lists()
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> LogprobTensors:
     """Chosen token's logprob and rank plus the top-k, for each row of logprobs (N, V)."""
     chosen_lp = logprobs.gather(-1, chosen[:, None])  # (N, 1)
     ranks = (logprobs > chosen_lp).sum(dim=-1, keepdim=True) + 1  # (N, 1)
@@ -112,4 +153,4 @@ def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> Pos
         lps = torch.cat([lps, top_lp], dim=-1)
         top_ranks = torch.arange(1, k + 1, device=logprobs.device).expand(len(chosen), k)
         ranks = torch.cat([ranks, top_ranks], dim=-1)
-    return PositionLogprobs(ids.tolist(), lps.tolist(), ranks.tolist())
+    return LogprobTensors(ids, lps, ranks)

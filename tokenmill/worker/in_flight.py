@@ -6,8 +6,9 @@ The runner prepares N+1's inputs then, not after N's tokens reach the host, so t
 from N to N+1 without waiting for the host (`ModelRunner.launch`):
 
     launch(N):   inputs, forward pass and sampling queued; the sampled ids (S,) stay on the
-                 device, a copy to host memory is queued behind them; each sampling request's
-                 output list gets a PLACEHOLDER where its token will go
+                 device, a copy to host memory is queued behind them (and behind their
+                 logprobs' copies, when asked); each sampling request's output list gets a
+                 PLACEHOLDER where its token will go
     launch(N+1): inputs built (a request fed its in-flight token reads PLACEHOLDER there),
                  then `feed` copies N's ids into those places on the device; the forward pass
                  queued; then N finished (`finish`: wait for the copy, the ids written over the
@@ -30,6 +31,7 @@ import torch
 
 from tokenmill.attention.input_batch import InputBatch, tensor_on
 from tokenmill.core.interface import ModelRunnerOutput, ScheduledRequest
+from tokenmill.worker.step_sampling import SampledLogprobs
 
 PLACEHOLDER = -1  # an in-flight token in a runner's output list (never a vocabulary id)
 
@@ -43,14 +45,16 @@ class InFlightStep:
     ready: torch.cuda.Event | None  # recorded after the copy (None: the copy is done)
     lists: list[list[int]]  # each sampled row's output list (the runner's own copy)
     at: list[int]  # where in it the row's PLACEHOLDER stands
+    logprobs: SampledLogprobs | None = None  # theirs, copies queued before `ready`
     index: dict[str, int] = field(default_factory=dict)  # req_id → position in tokens
     done: Future[ModelRunnerOutput] = field(default_factory=Future)
 
     @staticmethod
     def start(out: ModelRunnerOutput, rows: list[int], tokens: torch.Tensor,
-              lists: list[list[int]]) -> InFlightStep:
+              logprobs: SampledLogprobs | None, lists: list[list[int]]) -> InFlightStep:
         """Queue the copy of `tokens` to the host and put a placeholder at the end of each
-        sampled row's output list (`lists`, parallel to `rows`)."""
+        sampled row's output list (`lists`, parallel to `rows`); `logprobs`: the tokens'
+        logprobs, whose copies are already queued (step_sampling.sample_step)."""
         ready = None
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -63,7 +67,7 @@ class InFlightStep:
         for output_ids in lists:
             output_ids.append(PLACEHOLDER)
         index = {out.req_ids[i]: j for j, i in enumerate(rows)}
-        return InFlightStep(out, rows, tokens, host, ready, lists, at, index)
+        return InFlightStep(out, rows, tokens, host, ready, lists, at, logprobs, index)
 
     def finish(self) -> None:
         """Wait for the ids, write them over the placeholders and into the output; done."""
@@ -75,6 +79,8 @@ class InFlightStep:
         for i, output_ids, at, t in zip(self.rows, self.lists, self.at, ids, strict=True):
             output_ids[at] = t  # (a diff reaching it would have known the token: none did)
             self.out.sampled_token_ids[i] = [t]
+        if self.logprobs is not None:
+            self.logprobs.write(self.out)
         self.done.set_result(self.out)
 
     def feed(self, batch: InputBatch, reqs: list[ScheduledRequest]) -> int:

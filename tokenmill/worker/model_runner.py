@@ -356,11 +356,11 @@ class ModelRunner:
             if self.share_samples:
                 self._sample_and_share(sched, grammar, reqs, batch, logits, out)
             elif self.is_driver:
-                tokens = sample_step(self.sampler, sched, grammar, reqs, batch, logits,
-                                     out, defer)
-                if tokens is not None:  # left in flight
+                deferred = sample_step(self.sampler, sched, grammar, reqs, batch, logits,
+                                       out, defer)
+                if deferred is not None:  # left in flight
                     rows = batch.sample_rows
-                    return InFlightStep.start(out, rows, tokens, [
+                    return InFlightStep.start(out, rows, *deferred, [
                         self.states.requests[out.req_ids[i]].output_token_ids
                         for i in rows]), None
         if self.drafter is not None:

@@ -6,6 +6,8 @@ drawing).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -18,17 +20,36 @@ from tokenmill.core.interface import (
     SchedulerOutput,
 )
 from tokenmill.layers.rejection_sampler import verify
-from tokenmill.layers.sampler import Sampler, gather_logprobs
+from tokenmill.layers.sampler import LogprobTensors, Sampler, gather_logprobs
 from tokenmill.layers.token_bitmask import apply_token_bitmask_
 from tokenmill.utils.profiling import scope
 
 
+@dataclass
+class SampledLogprobs:
+    """A step's sampled tokens' logprobs on their way to the host (`LogprobTensors.to_host`):
+    which request reads which row, cut to its own top-k. Written into the step's output once
+    the copies are done (after its ids are read, or its in-flight event has passed)."""
+
+    host: LogprobTensors
+    wanted: list[tuple[str, int, int]]  # (req_id, row, 1 + its k)
+
+    def write(self, out: ModelRunnerOutput) -> None:
+        lps = self.host.lists()
+        for req_id, row, width in self.wanted:
+            out.logprobs[req_id] = PositionLogprobs([lps.token_ids[row][:width]],
+                                                    [lps.logprobs[row][:width]],
+                                                    [lps.ranks[row][:width]])
+
+
 def sample_step(sampler: Sampler, sched: SchedulerOutput, grammar: GrammarOutput | None,
                 reqs: list[ScheduledRequest], batch: InputBatch, logits: torch.Tensor,
-                out: ModelRunnerOutput, defer: bool = False) -> torch.Tensor | None:
+                out: ModelRunnerOutput, defer: bool = False
+                ) -> tuple[torch.Tensor, SampledLogprobs | None] | None:
     """Tokens for the rows that sample (logits (S, V)): grammar masks, then sampling or the
     verification of drafts, and the logprobs asked for. defer: the sampled ids (S,) are
-    returned on the device, not yet in `out` (drafts are never deferred)."""
+    returned on the device, not yet in `out`, with their logprobs on their way to the host
+    (drafts are never deferred); else both are in `out`, after one wait for the device."""
     if grammar is not None:
         with scope("grammar_bitmask"):
             apply_grammar(sched, grammar, batch.sample_rows, logits)
@@ -38,14 +59,17 @@ def sample_step(sampler: Sampler, sched: SchedulerOutput, grammar: GrammarOutput
             verify_drafts(sampler, logits, rows, batch.sample_rows, out)
             return None
         tokens, logprobs = sampler(logits, rows)
-        for j, i in enumerate(batch.sample_rows):
-            k = rows[j].sampling_params.logprobs
-            if logprobs is not None and k is not None:
-                out.logprobs[out.req_ids[i]] = select_logprobs(logprobs, j, 1 + k)
+        sampled = None
+        if logprobs is not None:  # their copies queued before the ids are read
+            sampled = SampledLogprobs(logprobs.to_host(), [
+                (out.req_ids[i], j, 1 + k) for j, i in enumerate(batch.sample_rows)
+                if (k := rows[j].sampling_params.logprobs) is not None])
         if defer:
-            return tokens
+            return tokens, sampled
         for i, t in zip(batch.sample_rows, tokens.tolist(), strict=True):  # one host sync
             out.sampled_token_ids[i] = [t]
+        if sampled is not None:
+            sampled.write(out)
     return None
 
 
@@ -73,7 +97,7 @@ def prompt_logprobs(model: nn.Module, reqs: list[ScheduledRequest], batch: Input
         targets = tensor_on(r.prompt_token_ids[positions.start + 1:positions.stop + 1],
                             hidden.device)
         out.prompt_logprobs[r.req_id] = (positions.start + 1, gather_logprobs(
-            logprobs, targets, r.sampling_params.prompt_logprobs))
+            logprobs, targets, r.sampling_params.prompt_logprobs).to_lists())
 
 
 def apply_grammar(sched: SchedulerOutput, grammar: GrammarOutput, sample_rows: list[int],
@@ -92,9 +116,3 @@ def apply_grammar(sched: SchedulerOutput, grammar: GrammarOutput, sample_rows: l
         first += r.num_sample_positions
     if rows:
         apply_token_bitmask_(logits, torch.cat(parts), tensor_on(rows, logits.device))
-
-
-def select_logprobs(lp: PositionLogprobs, row: int, width: int) -> PositionLogprobs:
-    """One row of a batch's logprobs, cut to the request's own top-k."""
-    return PositionLogprobs([lp.token_ids[row][:width]], [lp.logprobs[row][:width]],
-                            [lp.ranks[row][:width]])
