@@ -26,7 +26,7 @@ import torch
 from tokenmill.attention.input_batch import tensor_on
 from tokenmill.core.interface import PositionLogprobs, ScheduledRequest
 from tokenmill.layers import cpu_ops
-from tokenmill.layers.sampler import Sampler, gather_logprobs
+from tokenmill.layers.sampler import LogprobTensors, Sampler, gather_logprobs, lists_of
 from tokenmill.layers.sampling_batch import SamplingBatch
 
 
@@ -102,10 +102,11 @@ def _draft_distributions(rows: list[ScheduledRequest], has_draft: torch.Tensor,
 
 def _logprobs(raw: torch.Tensor | None, rows: list[ScheduledRequest],
               emitted: list[list[int]], k: int | None) -> list[PositionLogprobs | None]:
-    """Each row's logprobs of its emitted tokens (raw (P, V); None where none asked)."""
+    """Each row's logprobs of its emitted tokens (raw (P, V); None where none asked), brought
+    over after one wait."""
     if raw is None:
         return [None] * len(rows)
-    out: list[PositionLogprobs | None] = []
+    out: list[LogprobTensors | None] = []
     first = 0
     for r, tokens in zip(rows, emitted, strict=True):
         want = r.sampling_params.logprobs
@@ -113,7 +114,6 @@ def _logprobs(raw: torch.Tensor | None, rows: list[ScheduledRequest],
             out.append(None)
         else:
             idx = torch.arange(first, first + len(tokens), device=raw.device)
-            out.append(gather_logprobs(raw[idx], tensor_on(tokens, raw.device), want)
-                       .to_lists())
+            out.append(gather_logprobs(raw[idx], tensor_on(tokens, raw.device), want))
         first += r.num_sample_positions
-    return out
+    return lists_of(out)

@@ -131,10 +131,17 @@ class LogprobTensors:
 
     def to_lists(self) -> PositionLogprobs:
         """As lists now: one wait for the device at most."""
-        host = self.to_host()
-        if self.token_ids.is_cuda:
-            torch.cuda.current_stream(self.token_ids.device).synchronize()
-        return host.lists()
+        return lists_of([self])[0]
+
+
+def lists_of(tensors: list[LogprobTensors | None]) -> list[PositionLogprobs | None]:
+    """Several logprobs as lists now, after one wait for the device at most (every copy is
+    queued first)."""
+    host = [None if t is None else t.to_host() for t in tensors]
+    device = next((t.token_ids.device for t in tensors if t is not None), None)
+    if device is not None and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return [None if h is None else h.lists() for h in host]
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:

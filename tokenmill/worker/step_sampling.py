@@ -20,7 +20,7 @@ from tokenmill.core.interface import (
     SchedulerOutput,
 )
 from tokenmill.layers.rejection_sampler import verify
-from tokenmill.layers.sampler import LogprobTensors, Sampler, gather_logprobs
+from tokenmill.layers.sampler import LogprobTensors, Sampler, gather_logprobs, lists_of
 from tokenmill.layers.token_bitmask import apply_token_bitmask_
 from tokenmill.utils.profiling import scope
 
@@ -86,7 +86,10 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[ScheduledRe
 
 def prompt_logprobs(model: nn.Module, reqs: list[ScheduledRequest], batch: InputBatch,
                     hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
-    """Logprobs of prompt tokens covered by this step, for requests that asked for them."""
+    """Logprobs of prompt tokens covered by this step, for requests that asked for them
+    (brought over after one wait for all of them)."""
+    starts: dict[str, int] = {}
+    tensors: list[LogprobTensors | None] = []
     for i, r in enumerate(reqs):
         positions = r.prompt_logprob_positions
         if not positions:
@@ -96,8 +99,10 @@ def prompt_logprobs(model: nn.Module, reqs: list[ScheduledRequest], batch: Input
         logprobs = model.compute_logits(hidden, idx).float().log_softmax(dim=-1)
         targets = tensor_on(r.prompt_token_ids[positions.start + 1:positions.stop + 1],
                             hidden.device)
-        out.prompt_logprobs[r.req_id] = (positions.start + 1, gather_logprobs(
-            logprobs, targets, r.sampling_params.prompt_logprobs).to_lists())
+        starts[r.req_id] = positions.start + 1
+        tensors.append(gather_logprobs(logprobs, targets, r.sampling_params.prompt_logprobs))
+    for (req_id, start), lps in zip(starts.items(), lists_of(tensors), strict=True):
+        out.prompt_logprobs[req_id] = (start, lps)
 
 
 def apply_grammar(sched: SchedulerOutput, grammar: GrammarOutput, sample_rows: list[int],
