@@ -1,7 +1,11 @@
 """A step's sampling, which reads no runner state but its Sampler: the grammars' bitmasks over
 the logits, the sampling or the verification of draft tokens, the logprobs of prompt tokens and
-one row's share of a batch's logprobs (worker/model_runner.py calls them; the Sampler does the
-drawing).
+each request's share of the sampled tokens' logprobs (worker/model_runner.py calls them; the
+Sampler does the drawing).
+
+Invariant: on a GPU a step waits for the device once, when it reads its sampled ids (none
+when the step is left in flight); logprobs are copied to the host before that read and ride
+with it (prompt logprobs: one wait for all of a step's requests).
 """
 
 from __future__ import annotations
