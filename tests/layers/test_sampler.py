@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tokenmill.core.interface import ScheduledRequest
-from tokenmill.layers.sampler import Sampler
+from tokenmill.layers.sampler import Sampler, lists_of
 from tokenmill.layers.sampling_batch import SamplingBatch
 from tokenmill.sampling_params import SamplingParams
 
@@ -146,7 +146,7 @@ def test_logprobs_are_raw_log_softmax_with_ranks():
                 output=[int(logits[0].argmax())]),
             row(SamplingParams(temperature=0), "b")]
     out, tensors = Sampler(0, CPU)(logits, rows)
-    lps = tensors.to_lists()
+    (lps,) = lists_of([tensors])
     raw = logits.log_softmax(-1)
     chosen = int(out[0])
     assert chosen != int(logits[0].argmax())  # the penalty moved the choice ...

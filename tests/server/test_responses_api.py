@@ -68,6 +68,7 @@ def test_stream_events_assemble_to_the_response(client):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == whole.output_text == events[-1].response.output_text
+    assert events[-1].response.usage == whole.usage  # counted from the stream's deltas
     with client.responses.stream(**kwargs) as stream:
         assert stream.get_final_response().output_text == whole.output_text
 

@@ -129,10 +129,6 @@ class LogprobTensors:
         return PositionLogprobs(self.token_ids.tolist(), self.logprobs.tolist(),
                                 self.ranks.tolist())
 
-    def to_lists(self) -> PositionLogprobs:
-        """As lists now: one wait for the device at most."""
-        return lists_of([self])[0]
-
 
 def lists_of(tensors: list[LogprobTensors | None]) -> list[PositionLogprobs | None]:
     """Several logprobs as lists now, after one wait for the device at most (every copy is

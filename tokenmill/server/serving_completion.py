@@ -31,11 +31,13 @@ from tokenmill.server.serving_common import (
 )
 
 
-def completion_logprobs(c: CompletionOutput, text_offset: int = 0) -> dict[str, Any] | None:
+def completion_logprobs(c: CompletionOutput, text_offset: int = 0
+                        ) -> tuple[dict[str, Any] | None, int]:
     """OpenAI's legacy completions logprobs for the output's tokens (a stream's: its new ones),
-    their text offsets counted from `text_offset`."""
+    their text offsets counted from `text_offset` (the decoded tokens' lengths); and the
+    offset after them, where a stream's next tokens start."""
     if c.logprobs is None:
-        return None
+        return None, text_offset
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = text_offset
     for tid, entry in zip(c.token_ids, c.logprobs, strict=True):
@@ -46,7 +48,7 @@ def completion_logprobs(c: CompletionOutput, text_offset: int = 0) -> dict[str, 
         offsets.append(offset)
         offset += len(chosen.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-            "text_offset": offsets}
+            "text_offset": offsets}, offset
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -77,7 +79,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, out in enumerate(finals):
             for c in out.outputs:
                 choice = {"index": i * params.n + c.index, "text": c.text,
-                          "logprobs": completion_logprobs(c),
+                          "logprobs": completion_logprobs(c)[0],
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if out.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(out)
@@ -90,8 +92,8 @@ class OpenAIServingCompletion(OpenAIServing):
                       stream_usage: StreamUsage, ticket: Ticket, model: str) -> AsyncIterator[str]:
         created = int(time.time())
         streamed = StreamedChoices()
-        # choice index → its next token's text offset: the decoded tokens' lengths so far, as
-        # the whole answer counts them (its visible text may hold a partial character back)
+        # choice index → its next token's text offset, counted as the whole answer counts
+        # it (the visible text may hold a partial character back)
         offsets: dict[int, int] = {}
         try:  # the ticket is released however the stream ends
             try:
@@ -100,10 +102,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     for c in out.outputs:  # (DELTA: the new text, tokens and logprobs)
                         idx = i * n + c.index
                         streamed.add(i, idx, out, c)
-                        logprobs = completion_logprobs(c, offsets.get(idx, 0))
-                        if logprobs is not None and logprobs["tokens"]:
-                            offsets[idx] = (logprobs["text_offset"][-1]
-                                            + len(logprobs["tokens"][-1] or ""))
+                        logprobs, offsets[idx] = completion_logprobs(c, offsets.get(idx, 0))
                         chunk = {"id": request_id, "object": "text_completion",
                                  "created": created, "model": model,
                                  "choices": [{"index": idx, "text": c.text,

@@ -108,12 +108,11 @@ class OpenAIServingResponses:
             yield event("response.created", response=started)
             yield event("response.in_progress", response=started)
             msg_id, text, index, shown = f"msg_{skeleton['id']}", "", 0, {}
-            streamed, n_prompt, c = StreamedChoices(), 0, ChoiceSoFar(0)
+            streamed, c = StreamedChoices(), ChoiceSoFar(0)
             async for _, out in merge([gen]):
                 check_failed([out])
                 if not out.outputs:  # (DELTA: nothing new)
                     continue
-                n_prompt = len(out.prompt_token_ids)
                 c = streamed.add(0, 0, out, out.outputs[0])
                 delta, finish = OpenAIServingChat.delta(plan, c, shown)
                 if delta.get("content"):
@@ -130,8 +129,9 @@ class OpenAIServingResponses:
                     continue
                 for e in self._finish_events(event, msg_id, text, index, delta):
                     yield e
+            used = streamed.usage()
             yield event("response.completed", response=self._finished(
-                skeleton, plan, c, n_prompt, c.num_tokens))
+                skeleton, plan, c, used.prompt_tokens, used.completion_tokens))
         except Exception as e:  # the engine failed it, or died, after it began
             yield event("error", **error_body(400 if isinstance(e, ValueError) else 500,
                                               str(e))["error"])
