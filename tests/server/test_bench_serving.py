@@ -21,8 +21,11 @@ def test_load_generator_counts_and_latencies(tiny_server, tmp_path):
         for r in results:
             # gaps between chunks that carry text: a token completing no character adds none
             assert 0 < r.ttft <= r.e2e and 1 <= len(r.itl) <= r.output_tokens - 1
+            # every event: the text chunks, the usage chunk and [DONE]
+            assert r.events >= len(r.itl) + 3
         s = summarize(f"c={conc}", results, duration, conc or 6, rate)
         assert s.failed == 0 and s.output_throughput > 0
+        assert s.events == sum(r.events for r in results)
         assert s.ttft_ms["p50"] <= s.ttft_ms["p99"] and s.e2e_ms["p99"] >= s.ttft_ms["p99"]
         summaries.append(s)
     assert "c=1" in format_table(summaries)

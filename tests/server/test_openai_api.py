@@ -370,7 +370,8 @@ def test_smollm2_server_answers(smollm2_path):
 @pytest.mark.parametrize("sig", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.slow)])
 def test_graceful_shutdown(tiny_model, sig, tmp_path):
     """`tokenmill serve` on a signal: the request in flight still gets its whole answer
-    within the drain timeout, the process exits 0, and its port is closed after."""
+    within the drain timeout, the process exits 0, and its port is closed after. It runs on
+    uvloop and httptools."""
     import signal
     import threading
 
@@ -393,6 +394,8 @@ def test_graceful_shutdown(tiny_model, sig, tmp_path):
         proc.send_signal(getattr(signal, sig))
         t.join(timeout=60)
         assert proc.wait(timeout=60) == 0, log.read_text()
+        # uvicorn served it with the fast loop and parser, which are dependencies
+        assert "event loop uvloop, HTTP protocol HttpToolsProtocol" in log.read_text()
         r = result["r"]
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 400
         with pytest.raises(httpx.ConnectError):

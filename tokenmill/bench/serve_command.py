@@ -5,7 +5,9 @@
     tokenmill bench serve --base-url ... --concurrency 16
 
 The prompts are token ids from the model at --model-path (default: SmolLM2), so the target
-server must serve a model with the same vocabulary.
+server must serve a model with the same vocabulary. A launched server's CPU time is read
+around each run (Linux): its event loop's (the main thread, µs per server-sent event: the HTTP
+side of every streamed chunk) and its other threads' (the engine and its compute threads).
 """
 
 from __future__ import annotations
@@ -21,7 +23,15 @@ from typing import Any
 
 import httpx
 
-from tokenmill.bench.serving import format_table, plot_sweep, run_load, save_json, summarize
+from tokenmill.bench.process_cpu import ProcessCpu, thread_cpu_seconds
+from tokenmill.bench.serving import (
+    format_server_cpu,
+    format_table,
+    plot_sweep,
+    run_load,
+    save_json,
+    summarize,
+)
 from tokenmill.bench.workloads import make_workload
 
 
@@ -86,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     mc = model_config(args.model_path)
     special = set(load_tokenizer(mc).all_special_ids)
     proc, base = launch(args.model_path) if args.launch else (None, args.base_url)
+    watch_cpu = proc is not None and ProcessCpu.supported(proc.pid)
     try:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         model = args.served_model or httpx.get(f"{base}/v1/models",
@@ -100,15 +111,22 @@ def run(args: argparse.Namespace) -> int:
             reqs = make_workload(args.workload, mc.vocab_size, special, args.seed, n)
             label = f"c={conc}" if rate is None else f"rate={rate:g}"
             print(f"{label}: {len(reqs)} requests ...", flush=True)
+            cpu_before = thread_cpu_seconds(proc.pid) if watch_cpu else {}
             results, duration = asyncio.run(run_load(base, model, reqs, concurrency=conc,
                                                      request_rate=rate, seed=args.seed,
                                                      api_key=args.api_key))
-            summaries.append(summarize(label, results, duration, conc, rate))
+            summaries.append(summary := summarize(label, results, duration, conc, rate))
+            if watch_cpu:
+                cpu = ProcessCpu.between(proc.pid, cpu_before, thread_cpu_seconds(proc.pid))
+                summary.server_loop_cpu_s, summary.server_other_cpu_s = cpu.main_s, cpu.others_s
             errors = [r.error for r in results if not r.ok]
             if errors:
                 print(f"  {len(errors)} failed, first: {errors[0]}")
         print(f"\nworkload {args.workload} against {base} ({model})")
         print(format_table(summaries))
+        if watch_cpu:
+            print(f"\nserver CPU (tokenmill serve, pid {proc.pid}):")
+            print(format_server_cpu(summaries))
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         save_json(summaries, f"{args.out}.json", {"base_url": base, "model": model,
                                                   "workload": args.workload})

@@ -29,6 +29,7 @@ class RequestResult:
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
+    events: int = 0  # server-sent events received ([DONE] included)
     error: str = ""
 
 
@@ -46,6 +47,11 @@ class RunSummary:
     ttft_ms: dict[str, float]
     itl_ms: dict[str, float]
     e2e_ms: dict[str, float]
+    events: int = 0  # server-sent events received, all requests
+    # a launched server's CPU seconds during the run (serve_command.py): its event loop
+    # (main thread) and its other threads
+    server_loop_cpu_s: float | None = None
+    server_other_cpu_s: float | None = None
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest,
@@ -62,6 +68,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, req: BenchReques
                 result.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return result
             async for line in r.aiter_lines():
+                result.events += line.startswith("data: ")
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 data = json.loads(line[6:])
@@ -135,7 +142,7 @@ def summarize(label: str, results: list[RequestResult], duration: float,
         total_token_throughput=total / duration,
         ttft_ms=_percentiles([r.ttft for r in ok]),
         itl_ms=_percentiles([x for r in ok for x in r.itl]),
-        e2e_ms=_percentiles([r.e2e for r in ok]))
+        e2e_ms=_percentiles([r.e2e for r in ok]), events=sum(r.events for r in results))
 
 
 def format_table(summaries: list[RunSummary]) -> str:
@@ -152,6 +159,20 @@ def format_table(summaries: list[RunSummary]) -> str:
             f"{t['p50']:>6.0f}/{t['p95']:>6.0f}/{t['p99']:>7.0f}  "
             f"{i['p50']:>5.0f}/{i['p95']:>6.0f}/{i['p99']:>6.0f}  "
             f"{e['p50'] / 1000:>5.1f}/{e['p95'] / 1000:>5.1f}/{e['p99'] / 1000:>6.1f}")
+    return "\n".join(lines)
+
+
+def format_server_cpu(summaries: list[RunSummary]) -> str:
+    """The launched server's CPU per run: its event loop's seconds and µs per server-sent
+    event (every chunk of every stream), and its other threads' seconds."""
+    lines = [f"{'run':<14}{'events':>9}{'event loop s':>14}{'µs / event':>12}"
+             f"{'other threads s':>17}"]
+    for s in summaries:
+        if s.server_loop_cpu_s is None:
+            continue
+        per_event = s.server_loop_cpu_s / s.events * 1e6 if s.events else float("nan")
+        lines.append(f"{s.label:<14}{s.events:>9}{s.server_loop_cpu_s:>14.2f}"
+                     f"{per_event:>12.1f}{s.server_other_cpu_s:>17.2f}")
     return "\n".join(lines)
 
 

@@ -93,6 +93,7 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str,
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         lifecycle.loop = asyncio.get_running_loop()
+        logger.info("%s", lifecycle.http_stack())
         async_llm.start()
         yield
         async_llm.shutdown()

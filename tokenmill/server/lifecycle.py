@@ -46,6 +46,16 @@ class ServerLifecycle:
         self.loop: asyncio.AbstractEventLoop | None = None  # the app's, set by its lifespan
         self._drain_task: asyncio.Task | None = None
 
+    def http_stack(self) -> str:
+        """The event loop's and the HTTP protocol's implementations serving the app, for the
+        start-up log: uvloop and httptools, which uvicorn takes when they are installed (they
+        are dependencies), else asyncio's loop and h11."""
+        loop = type(self.loop).__module__.split(".")[0] if self.loop is not None else "none"
+        config = self.server.config if self.server is not None else None
+        http = (config.http_protocol_class.__name__ if config is not None and config.loaded
+                else "not uvicorn's")
+        return f"event loop {loop}, HTTP protocol {http}"
+
     def call_soon(self, callback: Callable[[], None]) -> None:
         """Run `callback` on the app's event loop, from any thread (signal handler, engine)."""
         if self.loop is not None:
