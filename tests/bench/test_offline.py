@@ -52,6 +52,7 @@ def test_run_engine_times_every_token(tiny_model):
     # 4 sequences at a time: the last requests wait for a place, so their first token comes
     # after the first request's has
     assert max(result.ttft_s) > min(result.ttft_s)
+    assert llm.engine.outputs.timings is None  # the engine's own observer is put back
     assert_kv_all_free(llm.engine)
 
 

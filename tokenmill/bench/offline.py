@@ -5,8 +5,8 @@ Hugging Face static-batching reference on the same requests (benchmarks/offline_
 Figures, as vLLM's offline and serving benchmarks name them: output tokens/s (generated tokens
 over the wall time), total tokens/s (prompt + generated), TTFT (submission to a request's first
 token; every request is submitted at t = 0, so it includes the queueing of a full batch) and
-ITL (the gap between a request's consecutive outputs, per token). Every request sets
-ignore_eos, so the token counts are the workload's and are checked.
+ITL (the gap between a request's consecutive tokens). Every request sets ignore_eos, so the
+token counts are the workload's and are checked.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from tokenmill.bench.serving import percentile
 from tokenmill.bench.workloads import BenchRequest
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.metrics.stats import RequestTimings
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -42,41 +43,39 @@ class OfflineResult:
 def run_engine(engine: LLMEngine, reqs: list[BenchRequest], tag: str = "offline"
                ) -> OfflineResult:
     """Every request at once through engine.step(), greedy with ignore_eos; RuntimeError if
-    a request's output is not exactly its length. Outputs come as deltas (each step's new
-    tokens only, vLLM's DELTA), the cheapest kind that still times every token."""
+    a request's output is not exactly its length. A request's output comes at its end only
+    (FINAL_ONLY, what `LLM.generate` and vLLM's offline benchmark ask), and its latencies are
+    the engine's own observations (metrics/stats.RequestTimings, what the server's metrics
+    report): TTFT from its arrival to its first token, and one inter-token latency per step
+    that gave it tokens, one token a step here (no drafts)."""
     ids = [f"{tag}-{i}" for i in range(len(reqs))]
-    start = time.perf_counter()
-    for rid, r in zip(ids, reqs, strict=True):
-        engine.add_request(rid, r.prompt_token_ids,
-                           SamplingParams(temperature=0, max_tokens=r.output_len,
-                                          ignore_eos=True,
-                                          output_kind=RequestOutputKind.DELTA))
-    seen = dict.fromkeys(ids, 0)  # tokens out so far
-    last: dict[str, float] = {}
-    ttft: dict[str, float] = {}
+    timings = RequestTimings()
+    replaced, engine.outputs.timings = engine.outputs.timings, timings
+    ttft: list[float] = []
     itl: list[float] = []
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            rid = out.request_id
-            new = len(out.outputs[0].token_ids) if out.outputs else 0
-            seen[rid] += new
-            if new <= 0:
-                continue
-            if rid in last:  # a chunk of `new` tokens: its gap shared by each
-                itl.extend([(now - last[rid]) / new] * new)
-            else:
-                ttft[rid] = now - start
-            last[rid] = now
+    produced: dict[str, int] = {}
+    start = time.perf_counter()
+    try:
+        for rid, r in zip(ids, reqs, strict=True):
+            engine.add_request(rid, r.prompt_token_ids,
+                               SamplingParams(temperature=0, max_tokens=r.output_len,
+                                              ignore_eos=True,
+                                              output_kind=RequestOutputKind.FINAL_ONLY))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                produced[out.request_id] = len(out.outputs[0].token_ids) if out.outputs else 0
+            step = timings.take()
+            ttft += step.ttft
+            itl += step.inter_token
+    finally:
+        engine.outputs.timings = replaced
     seconds = time.perf_counter() - start
     for rid, r in zip(ids, reqs, strict=True):
-        if seen[rid] != r.output_len:
-            raise RuntimeError(f"{rid} produced {seen[rid]} tokens, not {r.output_len}")
+        if produced.get(rid) != r.output_len:
+            raise RuntimeError(f"{rid} produced {produced.get(rid)} tokens, not {r.output_len}")
     out_tokens = sum(r.output_len for r in reqs)
     return OfflineResult(seconds, out_tokens,
-                         out_tokens + sum(len(r.prompt_token_ids) for r in reqs),
-                         [ttft[r] for r in ids], itl)
+                         out_tokens + sum(len(r.prompt_token_ids) for r in reqs), ttft, itl)
 
 
 @torch.inference_mode()
