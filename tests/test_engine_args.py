@@ -99,6 +99,8 @@ CASES = [
     Case("attention_backend", ("--attention-backend", "torch"), "torch", "attention_backend",
          "torch"),
     Case("enforce_eager", ("--enforce-eager",), True, "enforce_eager", True),
+    Case("cuda_graph_sizes", ("--cuda-graph-sizes", "1", "2", "8"), [1, 2, 8],
+         "cuda_graph_sizes", (1, 2, 8)),
     Case("speculative_config", ("--speculative-config", JSON_SPEC), json.loads(JSON_SPEC),
          "speculative.num_speculative_tokens", 2),
     Case("structured_outputs_config", ("--structured-outputs-config", '{"backend": "guidance"}'),
@@ -194,6 +196,21 @@ def test_spellings_users_bring():
     assert EngineArgs.cli_options(parser.parse_args([])) == {}
     with pytest.raises(SystemExit):  # choices come from the registries
         parser.parse_args(["--quantization", "fp4"])
+
+
+def test_cuda_graph_sizes_spellings_and_checks(tiny_model):
+    """vLLM's --max-cudagraph-capture-size N is --cuda-graph-sizes N (an int keyword too);
+    sizes must be positive integers."""
+    parser = _engine_parser()
+    assert EngineArgs.cli_options(parser.parse_args(["--max-cudagraph-capture-size", "64"])) \
+        == {"cuda_graph_sizes": [64]}
+    path = tiny_model("llama")[0]
+    assert engine_config(path, cuda_graph_sizes=64).cuda_graph_sizes == (64,)
+    for bad in ([0], [8, -1], [], [2.5]):
+        with pytest.raises(ValueError, match="cuda_graph_sizes must be positive integers"):
+            engine_config(path, cuda_graph_sizes=bad)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cuda-graph-sizes", "x"])
 
 
 def test_generate_and_serve_take_every_engine_flag():

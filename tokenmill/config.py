@@ -240,6 +240,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs (vLLM's name).
     enforce_eager: bool = False
+    # CUDA: the decode batch sizes captured as graphs (vLLM's --cuda-graph-sizes: one value N,
+    # vLLM's sizes up to N; several, those sizes; worker/cuda_graphs.py); None: vLLM's default
+    cuda_graph_sizes: tuple[int, ...] | None = None
     # Speculative decoding (vLLM's --speculative-config; spec_decode/config.py); None: off.
     speculative: SpeculativeConfig | None = None
     # The draft of speculative method "draft_model" (spec_decode/draft_model.py), resolved and
@@ -264,6 +267,12 @@ class EngineConfig:
                              f"{self.prepack_weights!r}")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        if self.cuda_graph_sizes is not None and (
+                not self.cuda_graph_sizes
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                           for n in self.cuda_graph_sizes)):
+            raise ValueError(f"cuda_graph_sizes must be positive integers, got "
+                             f"{self.cuda_graph_sizes!r}")
         if self.attention_backend not in BACKEND_NAMES:
             raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, "
                              f"got {self.attention_backend!r}")

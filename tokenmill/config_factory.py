@@ -115,6 +115,7 @@ def create_engine_config(args: EngineArgs, offline: bool = False) -> EngineConfi
         batch_invariant=resolve_batch_invariant(args.batch_invariant, device, model,
                                                 args.attention_backend),
         enforce_eager=bool(args.enforce_eager), speculative=speculative, draft_model=draft,
+        cuda_graph_sizes=_graph_sizes(args.cuda_graph_sizes),
         structured_outputs=StructuredOutputsConfig.parse(args.structured_outputs_config),
         runner=_runner(args.runner, model),
         pooler_config=PoolerConfig.parse(args.pooler_config),
@@ -298,6 +299,14 @@ def _resolve_dtype(dtype: str | torch.dtype, hf_config: Any) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
     return DTYPES[dtype]
+
+
+def _graph_sizes(asked: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """--cuda-graph-sizes as a tuple (an int, as vLLM's max_cudagraph_capture_size, is one
+    value); EngineConfig checks the values."""
+    if asked is None:
+        return None
+    return (asked,) if isinstance(asked, int) else tuple(asked)
 
 
 def _runner(asked: str, model: ModelConfig) -> str:

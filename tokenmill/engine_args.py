@@ -215,6 +215,12 @@ class EngineArgs:
                                     "engine", choices=BACKEND_NAMES)
     enforce_eager: bool = option(EngineConfig.enforce_eager, "CUDA: run decode steps eagerly, "
                                  "without CUDA graphs", "engine")
+    cuda_graph_sizes: list[int] | None = option(
+        None, "CUDA (vLLM's flag): the decode batch sizes captured as graphs; one value N: "
+        "vLLM's sizes up to N (1, 2, 4, then every 8 up to 256 and every 16 beyond); several: "
+        "those sizes; none over --max-num-seqs (default: vLLM's sizes up to "
+        "min(max_num_seqs, 512); larger batches run eagerly)", "engine",
+        flags=("--max-cudagraph-capture-size",), metavar="N")
     speculative_config: str | dict[str, Any] | None = option(
         None, 'speculative decoding as JSON (vLLM\'s flag): method "ngram", "suffix" or '
         '"draft_model" (with "model" and/or "quantization"), e.g. \'{"method": "suffix", '
@@ -271,6 +277,10 @@ class EngineArgs:
                 continue
             if meta["choices"] is not None:
                 kwargs["choices"] = list(meta["choices"])
+            if meta["metavar"] is not None:
+                kwargs["metavar"] = meta["metavar"]
+            if _is_list(hints[f.name]):  # e.g. --cuda-graph-sizes 1 2 4
+                kwargs["nargs"] = "+"
             kwargs["type"] = _cli_type(hints[f.name])
             group.add_argument(*names, **kwargs)
 
@@ -286,11 +296,16 @@ class EngineArgs:
         return cls(model=model or getattr(args, "model", None), **cls.cli_options(args))
 
 
+def _is_list(hint: Any) -> bool:
+    return any(typing.get_origin(t) is list for t in typing.get_args(hint) or (hint,))
+
+
 def _cli_type(hint: Any) -> type:
-    """The command line's parser for a field of this type: int for int fields, float for
-    float ones, else str (a size, a name or JSON, parsed where the config is built)."""
+    """The command line's parser for a field of this type (for a list, of each item): int
+    for int fields, float for float ones, else str (a size, a name or JSON, parsed where the
+    config is built)."""
     types = set(typing.get_args(hint)) or {hint}
-    if types <= {int, type(None)}:
+    if _is_list(hint) or types <= {int, type(None)}:
         return int
     return float if types <= {float, type(None)} else str
 

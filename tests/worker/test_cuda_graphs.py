@@ -158,6 +158,40 @@ def graphs_unsupported_by(runner, backend_name: str) -> bool:
         runner.backend = saved
 
 
+def test_asked_graph_sizes_pad_and_leave_larger_batches_eager(llama_cases):
+    """--cuda-graph-sizes 3 5: batches of up to 3 rows replay (padded to) the size-3 graph,
+    of 4 or 5 the size-5 one, and the 6-row batch runs eagerly; greedy equal to HF."""
+    path, cases, expected = llama_cases
+    llm = LLM(path, attention_backend="triton", max_num_batched_tokens=64, dtype="float32",
+              cuda_graph_sizes=[5, 3])
+    runner = llm.engine.runner
+    if runner.device.type == "cpu":
+        runner.decode_graphs = runner._decode_graphs(capture=False)
+    graphs = runner.decode_graphs
+    assert graphs.sizes == [3, 5]
+    assert generate_greedy(llm, cases) == expected
+    sizes_replayed = {size for size, _ in graphs.replays}
+    assert sizes_replayed == {3, 5}
+    # every decode step of 6 rows ran eagerly: the replays are the steps of 5 rows or fewer
+    assert graphs.num_replays < sum(m for _, m in cases)
+    assert_kv_all_free(llm.engine)
+
+
+@pytest.mark.parametrize("max_num_seqs, asked, want", [
+    (256, (32,), [1, 2, 4, 8, 16, 24, 32]),  # one value: vLLM's sizes up to it
+    (256, (20,), [1, 2, 4, 8, 16, 20]),
+    (1024, (1024,), [*range(8, 257, 8), *range(272, 1025, 16)]),  # past 512, every 16
+    (64, (1, 2, 128), [1, 2, 64]),  # several: those sizes; over max_num_seqs: max_num_seqs
+    (64, (48, 8, 8), [8, 48]),
+    (16, (512,), [1, 2, 4, 8, 16]),
+])
+def test_asked_capture_sizes(max_num_seqs, asked, want):
+    from tokenmill.worker.cuda_graphs import DecodeGraphs
+
+    sizes = DecodeGraphs.capture_sizes(max_num_seqs, asked)
+    assert sizes[-len(want):] == want and sizes == sorted(set(sizes))
+
+
 @pytest.mark.parametrize("max_num_seqs", [1, 3, 8, 64, 100, 256, 300, 512, 1024])
 def test_capture_sizes_bound_the_padding(max_num_seqs):
     """vLLM's capture sizes, capped at max_num_seqs (which is added): every batch up to the

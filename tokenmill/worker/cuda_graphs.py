@@ -3,9 +3,10 @@
 A decode step of B sequences is dominated on a GPU by launching a few hundred small kernels;
 replaying a graph captured once launches them all at once. Graphs are captured for every batch
 size vLLM captures (`capture_sizes`: 1, 2, 4, then every 8 up to 256 and every 16 up to 512,
-capped at max_num_seqs, which is added): a batch takes the next size up, so it pays for at
-most 7 padding rows up to 256 sequences (15 beyond), under 12% of its rows from 64 on, where
-the earlier coarse sizes (96, 128, 192, 256) cost up to a third of a step. Static buffers:
+capped at max_num_seqs, which is added; or the sizes asked by vLLM's --cuda-graph-sizes): a
+batch takes the next size up, so it pays for at most 7 padding rows up to 256 sequences (15
+beyond), under 12% of its rows from 64 on, where the earlier coarse sizes (96, 128, 192, 256)
+cost up to a third of a step. Static buffers:
 input ids and positions here, and the attention backend's own
 (`AttentionBackend.decode_graph_state`: for the Triton backend the block tables, and its
 decode tiles in a fixed layout). A step copies its ids, positions and block tables into those
@@ -44,14 +45,22 @@ logger = logging.getLogger(__name__)
 CAPTURE_SIZES = (1, 2, 4, *range(8, 257, 8), *range(272, 513, 16))
 
 
+def default_sizes(limit: int) -> list[int]:
+    """vLLM's capture sizes up to `limit`: 1, 2, 4, then every 8 up to 256 and every 16
+    beyond; `limit` itself last."""
+    sizes = [s for s in (1, 2, 4, *range(8, 257, 8), *range(272, limit + 1, 16)) if s <= limit]
+    return sizes if sizes and sizes[-1] == limit else [*sizes, limit]
+
+
 class DecodeGraphs:
     def __init__(self, model: nn.Module, attention: DecodeGraphState, device: torch.device,
-                 max_num_seqs: int, capture: bool = True) -> None:
+                 max_num_seqs: int, capture: bool = True,
+                 asked: tuple[int, ...] | None = None) -> None:
         """`attention`: the backend's state for graphs of up to
-        capture_sizes(max_num_seqs)[-1] rows."""
+        capture_sizes(max_num_seqs, asked)[-1] rows."""
         self.model = model
         self.capture = capture
-        self.sizes = self.capture_sizes(max_num_seqs)
+        self.sizes = self.capture_sizes(max_num_seqs, asked)
         n = self.sizes[-1]
         self.attention = attention
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
@@ -61,10 +70,18 @@ class DecodeGraphs:
         self.replays: Counter[tuple[int, Hashable]] = Counter()  # by (size, variant)
 
     @staticmethod
-    def capture_sizes(max_num_seqs: int) -> list[int]:
-        """The batch sizes graphs are captured for; the last sizes the static buffers."""
-        sizes = [s for s in CAPTURE_SIZES if s <= max_num_seqs] or [1]
-        if sizes[-1] < max_num_seqs <= CAPTURE_SIZES[-1]:
+    def capture_sizes(max_num_seqs: int, asked: tuple[int, ...] | None = None) -> list[int]:
+        """The batch sizes graphs are captured for; the last sizes the static buffers.
+        Default: vLLM's sizes up to min(max_num_seqs, 512). `asked` (vLLM's
+        --cuda-graph-sizes): one value N, vLLM's sizes up to N; several, those sizes. A size
+        over max_num_seqs is never captured (no decode step has more rows): max_num_seqs
+        takes its place."""
+        if asked is None:
+            return default_sizes(min(max_num_seqs, CAPTURE_SIZES[-1]))
+        if len(asked) == 1:
+            return default_sizes(min(max_num_seqs, asked[0]))
+        sizes = sorted({s for s in asked if s <= max_num_seqs})
+        if max(asked) > max_num_seqs and max_num_seqs not in sizes:
             sizes.append(max_num_seqs)
         return sizes
 

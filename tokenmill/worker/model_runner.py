@@ -237,12 +237,13 @@ class ModelRunner:
         """Decode steps as CUDA graph replays, where the attention backend provides the static
         state for them (None: it does not, and steps run eagerly)."""
         max_seqs = self.config.scheduler.max_num_seqs
+        asked = self.config.cuda_graph_sizes
         state = self.backend.decode_graph_state(
-            DecodeGraphs.capture_sizes(max_seqs)[-1],
+            DecodeGraphs.capture_sizes(max_seqs, asked)[-1],
             cdiv(self.config.model.max_model_len, self.block_size))
         if state is None:
             return None
-        return DecodeGraphs(self.model, state, self.device, max_seqs, capture=capture)
+        return DecodeGraphs(self.model, state, self.device, max_seqs, capture, asked)
 
     def can_run_ahead(self) -> bool:
         """Whether `launch` leaves a step in flight (worker/in_flight.py): one rank (under TP the
