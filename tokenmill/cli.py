@@ -22,11 +22,15 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from tokenmill.bench import latency, serve_command, throughput
 from tokenmill.engine.dp_router import ROUTERS
 from tokenmill.engine_args import EngineArgs
 from tokenmill.server.tool_parsers import TOOL_PARSERS
+
+if TYPE_CHECKING:
+    from tokenmill.server.api_server import ServerLogging
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -68,10 +72,21 @@ def _serve(args: argparse.Namespace) -> int:
     lora_modules = parse_lora_modules(args.lora_modules)  # refused before the model loads
     if lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
+    log = server_logging(args)  # (its checks before the model loads)
     engine_args = EngineArgs.from_cli_args(args, model=args.model_pos)
     return run_server(make_replicas(engine_args), args.host, args.port,
                       args.api_key, args.served_model_name, limits, tools,
-                      args.data_parallel_router, lora_modules)
+                      args.data_parallel_router, lora_modules, log)
+
+
+def server_logging(args: argparse.Namespace) -> ServerLogging:
+    """What `tokenmill serve`'s logging flags ask."""
+    from tokenmill.server.api_server import ServerLogging
+
+    return ServerLogging(log_stats=not args.disable_log_stats,
+                         log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+                         access_log=not args.disable_uvicorn_access_log,
+                         uvicorn_log_level=args.uvicorn_log_level)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,8 +166,29 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                        help="LoRA adapters served by name (with --enable-lora): name=path or "
                             'JSON \'{"name": ..., "path": ..., "base_model_name": ...}\'; a '
                             "request's `model` picks one")
+    _add_logging(serve)
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=_serve)
+
+
+def _add_logging(serve: argparse.ArgumentParser) -> None:
+    """What the server logs, under vLLM's flag names."""
+    log = serve.add_argument_group("logging")
+    log.add_argument("--disable-log-stats", action="store_true",
+                     help="no periodic engine line (throughputs, running and waiting "
+                          "requests, KV cache usage, prefix cache hit rate; every 10 s)")
+    log.add_argument("--enable-log-requests", action="store_true", default=False,
+                     help="log each request's prompt and sampling parameters")
+    log.add_argument("--disable-log-requests", dest="enable_log_requests",
+                     action="store_false", help="(the default) vLLM's older spelling")
+    log.add_argument("--max-log-len", type=int, default=None,
+                     help="with --enable-log-requests: prompt characters (or token ids) "
+                          "logged (default: all)")
+    log.add_argument("--disable-uvicorn-access-log", action="store_true",
+                     help="no line per HTTP request (method, path, status, seconds)")
+    log.add_argument("--uvicorn-log-level", default="info",
+                     choices=["critical", "error", "warning", "info", "debug", "trace"],
+                     help="uvicorn's own log level")
 
 
 def _add_proxy(sub: argparse._SubParsersAction) -> None:

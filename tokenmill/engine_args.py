@@ -106,7 +106,8 @@ class EngineArgs:
     kv_cache_memory: str | int | None = option(
         CacheConfig.kv_cache_memory, "KV cache size: bytes or e.g. 512MiB, 4GiB (default: "
         "half the memory free after the weights on CPU; on GPU what "
-        "--gpu-memory-utilization leaves; logged)", "cache")
+        "--gpu-memory-utilization leaves; logged)", "cache",
+        flags=("--kv-cache-memory-bytes",))
     gpu_memory_utilization: float = option(
         CacheConfig.gpu_memory_utilization, "CUDA: the fraction of the GPU's memory this "
         "engine may fill (weights, a profiled step's activations at max_num_batched_tokens, "

@@ -15,7 +15,7 @@ import uvicorn
 
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.lora.request import LoRARequest
-from tokenmill.server.api_server import ServerLimits, build_app
+from tokenmill.server.api_server import ServerLimits, ServerLogging, build_app
 from tokenmill.server.lifecycle import DrainingServer
 from tokenmill.server.tools import ToolOptions
 
@@ -52,12 +52,13 @@ def free_port() -> int:
 def start_server(engine: LLMEngine | list[LLMEngine], model: str, api_key: str | None = None,
                  limits: ServerLimits | None = None, tool_options: ToolOptions | None = None,
                  data_parallel_router: str = "cache_aware",
-                 lora_modules: Sequence[LoRARequest] = ()) -> Iterator[RunningServer]:
+                 lora_modules: Sequence[LoRARequest] = (),
+                 log: ServerLogging | None = None) -> Iterator[RunningServer]:
     """The server `tokenmill serve` runs (DrainingServer), on a thread of this process; over
     data-parallel replicas when `engine` is a list."""
     port = free_port()
     app = build_app(engine, model, api_key, limits, tool_options, data_parallel_router,
-                    lora_modules)
+                    lora_modules, log)
     engines = engine if isinstance(engine, list) else [engine]
     server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning", timeout_graceful_shutdown=5),

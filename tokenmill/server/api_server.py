@@ -28,6 +28,8 @@ from tokenmill.engine.data_parallel import DataParallelLLM
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.prometheus import PrometheusMetrics
+from tokenmill.metrics.stat_logger import DEFAULT_INTERVAL_S, LoggingStatLogger
+from tokenmill.metrics.stats import SchedulerStats, StepTimings
 from tokenmill.server import lora_routes, messages_routes, sleep_routes
 from tokenmill.server.admission import RETRY_AFTER_S, AdmissionControl
 from tokenmill.server.lifecycle import ServerLifecycle
@@ -36,6 +38,7 @@ from tokenmill.server.middleware import EdgeMiddleware
 from tokenmill.server.protocol import (
     ErrorResponse,
 )
+from tokenmill.server.request_log import RequestLog
 from tokenmill.server.routes import EXCEPTION_HANDLERS, ROUTERS, ServerState
 from tokenmill.server.serving_chat import OpenAIServingChat
 from tokenmill.server.serving_completion import OpenAIServingCompletion
@@ -55,6 +58,24 @@ class ServerLimits:
     drain_timeout: float = 30.0  # seconds in-flight requests get on SIGTERM
 
 
+@dataclass(frozen=True)
+class ServerLogging:
+    """What one server logs (`tokenmill serve` flags, vLLM's names)."""
+
+    log_stats: bool = True  # the periodic engine line (--disable-log-stats)
+    stats_interval_s: float = DEFAULT_INTERVAL_S
+    log_requests: bool = False  # each request's prompt and params (--enable-log-requests)
+    max_log_len: int | None = None  # --max-log-len: prompt characters or ids logged
+    access_log: bool = True  # a line per HTTP request (--disable-uvicorn-access-log)
+    uvicorn_log_level: str = "info"
+
+    def __post_init__(self) -> None:  # (checked before the model loads)
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
+        if self.stats_interval_s <= 0:
+            raise ValueError(f"stats_interval_s must be > 0, got {self.stats_interval_s}")
+
+
 _ERROR_STATUSES = {400: "Invalid request", 401: "Invalid API key", 404: "Unknown model",
                    413: "Body too large",
                    429: "Overloaded", 500: "The engine failed the request",
@@ -65,12 +86,13 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str,
               api_key: str | None = None, limits: ServerLimits | None = None,
               tool_options: ToolOptions | None = None,
               data_parallel_router: str = "cache_aware",
-              lora_modules: Sequence[LoRARequest] = ()) -> FastAPI:
+              lora_modules: Sequence[LoRARequest] = (),
+              log: ServerLogging | None = None) -> FastAPI:
     """The app over one engine, or over data-parallel replicas (a list of engines, one
     request routed to one of them: engine/data_parallel.py); its routes: routes.py (and
     lora_routes.py where runtime LoRA updates are allowed). `lora_modules`: the adapters served
     by name (ValueError for one that cannot be served)."""
-    limits = limits or ServerLimits()
+    limits, log = limits or ServerLimits(), log or ServerLogging()
     engines = engine if isinstance(engine, list) else [engine]
     engine = engines[0]  # the replicas share tokenizer and config
     metrics = PrometheusMetrics(served_model_name, kv_capacity_tokens=sum(
@@ -80,22 +102,34 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str,
     admission = AdmissionControl(engine.config.scheduler.max_num_seqs * len(engines),
                                  limits.max_waiting_requests)
 
+    stat_logger = LoggingStatLogger(log.stats_interval_s) if log.log_stats else None
+
     def on_dead(_: BaseException) -> None:
         lifecycle.call_soon(lifecycle.engine_died)
 
+    def on_step(stats: SchedulerStats, step: StepTimings, replica: int = 0) -> None:
+        metrics.record(stats, step, replica)
+        if stat_logger is not None:
+            stat_logger.record(stats, step, replica)
+
     async_llm: AsyncLLM | DataParallelLLM = (
-        AsyncLLM(engine, on_step=metrics.record, on_dead=on_dead) if len(engines) == 1
-        else DataParallelLLM(engines, data_parallel_router, on_step=metrics.record,
+        AsyncLLM(engine, on_step=on_step, on_dead=on_dead) if len(engines) == 1
+        else DataParallelLLM(engines, data_parallel_router, on_step=on_step,
                              on_dead=on_dead))
     lifecycle = ServerLifecycle(async_llm, admission, limits.drain_timeout)
-    serving = (async_llm, served_model_name, admission, limits.request_timeout)
+    serving = (async_llm, served_model_name, admission, limits.request_timeout,
+               RequestLog(log.max_log_len) if log.log_requests else None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         lifecycle.loop = asyncio.get_running_loop()
         logger.info("%s", lifecycle.http_stack())
         async_llm.start()
+        stats_task = (None if stat_logger is None
+                      else asyncio.get_running_loop().create_task(_log_stats(stat_logger)))
         yield
+        if stats_task is not None:
+            stats_task.cancel()
         async_llm.shutdown()
 
     app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan,
@@ -111,7 +145,7 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str,
         OpenAIServingEmbedding(*serving), adapters)
     app.add_middleware(EdgeMiddleware, max_body_bytes=limits.max_request_body_bytes,
                        is_draining=lambda: lifecycle.draining, overloaded=admission.full,
-                       retry_after_s=RETRY_AFTER_S)
+                       retry_after_s=RETRY_AFTER_S, access_log=log.access_log)
     for exc_class, handler in EXCEPTION_HANDLERS.items():
         app.add_exception_handler(exc_class, handler)
     optional = ([lora_routes.router] if runtime_updates_allowed() else []) + (
@@ -120,6 +154,13 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str,
         app.include_router(router)
     _document_400_not_422(app)
     return app
+
+
+async def _log_stats(stat_logger: LoggingStatLogger) -> None:
+    """The periodic engine line, from the event loop (the engine threads only record)."""
+    while True:
+        await asyncio.sleep(stat_logger.interval_s)
+        stat_logger.log()
 
 
 def _document_400_not_422(app: FastAPI) -> None:
@@ -145,7 +186,8 @@ def run_server(engine: LLMEngine | list[LLMEngine], host: str, port: int,
                api_key: str | None, served_model_name: str | None,
                limits: ServerLimits | None = None, tool_options: ToolOptions | None = None,
                data_parallel_router: str = "cache_aware",
-               lora_modules: Sequence[LoRARequest] = ()) -> int:
+               lora_modules: Sequence[LoRARequest] = (), log: ServerLogging | None = None
+               ) -> int:
     """Serve until SIGINT/SIGTERM (drained: exit 0) or the engine's death (exit 1)."""
     import uvicorn
 
@@ -153,11 +195,12 @@ def run_server(engine: LLMEngine | list[LLMEngine], host: str, port: int,
 
     first = engine[0] if isinstance(engine, list) else engine
     name = served_model_name or default_served_name(first)
+    log = log or ServerLogging()
     app = build_app(engine, name, api_key, limits, tool_options, data_parallel_router,
-                    lora_modules)
+                    lora_modules, log)
     # uvicorn's access log is off: ours (middleware.py) carries the request id.
-    config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
-                            log_config=None, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log.uvicorn_log_level,
+                            access_log=False, log_config=None, timeout_graceful_shutdown=5)
     server = DrainingServer(config, app.state.server.lifecycle)
     logger.info("serving %s on http://%s:%d", name, host, port)
     server.run()

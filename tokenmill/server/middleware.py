@@ -65,10 +65,12 @@ async def send_error(send: Send, status: int, message: str, request_id: str,
 class EdgeMiddleware:
     def __init__(self, app: Callable, max_body_bytes: int, is_draining: Callable[[], bool],
                  overloaded: Callable[[], str | None] = lambda: None,
-                 retry_after_s: int = 1) -> None:
-        """overloaded(): why admission control refuses every request now, or None."""
+                 retry_after_s: int = 1, access_log: bool = True) -> None:
+        """overloaded(): why admission control refuses every request now, or None;
+        access_log: a line per request (method, path, status, seconds)."""
         self.app, self.max_body_bytes, self.is_draining = app, max_body_bytes, is_draining
         self.overloaded, self.retry_after_s = overloaded, retry_after_s
+        self.access_log = access_log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -94,8 +96,9 @@ class EdgeMiddleware:
                                         {"connection": "close"})
             await self._call_app(scope, receive, send, rid, status)
         finally:
-            logger.info("%s %s %d %.3fs", scope["method"], scope["path"], status[0],
-                        time.perf_counter() - start)
+            if self.access_log:
+                logger.info("%s %s %d %.3fs", scope["method"], scope["path"], status[0],
+                            time.perf_counter() - start)
             request_context.request_id.reset(token)
 
     def _too_large(self, length: int) -> str:

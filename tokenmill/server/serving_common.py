@@ -22,6 +22,7 @@ from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admission import AdmissionControl, Ticket
 from tokenmill.server.protocol import ErrorBody, ErrorResponse, StreamOptions, UsageInfo
+from tokenmill.server.request_log import RequestLog
 from tokenmill.utils import request_context
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
@@ -158,9 +159,11 @@ class OpenAIServing:
     """What the completions and chat handlers share: admission, deadlines and queueing."""
 
     def __init__(self, engine: AsyncLLM, model_name: str, admission: AdmissionControl,
-                 request_timeout: float | None = None) -> None:
+                 request_timeout: float | None = None,
+                 request_log: RequestLog | None = None) -> None:
         self.engine, self.model_name = engine, model_name
         self.admission, self.request_timeout = admission, request_timeout
+        self.request_log = request_log  # None: requests' contents are not logged
 
     def response_id(self, prefix: str) -> str:
         """`prefix-<X-Request-Id>` (the middleware makes one up when the client sent none)."""
@@ -188,6 +191,8 @@ class OpenAIServing:
         streams = []
         try:
             for i, prompt in enumerate(prompts):
+                if self.request_log is not None:
+                    self.request_log.log(f"{base}-{i}", prompt, params, lora)
                 streams.append(await self.engine.add_request(f"{base}-{i}", prompt, params,
                                                              deadline, lora, priority))
         except BaseException:
