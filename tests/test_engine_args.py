@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,10 @@ from tokenmill.cli import build_parser
 from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine_args import EngineArgs, engine_config
 
+# a generation config of its own (--generation-config FOLDER): written once, at collection
+GENERATION_DIR = tempfile.mkdtemp(prefix="tm-generation-config-")
+Path(GENERATION_DIR, "generation_config.json").write_text(
+    json.dumps({"temperature": 0.5, "max_new_tokens": 9}))
 TRANSFER = {"kv_connector": "SharedStorageConnector", "kv_role": "kv_consumer",
             "kv_connector_extra_config": {"shared_storage_path": "/tmp/tm-kv-shared"}}
 JSON_SPEC = '{"method": "ngram", "num_speculative_tokens": 2}'
@@ -45,6 +50,10 @@ CASES = [
     Case("dtype", ("--dtype", "bfloat16"), "bfloat16", "model.weight_dtype", torch.bfloat16),
     # a bfloat16 checkpoint's, chosen by the CPU: tests/quantization/test_half_weights.py
     Case("matmul_dtype", (), None, "model.matmul_dtype", None),
+    Case("generation_config", ("--generation-config", GENERATION_DIR), GENERATION_DIR,
+         "model.sampling_defaults", {"temperature": 0.5, "max_tokens": 9}),
+    Case("override_generation_config", ("--override-generation-config", '{"top_k": 3}'),
+         {"top_k": 3}, "model.sampling_defaults", {"top_k": 3}),
     Case("max_model_len", ("--max-model-len", "64"), 64, "model.max_model_len", 64),
     Case("load_format", ("--load-format", "dummy"), "dummy", "model.load_format", "dummy"),
     Case("quantization", ("-q", "int8"), "int8", "model.quantization", "int8"),

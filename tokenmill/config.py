@@ -97,6 +97,9 @@ class ModelConfig:
     # hf_config values the model is built with instead of the checkpoint's (a normalized
     # quirk, e.g. sliding_window None where the window covers max_model_len): arch_config().
     hf_overrides: Mapping[str, Any] = field(default_factory=dict)
+    # the sampling values a request leaves unset take (the model's generation_config.json,
+    # vLLM's --generation-config: model_loader/generation_config.py), SamplingParams keywords
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     def arch_config(self) -> Any:
         """The config the model's modules are built from: hf_config with hf_overrides, on a

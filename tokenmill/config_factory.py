@@ -52,6 +52,7 @@ from tokenmill.lora.config import LoRAConfig
 from tokenmill.lora.targets import check_architecture as check_lora_architecture
 from tokenmill.model_loader import gguf_loader
 from tokenmill.model_loader.default_model import default_model_path
+from tokenmill.model_loader.generation_config import model_sampling_defaults
 from tokenmill.model_loader.gguf_cache import load_full_config
 from tokenmill.model_loader.gguf_convert import converted_folder
 from tokenmill.model_loader.hub import parse_hub_id, resolve_hub_model
@@ -86,8 +87,10 @@ def create_engine_config(args: EngineArgs, offline: bool = False) -> EngineConfi
         model = dataclasses.replace(model, dtype=torch.float32, weight_dtype=half)
     elif args.dtype == "auto":
         model = dataclasses.replace(model, weight_dtype=default_weight_dtype(model, device))
-    model = dataclasses.replace(model, matmul_dtype=resolve_matmul_dtype(args.matmul_dtype,
-                                                                         model))
+    model = dataclasses.replace(
+        model, matmul_dtype=resolve_matmul_dtype(args.matmul_dtype, model),
+        sampling_defaults=model_sampling_defaults(model.path, args.generation_config,
+                                                  args.override_generation_config))
     speculative = SpeculativeConfig.parse(args.speculative_config)
     draft = None
     if speculative is not None and speculative.method == "draft_model":

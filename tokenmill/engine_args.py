@@ -85,6 +85,14 @@ class EngineArgs:
         "= bfloat16 where the CPU has AVX512-BF16 and the weights are all bf16, else float32",
         "model",
         choices=("auto", "float32", "bfloat16"))
+    generation_config: str = option(
+        "auto", "vLLM's flag: where requests' default sampling values come from: auto, the "
+        "model's generation_config.json (temperature, top_p, top_k, min_p, penalties, "
+        "max_new_tokens as max_tokens; a request's own values win); vllm, none (neutral "
+        "defaults); or a folder holding a generation_config.json", "model")
+    override_generation_config: str | dict[str, Any] | None = option(
+        None, "vLLM's flag: JSON of sampling defaults set over --generation-config's, e.g. "
+        "'{\"temperature\": 0.5}'", "model")
     max_model_len: int | None = option(
         None, "the longest prompt + output in tokens (default: the model's context)", "model")
     load_format: str = option(

@@ -41,6 +41,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` run without sampling_params (vLLM's): the model's
+        generation-config defaults (engine option generation_config), else SamplingParams()."""
+        return SamplingParams(**self.engine.config.model.sampling_defaults)
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prompt prefix (vLLM's name): the next prompts are computed from
         scratch. Returns False, changing nothing, while requests are running."""
@@ -79,6 +84,8 @@ class LLM:
         adapter (likewise) and priority (one each, or None: 0); the request ids. A prompt
         refused aborts those added before it."""
         prompts = _as_prompt_list(prompts)
+        if params is None and kind is SamplingParams:
+            params = self.get_default_sampling_params()
         params = _as_params_list(params, len(prompts), kind)
         if kind is SamplingParams:
             params = _final_only(params)

@@ -20,6 +20,7 @@ raises ValueError naming the field, which the server returns as a 400 in the Ope
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -73,6 +74,11 @@ class StreamOptions(StrictModel):
 
 # OpenAI fields tokenmill does not implement yet → the values that mean "not used" (and
 # best_of, which is inert when it equals n).
+# vLLM's neutral sampling values, for what neither a request nor the server's defaults set
+_NEUTRAL_SAMPLING: dict[str, Any] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
+    "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
 _INERT: dict[str, Any] = {
     "functions": (None,),
     "function_call": (None, "none"), "audio": (None,), "modalities": (None, ["text"]),
@@ -105,8 +111,8 @@ class SamplingFields(StrictModel):
     stream_options: StreamOptions | None = None
     stop: Text | list[Text] | None = None
     seed: Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
-    presence_penalty: Float = 0.0
-    frequency_penalty: Float = 0.0
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
     logit_bias: dict[str, Float] | None = None
     user: Text | None = None
     metadata: dict[str, Text] | None = None
@@ -124,8 +130,8 @@ class SamplingFields(StrictModel):
     # vLLM extras
     priority: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] = 0  # lower first
     top_k: Annotated[StrictInt, Field(ge=-1, le=INT64_MAX)] | None = None
-    min_p: Float = 0.0
-    repetition_penalty: Float = 1.0
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = 0
     skip_special_tokens: StrictBool = True
@@ -156,18 +162,17 @@ class SamplingFields(StrictModel):
         return self
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         default_max_tokens: int | None) -> SamplingParams:
+                         defaults: Mapping[str, Any]) -> SamplingParams:
+        """The request's sampling: each value it sets, else the server's default
+        (`defaults`: the model's generation config), else vLLM's neutral one."""
+        chosen = {name: (value if (value := getattr(self, name)) is not None
+                         else defaults.get(name, neutral))
+                  for name, neutral in _NEUTRAL_SAMPLING.items()}
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=self.min_p, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
+            n=self.n, **chosen, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            ignore_eos=self.ignore_eos,
-            max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+            ignore_eos=self.ignore_eos, max_tokens=max_tokens,
             min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
             logit_bias=self.logit_bias, skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
@@ -254,9 +259,11 @@ class CompletionRequest(SamplingFields):
     def prompts(self) -> list[Any]:
         return prompt_list(self.prompt)
 
-    def to_sampling_params(self) -> SamplingParams:
-        # OpenAI's completions default is 16 tokens.
-        return self._sampling_params(self.max_tokens, self.logprobs, 16)
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """`defaults`: the server's sampling defaults (ModelConfig.sampling_defaults)."""
+        # OpenAI's completions default is 16 tokens (vLLM's too, whatever the model's)
+        return self._sampling_params(16 if self.max_tokens is None else self.max_tokens,
+                                     self.logprobs, defaults or {})
 
 
 class TextPart(StrictModel):
@@ -337,16 +344,20 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """`defaults`: the server's sampling defaults (ModelConfig.sampling_defaults)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs must come with logprobs=true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise ValueError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
                              f"got {logprobs}")
+        defaults = defaults or {}
         max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
                       else self.max_tokens)
-        return self._sampling_params(max_tokens, logprobs, None)
+        if max_tokens is None:  # the model's max_new_tokens, else up to the context's end
+            max_tokens = defaults.get("max_tokens")
+        return self._sampling_params(max_tokens, logprobs, defaults)
 
 
 class UsageInfo(BaseModel):

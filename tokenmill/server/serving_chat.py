@@ -156,7 +156,7 @@ class OpenAIServingChat(OpenAIServing):
         """Render and queue one conversation (the tool plan, its call format as a grammar),
         then stream it (`streamer`, which owns the admission ticket) or wait for it. The chat,
         Responses and Messages APIs all run here."""
-        params = req.to_sampling_params()
+        params = req.to_sampling_params(self.sampling_defaults)
         ticket = self.admit(1, params)
         try:
             plan, prompt = await asyncio.get_running_loop().run_in_executor(

@@ -10,7 +10,7 @@ import itertools
 import json
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import Request
@@ -164,6 +164,11 @@ class OpenAIServing:
         self.engine, self.model_name = engine, model_name
         self.admission, self.request_timeout = admission, request_timeout
         self.request_log = request_log  # None: requests' contents are not logged
+
+    @property
+    def sampling_defaults(self) -> Mapping[str, Any]:
+        """What a request's unset sampling values take (the model's generation config)."""
+        return self.engine.engine.config.model.sampling_defaults
 
     def response_id(self, prefix: str) -> str:
         """`prefix-<X-Request-Id>` (the middleware makes one up when the client sent none)."""

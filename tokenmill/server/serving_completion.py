@@ -58,7 +58,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise ValueError("suffix is not supported by tokenmill yet")
         if req.echo:
             raise ValueError("echo is not supported by tokenmill yet")
-        params = req.to_sampling_params()
+        params = req.to_sampling_params(self.sampling_defaults)
         prompts = req.prompts()
         ticket = self.admit(len(prompts), params)
         try:
