@@ -50,6 +50,8 @@ CASES = [
     Case("dtype", ("--dtype", "bfloat16"), "bfloat16", "model.weight_dtype", torch.bfloat16),
     # a bfloat16 checkpoint's, chosen by the CPU: tests/quantization/test_half_weights.py
     Case("matmul_dtype", (), None, "model.matmul_dtype", None),
+    Case("chat_template", ("--chat-template", "{{ messages }}"), "{{ messages }}",
+         "model.chat_template", "{{ messages }}"),
     Case("generation_config", ("--generation-config", GENERATION_DIR), GENERATION_DIR,
          "model.sampling_defaults", {"temperature": 0.5, "max_tokens": 9}),
     Case("override_generation_config", ("--override-generation-config", '{"top_k": 3}'),

@@ -100,6 +100,9 @@ class ModelConfig:
     # the sampling values a request leaves unset take (the model's generation_config.json,
     # vLLM's --generation-config: model_loader/generation_config.py), SamplingParams keywords
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+    # the chat template asked for instead of the tokenizer's (vLLM's --chat-template: the
+    # text, read from its file); None: the tokenizer's (engine/tokenizer.chat_template_of)
+    chat_template: str | None = None
 
     def arch_config(self) -> Any:
         """The config the model's modules are built from: hf_config with hf_overrides, on a

@@ -45,6 +45,7 @@ from tokenmill.config_weights import (
     stored_dtype,
 )
 from tokenmill.distributed.config import ParallelConfig
+from tokenmill.engine.tokenizer import load_chat_template
 from tokenmill.kv_offload.factory import kv_offload_config
 from tokenmill.layers.linear import check_heads_split
 from tokenmill.layers.rotary import rope_parameter_sets
@@ -90,7 +91,8 @@ def create_engine_config(args: EngineArgs, offline: bool = False) -> EngineConfi
     model = dataclasses.replace(
         model, matmul_dtype=resolve_matmul_dtype(args.matmul_dtype, model),
         sampling_defaults=model_sampling_defaults(model.path, args.generation_config,
-                                                  args.override_generation_config))
+                                                  args.override_generation_config),
+        chat_template=load_chat_template(args.chat_template))
     speculative = SpeculativeConfig.parse(args.speculative_config)
     draft = None
     if speculative is not None and speculative.method == "draft_model":

@@ -85,6 +85,10 @@ class EngineArgs:
         "= bfloat16 where the CPU has AVX512-BF16 and the weights are all bf16, else float32",
         "model",
         choices=("auto", "float32", "bfloat16"))
+    chat_template: str | None = option(
+        None, "vLLM's flag: a Jinja chat template file, or the template itself, rendering "
+        "conversations instead of the tokenizer's (chat completions, Messages, Responses, "
+        "/tokenize, LLM.chat)", "model")
     generation_config: str = option(
         "auto", "vLLM's flag: where requests' default sampling values come from: auto, the "
         "model's generation_config.json (temperature, top_p, top_k, min_p, penalties, "

@@ -54,3 +54,17 @@ def test_model_specific_class_goes_through_autotokenizer(tokenizer_dir, tmp_path
 def test_missing_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="cannot load a tokenizer"):
         load_tokenizer(_config(tmp_path))
+
+
+def test_chat_template_from_a_file_or_inline(tmp_path):
+    """vLLM's --chat-template rule: a readable file's text; else the template itself when it
+    holds Jinja's characters (escaped newlines decoded); else a path that failed: an error."""
+    from tokenmill.engine.tokenizer import load_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0]['content'] }}\n")
+    assert load_chat_template(str(path)) == "{{ messages[0]['content'] }}\n"
+    assert load_chat_template("{{ x }}\\nnext") == "{{ x }}\nnext"
+    assert load_chat_template(None) is None
+    with pytest.raises(ValueError, match="looks like a file path"):
+        load_chat_template(str(tmp_path / "missing.jinja"))

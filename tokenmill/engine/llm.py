@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from tokenmill.engine.beam_search import BeamSearchOutput, beam_search
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.tokenizer import chat_template_of
 from tokenmill.engine_args import EngineArgs
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
@@ -114,13 +115,18 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict[str, Any] | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-             priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+             priority: Sequence[int] | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them, then generate.
+        `chat_template` (vLLM's): the template's text for this call; else the engine's
+        chat_template option, else the tokenizer's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
-        if not getattr(tok, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; use generate()")
-        prompts = [tok.apply_chat_template(conv, tokenize=False,
+        template = chat_template or chat_template_of(self.engine.config.model, tok)
+        if not template:
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template "
+                             "or use generate()")
+        prompts = [tok.apply_chat_template(conv, chat_template=template, tokenize=False,
                                            add_generation_prompt=add_generation_prompt,
                                            **(chat_template_kwargs or {}))
                    for conv in conversations]

@@ -1,4 +1,5 @@
-"""Loading the tokenizer (and chat template) of a model folder or GGUF file with transformers.
+"""Loading the tokenizer (and chat template) of a model folder or GGUF file with transformers,
+and a chat template asked for instead of the tokenizer's (vLLM's --chat-template).
 
 A folder whose tokenizer_config.json names the generic fast tokenizer class (what
 transformers writes for a tokenizer built from a GGUF file, so every converted GGUF folder) is
@@ -9,6 +10,7 @@ Any other folder goes through `AutoTokenizer`, which knows model-specific tokeni
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from typing import Any
@@ -94,3 +96,28 @@ def generic_fast_tokenizer(folder: str) -> bool:
         return False
     with open(config_file) as f:
         return json.load(f).get("tokenizer_class") in _GENERIC_FAST_CLASSES
+
+
+_JINJA_CHARS = "{}\n"
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """vLLM's --chat-template: a file's text, or the template itself when `value` is not a
+    readable file and holds Jinja's characters (escapes such as \\n decoded); ValueError for
+    what looks like a path but cannot be read."""
+    if value is None:
+        return None
+    try:
+        with open(os.path.expanduser(value), encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        if any(c in value for c in _JINJA_CHARS):
+            return codecs.decode(value, "unicode_escape")
+        raise ValueError(f"chat_template {value!r} looks like a file path, but it cannot be "
+                         f"read: {e}") from e
+
+
+def chat_template_of(config: ModelConfig, tokenizer: Any) -> str | None:
+    """The chat template conversations are rendered with: the one asked for
+    (ModelConfig.chat_template), else the tokenizer's own; None: the model has none."""
+    return config.chat_template or getattr(tokenizer, "chat_template", None)

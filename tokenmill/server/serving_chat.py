@@ -22,6 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.tokenizer import chat_template_of
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -76,20 +77,23 @@ def render_chat(engine: LLMEngine, messages: list[ChatMessage], add_generation_p
                 tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The prompt dict (text and token ids) for a conversation; ValueError if unusable."""
     tokenizer = engine.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template; use /v1/completions")
+    template = chat_template_of(engine.config.model, tokenizer)
+    if not template:
+        raise ValueError("this model has no chat template (--chat-template gives one); use "
+                         "/v1/completions")
     if not messages:
         raise ValueError("messages must not be empty")
     conversation = [m.for_template() for m in messages]
     kwargs = dict(chat_template_kwargs or {})
     if tools or any("tool_calls" in m or m["role"] == "tool" for m in conversation):
-        native = template_uses_tools(tokenizer)
+        native = template_uses_tools(template)
         conversation = conversation_with_tools(conversation, tools or [], native)
         if native and tools:
             kwargs["tools"] = tools
     engine.check_text_length(sum(len(m["content"] or "") for m in conversation))
     try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+        text = tokenizer.apply_chat_template(conversation, chat_template=template,
+                                             tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
                                              **kwargs)
     except Exception as e:  # jinja errors for malformed conversations

@@ -162,8 +162,9 @@ def _skip_space(text: str, i: int) -> int:
     return i
 
 
-def template_uses_tools(tokenizer: Any) -> bool:
-    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
+def template_uses_tools(template: str) -> bool:
+    """Whether a chat template renders the tools itself (else they go in a system message)."""
+    return "tools" in template
 
 
 def conversation_with_tools(conversation: list[dict[str, Any]], tools: list[dict[str, Any]],

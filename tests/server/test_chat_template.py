@@ -1,0 +1,43 @@
+"""A chat template asked for (vLLM's --chat-template, engine option chat_template) renders
+every conversation instead of the tokenizer's: chat completions, /tokenize and LLM.chat (also
+per call, as vLLM's LLM.chat takes one)."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.server.conftest import start_server
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.llm_engine import LLMEngine
+
+TEMPLATE = ("{% for m in messages %}<<{{ m['role'] }}: {{ m['content'] }}>>{% endfor %}"
+            "{% if add_generation_prompt %}ANSWER:{% endif %}")
+
+
+def test_the_asked_template_renders_conversations(tiny_model, tmp_path):
+    path, _ = tiny_model("llama")
+    file = tmp_path / "template.jinja"
+    file.write_text(TEMPLATE)
+    engine = LLMEngine.from_options(path, max_model_len=512, num_kv_blocks=100,
+                                    chat_template=str(file))
+    tok = engine.tokenizer
+    expected = tok.encode("<<user: Hi there>>ANSWER:", add_special_tokens=False)
+    messages = [{"role": "user", "content": "Hi there"}]
+    for srv in start_server(engine, "m"):
+        tokens = httpx.post(f"{srv.base_url}/tokenize", json={"messages": messages}).json()
+        r = httpx.post(f"{srv.base_url}/v1/chat/completions", timeout=60, json={
+            "model": "m", "messages": messages, "max_tokens": 2, "temperature": 0})
+        srv.wait_idle()
+    assert tokens["tokens"] == expected
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(expected)
+
+
+def test_llm_chat_takes_the_engine_s_template_or_its_own(tiny_model):
+    path, _ = tiny_model("llama")
+    llm = LLM(path, max_model_len=512, num_kv_blocks=64, chat_template=TEMPLATE)
+    params = SamplingParams(temperature=0, max_tokens=2)
+    messages = [{"role": "user", "content": "Hi"}]
+    out = llm.chat(messages, params, use_tqdm=False)[0]
+    assert out.prompt == "<<user: Hi>>ANSWER:"
+    own = llm.chat(messages, params, use_tqdm=False, chat_template="[{{ messages[0]['content'] }}]")
+    assert own[0].prompt == "[Hi]"
