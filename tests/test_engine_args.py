@@ -50,6 +50,8 @@ CASES = [
     Case("dtype", ("--dtype", "bfloat16"), "bfloat16", "model.weight_dtype", torch.bfloat16),
     # a bfloat16 checkpoint's, chosen by the CPU: tests/quantization/test_half_weights.py
     Case("matmul_dtype", (), None, "model.matmul_dtype", None),
+    # a folder's own config code: tests/engine/test_config_and_loading.py
+    Case("trust_remote_code", ("--trust-remote-code",), True, "model.trust_remote_code", True),
     Case("chat_template", ("--chat-template", "{{ messages }}"), "{{ messages }}",
          "model.chat_template", "{{ messages }}"),
     Case("generation_config", ("--generation-config", GENERATION_DIR), GENERATION_DIR,

@@ -94,6 +94,8 @@ class ModelConfig:
     # Where a Hub id was resolved: its revision (None: main) and cache (None: HF_HUB_CACHE's).
     revision: str | None = None
     download_dir: str | None = None
+    # vLLM's --trust-remote-code: transformers may run the folder's own config / tokenizer code
+    trust_remote_code: bool = False
     # hf_config values the model is built with instead of the checkpoint's (a normalized
     # quirk, e.g. sliding_window None where the window covers max_model_len): arch_config().
     hf_overrides: Mapping[str, Any] = field(default_factory=dict)

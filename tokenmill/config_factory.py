@@ -77,7 +77,7 @@ def create_engine_config(args: EngineArgs, offline: bool = False) -> EngineConfi
     device = resolve_device(args.device)
     model = model_config(args.model, args.dtype, args.max_model_len, args.load_format,
                          args.quantization, args.int8_activations, args.revision,
-                         args.download_dir, args.tokenizer)
+                         args.download_dir, args.tokenizer, args.trust_remote_code)
     if args.quantization is None:  # none asked for ("none" is an answer)
         model = dataclasses.replace(model, quantization=default_quantization(model, device))
     half = asked_half_weights(model, device) if args.dtype != "auto" else None
@@ -193,19 +193,20 @@ def resolve_device(device: str | None) -> str:
 def model_config(path: str | None, dtype: str = "auto", max_model_len: int | None = None,
                  load_format: str = "auto", quantization: str | None = None,
                  int8_activations: bool = False, revision: str | None = None,
-                 download_dir: str | None = None, tokenizer: str | None = None) -> ModelConfig:
+                 download_dir: str | None = None, tokenizer: str | None = None,
+                 trust_remote_code: bool = False) -> ModelConfig:
     """`path`: a Hugging Face folder, a .gguf file or a Hub id (model_loader/hub.py, at
     `revision`, cached in `download_dir`); None: the default model. The weight format is the
     one asked for or the checkpoint's own (default_quantization picks among the rest)."""
     path = default_model_path() if path is None else os.path.expanduser(str(path))
-    hub_id, path = _local_model(path, revision, download_dir)
+    hub_id, path = _local_model(path, revision, download_dir, with_code=trust_remote_code)
     tokenizer_dir = (None if tokenizer is None else
                      _local_model(os.path.expanduser(tokenizer), revision, download_dir,
-                                  tokenizer_only=True)[1])
+                                  True, trust_remote_code)[1])
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, "
                          f"got {load_format!r}")
-    hf_config, gguf_file, converted = _read_hf_config(path)
+    hf_config, gguf_file, converted = _read_hf_config(path, trust_remote_code)
     hf_quant = checkpoint_quantization(hf_config)
     quantization = resolve_quantization(quantization, hf_quant, gguf_file, path)
     if load_format == "dummy" and quantization is not None and (
@@ -227,12 +228,14 @@ def model_config(path: str | None, dtype: str = "auto", max_model_len: int | Non
         gguf_file=gguf_file, converted_dir=converted, headless=registry.is_headless(archs),
         load_format=load_format, quantization=quantization, hf_quant_config=hf_quant,
         int8_activations=bool(int8_activations), hub_id=hub_id, tokenizer=tokenizer_dir,
-        revision=revision, download_dir=download_dir,
+        revision=revision, download_dir=download_dir, trust_remote_code=trust_remote_code,
         hf_overrides=_normalized_quirks(hf_config, max_model_len))
 
 
-def _read_hf_config(path: str) -> tuple[Any, str | None, str | None]:
-    """(the transformers config, the GGUF file, its converted folder) of a local model."""
+def _read_hf_config(path: str, trust_remote_code: bool = False
+                    ) -> tuple[Any, str | None, str | None]:
+    """(the transformers config, the GGUF file, its converted folder) of a local model
+    (trust_remote_code: a config class of the folder's own code may be run, as vLLM's flag)."""
     gguf_file = gguf_loader.find_gguf_file(path)
     if gguf_file is not None:
         converted = converted_folder(gguf_file)
@@ -243,7 +246,8 @@ def _read_hf_config(path: str) -> tuple[Any, str | None, str | None]:
         from transformers import AutoConfig  # transformers' import: a second, only here
 
         try:
-            return AutoConfig.from_pretrained(path), None, None
+            return (AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code),
+                    None, None)
         except Exception as e:  # transformers raises many types for a broken config
             raise ValueError(f"cannot read {path}/config.json: {e}") from e
     if os.path.exists(path):
@@ -280,7 +284,8 @@ def _normalized_quirks(hf_config: Any, max_model_len: int) -> dict[str, Any]:
 
 
 def _local_model(name: str, revision: str | None, download_dir: str | None,
-                 tokenizer_only: bool = False) -> tuple[str | None, str]:
+                 tokenizer_only: bool = False, with_code: bool = False
+                 ) -> tuple[str | None, str]:
     """(the Hub id, the local path) of a model or tokenizer name: a local path is itself (and
     takes no revision), anything else is resolved as a Hub id (model_loader/hub.py)."""
     if os.path.exists(name) or parse_hub_id(name) is None:
@@ -288,7 +293,7 @@ def _local_model(name: str, revision: str | None, download_dir: str | None,
             raise ValueError(f"revision applies to Hugging Face Hub ids; {name!r} is a local "
                              "path")
         return None, name
-    return name, resolve_hub_model(name, revision, download_dir, tokenizer_only)
+    return name, resolve_hub_model(name, revision, download_dir, tokenizer_only, with_code)
 
 
 def _resolve_dtype(dtype: str | torch.dtype, hf_config: Any) -> torch.dtype:
@@ -384,7 +389,8 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig, device: str
     path = target.path if spec.model is None else os.path.expanduser(spec.model)
     try:
         draft = model_config(path, dtype=str(target.dtype).removeprefix("torch."),
-                             max_model_len=target.max_model_len, quantization=spec.quantization)
+                             max_model_len=target.max_model_len, quantization=spec.quantization,
+                             trust_remote_code=target.trust_remote_code)
     except ValueError as e:
         raise ValueError(f"speculative draft model: {e}") from None
     if spec.quantization is None:

@@ -85,6 +85,10 @@ class EngineArgs:
         "= bfloat16 where the CPU has AVX512-BF16 and the weights are all bf16, else float32",
         "model",
         choices=("auto", "float32", "bfloat16"))
+    trust_remote_code: bool = option(
+        False, "vLLM's flag: let transformers run the model folder's own config and "
+        "tokenizer code (its auto_map); the model itself always runs tokenmill's own "
+        "implementation of its architecture", "model")
     chat_template: str | None = option(
         None, "vLLM's flag: a Jinja chat template file, or the template itself, rendering "
         "conversations instead of the tokenizer's (chat completions, Messages, Responses, "

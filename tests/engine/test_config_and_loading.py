@@ -184,3 +184,30 @@ def test_dummy_load_format_needs_no_checkpoint(tmp_path, tiny_model):
     out = a.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
                      use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_trust_remote_code_lets_the_folder_s_config_class_load(tiny_model, tmp_path):
+    """A folder whose config.json names its own config class (auto_map) loads only with
+    trust_remote_code (vLLM's flag), then runs tokenmill's Llama as the plain folder does."""
+    import json
+    import shutil
+
+    from tokenmill import LLM, SamplingParams
+
+    folder = tmp_path / "custom"
+    shutil.copytree(tiny_model("llama")[0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config |= {"model_type": "tiny_custom",
+               "auto_map": {"AutoConfig": "configuration_tiny.TinyCustomConfig"}}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "configuration_tiny.py").write_text(
+        "from transformers import LlamaConfig\n\n\n"
+        "class TinyCustomConfig(LlamaConfig):\n    model_type = 'tiny_custom'\n")
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        LLM(str(folder), max_model_len=128, num_kv_blocks=16)
+    llm = LLM(str(folder), max_model_len=128, num_kv_blocks=16, trust_remote_code=True)
+    assert type(llm.engine.config.model.hf_config).__name__ == "TinyCustomConfig"
+    plain = LLM(tiny_model("llama")[0], max_model_len=128, num_kv_blocks=16)
+    params = SamplingParams(temperature=0, max_tokens=5)
+    assert (llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+            == plain.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids)

@@ -96,6 +96,13 @@ def test_only_the_files_a_start_reads_are_fetched():
     assert _wanted(HubModel("q/w"), sharded, False, "'q/w'") == [
         "config.json", "merges.txt", "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors", "model.safetensors.index.json", "vocab.json"]
+    # --trust-remote-code: the repository's own code too (top level), never otherwise
+    coded = [*sharded, "configuration_w.py", "tokenization_w.py", "sub/helper.py"]
+    assert _wanted(HubModel("q/w"), coded, False, "'q/w'", with_code=True) == sorted([
+        *_wanted(HubModel("q/w"), sharded, False, "'q/w'"), "configuration_w.py",
+        "tokenization_w.py"])
+    assert _wanted(HubModel("q/w"), coded, False, "'q/w'") == _wanted(
+        HubModel("q/w"), sharded, False, "'q/w'")
     gguf = ["README.md", "x-Q4_K_M.gguf", "x-Q4_K_S.gguf", "x-Q4_K.gguf", "x-Q8_0.gguf",
             "big/x-Q4_K_M-00001-of-00002.gguf"]
     assert _wanted(HubModel("o/x", quant="Q4_K"), gguf, False, "") == ["x-Q4_K.gguf"]

@@ -23,13 +23,14 @@ _GENERIC_FAST_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast
 
 def load_tokenizer(config: ModelConfig) -> Any:
     try:
+        trust = config.trust_remote_code
         if config.tokenizer is not None:  # vLLM's --tokenizer: a folder (or a Hub id's)
-            return _load_folder(config.tokenizer)
+            return _load_folder(config.tokenizer, trust)
         if config.converted_dir is not None:
-            return _load_folder(config.converted_dir)
+            return _load_folder(config.converted_dir, trust)
         if config.gguf_file is not None:
             return gguf_tokenizer(config.gguf_file, config.hf_config.model_type)
-        return _load_folder(config.path)
+        return _load_folder(config.path, trust)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError, ...
         raise ValueError(f"cannot load a tokenizer for {config.path}: {e}") from e
 
@@ -79,14 +80,14 @@ def _gguf_tokenizer_class(model_type: str | None, folder: str) -> Any | None:
     return tokenizer_class_from_name(name)
 
 
-def _load_folder(folder: str) -> Any:
+def _load_folder(folder: str, trust_remote_code: bool = False) -> Any:
     if generic_fast_tokenizer(folder):
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(folder)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
 
 
 def generic_fast_tokenizer(folder: str) -> bool:

@@ -81,15 +81,17 @@ def _cache_dir(download_dir: str | None) -> str | None:
 
 
 def resolve_hub_model(name: str, revision: str | None = None,
-                      download_dir: str | None = None, tokenizer_only: bool = False) -> str:
+                      download_dir: str | None = None, tokenizer_only: bool = False,
+                      with_code: bool = False) -> str:
     """The local path of the model (or, tokenizer_only, the tokenizer) that Hub id `name`
-    names: a snapshot folder, or the .gguf file asked for; downloaded if not cached."""
+    names: a snapshot folder, or the .gguf file asked for; downloaded if not cached.
+    with_code (--trust-remote-code): the repository's top-level .py files too."""
     spec = parse_hub_id(name)
     if spec is None:
         raise ValueError(f"model {name!r} is neither a local path nor a Hugging Face Hub id")
     with _hub_errors("model", name, revision) as where:
         return _resolve(spec, revision, _cache_dir(download_dir), where,
-                        lambda files: _wanted(spec, files, tokenizer_only, where),
+                        lambda files: _wanted(spec, files, tokenizer_only, where, with_code),
                         tokenizer_only)
 
 
@@ -201,15 +203,17 @@ def _result(folder: Path, wanted: list[str], folder_only: bool) -> str:
     return str(folder / ggufs[0]) if ggufs and not folder_only else str(folder)
 
 
-def _wanted(spec: HubModel, files: list[str], tokenizer_only: bool, where: str) -> list[str]:
-    """The repository files a start reads (see module doc)."""
+def _wanted(spec: HubModel, files: list[str], tokenizer_only: bool, where: str,
+            with_code: bool = False) -> list[str]:
+    """The repository files a start reads (see module doc), and its code with_code."""
     top = [f for f in files if "/" not in f]
+    code = [f for f in top if f.endswith(".py")] if with_code else []
     tokenizer = [f for f in top if f.startswith(_TOKENIZER_PREFIXES)
                  and f.endswith(_TOKENIZER_SUFFIXES)]
     if tokenizer_only:
         if not tokenizer:
             raise ValueError(f"tokenizer {where} has no tokenizer files")
-        return sorted({*tokenizer, *(f for f in top if f == "config.json")})
+        return sorted({*tokenizer, *code, *(f for f in top if f == "config.json")})
     ggufs = [f for f in files if f.endswith(".gguf")]
     if spec.quant or spec.file or ("config.json" not in top and ggufs):
         return [_gguf_file(spec, ggufs, where)]
@@ -221,7 +225,7 @@ def _wanted(spec: HubModel, files: list[str], tokenizer_only: bool, where: str) 
         raise ValueError(f"model {where} has no *.safetensors weights"
                          + (f" (only {', '.join(kinds)}, which tokenmill does not read)"
                             if kinds else ""))
-    return sorted({*(f for f in top if f in _CONFIG_FILES), *weights, *tokenizer})
+    return sorted({*(f for f in top if f in _CONFIG_FILES), *weights, *tokenizer, *code})
 
 
 def _gguf_file(spec: HubModel, ggufs: list[str], where: str) -> str:
