@@ -22,7 +22,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.bench import latency, serve_command, throughput
 from tokenmill.engine.dp_router import ROUTERS
@@ -31,6 +32,7 @@ from tokenmill.server.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:
     from tokenmill.server.api_server import ServerLogging
+    from tokenmill.server.http_options import HttpOptions
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -72,11 +74,23 @@ def _serve(args: argparse.Namespace) -> int:
     lora_modules = parse_lora_modules(args.lora_modules)  # refused before the model loads
     if lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
-    log = server_logging(args)  # (its checks before the model loads)
+    log, http = server_logging(args), http_options(args)  # (checked before the model loads)
     engine_args = EngineArgs.from_cli_args(args, model=args.model_pos)
     return run_server(make_replicas(engine_args), args.host, args.port,
                       args.api_key, args.served_model_name, limits, tools,
-                      args.data_parallel_router, lora_modules, log)
+                      args.data_parallel_router, lora_modules, log, http)
+
+
+def http_options(args: argparse.Namespace) -> HttpOptions:
+    """What `tokenmill serve`'s CORS, root path, docs and TLS flags ask."""
+    from tokenmill.server.http_options import HttpOptions
+
+    return HttpOptions(
+        allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
+        root_path=args.root_path, docs=not args.disable_fastapi_docs,
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
 
 
 def server_logging(args: argparse.Namespace) -> ServerLogging:
@@ -167,8 +181,43 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                             'JSON \'{"name": ..., "path": ..., "base_model_name": ...}\'; a '
                             "request's `model` picks one")
     _add_logging(serve)
+    _add_http(serve)
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=_serve)
+
+
+def _add_http(serve: argparse.ArgumentParser) -> None:
+    """CORS, the root path, the docs routes and TLS, under vLLM's flag names."""
+    from tokenmill.server.http_options import json_list
+
+    http = serve.add_argument_group("http")
+    for name, what in (("origins", "origins"), ("methods", "methods"),
+                       ("headers", "headers")):
+        http.add_argument(f"--allowed-{name}", type=_argparse_type(json_list),
+                          default=["*"], help=f"CORS: the allowed {what} as a JSON list "
+                          '(default ["*"])')
+    http.add_argument("--allow-credentials", action="store_true",
+                      help="CORS: allow credentials")
+    http.add_argument("--root-path", default="",
+                      help="the path prefix a path-routing proxy serves this server under")
+    http.add_argument("--disable-fastapi-docs", action="store_true",
+                      help="no /docs, /redoc or /openapi.json")
+    http.add_argument("--ssl-keyfile", default=None, help="TLS: the key file")
+    http.add_argument("--ssl-certfile", default=None, help="TLS: the certificate file")
+    http.add_argument("--ssl-ca-certs", default=None, help="TLS: the CA certificates file")
+    http.add_argument("--ssl-cert-reqs", type=int, default=0,
+                      help="TLS: whether a client certificate is required (ssl.CERT_*: 0 "
+                           "none, 1 optional, 2 required)")
+
+
+def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse` with its ValueError as argparse's usage error."""
+    def parsed(value: str) -> Any:
+        try:
+            return parse(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from e
+    return parsed
 
 
 def _add_logging(serve: argparse.ArgumentParser) -> None:

@@ -16,6 +16,7 @@ import uvicorn
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.lora.request import LoRARequest
 from tokenmill.server.api_server import ServerLimits, ServerLogging, build_app
+from tokenmill.server.http_options import HttpOptions
 from tokenmill.server.lifecycle import DrainingServer
 from tokenmill.server.tools import ToolOptions
 
@@ -53,15 +54,18 @@ def start_server(engine: LLMEngine | list[LLMEngine], model: str, api_key: str |
                  limits: ServerLimits | None = None, tool_options: ToolOptions | None = None,
                  data_parallel_router: str = "cache_aware",
                  lora_modules: Sequence[LoRARequest] = (),
-                 log: ServerLogging | None = None) -> Iterator[RunningServer]:
+                 log: ServerLogging | None = None,
+                 http: HttpOptions | None = None) -> Iterator[RunningServer]:
     """The server `tokenmill serve` runs (DrainingServer), on a thread of this process; over
     data-parallel replicas when `engine` is a list."""
     port = free_port()
+    http = http or HttpOptions()
     app = build_app(engine, model, api_key, limits, tool_options, data_parallel_router,
-                    lora_modules, log)
+                    lora_modules, log, http)
     engines = engine if isinstance(engine, list) else [engine]
     server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", timeout_graceful_shutdown=5),
+                                           log_level="warning", timeout_graceful_shutdown=5,
+                                           **http.uvicorn_kwargs()),
                             app.state.server.lifecycle)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -71,7 +75,8 @@ def start_server(engine: LLMEngine | list[LLMEngine], model: str, api_key: str |
             raise RuntimeError("test server did not start")
         time.sleep(0.05)
     try:
-        yield RunningServer(f"http://127.0.0.1:{port}", engines[0], model, server, thread,
+        scheme = "https" if http.ssl_keyfile else "http"
+        yield RunningServer(f"{scheme}://127.0.0.1:{port}", engines[0], model, server, thread,
                             engines)
     finally:
         server.should_exit = True

@@ -32,6 +32,7 @@ from tokenmill.metrics.stat_logger import DEFAULT_INTERVAL_S, LoggingStatLogger
 from tokenmill.metrics.stats import SchedulerStats, StepTimings
 from tokenmill.server import lora_routes, messages_routes, sleep_routes
 from tokenmill.server.admission import RETRY_AFTER_S, AdmissionControl
+from tokenmill.server.http_options import HttpOptions
 from tokenmill.server.lifecycle import ServerLifecycle
 from tokenmill.server.lora_modules import ServedAdapters, runtime_updates_allowed
 from tokenmill.server.middleware import EdgeMiddleware
@@ -87,12 +88,12 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str,
               tool_options: ToolOptions | None = None,
               data_parallel_router: str = "cache_aware",
               lora_modules: Sequence[LoRARequest] = (),
-              log: ServerLogging | None = None) -> FastAPI:
+              log: ServerLogging | None = None, http: HttpOptions | None = None) -> FastAPI:
     """The app over one engine, or over data-parallel replicas (a list of engines, one
     request routed to one of them: engine/data_parallel.py); its routes: routes.py (and
     lora_routes.py where runtime LoRA updates are allowed). `lora_modules`: the adapters served
     by name (ValueError for one that cannot be served)."""
-    limits, log = limits or ServerLimits(), log or ServerLogging()
+    limits, log, http = limits or ServerLimits(), log or ServerLogging(), http or HttpOptions()
     engines = engine if isinstance(engine, list) else [engine]
     engine = engines[0]  # the replicas share tokenizer and config
     metrics = PrometheusMetrics(served_model_name, kv_capacity_tokens=sum(
@@ -134,7 +135,7 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str,
 
     app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan,
                   responses={code: {"model": ErrorResponse, "description": text}
-                             for code, text in _ERROR_STATUSES.items()})
+                             for code, text in _ERROR_STATUSES.items()}, **http.app_kwargs())
     adapters = ServedAdapters(served_model_name, engine.adapters.resolve,
                               enabled=engine.config.lora is not None)
     for lora in lora_modules:
@@ -146,6 +147,7 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str,
     app.add_middleware(EdgeMiddleware, max_body_bytes=limits.max_request_body_bytes,
                        is_draining=lambda: lifecycle.draining, overloaded=admission.full,
                        retry_after_s=RETRY_AFTER_S, access_log=log.access_log)
+    http.add_cors(app)  # (last: the outermost, answering preflights first)
     for exc_class, handler in EXCEPTION_HANDLERS.items():
         app.add_exception_handler(exc_class, handler)
     optional = ([lora_routes.router] if runtime_updates_allowed() else []) + (
@@ -186,8 +188,8 @@ def run_server(engine: LLMEngine | list[LLMEngine], host: str, port: int,
                api_key: str | None, served_model_name: str | None,
                limits: ServerLimits | None = None, tool_options: ToolOptions | None = None,
                data_parallel_router: str = "cache_aware",
-               lora_modules: Sequence[LoRARequest] = (), log: ServerLogging | None = None
-               ) -> int:
+               lora_modules: Sequence[LoRARequest] = (), log: ServerLogging | None = None,
+               http: HttpOptions | None = None) -> int:
     """Serve until SIGINT/SIGTERM (drained: exit 0) or the engine's death (exit 1)."""
     import uvicorn
 
@@ -195,13 +197,15 @@ def run_server(engine: LLMEngine | list[LLMEngine], host: str, port: int,
 
     first = engine[0] if isinstance(engine, list) else engine
     name = served_model_name or default_served_name(first)
-    log = log or ServerLogging()
+    log, http = log or ServerLogging(), http or HttpOptions()
     app = build_app(engine, name, api_key, limits, tool_options, data_parallel_router,
-                    lora_modules, log)
+                    lora_modules, log, http)
     # uvicorn's access log is off: ours (middleware.py) carries the request id.
     config = uvicorn.Config(app, host=host, port=port, log_level=log.uvicorn_log_level,
-                            access_log=False, log_config=None, timeout_graceful_shutdown=5)
+                            access_log=False, log_config=None, timeout_graceful_shutdown=5,
+                            **http.uvicorn_kwargs())
     server = DrainingServer(config, app.state.server.lifecycle)
-    logger.info("serving %s on http://%s:%d", name, host, port)
+    logger.info("serving %s on %s://%s:%d", name, "https" if http.ssl_keyfile else "http",
+                host, port)
     server.run()
     return app.state.server.lifecycle.exit_code
