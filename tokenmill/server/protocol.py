@@ -162,7 +162,8 @@ class SamplingFields(StrictModel):
         return self
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         defaults: Mapping[str, Any]) -> SamplingParams:
+                         defaults: Mapping[str, Any],
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's sampling: each value it sets, else the server's default
         (`defaults`: the model's generation config), else vLLM's neutral one."""
         chosen = {name: (value if (value := getattr(self, name)) is not None
@@ -173,7 +174,9 @@ class SamplingFields(StrictModel):
             stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, max_tokens=max_tokens,
-            min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
+            min_tokens=self.min_tokens, logprobs=logprobs,
+            prompt_logprobs=(self.prompt_logprobs if self.prompt_logprobs is not None
+                             else prompt_logprobs),
             logit_bias=self.logit_bias, skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             structured_outputs=self.structured_outputs_params(),
@@ -262,8 +265,18 @@ class CompletionRequest(SamplingFields):
     def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """`defaults`: the server's sampling defaults (ModelConfig.sampling_defaults)."""
         # OpenAI's completions default is 16 tokens (vLLM's too, whatever the model's)
-        return self._sampling_params(16 if self.max_tokens is None else self.max_tokens,
-                                     self.logprobs, defaults or {})
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        if self.echo_only:
+            max_tokens = 1  # (vLLM's: one token is computed, the prompt alone returned)
+        # echo with logprobs: the prompt's too, as the choice's first positions
+        echoed = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._sampling_params(max_tokens, self.logprobs, defaults or {}, echoed)
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt back (with its logprobs), nothing generated
+        (how lm-evaluation-harness scores a text)."""
+        return self.echo and self.max_tokens == 0
 
 
 class TextPart(StrictModel):
