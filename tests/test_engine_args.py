@@ -52,6 +52,7 @@ CASES = [
     Case("matmul_dtype", (), None, "model.matmul_dtype", None),
     # a folder's own config code: tests/engine/test_config_and_loading.py
     Case("trust_remote_code", ("--trust-remote-code",), True, "model.trust_remote_code", True),
+    Case("max_logprobs", ("--max-logprobs", "50"), 50, "model.max_logprobs", 50),
     Case("chat_template", ("--chat-template", "{{ messages }}"), "{{ messages }}",
          "model.chat_template", "{{ messages }}"),
     Case("generation_config", ("--generation-config", GENERATION_DIR), GENERATION_DIR,

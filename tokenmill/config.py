@@ -96,6 +96,9 @@ class ModelConfig:
     download_dir: str | None = None
     # vLLM's --trust-remote-code: transformers may run the folder's own config / tokenizer code
     trust_remote_code: bool = False
+    # vLLM's --max-logprobs: the most logprobs / prompt_logprobs a request may ask (-1: the
+    # vocabulary's size)
+    max_logprobs: int = 20
     # hf_config values the model is built with instead of the checkpoint's (a normalized
     # quirk, e.g. sliding_window None where the window covers max_model_len): arch_config().
     hf_overrides: Mapping[str, Any] = field(default_factory=dict)

@@ -92,7 +92,8 @@ def create_engine_config(args: EngineArgs, offline: bool = False) -> EngineConfi
         model, matmul_dtype=resolve_matmul_dtype(args.matmul_dtype, model),
         sampling_defaults=model_sampling_defaults(model.path, args.generation_config,
                                                   args.override_generation_config),
-        chat_template=load_chat_template(args.chat_template))
+        chat_template=load_chat_template(args.chat_template),
+        max_logprobs=_max_logprobs(args.max_logprobs, model.vocab_size))
     speculative = SpeculativeConfig.parse(args.speculative_config)
     draft = None
     if speculative is not None and speculative.method == "draft_model":
@@ -309,6 +310,13 @@ def _resolve_dtype(dtype: str | torch.dtype, hf_config: Any) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
     return DTYPES[dtype]
+
+
+def _max_logprobs(asked: int, vocab_size: int) -> int:
+    """--max-logprobs: -1 is the vocabulary's size; no more than it."""
+    if isinstance(asked, bool) or not isinstance(asked, int) or asked < -1:
+        raise ValueError(f"max_logprobs must be an integer >= -1, got {asked!r}")
+    return vocab_size if asked == -1 else min(asked, vocab_size)
 
 
 def _graph_sizes(asked: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...] | None:

@@ -89,6 +89,9 @@ class EngineArgs:
         False, "vLLM's flag: let transformers run the model folder's own config and "
         "tokenizer code (its auto_map); the model itself always runs tokenmill's own "
         "implementation of its architecture", "model")
+    max_logprobs: int = option(
+        ModelConfig.max_logprobs, "vLLM's flag: the most logprobs (and prompt_logprobs, chat's "
+        "top_logprobs) a request may ask; -1: the vocabulary's size", "model")
     chat_template: str | None = option(
         None, "vLLM's flag: a Jinja chat template file, or the template itself, rendering "
         "conversations instead of the tokenizer's (chat completions, Messages, Responses, "

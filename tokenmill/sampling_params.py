@@ -21,7 +21,7 @@ from tokenmill.structured_output.params import StructuredOutputsParams
 
 # Below this temperature we sample greedily, as vLLM does, to avoid dividing by ~0.
 _GREEDY_EPS = 1e-5
-MAX_LOGPROBS = 20  # the OpenAI API's cap on top_logprobs
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs (the OpenAI API's cap on top_logprobs)
 # Seeds are 64-bit signed integers, as in vLLM's API: torch generators take no more.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
@@ -90,10 +90,10 @@ class SamplingParams:
                              f"({self.max_tokens})")
         if self.seed is not None:
             self._check_int("seed", self.seed, SEED_MIN, SEED_MAX)
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs"):  # (at most max_logprobs: the engine's)
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+            if value is not None:
+                self._check_int(name, value, 0)
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
         for t in self.stop_token_ids:

@@ -229,7 +229,7 @@ def test_n_with_preemption_and_abort(tiny_model, llama):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(min_p=1.5), "min_p"), (dict(presence_penalty=3), "presence_penalty"),
     (dict(frequency_penalty=-2.5), "frequency_penalty"), (dict(repetition_penalty=0), "repetition"),
-    (dict(logprobs=21), "logprobs"), (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    (dict(logprobs=-1), "logprobs"), (dict(prompt_logprobs=-1), "prompt_logprobs"),
     (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(min_tokens=5, max_tokens=3), "min_tokens"), (dict(logit_bias={"x": 1}), "logit_bias"),
     (dict(logit_bias={5: 101}), "logit_bias"), (dict(seed=1.5), "seed"), (dict(n=0), "n must"),
@@ -254,3 +254,31 @@ def test_skip_special_tokens(llama):
     hidden = llm.generate(["x"], SamplingParams(**forced), use_tqdm=False)[0].outputs[0]
     assert shown.token_ids == hidden.token_ids == [1, 1, 1]
     assert shown.text == "<|im_start|>" * 3 and hidden.text == ""
+
+
+def test_max_logprobs_bounds_what_a_request_may_ask(tiny_model):
+    """vLLM's max_logprobs (default 20): more is refused by name; an engine started with a
+    larger one returns them, equal to HF's top-k; -1 allows the whole vocabulary."""
+    path, hf = tiny_model("llama")
+    default = LLM(path, max_model_len=128, num_kv_blocks=16)
+    with pytest.raises(ValueError, match=r"logprobs must be at most 20 \(the engine's "
+                                         r"max_logprobs"):
+        default.generate([[5, 6, 7]], SamplingParams(logprobs=21), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_logprobs must be at most 20"):
+        default.generate([[5, 6, 7]], SamplingParams(prompt_logprobs=21), use_tqdm=False)
+    assert_kv_all_free(default.engine)
+    wide = LLM(path, max_model_len=128, num_kv_blocks=16, max_logprobs=40)
+    out = wide.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2, logprobs=30,
+                                                    prompt_logprobs=35), use_tqdm=False)[0]
+    entry = out.outputs[0].logprobs[0]
+    ref = hf_logprobs(hf, [5, 6, 7])[-1]
+    # greedy: the chosen token is the top 1, so the entry is the top 30 in order
+    assert list(entry) == ref.topk(30).indices.tolist()
+    assert len(out.prompt_logprobs[1]) in (35, 36)  # the prompt token and the top 35
+    # the vocabulary's size caps it (configs only: no third engine)
+    from tokenmill.engine_args import engine_config as config_of
+
+    assert config_of(path, max_logprobs=-1).model.max_logprobs == 49152
+    assert config_of(path, max_logprobs=10**6).model.max_logprobs == 49152
+    with pytest.raises(ValueError, match="max_logprobs must be an integer >= -1"):
+        config_of(path, max_logprobs=-2)

@@ -93,7 +93,8 @@ def test_strict_types(base, body, param):
                                         "guided_decoding_backend"),
     ({"max_completion_tokens": 0}, "max_tokens"),
     ({"logprobs": False, "top_logprobs": 3}, "top_logprobs"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "logprobs"),  # over max_logprobs
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),

@@ -70,6 +70,7 @@ class RequestIntake:
                              "embeds prompts and does not generate; start it with "
                              "runner='generate' or 'auto' to generate")
         params = params or SamplingParams()
+        self._check_logprobs(params)
         prompt_text, token_ids = self._split_prompt(prompt)
         max_tokens = self._validate(token_ids, params)
         if params.top_k >= self.model.vocab_size:  # the same draw, in the range of ops
@@ -79,6 +80,14 @@ class RequestIntake:
                    if params.structured_outputs is not None else None)
         return PreparedRequest(request_id, prompt_text, token_ids, params, max_tokens, arrival,
                                grammar, lora=lora, priority=priority)
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        cap = self.model.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > cap:
+                raise ValueError(f"{name} must be at most {cap} (the engine's max_logprobs; "
+                                 f"--max-logprobs raises it), got {value}")
 
     def _check_priority(self, priority: int) -> None:
         if isinstance(priority, bool) or not isinstance(priority, int):

@@ -35,7 +35,6 @@ from pydantic import (
 )
 
 from tokenmill.sampling_params import (
-    MAX_LOGPROBS,
     SEED_MAX,
     SEED_MIN,
     RequestOutputKind,
@@ -362,9 +361,8 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs must come with logprobs=true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
-                             f"got {logprobs}")
+        if logprobs is not None and logprobs < 0:  # (at most the engine's max_logprobs)
+            raise ValueError(f"top_logprobs must be an integer >= 0, got {logprobs}")
         defaults = defaults or {}
         max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
                       else self.max_tokens)
