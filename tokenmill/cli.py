@@ -33,6 +33,7 @@ from tokenmill.server.tool_parsers import TOOL_PARSERS
 if TYPE_CHECKING:
     from tokenmill.server.api_server import ServerLogging
     from tokenmill.server.http_options import HttpOptions
+    from tokenmill.server.serving_common import ServingOptions
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -78,7 +79,8 @@ def _serve(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args, model=args.model_pos)
     return run_server(make_replicas(engine_args), args.host, args.port,
                       args.api_key, args.served_model_name, limits, tools,
-                      args.data_parallel_router, lora_modules, log, http)
+                      args.data_parallel_router, lora_modules, log, http,
+                      serving_options(args))
 
 
 def http_options(args: argparse.Namespace) -> HttpOptions:
@@ -91,6 +93,15 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
         root_path=args.root_path, docs=not args.disable_fastapi_docs,
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
+
+
+def serving_options(args: argparse.Namespace) -> ServingOptions:
+    """What `tokenmill serve`'s answer flags ask (usage details, forced usage, the role)."""
+    from tokenmill.server.serving_common import ServingOptions
+
+    return ServingOptions(prompt_tokens_details=args.enable_prompt_tokens_details,
+                          force_include_usage=args.enable_force_include_usage,
+                          response_role=args.response_role)
 
 
 def server_logging(args: argparse.Namespace) -> ServerLogging:
@@ -221,8 +232,8 @@ def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def _add_logging(serve: argparse.ArgumentParser) -> None:
-    """What the server logs, under vLLM's flag names."""
-    log = serve.add_argument_group("logging")
+    """What the server logs, and what usage its answers carry, under vLLM's flag names."""
+    log = serve.add_argument_group("logging and usage")
     log.add_argument("--disable-log-stats", action="store_true",
                      help="no periodic engine line (throughputs, running and waiting "
                           "requests, KV cache usage, prefix cache hit rate; every 10 s)")
@@ -235,6 +246,13 @@ def _add_logging(serve: argparse.ArgumentParser) -> None:
                           "logged (default: all)")
     log.add_argument("--disable-uvicorn-access-log", action="store_true",
                      help="no line per HTTP request (method, path, status, seconds)")
+    log.add_argument("--enable-prompt-tokens-details", action="store_true",
+                     help="usage.prompt_tokens_details.cached_tokens: the prompt tokens "
+                          "served from the prefix cache (or a KV tier)")
+    log.add_argument("--enable-force-include-usage", action="store_true",
+                     help="every stream ends with a usage chunk, asked or not")
+    log.add_argument("--response-role", default="assistant",
+                     help="the role of chat answers to a generation prompt")
     log.add_argument("--uvicorn-log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug", "trace"],
                      help="uvicorn's own log level")

@@ -51,6 +51,8 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobDict | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # set when the request failed inside the engine
+    # prompt tokens served from the prefix cache or a KV tier (vLLM's); None until scheduled
+    num_cached_tokens: int | None = None
 
 
 @dataclass
@@ -94,4 +96,5 @@ def coalesce(earlier: RequestOutput, later: RequestOutput, delta: bool) -> Reque
     return RequestOutput(
         request_id=later.request_id, prompt=later.prompt, prompt_token_ids=later.prompt_token_ids,
         outputs=[samples[i] for i in sorted(samples)], finished=later.finished,
-        prompt_logprobs=prompt_logprobs, metrics=later.metrics, error=later.error)
+        prompt_logprobs=prompt_logprobs, metrics=later.metrics, error=later.error,
+        num_cached_tokens=later.num_cached_tokens)

@@ -148,3 +148,15 @@ def test_reset_prefix_cache_forgets_prompts(tiny_model):
     assert generate_greedy(llm, cases) == first
     assert llm.engine.kv.prefix_hits == 64  # computed from scratch this time
     assert_kv_all_free(llm.engine)
+
+
+def test_outputs_count_their_cached_prompt_tokens(tiny_model):
+    """RequestOutput.num_cached_tokens (vLLM's): the prompt tokens a request found computed
+    when first admitted: none the first time, its full blocks the second, every sample's."""
+    llm = LLM(tiny_model("llama")[0], max_model_len=256, num_kv_blocks=64)
+    prompt = [3000 + i for i in range(40)]  # two full blocks of 16, then 8 tokens
+    params = SamplingParams(temperature=0, max_tokens=3, n=2)
+    (first,) = llm.generate([prompt], params, use_tqdm=False)
+    (again,) = llm.generate([prompt], params, use_tqdm=False)
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 32)
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]

@@ -18,6 +18,7 @@ from tokenmill.lora.request import LoRARequest
 from tokenmill.server.api_server import ServerLimits, ServerLogging, build_app
 from tokenmill.server.http_options import HttpOptions
 from tokenmill.server.lifecycle import DrainingServer
+from tokenmill.server.serving_common import ServingOptions
 from tokenmill.server.tools import ToolOptions
 
 
@@ -55,13 +56,14 @@ def start_server(engine: LLMEngine | list[LLMEngine], model: str, api_key: str |
                  data_parallel_router: str = "cache_aware",
                  lora_modules: Sequence[LoRARequest] = (),
                  log: ServerLogging | None = None,
-                 http: HttpOptions | None = None) -> Iterator[RunningServer]:
+                 http: HttpOptions | None = None,
+                 answers: ServingOptions | None = None) -> Iterator[RunningServer]:
     """The server `tokenmill serve` runs (DrainingServer), on a thread of this process; over
     data-parallel replicas when `engine` is a list."""
     port = free_port()
     http = http or HttpOptions()
     app = build_app(engine, model, api_key, limits, tool_options, data_parallel_router,
-                    lora_modules, log, http)
+                    lora_modules, log, http, answers)
     engines = engine if isinstance(engine, list) else [engine]
     server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning", timeout_graceful_shutdown=5,

@@ -68,7 +68,12 @@ def test_stream_events_assemble_to_the_response(client):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == whole.output_text == events[-1].response.output_text
-    assert events[-1].response.usage == whole.usage  # counted from the stream's deltas
+    streamed = events[-1].response.usage  # counted from the stream's deltas
+    assert (streamed.input_tokens, streamed.output_tokens, streamed.total_tokens) == (
+        whole.usage.input_tokens, whole.usage.output_tokens, whole.usage.total_tokens)
+    # the same prompt again: its full blocks come from the prefix cache, and usage says so
+    cached = streamed.input_tokens_details.cached_tokens
+    assert 0 < cached < streamed.input_tokens and cached % 16 == 0
     with client.responses.stream(**kwargs) as stream:
         assert stream.get_final_response().output_text == whole.output_text
 

@@ -49,6 +49,8 @@ class Admission:
         if self.kv.allocate_slots(request, n, computed) is None:
             return None
         request.num_computed_tokens = start
+        if request.num_cached_tokens is None:  # (a preempted request keeps its first count)
+            request.num_cached_tokens = start
         return n
 
     def take_swap_in(self) -> list[tuple[int, int]]:

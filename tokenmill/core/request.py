@@ -80,6 +80,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # prompt tokens found computed (prefix cache, KV tiers) when first admitted; None before
+        # (vLLM's num_cached_tokens: the usage's cached_tokens)
+        self.num_cached_tokens: int | None = None
         # sampling steps scheduled whose token has not come back yet (async scheduling runs
         # up to one step ahead; with synchronous steps this is 0 between steps)
         self.num_output_placeholders = 0

@@ -250,7 +250,8 @@ class OutputProcessor:
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, outputs=completions,
-            finished=finished, prompt_logprobs=prompt_logprobs, metrics=self._metrics(parent))
+            finished=finished, prompt_logprobs=prompt_logprobs, metrics=self._metrics(parent),
+            num_cached_tokens=parent.leader.num_cached_tokens)
 
     @staticmethod
     def _metrics(parent: ParentState) -> dict[str, float]:

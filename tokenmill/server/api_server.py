@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from tokenmill.server.protocol import (
 from tokenmill.server.request_log import RequestLog
 from tokenmill.server.routes import EXCEPTION_HANDLERS, ROUTERS, ServerState
 from tokenmill.server.serving_chat import OpenAIServingChat
+from tokenmill.server.serving_common import ServingOptions
 from tokenmill.server.serving_completion import OpenAIServingCompletion
 from tokenmill.server.serving_embedding import OpenAIServingEmbedding
 from tokenmill.server.tools import ToolOptions
@@ -88,7 +90,8 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str,
               tool_options: ToolOptions | None = None,
               data_parallel_router: str = "cache_aware",
               lora_modules: Sequence[LoRARequest] = (),
-              log: ServerLogging | None = None, http: HttpOptions | None = None) -> FastAPI:
+              log: ServerLogging | None = None, http: HttpOptions | None = None,
+              answers: ServingOptions | None = None) -> FastAPI:
     """The app over one engine, or over data-parallel replicas (a list of engines, one
     request routed to one of them: engine/data_parallel.py); its routes: routes.py (and
     lora_routes.py where runtime LoRA updates are allowed). `lora_modules`: the adapters served
@@ -118,8 +121,10 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str,
         else DataParallelLLM(engines, data_parallel_router, on_step=on_step,
                              on_dead=on_dead))
     lifecycle = ServerLifecycle(async_llm, admission, limits.drain_timeout)
-    serving = (async_llm, served_model_name, admission, limits.request_timeout,
-               RequestLog(log.max_log_len) if log.log_requests else None)
+    answers = dataclasses.replace(
+        answers or ServingOptions(),
+        request_log=RequestLog(log.max_log_len) if log.log_requests else None)
+    serving = (async_llm, served_model_name, admission, limits.request_timeout, answers)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -189,7 +194,7 @@ def run_server(engine: LLMEngine | list[LLMEngine], host: str, port: int,
                limits: ServerLimits | None = None, tool_options: ToolOptions | None = None,
                data_parallel_router: str = "cache_aware",
                lora_modules: Sequence[LoRARequest] = (), log: ServerLogging | None = None,
-               http: HttpOptions | None = None) -> int:
+               http: HttpOptions | None = None, answers: ServingOptions | None = None) -> int:
     """Serve until SIGINT/SIGTERM (drained: exit 0) or the engine's death (exit 1)."""
     import uvicorn
 
@@ -199,7 +204,7 @@ def run_server(engine: LLMEngine | list[LLMEngine], host: str, port: int,
     name = served_model_name or default_served_name(first)
     log, http = log or ServerLogging(), http or HttpOptions()
     app = build_app(engine, name, api_key, limits, tool_options, data_parallel_router,
-                    lora_modules, log, http)
+                    lora_modules, log, http, answers)
     # uvicorn's access log is off: ours (middleware.py) carries the request id.
     config = uvicorn.Config(app, host=host, port=port, log_level=log.uvicorn_log_level,
                             access_log=False, log_config=None, timeout_graceful_shutdown=5,

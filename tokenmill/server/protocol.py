@@ -371,10 +371,16 @@ class ChatCompletionRequest(SamplingFields):
         return self._sampling_params(max_tokens, logprobs, defaults)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # served from the prefix cache or a KV tier
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # with --enable-prompt-tokens-details (vLLM's; else null, as vLLM sends it)
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ModelCard(BaseModel):

@@ -181,27 +181,31 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw: Request,
                      lora: LoRARequest | None = None) -> Any:
         request_id = self.response_id("chatcmpl")
-        stream_usage = StreamUsage.of(req.stream_options)
+        stream_usage = self.stream_usage(req.stream_options)
+        # vLLM's: --response-role answers a generation prompt, else the last message's role
+        role = self.options.response_role if req.add_generation_prompt else req.messages[-1].role
         done = await self.run(req, raw, lora, lambda s, ticket: self._stream(
-            request_id, s, stream_usage, ticket, self.served_name(lora)))
+            request_id, s, stream_usage, ticket, self.served_name(lora), role))
         if isinstance(done, StreamingResponse):
             return done
         plan, params, final = done.plan, done.params, done.final
         choices = []
         for c in final.outputs:
             message, finish = answer(plan, c)
+            message["role"] = role
             choices.append({"index": c.index, "message": message,
                             "logprobs": chat_logprobs(c, params.logprobs or 0),
                             "finish_reason": finish, "stop_reason": c.stop_reason})
         body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.served_name(lora), "choices": choices,
-                "usage": usage([final]).model_dump()}
+                "usage": usage([final], self.details).model_dump()}
         if final.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(final)
         return JSONResponse(body)
 
     async def _stream(self, request_id: str, started: Started, stream_usage: StreamUsage,
-                      ticket: Ticket, model: str) -> AsyncIterator[str]:
+                      ticket: Ticket, model: str, role: str = "assistant"
+                      ) -> AsyncIterator[str]:
         created = int(time.time())
         plan, n, top_k = started.plan, started.params.n, started.params.logprobs or 0
         n_prompt = len(started.prompt["prompt_token_ids"])
@@ -213,9 +217,9 @@ class OpenAIServingChat(OpenAIServing):
 
         try:  # the ticket is released however the stream ends
             try:
-                role = [{"index": i, "delta": {"role": "assistant", "content": ""},
-                         "logprobs": None, "finish_reason": None} for i in range(n)]
-                yield chunk(role, UsageInfo(prompt_tokens=n_prompt, completion_tokens=0,
+                first = [{"index": i, "delta": {"role": role, "content": ""},
+                          "logprobs": None, "finish_reason": None} for i in range(n)]
+                yield chunk(first, UsageInfo(prompt_tokens=n_prompt, completion_tokens=0,
                                             total_tokens=n_prompt).model_dump()
                             if stream_usage.continuous else None)
                 streamed = StreamedChoices()
@@ -228,10 +232,10 @@ class OpenAIServingChat(OpenAIServing):
                         yield chunk([{"index": c.index, "delta": delta,
                                       "logprobs": chat_logprobs(new, top_k),
                                       "finish_reason": finish, "stop_reason": c.stop_reason}],
-                                    streamed.choice_usage(0, c.index)
+                                    streamed.choice_usage(0, c.index, self.details)
                                     if stream_usage.continuous else None)
                 if stream_usage.final and streamed.choices:
-                    yield chunk([], streamed.usage().model_dump())
+                    yield chunk([], streamed.usage(self.details).model_dump())
             except Exception as e:  # the engine failed it, or died: say so, then end cleanly
                 yield sse_error(e)
             yield sse("[DONE]")

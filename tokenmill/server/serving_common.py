@@ -21,7 +21,13 @@ from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admission import AdmissionControl, Ticket
-from tokenmill.server.protocol import ErrorBody, ErrorResponse, StreamOptions, UsageInfo
+from tokenmill.server.protocol import (
+    ErrorBody,
+    ErrorResponse,
+    PromptTokensDetails,
+    StreamOptions,
+    UsageInfo,
+)
 from tokenmill.server.request_log import RequestLog
 from tokenmill.utils import request_context
 
@@ -102,9 +108,10 @@ class StreamUsage:
     continuous: bool = False  # continuous_usage_stats: every chunk, its choice's so far
 
     @classmethod
-    def of(cls, options: StreamOptions | None) -> StreamUsage:
+    def of(cls, options: StreamOptions | None, force: bool = False) -> StreamUsage:
+        """force (--enable-force-include-usage): a last usage chunk whatever was asked."""
         if options is None or not options.include_usage:
-            return cls()
+            return cls(final=force)
         return cls(final=True, continuous=options.continuous_usage_stats)
 
 
@@ -114,29 +121,32 @@ class StreamedChoices:
     def __init__(self) -> None:
         self.choices: dict[int, ChoiceSoFar] = {}  # choice index → the choice so far
         self._prompt_tokens: dict[int, int] = {}  # prompt index → its length
+        self._cached: dict[int, int] = {}  # prompt index → its tokens found cached
 
     def add(self, prompt: int, index: int, out: RequestOutput, new: CompletionOutput
             ) -> ChoiceSoFar:
         """`new` (a sample of `out`, the stream's output for prompt `prompt`) added to choice
         `index`; the choice so far."""
         self._prompt_tokens[prompt] = len(out.prompt_token_ids)
+        if out.num_cached_tokens is not None:
+            self._cached[prompt] = out.num_cached_tokens
         c = self.choices.setdefault(index, ChoiceSoFar(index))
         c.text += new.text
         c.num_tokens += len(new.token_ids)
         c.finish_reason, c.stop_reason = new.finish_reason, new.stop_reason
         return c
 
-    def choice_usage(self, prompt: int, index: int) -> dict[str, int]:
+    def choice_usage(self, prompt: int, index: int, details: bool = False) -> dict[str, Any]:
         """Choice `index` (of prompt `prompt`)'s usage so far, as vLLM's continuous usage
-        stats count it: its prompt's tokens and its own."""
+        stats count it: its prompt's tokens and its own (details: its cached tokens)."""
         p, c = self._prompt_tokens[prompt], self.choices[index].num_tokens
-        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c).model_dump()
+        return _usage_info(p, c, self._cached.get(prompt, 0) if details else None).model_dump()
 
-    def usage(self) -> UsageInfo:
-        prompt = sum(self._prompt_tokens.values())
+    def usage(self, details: bool = False) -> UsageInfo:
+        """The whole stream's (details: with the prompts' cached tokens)."""
         completion = sum(c.num_tokens for c in self.choices.values())
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                         total_tokens=prompt + completion)
+        return _usage_info(sum(self._prompt_tokens.values()), completion,
+                           sum(self._cached.values()) if details else None)
 
 
 def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, Any] | None] | None:
@@ -148,11 +158,29 @@ def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, Any] | None] | No
              for tid, lp in entry.items()} for entry in out.prompt_logprobs]
 
 
-def usage(outputs: list[RequestOutput]) -> UsageInfo:
+def usage(outputs: list[RequestOutput], details: bool = False) -> UsageInfo:
+    """The requests' token counts (details: with their prompts' cached tokens)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens or 0 for o in outputs) if details else None
+    return _usage_info(prompt, completion, cached)
+
+
+def _usage_info(prompt: int, completion: int, cached: int | None) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion)
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details=(None if cached is None
+                                            else PromptTokensDetails(cached_tokens=cached)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingOptions:
+    """What the generation routes add to their answers (`tokenmill serve` flags, vLLM's)."""
+
+    request_log: RequestLog | None = None  # --enable-log-requests; None: not logged
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: cached_tokens
+    force_include_usage: bool = False  # --enable-force-include-usage: every stream's usage
+    response_role: str = "assistant"  # --response-role: chat answers' role
 
 
 class OpenAIServing:
@@ -160,10 +188,19 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncLLM, model_name: str, admission: AdmissionControl,
                  request_timeout: float | None = None,
-                 request_log: RequestLog | None = None) -> None:
+                 options: ServingOptions | None = None) -> None:
         self.engine, self.model_name = engine, model_name
         self.admission, self.request_timeout = admission, request_timeout
-        self.request_log = request_log  # None: requests' contents are not logged
+        self.options = options or ServingOptions()
+        self.request_log = self.options.request_log
+
+    @property
+    def details(self) -> bool:
+        """Whether usage carries the prompts' cached tokens."""
+        return self.options.prompt_tokens_details
+
+    def stream_usage(self, options: StreamOptions | None) -> StreamUsage:
+        return StreamUsage.of(options, self.options.force_include_usage)
 
     @property
     def sampling_defaults(self) -> Mapping[str, Any]:

@@ -115,7 +115,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if req.stream:
                 echo = Echo(req, self.engine.engine.tokenizer)
                 return StreamingResponse(self._stream(request_id, gens, params.n,
-                                                      StreamUsage.of(req.stream_options),
+                                                      self.stream_usage(req.stream_options),
                                                       ticket, self.served_name(lora), echo,
                                                       req.logprobs or 0),
                                          media_type="text/event-stream")
@@ -139,7 +139,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(choice)
         return JSONResponse({"id": request_id, "object": "text_completion",
                              "created": int(time.time()), "model": self.served_name(lora),
-                             "choices": choices, "usage": usage(finals).model_dump()})
+                             "choices": choices,
+                             "usage": usage(finals, self.details).model_dump()})
 
     async def _stream(self, request_id: str, gens: list[AsyncIterator[RequestOutput]], n: int,
                       stream_usage: StreamUsage, ticket: Ticket, model: str, echo: Echo,
@@ -166,12 +167,12 @@ class OpenAIServingCompletion(OpenAIServing):
                                               "finish_reason": c.finish_reason,
                                               "stop_reason": c.stop_reason}]}
                         if stream_usage.continuous:
-                            chunk["usage"] = streamed.choice_usage(i, idx)
+                            chunk["usage"] = streamed.choice_usage(i, idx, self.details)
                         yield sse(chunk)
                 if stream_usage.final:
                     yield sse({"id": request_id, "object": "text_completion", "created": created,
                                "model": model, "choices": [],
-                               "usage": streamed.usage().model_dump()})
+                               "usage": streamed.usage(self.details).model_dump()})
             except Exception as e:  # the engine failed it, or died: say so, then end cleanly
                 yield sse_error(e)
             yield sse("[DONE]")

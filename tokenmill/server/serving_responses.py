@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.server.protocol import ChatCompletionRequest
+from tokenmill.server.protocol import ChatCompletionRequest, UsageInfo
 from tokenmill.server.responses_protocol import ResponsesRequest
 from tokenmill.server.serving_chat import OpenAIServingChat, answer
 from tokenmill.server.serving_common import (
@@ -31,14 +31,17 @@ from tokenmill.server.serving_common import (
     check_failed,
     error_body,
     merge,
+    usage,
 )
 from tokenmill.server.tools import ToolPlan
 
 
-def _usage(n_prompt: int, n_output: int) -> dict[str, Any]:
-    return {"input_tokens": n_prompt, "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": n_output, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": n_prompt + n_output}
+def _usage(used: UsageInfo) -> dict[str, Any]:
+    """The Responses API's usage of a request's counts (`used`, with its cached tokens)."""
+    cached = used.prompt_tokens_details.cached_tokens if used.prompt_tokens_details else 0
+    return {"input_tokens": used.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": used.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": used.total_tokens}
 
 
 def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -80,20 +83,18 @@ class OpenAIServingResponses:
         if isinstance(done, StreamingResponse):
             return done
         final = done.final
-        c = final.outputs[0]
-        return JSONResponse(self._finished(skeleton, done.plan, c, len(final.prompt_token_ids),
-                                           len(c.token_ids)))
+        return JSONResponse(self._finished(skeleton, done.plan, final.outputs[0],
+                                           usage([final], details=True)))
 
     def _finished(self, skeleton: dict[str, Any], plan: ToolPlan,
-                  c: CompletionOutput | ChoiceSoFar, n_prompt: int, n_output: int
-                  ) -> dict[str, Any]:
+                  c: CompletionOutput | ChoiceSoFar, used: UsageInfo) -> dict[str, Any]:
         """The response object of an answer: its text and finish, and the usage counts."""
         message, _ = answer(plan, c)
         output = ([_message_item(f"msg_{skeleton['id']}", message["content"])]
                   if message["content"] else [])
         output += [_call_item(call) for call in message.get("tool_calls", [])]
         return skeleton | {"output": output, **_status(c),
-                           "usage": _usage(n_prompt, n_output)}
+                           "usage": _usage(used)}
 
     async def _stream(self, skeleton: dict[str, Any], gen: AsyncIterator[RequestOutput],
                       plan: ToolPlan, ticket: Any) -> AsyncIterator[str]:
@@ -129,9 +130,8 @@ class OpenAIServingResponses:
                     continue
                 for e in self._finish_events(event, msg_id, text, index, delta):
                     yield e
-            used = streamed.usage()
             yield event("response.completed", response=self._finished(
-                skeleton, plan, c, used.prompt_tokens, used.completion_tokens))
+                skeleton, plan, c, streamed.usage(details=True)))
         except Exception as e:  # the engine failed it, or died, after it began
             yield event("error", **error_body(400 if isinstance(e, ValueError) else 500,
                                               str(e))["error"])
