@@ -165,8 +165,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on /v1 routes")
-    serve.add_argument("--served-model-name", default=None,
-                       help="the model name clients use (default: the model file's name)")
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the model name(s) clients use; a request may name any, answers "
+                            "name the first (default: the model file's name)")
     serve.add_argument("--max-waiting-requests", type=int, default=256,
                        help="sequences admitted beyond --max-num-seqs; more get 429")
     serve.add_argument("--max-request-body-bytes", default="8MiB",

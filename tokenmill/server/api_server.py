@@ -85,7 +85,7 @@ _ERROR_STATUSES = {400: "Invalid request", 401: "Invalid API key", 404: "Unknown
                    503: "Shutting down or engine dead"}
 
 
-def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str,
+def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str | Sequence[str],
               api_key: str | None = None, limits: ServerLimits | None = None,
               tool_options: ToolOptions | None = None,
               data_parallel_router: str = "cache_aware",
@@ -97,6 +97,10 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str,
     lora_routes.py where runtime LoRA updates are allowed). `lora_modules`: the adapters served
     by name (ValueError for one that cannot be served)."""
     limits, log, http = limits or ServerLimits(), log or ServerLogging(), http or HttpOptions()
+    # vLLM's: a request may name any of the names; answers (and metrics) name the first
+    aliases = ((served_model_name,) if isinstance(served_model_name, str)
+               else tuple(served_model_name))
+    served_model_name = aliases[0]
     engines = engine if isinstance(engine, list) else [engine]
     engine = engines[0]  # the replicas share tokenizer and config
     metrics = PrometheusMetrics(served_model_name, kv_capacity_tokens=sum(
@@ -141,7 +145,7 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str,
     app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan,
                   responses={code: {"model": ErrorResponse, "description": text}
                              for code, text in _ERROR_STATUSES.items()}, **http.app_kwargs())
-    adapters = ServedAdapters(served_model_name, engine.adapters.resolve,
+    adapters = ServedAdapters(aliases, engine.adapters.resolve,
                               enabled=engine.config.lora is not None)
     for lora in lora_modules:
         adapters.add(lora)
@@ -190,7 +194,7 @@ def default_served_name(engine: LLMEngine) -> str:
 
 
 def run_server(engine: LLMEngine | list[LLMEngine], host: str, port: int,
-               api_key: str | None, served_model_name: str | None,
+               api_key: str | None, served_model_name: str | Sequence[str] | None,
                limits: ServerLimits | None = None, tool_options: ToolOptions | None = None,
                data_parallel_router: str = "cache_aware",
                lora_modules: Sequence[LoRARequest] = (), log: ServerLogging | None = None,

@@ -15,7 +15,7 @@ import itertools
 import json
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tokenmill.lora.request import AdapterRef, LoRARequest
 
@@ -52,10 +52,13 @@ def parse_lora_modules(specs: list[str]) -> list[LoRARequest]:
 
 
 class ServedAdapters:
-    def __init__(self, base_name: str, check: Callable[[LoRARequest], AdapterRef | None],
-                 enabled: bool) -> None:
-        """check: the engine's validation of an adapter (ValueError naming what is wrong)."""
-        self.base_name, self.check, self.enabled = base_name, check, enabled
+    def __init__(self, base_names: str | Sequence[str],
+                 check: Callable[[LoRARequest], AdapterRef | None], enabled: bool) -> None:
+        """base_names: the served model's names (the first is its name in answers);
+        check: the engine's validation of an adapter (ValueError naming what is wrong)."""
+        self.base_names = ((base_names,) if isinstance(base_names, str)
+                           else tuple(base_names))
+        self.base_name, self.check, self.enabled = self.base_names[0], check, enabled
         self._by_name: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -65,9 +68,9 @@ class ServedAdapters:
         be served or the name is taken."""
         if not self.enabled:
             raise ValueError("this server serves no LoRA adapters; start it with --enable-lora")
-        if lora.lora_name == self.base_name or lora.lora_name in self._by_name:
+        if lora.lora_name in self.base_names or lora.lora_name in self._by_name:
             raise ValueError(f"the name {lora.lora_name!r} is already served")
-        if lora.base_model_name not in (None, self.base_name):
+        if lora.base_model_name not in (None, *self.base_names):
             raise ValueError(f"LoRA adapter {lora.lora_name!r} is for base model "
                              f"{lora.base_model_name!r}; this server serves {self.base_name!r}")
         self.check(lora)
@@ -84,7 +87,7 @@ class ServedAdapters:
 
     def resolve(self, name: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the served model itself)."""
-        if name is None or name == self.base_name:
+        if name is None or name in self.base_names:
             return None
         lora = self._by_name.get(name)
         if lora is None:

@@ -122,7 +122,8 @@ async def models(raw: Request) -> dict[str, Any]:
     """The served model, then each LoRA adapter with the model as its parent (vLLM's)."""
     s = _state(raw)
     max_len = s.engine.config.model.max_model_len
-    cards = [ModelCard(id=s.served_model_name, root=s.served_model_name, max_model_len=max_len)]
+    cards = [ModelCard(id=name, root=s.served_model_name, max_model_len=max_len)
+             for name in s.adapters.base_names]
     cards += [ModelCard(id=a.lora_name, root=a.lora_path, parent=s.served_model_name,
                         max_model_len=max_len) for a in s.adapters.all()]
     return {"object": "list", "data": [c.model_dump() for c in cards]}
