@@ -53,6 +53,9 @@ CASES = [
     # a folder's own config code: tests/engine/test_config_and_loading.py
     Case("trust_remote_code", ("--trust-remote-code",), True, "model.trust_remote_code", True),
     Case("max_logprobs", ("--max-logprobs", "50"), 50, "model.max_logprobs", 50),
+    # the model built with them: tests/model_loader/test_hf_overrides.py
+    Case("hf_overrides", ("--hf-overrides", '{"rms_norm_eps": 0.001}'), {"rms_norm_eps": 0.001},
+         "model.hf_config.rms_norm_eps", 0.001),
     Case("chat_template", ("--chat-template", "{{ messages }}"), "{{ messages }}",
          "model.chat_template", "{{ messages }}"),
     Case("generation_config", ("--generation-config", GENERATION_DIR), GENERATION_DIR,

@@ -56,6 +56,7 @@ from tokenmill.model_loader.default_model import default_model_path
 from tokenmill.model_loader.generation_config import model_sampling_defaults
 from tokenmill.model_loader.gguf_cache import load_full_config
 from tokenmill.model_loader.gguf_convert import converted_folder
+from tokenmill.model_loader.hf_overrides import parse_hf_overrides, with_hf_overrides
 from tokenmill.model_loader.hub import parse_hub_id, resolve_hub_model
 from tokenmill.models import registry
 from tokenmill.pooling_params import PoolerConfig
@@ -77,7 +78,8 @@ def create_engine_config(args: EngineArgs, offline: bool = False) -> EngineConfi
     device = resolve_device(args.device)
     model = model_config(args.model, args.dtype, args.max_model_len, args.load_format,
                          args.quantization, args.int8_activations, args.revision,
-                         args.download_dir, args.tokenizer, args.trust_remote_code)
+                         args.download_dir, args.tokenizer, args.trust_remote_code,
+                         args.hf_overrides)
     if args.quantization is None:  # none asked for ("none" is an answer)
         model = dataclasses.replace(model, quantization=default_quantization(model, device))
     half = asked_half_weights(model, device) if args.dtype != "auto" else None
@@ -195,7 +197,8 @@ def model_config(path: str | None, dtype: str = "auto", max_model_len: int | Non
                  load_format: str = "auto", quantization: str | None = None,
                  int8_activations: bool = False, revision: str | None = None,
                  download_dir: str | None = None, tokenizer: str | None = None,
-                 trust_remote_code: bool = False) -> ModelConfig:
+                 trust_remote_code: bool = False,
+                 hf_overrides: str | dict[str, Any] | None = None) -> ModelConfig:
     """`path`: a Hugging Face folder, a .gguf file or a Hub id (model_loader/hub.py, at
     `revision`, cached in `download_dir`); None: the default model. The weight format is the
     one asked for or the checkpoint's own (default_quantization picks among the rest)."""
@@ -208,6 +211,7 @@ def model_config(path: str | None, dtype: str = "auto", max_model_len: int | Non
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, "
                          f"got {load_format!r}")
     hf_config, gguf_file, converted = _read_hf_config(path, trust_remote_code)
+    hf_config = with_hf_overrides(hf_config, parse_hf_overrides(hf_overrides))
     hf_quant = checkpoint_quantization(hf_config)
     quantization = resolve_quantization(quantization, hf_quant, gguf_file, path)
     if load_format == "dummy" and quantization is not None and (

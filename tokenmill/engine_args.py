@@ -89,6 +89,10 @@ class EngineArgs:
         False, "vLLM's flag: let transformers run the model folder's own config and "
         "tokenizer code (its auto_map); the model itself always runs tokenmill's own "
         "implementation of its architecture", "model")
+    hf_overrides: str | dict[str, Any] | None = option(
+        None, "vLLM's flag: JSON of config.json values to use instead of the checkpoint's "
+        "(a sub-config's keys as an object), e.g. '{\"max_position_embeddings\": 8192}'",
+        "model")
     max_logprobs: int = option(
         ModelConfig.max_logprobs, "vLLM's flag: the most logprobs (and prompt_logprobs, chat's "
         "top_logprobs) a request may ask; -1: the vocabulary's size", "model")
