@@ -101,7 +101,8 @@ def serving_options(args: argparse.Namespace) -> ServingOptions:
 
     return ServingOptions(prompt_tokens_details=args.enable_prompt_tokens_details,
                           force_include_usage=args.enable_force_include_usage,
-                          response_role=args.response_role)
+                          response_role=args.response_role,
+                          tokens_as_ids=args.return_tokens_as_token_ids)
 
 
 def server_logging(args: argparse.Namespace) -> ServerLogging:
@@ -254,6 +255,9 @@ def _add_logging(serve: argparse.ArgumentParser) -> None:
                      help="every stream ends with a usage chunk, asked or not")
     log.add_argument("--response-role", default="assistant",
                      help="the role of chat answers to a generation prompt")
+    log.add_argument("--return-tokens-as-token-ids", action="store_true",
+                     help='logprobs name tokens "token_id:N" instead of their text (a '
+                          "request's return_tokens_as_token_ids field decides for itself)")
     log.add_argument("--uvicorn-log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug", "trace"],
                      help="uvicorn's own log level")

@@ -1,7 +1,8 @@
 """What answers carry by vLLM's flags: usage's prompt_tokens_details.cached_tokens (the
 prompt tokens served from the prefix cache; --enable-prompt-tokens-details), a usage chunk
-ending every stream (--enable-force-include-usage) and the chat answer's role
-(--response-role); without them, vLLM's defaults."""
+ending every stream (--enable-force-include-usage), the chat answer's role (--response-role)
+and logprobs' tokens as "token_id:N" (--return-tokens-as-token-ids, or a request's field);
+without them, vLLM's defaults."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ PROMPT = [2000 + 13 * i for i in range(40)]  # two full blocks of 16, then 8 tok
 def server(tiny_model):
     engine = LLMEngine.from_options(tiny_model("llama")[0], max_model_len=256, num_kv_blocks=64)
     options = ServingOptions(prompt_tokens_details=True, force_include_usage=True,
-                             response_role="bot")
+                             response_role="bot", tokens_as_ids=True)
     yield from start_server(engine, "m", answers=options)
 
 
@@ -65,6 +66,29 @@ def test_the_chat_answer_s_role(server):
     server.wait_idle()
 
 
+def test_tokens_as_token_ids(server, tiny_server):
+    body = {"prompt": PROMPT[:5], "max_tokens": 2, "logprobs": 2, "echo": True,
+            "temperature": 0}
+    named = httpx.post(f"{server.base_url}/v1/completions", json={"model": "m", **body}).json()
+    lps = named["choices"][0]["logprobs"]
+    assert lps["tokens"][:5] == [f"token_id:{t}" for t in PROMPT[:5]]
+    assert all(k.startswith("token_id:") for top in lps["top_logprobs"][1:] for k in top)
+    as_text = httpx.post(f"{server.base_url}/v1/completions", json={
+        "model": "m", "return_tokens_as_token_ids": False, **body}).json()
+    assert as_text["choices"][0]["logprobs"]["tokens"][1] == \
+        server.engine.tokenizer.decode([PROMPT[1]])
+    chat = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", json={
+        "model": tiny_server.model, "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 2, "logprobs": True, "top_logprobs": 1, "temperature": 0,
+        "return_tokens_as_token_ids": True}).json()
+    (first, second) = chat["choices"][0]["logprobs"]["content"]
+    assert first["token"].startswith("token_id:")
+    assert first["bytes"] == list(first["token"].encode())
+    assert first["top_logprobs"][0]["token"] == first["token"]  # greedy: the top 1
+    server.wait_idle()
+    tiny_server.wait_idle()
+
+
 def test_without_the_flags_vllm_s_defaults(tiny_server):
     body = {"model": tiny_server.model, "prompt": PROMPT, "max_tokens": 2}
     r = httpx.post(f"{tiny_server.base_url}/v1/completions", json=body).json()
@@ -78,7 +102,9 @@ def test_without_the_flags_vllm_s_defaults(tiny_server):
 def test_serve_parses_the_answer_flags():
     parser = build_parser()
     args = parser.parse_args(["serve", "m", "--enable-prompt-tokens-details",
-                              "--enable-force-include-usage", "--response-role", "bot"])
+                              "--enable-force-include-usage", "--response-role", "bot",
+                              "--return-tokens-as-token-ids"])
     assert serving_options(args) == ServingOptions(
-        prompt_tokens_details=True, force_include_usage=True, response_role="bot")
+        prompt_tokens_details=True, force_include_usage=True, response_role="bot",
+        tokens_as_ids=True)
     assert serving_options(parser.parse_args(["serve", "m"])) == ServingOptions()

@@ -136,6 +136,7 @@ class SamplingFields(StrictModel):
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    return_tokens_as_token_ids: StrictBool | None = None  # logprobs' tokens as "token_id:N"
     stop_token_ids: list[TokenId] | None = None
     prompt_logprobs: StrictInt | None = None
     # structured outputs (see the module doc)

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.tokenizer import chat_template_of
 from tokenmill.lora.request import LoRARequest
-from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admission import Ticket
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, UsageInfo
@@ -39,6 +39,7 @@ from tokenmill.server.serving_common import (
     prompt_logprobs_json,
     sse,
     sse_error,
+    token_name,
     usage,
 )
 from tokenmill.server.tools import (
@@ -101,21 +102,22 @@ def render_chat(engine: LLMEngine, messages: list[ChatMessage], add_generation_p
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
-def chat_logprobs(c: CompletionOutput, top_k: int) -> dict[str, Any] | None:
+def chat_logprobs(c: CompletionOutput, top_k: int, as_ids: bool = False
+                  ) -> dict[str, Any] | None:
     """OpenAI chat logprobs for the output's tokens (a stream's: its new ones): the chosen
     token and the top_k alternatives (the entries ranked 1..top_k; the chosen token is among
-    them only if it ranks there)."""
+    them only if it ranks there); as_ids: tokens named "token_id:N" (vLLM's)."""
     if c.logprobs is None:
         return None
+
+    def item(tid: int, lp: Logprob) -> dict[str, Any]:
+        token = token_name(tid, lp.decoded_token, as_ids) or ""
+        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
+
     content = []
     for tid, entry in zip(c.token_ids, c.logprobs, strict=True):
-        chosen = entry[tid]
-        top = sorted((lp for lp in entry.values() if lp.rank <= top_k), key=lambda lp: lp.rank)
-        content.append({"token": chosen.decoded_token, "logprob": chosen.logprob,
-                        "bytes": list((chosen.decoded_token or "").encode()),
-                        "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob,
-                                          "bytes": list((lp.decoded_token or "").encode())}
-                                         for lp in top]})
+        top = sorted((t for t in entry.items() if t[1].rank <= top_k), key=lambda t: t[1].rank)
+        content.append(item(tid, entry[tid]) | {"top_logprobs": [item(*t) for t in top]})
     return {"content": content}
 
 
@@ -185,7 +187,8 @@ class OpenAIServingChat(OpenAIServing):
         # vLLM's: --response-role answers a generation prompt, else the last message's role
         role = self.options.response_role if req.add_generation_prompt else req.messages[-1].role
         done = await self.run(req, raw, lora, lambda s, ticket: self._stream(
-            request_id, s, stream_usage, ticket, self.served_name(lora), role))
+            request_id, s, stream_usage, ticket, self.served_name(lora), role,
+            self.as_ids(req)))
         if isinstance(done, StreamingResponse):
             return done
         plan, params, final = done.plan, done.params, done.final
@@ -194,7 +197,8 @@ class OpenAIServingChat(OpenAIServing):
             message, finish = answer(plan, c)
             message["role"] = role
             choices.append({"index": c.index, "message": message,
-                            "logprobs": chat_logprobs(c, params.logprobs or 0),
+                            "logprobs": chat_logprobs(c, params.logprobs or 0,
+                                                      self.as_ids(req)),
                             "finish_reason": finish, "stop_reason": c.stop_reason})
         body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.served_name(lora), "choices": choices,
@@ -204,8 +208,8 @@ class OpenAIServingChat(OpenAIServing):
         return JSONResponse(body)
 
     async def _stream(self, request_id: str, started: Started, stream_usage: StreamUsage,
-                      ticket: Ticket, model: str, role: str = "assistant"
-                      ) -> AsyncIterator[str]:
+                      ticket: Ticket, model: str, role: str = "assistant",
+                      as_ids: bool = False) -> AsyncIterator[str]:
         created = int(time.time())
         plan, n, top_k = started.plan, started.params.n, started.params.logprobs or 0
         n_prompt = len(started.prompt["prompt_token_ids"])
@@ -230,7 +234,7 @@ class OpenAIServingChat(OpenAIServing):
                         c = streamed.add(0, new.index, out, new)
                         delta, finish = self.delta(plan, c, shown)
                         yield chunk([{"index": c.index, "delta": delta,
-                                      "logprobs": chat_logprobs(new, top_k),
+                                      "logprobs": chat_logprobs(new, top_k, as_ids),
                                       "finish_reason": finish, "stop_reason": c.stop_reason}],
                                     streamed.choice_usage(0, c.index, self.details)
                                     if stream_usage.continuous else None)

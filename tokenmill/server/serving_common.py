@@ -149,6 +149,12 @@ class StreamedChoices:
                            sum(self._cached.values()) if details else None)
 
 
+def token_name(token_id: int, text: str | None, as_ids: bool) -> str | None:
+    """A logprob's token as the API shows it: its text, or "token_id:N" (vLLM's
+    return_tokens_as_token_ids: every token identifiable, whatever its bytes)."""
+    return f"token_id:{token_id}" if as_ids else text
+
+
 def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, Any] | None] | None:
     """vLLM's `prompt_logprobs`: per prompt position (None first), token id → logprob."""
     if out.prompt_logprobs is None:
@@ -181,6 +187,8 @@ class ServingOptions:
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: cached_tokens
     force_include_usage: bool = False  # --enable-force-include-usage: every stream's usage
     response_role: str = "assistant"  # --response-role: chat answers' role
+    # --return-tokens-as-token-ids: logprobs name tokens "token_id:N" (a request may ask too)
+    tokens_as_ids: bool = False
 
 
 class OpenAIServing:
@@ -198,6 +206,12 @@ class OpenAIServing:
     def details(self) -> bool:
         """Whether usage carries the prompts' cached tokens."""
         return self.options.prompt_tokens_details
+
+    def as_ids(self, req: Any) -> bool:
+        """Whether the request's logprobs name tokens "token_id:N": its own field (vLLM's
+        return_tokens_as_token_ids), else the server's flag."""
+        asked = req.return_tokens_as_token_ids
+        return self.options.tokens_as_ids if asked is None else asked
 
     def stream_usage(self, options: StreamOptions | None) -> StreamUsage:
         return StreamUsage.of(options, self.options.force_include_usage)

@@ -27,30 +27,33 @@ from tokenmill.server.serving_common import (
     prompt_logprobs_json,
     sse,
     sse_error,
+    token_name,
     usage,
 )
 
 
 def completion_logprobs(token_ids: Sequence[int],
                         entries: Sequence[PositionLogprobDict | None] | None, top_k: int,
-                        decode: Callable[[int], str], text_offset: int = 0
-                        ) -> tuple[dict[str, Any] | None, int]:
+                        decode: Callable[[int], str], text_offset: int = 0,
+                        as_ids: bool = False) -> tuple[dict[str, Any] | None, int]:
     """OpenAI's legacy completions logprobs of `token_ids` (a stream's: its new ones), each
     with its logprob entry (None: it has none, as an echoed prompt's first token) and at most
     `top_k` alternatives; their text offsets counted from `text_offset` (the decoded tokens'
     lengths); and the offset after them, where a stream's next tokens start. A logprob of
-    -inf is sent as -9999.0, as vLLM does (JSON has no infinity)."""
+    -inf is sent as -9999.0, as vLLM does (JSON has no infinity). as_ids (vLLM's
+    return_tokens_as_token_ids): each token named "token_id:N" instead of its text."""
     if entries is None:
         return None, text_offset
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = text_offset
     for tid, entry in zip(token_ids, entries, strict=True):
         if entry is None:
-            token, logprob, top = decode(tid), None, None
+            token, logprob, top = token_name(tid, decode(tid), as_ids), None, None
         else:
-            token, logprob = entry[tid].decoded_token, _finite(entry[tid].logprob)
-            top = {lp.decoded_token: _finite(lp.logprob) for t, lp in entry.items()
-                   if lp.rank <= top_k or t == tid}
+            token = token_name(tid, entry[tid].decoded_token, as_ids)
+            logprob = _finite(entry[tid].logprob)
+            top = {token_name(t, lp.decoded_token, as_ids): _finite(lp.logprob)
+                   for t, lp in entry.items() if lp.rank <= top_k or t == tid}
         tokens.append(token)
         token_lps.append(logprob)
         tops.append(top)
@@ -117,7 +120,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 return StreamingResponse(self._stream(request_id, gens, params.n,
                                                       self.stream_usage(req.stream_options),
                                                       ticket, self.served_name(lora), echo,
-                                                      req.logprobs or 0),
+                                                      req.logprobs or 0, self.as_ids(req)),
                                          media_type="text/event-stream")
             finals = await collect(gens, raw)
         except BaseException:
@@ -132,7 +135,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 text, ids, entries = echo.apply(i, i * params.n + c.index, out, c)
                 choice = {"index": i * params.n + c.index, "text": text,
                           "logprobs": completion_logprobs(ids, entries, top_k,
-                                                          echo.decode_token)[0],
+                                                          echo.decode_token,
+                                                          as_ids=self.as_ids(req))[0],
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if out.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(out)
@@ -144,7 +148,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _stream(self, request_id: str, gens: list[AsyncIterator[RequestOutput]], n: int,
                       stream_usage: StreamUsage, ticket: Ticket, model: str, echo: Echo,
-                      top_k: int) -> AsyncIterator[str]:
+                      top_k: int, as_ids: bool) -> AsyncIterator[str]:
         created = int(time.time())
         streamed = StreamedChoices()
         # choice index → its next token's text offset, counted as the whole answer counts
@@ -159,7 +163,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         streamed.add(i, idx, out, c)
                         text, ids, entries = echo.apply(i, idx, out, c)
                         logprobs, offsets[idx] = completion_logprobs(
-                            ids, entries, top_k, echo.decode_token, offsets.get(idx, 0))
+                            ids, entries, top_k, echo.decode_token, offsets.get(idx, 0),
+                            as_ids)
                         chunk = {"id": request_id, "object": "text_completion",
                                  "created": created, "model": model,
                                  "choices": [{"index": idx, "text": text,
