@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.bench import latency, serve_command, throughput
 from tokenmill.engine.dp_router import ROUTERS
 from tokenmill.engine_args import EngineArgs
+from tokenmill.server.reasoning_parsers import REASONING_PARSERS
 from tokenmill.server.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:
@@ -102,7 +103,8 @@ def serving_options(args: argparse.Namespace) -> ServingOptions:
     return ServingOptions(prompt_tokens_details=args.enable_prompt_tokens_details,
                           force_include_usage=args.enable_force_include_usage,
                           response_role=args.response_role,
-                          tokens_as_ids=args.return_tokens_as_token_ids)
+                          tokens_as_ids=args.return_tokens_as_token_ids,
+                          reasoning_parser=args.reasoning_parser)
 
 
 def server_logging(args: argparse.Namespace) -> ServerLogging:
@@ -184,6 +186,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                        help="how tool calls are parsed out of the model's text: hermes "
                             "(<tool_call> tags: Hermes, Qwen) or llama3_json (Llama 3.x)")
+    serve.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                       help="split a thinking model's reasoning (<think>...</think>) off "
+                            "its chat answers into message.reasoning (vLLM's): deepseek_r1 "
+                            "or qwen3")
     serve.add_argument("--data-parallel-router", choices=ROUTERS,
                        default="cache_aware",
                        help="with --data-parallel-size: send each request to the replica "

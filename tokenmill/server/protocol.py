@@ -353,6 +353,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: StrictBool = True  # (vLLM's) with --reasoning-parser: false drops it
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None

@@ -28,6 +28,11 @@ from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admission import Ticket
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, UsageInfo
+from tokenmill.server.reasoning_parsers import (
+    ReasoningParser,
+    get_reasoning_parser,
+    prompt_opens_thinking,
+)
 from tokenmill.server.serving_common import (
     ChoiceSoFar,
     OpenAIServing,
@@ -143,10 +148,39 @@ def answer(plan: ToolPlan, c: CompletionOutput | ChoiceSoFar
     return message, finish
 
 
+@dataclasses.dataclass(frozen=True)
+class AnswerShape:
+    """How a chat request's answer is written: the message's role (--response-role), the
+    logprobs' token names, and its reasoning split off (--reasoning-parser; shown unless the
+    request's include_reasoning is false)."""
+
+    role: str = "assistant"
+    as_ids: bool = False
+    reasoning: ReasoningParser | None = None
+    include_reasoning: bool = True
+
+    def split(self, c: Any, finished: bool, prompt: str | None) -> tuple[Any, str | None]:
+        """The choice as its content alone (for the message and tool calls), and its
+        reasoning (None: no parser, none, or not asked); `prompt`: the rendered prompt."""
+        if self.reasoning is None:
+            return c, None
+        reasoning, content = self.reasoning.split(c.text, finished,
+                                                  prompt_opens_thinking(prompt or ""))
+        return (dataclasses.replace(c, text=content),
+                reasoning if self.include_reasoning else None)
+
+
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args: Any, tool_options: ToolOptions | None = None) -> None:
         super().__init__(*args)
         self.tool_options = tool_options or ToolOptions()
+        name = self.options.reasoning_parser
+        self.reasoning = None if name is None else get_reasoning_parser(name)
+
+    def shape(self, req: ChatCompletionRequest) -> AnswerShape:
+        # vLLM's: --response-role answers a generation prompt, else the last message's role
+        role = self.options.response_role if req.add_generation_prompt else req.messages[-1].role
+        return AnswerShape(role, self.as_ids(req), self.reasoning, req.include_reasoning)
 
     def prepare(self, req: ChatCompletionRequest) -> tuple[ToolPlan, dict[str, Any]]:
         """(tool plan, prompt): on a worker thread (tool schemas compile, templates render)."""
@@ -183,22 +217,21 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw: Request,
                      lora: LoRARequest | None = None) -> Any:
         request_id = self.response_id("chatcmpl")
-        stream_usage = self.stream_usage(req.stream_options)
-        # vLLM's: --response-role answers a generation prompt, else the last message's role
-        role = self.options.response_role if req.add_generation_prompt else req.messages[-1].role
+        stream_usage, shape = self.stream_usage(req.stream_options), self.shape(req)
         done = await self.run(req, raw, lora, lambda s, ticket: self._stream(
-            request_id, s, stream_usage, ticket, self.served_name(lora), role,
-            self.as_ids(req)))
+            request_id, s, stream_usage, ticket, self.served_name(lora), shape))
         if isinstance(done, StreamingResponse):
             return done
         plan, params, final = done.plan, done.params, done.final
         choices = []
         for c in final.outputs:
-            message, finish = answer(plan, c)
-            message["role"] = role
+            content, reasoning = shape.split(c, True, final.prompt)
+            message, finish = answer(plan, content)
+            message["role"] = shape.role
+            if reasoning is not None:
+                message["reasoning"] = reasoning
             choices.append({"index": c.index, "message": message,
-                            "logprobs": chat_logprobs(c, params.logprobs or 0,
-                                                      self.as_ids(req)),
+                            "logprobs": chat_logprobs(c, params.logprobs or 0, shape.as_ids),
                             "finish_reason": finish, "stop_reason": c.stop_reason})
         body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.served_name(lora), "choices": choices,
@@ -208,8 +241,7 @@ class OpenAIServingChat(OpenAIServing):
         return JSONResponse(body)
 
     async def _stream(self, request_id: str, started: Started, stream_usage: StreamUsage,
-                      ticket: Ticket, model: str, role: str = "assistant",
-                      as_ids: bool = False) -> AsyncIterator[str]:
+                      ticket: Ticket, model: str, shape: AnswerShape) -> AsyncIterator[str]:
         created = int(time.time())
         plan, n, top_k = started.plan, started.params.n, started.params.logprobs or 0
         n_prompt = len(started.prompt["prompt_token_ids"])
@@ -221,20 +253,26 @@ class OpenAIServingChat(OpenAIServing):
 
         try:  # the ticket is released however the stream ends
             try:
-                first = [{"index": i, "delta": {"role": role, "content": ""},
+                first = [{"index": i, "delta": {"role": shape.role, "content": ""},
                           "logprobs": None, "finish_reason": None} for i in range(n)]
                 yield chunk(first, UsageInfo(prompt_tokens=n_prompt, completion_tokens=0,
                                             total_tokens=n_prompt).model_dump()
                             if stream_usage.continuous else None)
                 streamed = StreamedChoices()
                 shown: dict[int, int] = {}  # choice index → content characters sent
+                thought: dict[int, int] = {}  # choice index → reasoning characters sent
                 async for _, out in merge([started.gen]):
                     check_failed([out])
                     for new in out.outputs:  # (DELTA: the new text, tokens and logprobs)
                         c = streamed.add(0, new.index, out, new)
-                        delta, finish = self.delta(plan, c, shown)
+                        content, reasoning = shape.split(c, c.finish_reason is not None,
+                                                         started.prompt["prompt"])
+                        delta, finish = self.delta(plan, content, shown)
+                        if reasoning and len(reasoning) > thought.get(c.index, 0):
+                            delta["reasoning"] = reasoning[thought.get(c.index, 0):]
+                            thought[c.index] = len(reasoning)
                         yield chunk([{"index": c.index, "delta": delta,
-                                      "logprobs": chat_logprobs(new, top_k, as_ids),
+                                      "logprobs": chat_logprobs(new, top_k, shape.as_ids),
                                       "finish_reason": finish, "stop_reason": c.stop_reason}],
                                     streamed.choice_usage(0, c.index, self.details)
                                     if stream_usage.continuous else None)
