@@ -104,7 +104,8 @@ def serving_options(args: argparse.Namespace) -> ServingOptions:
                           force_include_usage=args.enable_force_include_usage,
                           response_role=args.response_role,
                           tokens_as_ids=args.return_tokens_as_token_ids,
-                          reasoning_parser=args.reasoning_parser)
+                          reasoning_parser=args.reasoning_parser,
+                          trust_request_chat_template=args.trust_request_chat_template)
 
 
 def server_logging(args: argparse.Namespace) -> ServerLogging:
@@ -186,6 +187,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                        help="how tool calls are parsed out of the model's text: hermes "
                             "(<tool_call> tags: Hermes, Qwen) or llama3_json (Llama 3.x)")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let a chat request bring its own chat_template (vLLM's; a "
+                            "template is code the server runs)")
     serve.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                        help="split a thinking model's reasoning (<think>...</think>) off "
                             "its chat answers into message.reasoning (vLLM's): deepseek_r1 "

@@ -41,3 +41,40 @@ def test_llm_chat_takes_the_engine_s_template_or_its_own(tiny_model):
     assert out.prompt == "<<user: Hi>>ANSWER:"
     own = llm.chat(messages, params, use_tqdm=False, chat_template="[{{ messages[0]['content'] }}]")
     assert own[0].prompt == "[Hi]"
+
+
+def test_continue_final_message_and_a_request_s_own_template(tiny_model):
+    """vLLM's continue_final_message (the last message left open: the answer continues it;
+    not with add_generation_prompt) and a request's chat_template (only on a server started
+    with --trust-request-chat-template; refused by name otherwise)."""
+    from tokenmill.server.serving_common import ServingOptions
+
+    path, _ = tiny_model("llama")
+    engine = LLMEngine.from_options(path, max_model_len=512, num_kv_blocks=100,
+                                    chat_template=TEMPLATE)
+    tok = engine.tokenizer
+    prefill = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well"}]
+
+    def post(srv, **body):
+        return httpx.post(f"{srv.base_url}/v1/chat/completions", timeout=60, json={
+            "model": "m", "max_tokens": 2, "temperature": 0, **body})
+
+    for srv in start_server(engine, "m"):
+        cont = post(srv, messages=prefill, continue_final_message=True,
+                    add_generation_prompt=False)
+        both = post(srv, messages=prefill, continue_final_message=True)
+        own = post(srv, messages=prefill[:1], chat_template="[{{ messages[0]['content'] }}]")
+        srv.wait_idle()
+    # (the engine's template, cut right after the last message's text: it stays open)
+    assert cont.json()["usage"]["prompt_tokens"] == len(
+        tok.encode("<<user: Hi>><<assistant: Well", add_special_tokens=False))
+    assert cont.json()["choices"][0]["message"]["role"] == "assistant"
+    assert both.status_code == 400 and "continue_final_message" in both.json()["error"]["message"]
+    assert own.status_code == 400
+    assert own.json()["error"]["param"] == "chat_template"
+    for srv in start_server(engine, "m", answers=ServingOptions(trust_request_chat_template=True)):
+        own = post(srv, messages=prefill[:1], chat_template="[{{ messages[0]['content'] }}]")
+        srv.wait_idle()
+    assert own.status_code == 200
+    assert own.json()["usage"]["prompt_tokens"] == len(tok.encode("[Hi]",
+                                                                  add_special_tokens=False))

@@ -352,11 +352,21 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
+    # (vLLM's) the last message left open for the model to continue (a prefilled answer)
+    continue_final_message: StrictBool = False
+    chat_template: Text | None = None  # (vLLM's) with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: StrictBool = True  # (vLLM's) with --reasoning-parser: false drops it
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _one_ending(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message must come with add_generation_prompt="
+                             "false (the last message is continued, none is started)")
+        return self
 
     def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """`defaults`: the server's sampling defaults (ModelConfig.sampling_defaults)."""

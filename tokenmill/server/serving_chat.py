@@ -80,10 +80,13 @@ Streamer = Callable[[Started, Ticket], AsyncIterator[str]]
 
 def render_chat(engine: LLMEngine, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 chat_template_kwargs: dict[str, Any] | None = None,
-                tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The prompt dict (text and token ids) for a conversation; ValueError if unusable."""
+                tools: list[dict[str, Any]] | None = None, continue_final: bool = False,
+                template: str | None = None) -> dict[str, Any]:
+    """The prompt dict (text and token ids) for a conversation; ValueError if unusable.
+    continue_final: the last message left open (vLLM's continue_final_message); template: the
+    request's own chat template (else the engine's)."""
     tokenizer = engine.tokenizer
-    template = chat_template_of(engine.config.model, tokenizer)
+    template = template or chat_template_of(engine.config.model, tokenizer)
     if not template:
         raise ValueError("this model has no chat template (--chat-template gives one); use "
                          "/v1/completions")
@@ -101,7 +104,7 @@ def render_chat(engine: LLMEngine, messages: list[ChatMessage], add_generation_p
         text = tokenizer.apply_chat_template(conversation, chat_template=template,
                                              tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
-                                             **kwargs)
+                                             continue_final_message=continue_final, **kwargs)
     except Exception as e:  # jinja errors for malformed conversations
         raise ValueError(f"messages cannot be rendered with the chat template: {e}") from e
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
@@ -187,8 +190,12 @@ class OpenAIServingChat(OpenAIServing):
         engine = self.engine.engine
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
                           self.tool_options, engine.structured.compile)
+        if req.chat_template is not None and not self.options.trust_request_chat_template:
+            raise ValueError("chat_template is only allowed in a request when the server runs "
+                             "with --trust-request-chat-template")
         prompt = render_chat(engine, req.messages, req.add_generation_prompt,
-                             req.chat_template_kwargs, plan.tools)
+                             req.chat_template_kwargs, plan.tools, req.continue_final_message,
+                             req.chat_template)
         return plan, prompt
 
     async def run(self, req: ChatCompletionRequest, raw: Request, lora: LoRARequest | None,

@@ -190,6 +190,7 @@ class ServingOptions:
     # --return-tokens-as-token-ids: logprobs name tokens "token_id:N" (a request may ask too)
     tokens_as_ids: bool = False
     reasoning_parser: str | None = None  # --reasoning-parser: chat's reasoning split off
+    trust_request_chat_template: bool = False  # --trust-request-chat-template
 
 
 class OpenAIServing:
