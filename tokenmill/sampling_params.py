@@ -65,9 +65,21 @@ class SamplingParams:
     # the output must match a JSON schema, regex, choice or grammar (structured_output/)
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's: only these token ids may be sampled (None: any)
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: only the prompt's last k tokens are kept (-1: the last max_model_len)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._check_int("n", self.n, 1)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows any)")
+            for t in self.allowed_token_ids:
+                self._check_int("allowed_token_ids", t, 0)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            self._check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1)
         _check_range("temperature", self.temperature, 0.0, None)
         _check_range("top_p", self.top_p, 0.0, 1.0)
         if self.top_p == 0.0:

@@ -282,3 +282,36 @@ def test_max_logprobs_bounds_what_a_request_may_ask(tiny_model):
     assert config_of(path, max_logprobs=10**6).model.max_logprobs == 49152
     with pytest.raises(ValueError, match="max_logprobs must be an integer >= -1"):
         config_of(path, max_logprobs=-2)
+
+
+def test_allowed_token_ids_and_truncated_prompts(llama):
+    """vLLM's allowed_token_ids (only those sampled: greedy takes HF's best among them) and
+    truncate_prompt_tokens (the prompt's last k tokens, as if sent alone)."""
+    llm, hf = llama
+    prompt = [1000 + 7 * i for i in range(50)]
+    allowed = [100, 200, 300, 4000, 5000]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                            allowed_token_ids=allowed)
+    out = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    tokens = list(prompt)
+    for t in out:  # HF's argmax over the allowed ids, step by step
+        row = hf_logprobs(hf, tokens)[-1]
+        assert t == allowed[int(row[allowed].argmax())]
+        tokens.append(t)
+    sampled = llm.generate([prompt] * 4, SamplingParams(
+        temperature=1.5, max_tokens=8, seed=3, ignore_eos=True, allowed_token_ids=allowed),
+        use_tqdm=False)
+    assert all(t in allowed for o in sampled for t in o.outputs[0].token_ids)
+    with pytest.raises(ValueError, match="allowed_token_ids must be < vocab size"):
+        llm.generate([prompt], SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
+    with pytest.raises(ValueError, match="allowed_token_ids must not be empty"):
+        SamplingParams(allowed_token_ids=[])
+    cut = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, truncate_prompt_tokens=10)
+    (short,) = llm.generate([prompt], cut, use_tqdm=False)
+    (alone,) = llm.generate([prompt[-10:]], SamplingParams(temperature=0, max_tokens=5,
+                                                           ignore_eos=True), use_tqdm=False)
+    assert short.prompt_token_ids == prompt[-10:]
+    assert short.outputs[0].token_ids == alone.outputs[0].token_ids
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1"):
+        SamplingParams(truncate_prompt_tokens=0)
+    assert_kv_all_free(llm.engine)

@@ -72,6 +72,11 @@ class RequestIntake:
         params = params or SamplingParams()
         self._check_logprobs(params)
         prompt_text, token_ids = self._split_prompt(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # vLLM's: the prompt's last tokens (-1: max_model_len of them)
+            keep = self.model.max_model_len if keep == -1 else keep
+            if len(token_ids) > keep:
+                prompt_text, token_ids = None, token_ids[-keep:]
         max_tokens = self._validate(token_ids, params)
         if params.top_k >= self.model.vocab_size:  # the same draw, in the range of ops
             params = dataclasses.replace(params, top_k=0)
@@ -166,6 +171,10 @@ class RequestIntake:
         bad_bias = [t for t in params.logit_bias if t >= vocab]
         if bad_bias:
             raise ValueError(f"logit_bias token ids must be < vocab size {vocab}, got {bad_bias}")
+        bad_allowed = [t for t in params.allowed_token_ids or () if t >= vocab]
+        if bad_allowed:
+            raise ValueError(f"allowed_token_ids must be < vocab size {vocab}, got "
+                             f"{bad_allowed}")
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
             raise ValueError(f"stop_token_ids must be < vocab size {vocab}, got {bad_stop}")

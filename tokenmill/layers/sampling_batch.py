@@ -70,7 +70,20 @@ class SamplingBatch:
             idx = (tensor_on(ban_rows, logits.device), tensor_on(ban_cols, logits.device))
             logits = logits.index_put(idx, tensor_on(float("-inf"), logits.device,
                                                      logits.dtype))
-        return logits
+        return self._apply_allowed(logits)
+
+    def _apply_allowed(self, logits: torch.Tensor) -> torch.Tensor:
+        """Rows with allowed_token_ids: every other token at -inf. logits (S, V)."""
+        limited = [(i, r.sampling_params.allowed_token_ids) for i, r in enumerate(self.rows)
+                   if r.sampling_params.allowed_token_ids is not None]
+        if not limited:
+            return logits
+        keep = torch.zeros(len(limited), logits.shape[-1], dtype=torch.bool)  # (L, V), host
+        keep[[j for j, (_, ids) in enumerate(limited) for _ in ids],
+             [t for _, ids in limited for t in ids]] = True
+        rows = tensor_on([i for i, _ in limited], logits.device)
+        kept = logits[rows].masked_fill(~to_device([keep], logits.device)[0], float("-inf"))
+        return logits.index_put((rows,), kept)
 
     def apply_penalties(self, logits: torch.Tensor) -> torch.Tensor:
         if not any(r.sampling_params.has_penalties for r in self.rows):

@@ -138,6 +138,8 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: StrictBool = False
     return_tokens_as_token_ids: StrictBool | None = None  # logprobs' tokens as "token_id:N"
     stop_token_ids: list[TokenId] | None = None
+    allowed_token_ids: list[TokenId] | None = None  # only these may be sampled
+    truncate_prompt_tokens: StrictInt | None = None  # the prompt's last k tokens (-1: the model's)
     prompt_logprobs: StrictInt | None = None
     # structured outputs (see the module doc)
     response_format: ResponseFormat | None = None
@@ -180,6 +182,8 @@ class SamplingFields(StrictModel):
             logit_bias=self.logit_bias, skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             structured_outputs=self.structured_outputs_params(),
+            allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             # as vLLM's server asks: a stream, what is new at each step (nothing the engine
             # builds grows with the answer; serving_common.StreamedChoices adds it up); a
             # response sent whole, only the final output (none for the steps in between)
