@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=4)
     args = ap.parse_args()
     print(describe_machine())
-    from tokenmill.config_factory import model_config
+    from tokenmill.config_model import model_config
     vocab = model_config(args.model).vocab_size
     ncores = os.cpu_count() or 2
     serve = ["--served-model-name", "m", "--max-model-len", "4096"]

@@ -19,7 +19,7 @@ import time
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench import batch
-from tokenmill.config_factory import model_config
+from tokenmill.config_model import model_config
 from tokenmill.engine.tokenizer import load_tokenizer
 
 

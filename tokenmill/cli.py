@@ -214,11 +214,9 @@ def _add_http(serve: argparse.ArgumentParser) -> None:
     from tokenmill.server.http_options import json_list
 
     http = serve.add_argument_group("http")
-    for name, what in (("origins", "origins"), ("methods", "methods"),
-                       ("headers", "headers")):
-        http.add_argument(f"--allowed-{name}", type=_argparse_type(json_list),
-                          default=["*"], help=f"CORS: the allowed {what} as a JSON list "
-                          '(default ["*"])')
+    for what in ("origins", "methods", "headers"):
+        http.add_argument(f"--allowed-{what}", type=_argparse_type(json_list), default=["*"],
+                          help=f'CORS: the allowed {what} as a JSON list (default ["*"])')
     http.add_argument("--allow-credentials", action="store_true",
                       help="CORS: allow credentials")
     http.add_argument("--root-path", default="",

@@ -109,7 +109,7 @@ def test_a_draft_models_lookahead_follows_acceptance_and_probes():
 # ---- grammar --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_path):
-    from tokenmill.config_factory import model_config
+    from tokenmill.config_model import model_config
     from tokenmill.engine.tokenizer import load_tokenizer
 
     return load_tokenizer(model_config(smollm2_path))

@@ -50,7 +50,7 @@ def test_overrides_win(tmp_path):
 
 @pytest.mark.parametrize("source, override, match", [
     ("FOLDER/none", None, "holds no generation_config.json"),
-    ("auto", '{"temperature": 0.2', "must be a JSON object"),
+    ("auto", '{"temperature": 0.2', "is not valid JSON"),
     ("auto", "[1]", "must be a JSON object"),
     ("auto", '{"seed": 3}', "unknown key 'seed'"),
     ("auto", '{"temperature": -1}', "temperature"),

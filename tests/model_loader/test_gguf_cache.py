@@ -12,7 +12,7 @@ import shutil
 
 import torch
 
-from tokenmill.config_factory import model_config
+from tokenmill.config_model import model_config
 from tokenmill.engine.tokenizer import load_tokenizer
 from tokenmill.model_loader.gguf_convert import converted_weights
 from tokenmill.model_loader.gguf_loader import gguf_hf_config, iterate_gguf

@@ -72,7 +72,7 @@ def test_unsupported_tensor_types_are_named(monkeypatch, smollm2_path):
                                                      (True, "cuda", None)])
 def test_default_serves_the_blocks_on_the_cpu_kernels(monkeypatch, smollm2_path, kernels,
                                                       device, expected):
-    from tokenmill.config_factory import model_config
+    from tokenmill.config_model import model_config
     from tokenmill.config_weights import default_quantization
     from tokenmill.utils import cpp_extension
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tokenmill.server.protocol import ChatTool, NamedToolChoice
+from tokenmill.server.protocol_chat import ChatTool, NamedToolChoice
 from tokenmill.server.tool_parsers import HermesToolParser, Llama3JsonToolParser, get_tool_parser
 from tokenmill.server.tools import ToolOptions, plan_tools
 
@@ -93,7 +93,7 @@ QWEN_LIKE = (
 
 def test_tools_reach_the_prompt_with_either_kind_of_template(tiny_model):
     from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.server.protocol import ChatMessage
+    from tokenmill.server.protocol_chat import ChatMessage
     from tokenmill.server.serving_chat import render_chat
 
     engine = LLMEngine.from_options(tiny_model("llama")[0], max_model_len=512,

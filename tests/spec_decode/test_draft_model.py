@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tokenmill.attention import get_attention_backend
-from tokenmill.config_factory import model_config
+from tokenmill.config_model import model_config
 from tokenmill.core.interface import ScheduledRequest
 from tokenmill.engine_args import engine_config
 from tokenmill.sampling_params import SamplingParams

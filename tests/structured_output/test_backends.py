@@ -23,7 +23,7 @@ BACKENDS = ["guidance", pytest.param("xgrammar", marks=pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_path):
-    from tokenmill.config_factory import model_config
+    from tokenmill.config_model import model_config
     from tokenmill.engine.tokenizer import load_tokenizer
 
     return load_tokenizer(model_config(smollm2_path))

@@ -18,7 +18,7 @@ V = 49152
 
 @pytest.fixture(scope="module")
 def manager(smollm2_path):
-    from tokenmill.config_factory import model_config
+    from tokenmill.config_model import model_config
     from tokenmill.engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_config(smollm2_path))

@@ -90,7 +90,7 @@ def launch(model_path: str | None, extra_args: tuple[str, ...] = (),
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenmill.config_factory import model_config
+    from tokenmill.config_model import model_config
     from tokenmill.engine.tokenizer import load_tokenizer
 
     mc = model_config(args.model_path)

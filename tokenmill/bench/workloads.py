@@ -76,7 +76,7 @@ def make_conversations(draw: Callable[[int], list[int]], num_conversations: int,
 def load_workload(model: str | None, name: str, seed: int = 0,
                   num_requests: int | None = None) -> list[BenchRequest]:
     """`make_workload` over a model's vocabulary, special tokens excluded."""
-    from tokenmill.config_factory import model_config
+    from tokenmill.config_model import model_config
     from tokenmill.engine.tokenizer import load_tokenizer
 
     mc = model_config(model)

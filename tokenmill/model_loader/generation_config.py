@@ -11,10 +11,11 @@ apart from transformers' defaults count (GenerationConfig.to_diff_dict), as in v
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any
+
+from tokenmill.utils.json_option import json_object
 
 logger = logging.getLogger(__name__)
 
@@ -75,13 +76,7 @@ def _diff_dict(folder: str) -> dict[str, Any]:
 def _override(override: str | dict[str, Any] | None) -> dict[str, Any]:
     if override is None:
         return {}
-    if isinstance(override, str):
-        try:
-            override = json.loads(override)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"override_generation_config must be a JSON object: {e}") from e
-    if not isinstance(override, dict):
-        raise ValueError(f"override_generation_config must be a JSON object, got {override!r}")
+    override = json_object(override, "override_generation_config")
     unknown = sorted(set(override) - set(SAMPLING_KEYS))
     if unknown:
         raise ValueError(f"override_generation_config: unknown key {unknown[0]!r}; known: "

@@ -8,22 +8,14 @@ given (a new key included: architectures may read it).
 from __future__ import annotations
 
 import copy
-import json
 from typing import Any
+
+from tokenmill.utils.json_option import json_object
 
 
 def parse_hf_overrides(value: str | dict[str, Any] | None) -> dict[str, Any]:
     """The overrides as a dict; ValueError for anything but a JSON object."""
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"hf_overrides must be a JSON object: {e}") from e
-    if not isinstance(value, dict):
-        raise ValueError(f"hf_overrides must be a JSON object, got {value!r}")
-    return value
+    return {} if value is None else json_object(value, "hf_overrides")
 
 
 def with_hf_overrides(hf_config: Any, overrides: dict[str, Any]) -> Any:

@@ -30,11 +30,10 @@ from tokenmill.server.admission import RETRY_AFTER_S, Overloaded
 from tokenmill.server.lifecycle import ServerLifecycle
 from tokenmill.server.lora_modules import ServedAdapters, UnknownModel
 from tokenmill.server.messages_routes import PREFIX as ANTHROPIC_PREFIX
-from tokenmill.server.protocol import (
+from tokenmill.server.protocol import CompletionRequest, ModelCard
+from tokenmill.server.protocol_chat import (
     ChatCompletionRequest,
-    CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
     TokenizeRequest,
 )
 from tokenmill.server.responses_protocol import ResponsesRequest

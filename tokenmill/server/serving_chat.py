@@ -27,7 +27,8 @@ from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admission import Ticket
-from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, UsageInfo
+from tokenmill.server.protocol import UsageInfo
+from tokenmill.server.protocol_chat import ChatCompletionRequest, ChatMessage
 from tokenmill.server.reasoning_parsers import (
     ReasoningParser,
     get_reasoning_parser,
@@ -182,7 +183,8 @@ class OpenAIServingChat(OpenAIServing):
 
     def shape(self, req: ChatCompletionRequest) -> AnswerShape:
         # vLLM's: --response-role answers a generation prompt, else the last message's role
-        role = self.options.response_role if req.add_generation_prompt else req.messages[-1].role
+        role = (req.messages[-1].role if req.messages and not req.add_generation_prompt
+                else self.options.response_role)  # (no messages: a 400 when rendered)
         return AnswerShape(role, self.as_ids(req), self.reasoning, req.include_reasoning)
 
     def prepare(self, req: ChatCompletionRequest) -> tuple[ToolPlan, dict[str, Any]]:

@@ -31,7 +31,7 @@ from tokenmill.outputs import CompletionOutput
 from tokenmill.server.admission import Overloaded
 from tokenmill.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from tokenmill.server.lora_modules import UnknownModel
-from tokenmill.server.protocol import ChatCompletionRequest
+from tokenmill.server.protocol_chat import ChatCompletionRequest
 from tokenmill.server.serving_chat import OpenAIServingChat, answer
 from tokenmill.server.serving_common import ChoiceSoFar, StreamedChoices, check_failed, merge
 from tokenmill.server.tools import ToolPlan

@@ -22,7 +22,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.server.protocol import ChatCompletionRequest, UsageInfo
+from tokenmill.server.protocol import UsageInfo
+from tokenmill.server.protocol_chat import ChatCompletionRequest
 from tokenmill.server.responses_protocol import ResponsesRequest
 from tokenmill.server.serving_chat import OpenAIServingChat, answer
 from tokenmill.server.serving_common import (
