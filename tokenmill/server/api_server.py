@@ -103,10 +103,7 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str | Sequ
     served_model_name = aliases[0]
     engines = engine if isinstance(engine, list) else [engine]
     engine = engines[0]  # the replicas share tokenizer and config
-    metrics = PrometheusMetrics(served_model_name, kv_capacity_tokens=sum(
-        e.kv.num_usable_blocks * e.kv.block_size for e in engines),
-        kv_cache_dtype=engine.config.cache.kv_cache_dtype,
-        max_loras=None if engine.config.lora is None else engine.config.lora.max_loras)
+    metrics = _metrics(engines, served_model_name)
     admission = AdmissionControl(engine.config.scheduler.max_num_seqs * len(engines),
                                  limits.max_waiting_requests)
 
@@ -130,19 +127,8 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str | Sequ
         request_log=RequestLog(log.max_log_len) if log.log_requests else None)
     serving = (async_llm, served_model_name, admission, limits.request_timeout, answers)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        lifecycle.loop = asyncio.get_running_loop()
-        logger.info("%s", lifecycle.http_stack())
-        async_llm.start()
-        stats_task = (None if stat_logger is None
-                      else asyncio.get_running_loop().create_task(_log_stats(stat_logger)))
-        yield
-        if stats_task is not None:
-            stats_task.cancel()
-        async_llm.shutdown()
-
-    app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan,
+    app = FastAPI(title="tokenmill", version=__version__,
+                  lifespan=_lifespan(lifecycle, async_llm, stat_logger),
                   responses={code: {"model": ErrorResponse, "description": text}
                              for code, text in _ERROR_STATUSES.items()}, **http.app_kwargs())
     adapters = ServedAdapters(aliases, engine.adapters.resolve,
@@ -157,6 +143,40 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str | Sequ
                        is_draining=lambda: lifecycle.draining, overloaded=admission.full,
                        retry_after_s=RETRY_AFTER_S, access_log=log.access_log)
     http.add_cors(app)  # (last: the outermost, answering preflights first)
+    _add_routes(app, engine)
+    return app
+
+
+def _metrics(engines: list[LLMEngine], served_model_name: str) -> PrometheusMetrics:
+    config = engines[0].config
+    return PrometheusMetrics(
+        served_model_name,
+        kv_capacity_tokens=sum(e.kv.num_usable_blocks * e.kv.block_size for e in engines),
+        kv_cache_dtype=config.cache.kv_cache_dtype,
+        max_loras=None if config.lora is None else config.lora.max_loras)
+
+
+def _lifespan(lifecycle: ServerLifecycle, async_llm: AsyncLLM | DataParallelLLM,
+              stat_logger: LoggingStatLogger | None) -> Any:
+    """The app's lifespan: the engine thread(s) and the periodic stats line run while it
+    does."""
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        lifecycle.loop = asyncio.get_running_loop()
+        logger.info("%s", lifecycle.http_stack())
+        async_llm.start()
+        stats_task = (None if stat_logger is None
+                      else asyncio.get_running_loop().create_task(_log_stats(stat_logger)))
+        yield
+        if stats_task is not None:
+            stats_task.cancel()
+        async_llm.shutdown()
+
+    return lifespan
+
+
+def _add_routes(app: FastAPI, engine: LLMEngine) -> None:
+    """Exception handlers and routers (LoRA updates and sleep where enabled)."""
     for exc_class, handler in EXCEPTION_HANDLERS.items():
         app.add_exception_handler(exc_class, handler)
     optional = ([lora_routes.router] if runtime_updates_allowed() else []) + (
@@ -164,7 +184,6 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str | Sequ
     for router in (*ROUTERS, messages_routes.router, *optional):
         app.include_router(router)
     _document_400_not_422(app)
-    return app
 
 
 async def _log_stats(stat_logger: LoggingStatLogger) -> None:
