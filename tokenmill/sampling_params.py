@@ -69,6 +69,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # vLLM's: only the prompt's last k tokens are kept (-1: the last max_model_len)
     truncate_prompt_tokens: int | None = None
+    # vLLM's: words never generated (each as tokenized alone and after a space)
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         self._check_int("n", self.n, 1)
@@ -78,6 +80,11 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must not be empty (None allows any)")
             for t in self.allowed_token_ids:
                 self._check_int("allowed_token_ids", t, 0)
+        if self.bad_words is not None:
+            self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(
+                self.bad_words)
+            if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be non-blank strings, got {self.bad_words!r}")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
             self._check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1)
         _check_range("temperature", self.temperature, 0.0, None)

@@ -315,3 +315,35 @@ def test_allowed_token_ids_and_truncated_prompts(llama):
     with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1"):
         SamplingParams(truncate_prompt_tokens=0)
     assert_kv_all_free(llm.engine)
+
+
+def test_bad_words_are_never_generated(llama):
+    """vLLM's bad_words: a one-token word's token is never sampled; a word of two tokens
+    never has its second after its first (greedy otherwise unchanged up to there), also with
+    async scheduling, which then waits for each token before the next step."""
+    llm, _ = llama
+    tok = llm.get_tokenizer()
+    prompt = [1000 + 7 * i for i in range(20)]
+    params = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = llm.generate([prompt], SamplingParams(**params), use_tqdm=False)[0].outputs[0]
+    out = plain.token_ids
+    one = next(i for i in range(12) if tok.encode(tok.decode([out[i]]).lstrip(),
+                                                  add_special_tokens=False) == [out[i]])
+    word = tok.decode([out[one]])
+    banned = llm.generate([prompt], SamplingParams(**params, bad_words=[word]),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    assert banned[:one] == out[:one] and out[one] not in banned
+    two = next(i for i in range(11)
+               if not tok.decode(out[i:i + 2]).startswith(" ")
+               and tok.encode(tok.decode(out[i:i + 2]), add_special_tokens=False)
+               == list(out[i:i + 2]))
+    pair = tok.decode(out[two:two + 2])
+    for engine_llm in (llm, LLM(llm.engine.config.model.path, max_model_len=512,
+                                async_scheduling=True)):
+        got = engine_llm.generate([prompt], SamplingParams(**params, bad_words=[pair]),
+                                  use_tqdm=False)[0].outputs[0].token_ids
+        assert got[:two + 1] == out[:two + 1] and got[two + 1] != out[two + 1]
+        assert all(got[i:i + 2] != out[two:two + 2] for i in range(len(got) - 1))
+    with pytest.raises(ValueError, match="bad_words must be non-blank strings"):
+        SamplingParams(bad_words=[" "])
+    assert_kv_all_free(llm.engine)

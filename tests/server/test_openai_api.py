@@ -40,6 +40,9 @@ def test_models_health_version(client, tiny_server):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny-llama"]
     assert httpx.get(f"{tiny_server.base_url}/health").status_code == 200
+    # SageMaker's /ping (vLLM's too) answers as /health does
+    assert httpx.get(f"{tiny_server.base_url}/ping").status_code == 200
+    assert httpx.post(f"{tiny_server.base_url}/ping").status_code == 200
     assert httpx.get(f"{tiny_server.base_url}/version").json()["version"]
 
 

@@ -154,6 +154,7 @@ def test_killed_worker_ends_streams_with_an_error_and_health_503(tiny_model):
         assert error["code"] == 503 and "rank 1" in error["message"], error
         health = httpx.get(f"{srv.base_url}/health", timeout=5)
         assert health.status_code == 503 and "rank 1" in health.json()["error"]["message"]
+        assert httpx.get(f"{srv.base_url}/ping", timeout=5).status_code == 503
         srv.thread.join(timeout=30)
         assert not srv.thread.is_alive() and srv.server.lifecycle.exit_code == 1
     assert no_workers_left()

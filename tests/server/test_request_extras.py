@@ -1,5 +1,6 @@
-"""vLLM's request extras through the API: allowed_token_ids (only those sampled) and
-truncate_prompt_tokens (the prompt's last k tokens), with their checks as 400s by name."""
+"""vLLM's request extras through the API: allowed_token_ids (only those sampled),
+truncate_prompt_tokens (the prompt's last k tokens) and bad_words, with their checks as 400s
+by name."""
 
 from __future__ import annotations
 
@@ -25,9 +26,17 @@ def test_allowed_token_ids_and_truncation(tiny_server):
     alone = _post(tiny_server, prompt=PROMPT[-8:], max_tokens=4, temperature=0)
     assert cut.json()["usage"]["prompt_tokens"] == 8
     assert cut.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+    plain = _post(tiny_server, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=0)
+    word = plain.json()["choices"][0]["logprobs"]["tokens"][0]
+    # (a token that spells itself: the word bans exactly it)
+    assert word.strip() and len(tok.encode(word.lstrip(), add_special_tokens=False)) == 1
+    banned = _post(tiny_server, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=0,
+                   bad_words=[word])
+    assert banned.json()["choices"][0]["logprobs"]["tokens"][0] != word
     for bad, name in (({"allowed_token_ids": []}, "allowed_token_ids"),
                       ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
-                      ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens")):
+                      ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                      ({"bad_words": [""]}, "bad_words")):
         r = _post(tiny_server, prompt="hi", max_tokens=2, **bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
     tiny_server.wait_idle()

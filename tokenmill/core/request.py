@@ -96,6 +96,9 @@ class Request:
         self.spec_acceptance = INITIAL_ACCEPTANCE  # running, per draft token (spec_decode/policy)
         # structured outputs: a GrammarMatcher (structured_output/backend.py), or None
         self.grammar = None
+        # bad_words as token sequences (request_intake.py); a sequence's last token is
+        # banned where the output ends with the rest of it
+        self.bad_words: tuple[tuple[int, ...], ...] = ()
 
     @property
     def lora_key(self) -> str | None:
@@ -134,10 +137,26 @@ class Request:
         """Tokens the sampler must not pick now (or `ahead` tokens from now, for a draft
         position): EOS and stop ids until min_tokens are out."""
         params = self.sampling_params
+        banned = self._bad_word_ends(ahead) if self.bad_words else []
         if self.num_output_tokens + ahead >= params.min_tokens:
-            return []
+            return banned
         eos = [] if params.ignore_eos else sorted(self.eos_token_ids)
-        return eos + params.stop_token_ids
+        return eos + params.stop_token_ids + banned
+
+    @property
+    def has_long_bad_words(self) -> bool:
+        """Whether a bad word spans several tokens: its ban depends on the tokens before
+        it, so the request is never scheduled ahead of its sampled token nor drafted."""
+        return any(len(seq) > 1 for seq in self.bad_words)
+
+    def _bad_word_ends(self, ahead: int) -> list[int]:
+        """The last tokens of the bad words whose other tokens end the output (ahead > 0,
+        where the tokens before are not known yet, only one-token words count: the
+        scheduler waits for them first, has_long_bad_words)."""
+        out = self.output_token_ids
+        return sorted({seq[-1] for seq in self.bad_words
+                       if len(seq) == 1 or (ahead == 0 and len(out) >= len(seq) - 1
+                                            and tuple(out[len(out) - len(seq) + 1:]) == seq[:-1])})
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

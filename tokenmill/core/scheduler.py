@@ -204,7 +204,7 @@ class Scheduler:
     def _speculation(self, request: Request, n: int, room: int) -> tuple[list[int], int]:
         """A running request's drafts this step (at most `room`) and a draft model's
         lookahead after it; none without a speculative config."""
-        if self.spec.speculative is None:
+        if self.spec.speculative is None or request.has_long_bad_words:
             return [], 0
         left = self._tokens_left(request)
         drafts = self.grammar.cut(request, self.spec.drafts(request, n, room, left))
@@ -222,7 +222,7 @@ class Scheduler:
         """Tokens a running request computes this step (its placeholders fed as tokens), or 0
         while its placeholder may end it or its grammar needs the token first."""
         ahead = request.num_output_placeholders
-        if ahead and (self.grammar.needs_token_first(request)
+        if ahead and (self.grammar.needs_token_first(request) or request.has_long_bad_words
                       or self._tokens_left(request) <= ahead):
             return 0
         return min(request.num_tokens + ahead - request.num_computed_tokens, budget)

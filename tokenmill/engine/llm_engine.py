@@ -205,8 +205,9 @@ class LLMEngine:
                             self._child_params(p.params, i), self.eos_token_ids, p.max_tokens,
                             p.arrival_time, lora=p.lora, priority=p.priority)
                     for i in range(p.params.n)]
-        if p.grammar is not None:
-            for child in children:
+        for child in children:
+            child.bad_words = p.bad_words
+            if p.grammar is not None:
                 child.grammar = p.grammar.matcher()
         self.scheduler.add_request(children[0], children[1:])
         self.outputs.add(p.request_id, p.prompt, p.token_ids, children)

@@ -41,6 +41,8 @@ class PreparedRequest:
     pooling: PoolingParams | None = None  # an embedding request (params then unused), resolved
     lora: AdapterRef | None = None  # the LoRA adapter it runs with, checked
     priority: int = 0  # lower is served first (scheduling_policy "priority")
+    # bad_words as token sequences (vLLM's rule: each word alone and after a space)
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
 
 class RequestIntake:
@@ -84,7 +86,20 @@ class RequestIntake:
         grammar = (self.structured.compile(params.structured_outputs)
                    if params.structured_outputs is not None else None)
         return PreparedRequest(request_id, prompt_text, token_ids, params, max_tokens, arrival,
-                               grammar, lora=lora, priority=priority)
+                               grammar, lora=lora, priority=priority,
+                               bad_words=self._bad_words(params.bad_words or ()))
+
+    def _bad_words(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Each word's token sequences as vLLM bans them: the word alone (leading spaces
+        dropped), and after a space where that spells it with another first token in as
+        many tokens (a word-start token)."""
+        seqs: list[tuple[int, ...]] = []
+        for word in words:
+            alone = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            seqs += [alone] + ([spaced] if spaced[0] != alone[0]
+                               and len(spaced) == len(alone) else [])
+        return tuple(dict.fromkeys(seqs))
 
     def _check_logprobs(self, params: SamplingParams) -> None:
         cap = self.model.max_logprobs

@@ -139,6 +139,7 @@ class SamplingFields(StrictModel):
     return_tokens_as_token_ids: StrictBool | None = None  # logprobs' tokens as "token_id:N"
     stop_token_ids: list[TokenId] | None = None
     allowed_token_ids: list[TokenId] | None = None  # only these may be sampled
+    bad_words: list[Text] | None = None  # never generated
     truncate_prompt_tokens: StrictInt | None = None  # the prompt's last k tokens (-1: the model's)
     prompt_logprobs: StrictInt | None = None
     # structured outputs (see the module doc)
@@ -182,7 +183,7 @@ class SamplingFields(StrictModel):
             logit_bias=self.logit_bias, skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             structured_outputs=self.structured_outputs_params(),
-            allowed_token_ids=self.allowed_token_ids,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             # as vLLM's server asks: a stream, what is new at each step (nothing the engine
             # builds grows with the answer; serving_common.StreamedChoices adds it up); a

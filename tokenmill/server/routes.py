@@ -105,6 +105,13 @@ async def health(raw: Request) -> Response:
     return Response(status_code=200)
 
 
+@public.api_route("/ping", methods=["GET", "POST"], response_class=Response,
+                  responses={200: {"description": "Healthy (empty body)", "content": {}}})
+async def ping(raw: Request) -> Response:
+    """SageMaker's health route (vLLM serves it too): /health's answer."""
+    return await health(raw)
+
+
 @public.get("/version")
 async def version() -> dict[str, str]:
     return {"version": __version__}
