@@ -45,7 +45,10 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` run without sampling_params (vLLM's): the model's
         generation-config defaults (engine option generation_config), else SamplingParams()."""
-        return SamplingParams(**self.engine.config.model.sampling_defaults)
+        defaults = dict(self.engine.config.model.sampling_defaults)
+        if "max_tokens" in defaults:  # the model's max_new_tokens, within the context's room
+            defaults["max_tokens"] = None  # (the engine's intake caps None by it)
+        return SamplingParams(**defaults)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prompt prefix (vLLM's name): the next prompts are computed from

@@ -194,10 +194,12 @@ class RequestIntake:
         if bad_stop:
             raise ValueError(f"stop_token_ids must be < vocab size {vocab}, got {bad_stop}")
         # No max_tokens given: up to the context length, or as much as the KV cache can hold
-        # for one request if that is less (a request must fit the cache to make progress).
+        # for one request if that is less (a request must fit the cache to make progress),
+        # or the model's own max_new_tokens (its generation config) if that is less still.
         capacity = self.kv.num_usable_blocks * self.kv.block_size
         max_tokens = (params.max_tokens if params.max_tokens is not None
-                      else min(max_len, capacity) - n)
+                      else min(min(max_len, capacity) - n,
+                               self.model.sampling_defaults.get("max_tokens", max_len)))
         if n + max_tokens > max_len:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = "
                              f"{n + max_tokens} exceeds the context length "

@@ -109,12 +109,11 @@ class ChatCompletionRequest(SamplingFields):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         if logprobs is not None and logprobs < 0:  # (at most the engine's max_logprobs)
             raise ValueError(f"top_logprobs must be an integer >= 0, got {logprobs}")
-        defaults = defaults or {}
+        # (None: up to the context's end, or the model's max_new_tokens if less: the engine's
+        # intake, which knows the prompt's length)
         max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
                       else self.max_tokens)
-        if max_tokens is None:  # the model's max_new_tokens, else up to the context's end
-            max_tokens = defaults.get("max_tokens")
-        return self._sampling_params(max_tokens, logprobs, defaults)
+        return self._sampling_params(max_tokens, logprobs, defaults or {})
 
 
 
