@@ -78,3 +78,35 @@ def test_continue_final_message_and_a_request_s_own_template(tiny_model):
     assert own.status_code == 200
     assert own.json()["usage"]["prompt_tokens"] == len(tok.encode("[Hi]",
                                                                   add_special_tokens=False))
+
+
+def test_documents_and_special_tokens(tiny_model):
+    """vLLM's chat fields `documents` (for a template that renders them; refused by name by
+    one that does not) and `add_special_tokens` (the tokenizer's BOS on top of the
+    template's)."""
+    from tokenmill.server.serving_common import ServingOptions
+
+    path, _ = tiny_model("llama")
+    rag = ("{% for d in documents %}[{{ d['title'] }}: {{ d['text'] }}]{% endfor %}"
+           + TEMPLATE)
+    engine = LLMEngine.from_options(path, max_model_len=512, num_kv_blocks=100)
+    tok = engine.tokenizer
+    tok.add_bos_token = True  # (SmolLM2's tokenizer adds none of its own)
+    messages = [{"role": "user", "content": "Hi"}]
+    docs = [{"title": "A", "text": "alpha"}]
+
+    def tokens(srv, **body) -> httpx.Response:
+        return httpx.post(f"{srv.base_url}/v1/chat/completions", timeout=60, json={
+            "model": "m", "messages": messages, "max_tokens": 1, **body})
+
+    for srv in start_server(engine, "m", answers=ServingOptions(trust_request_chat_template=True)):
+        with_docs = tokens(srv, chat_template=rag, documents=docs)
+        refused = tokens(srv, chat_template=TEMPLATE, documents=docs)
+        bos = tokens(srv, chat_template=TEMPLATE, add_special_tokens=True)
+        plain = tokens(srv, chat_template=TEMPLATE)
+        srv.wait_idle()
+    text = "[A: alpha]<<user: Hi>>ANSWER:"
+    assert with_docs.json()["usage"]["prompt_tokens"] == len(
+        tok.encode(text, add_special_tokens=False))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "documents"
+    assert bos.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"] + 1

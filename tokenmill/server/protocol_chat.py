@@ -89,6 +89,8 @@ class ChatCompletionRequest(SamplingFields):
     # (vLLM's) the last message left open for the model to continue (a prefilled answer)
     continue_final_message: StrictBool = False
     chat_template: Text | None = None  # (vLLM's) with --trust-request-chat-template
+    documents: list[dict[str, Text]] | None = None  # (vLLM's) for a RAG chat template
+    add_special_tokens: StrictBool = False  # (vLLM's) BOS etc. on top of the template's
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: StrictBool = True  # (vLLM's) with --reasoning-parser: false drops it
     tools: list[ChatTool] | None = None

@@ -37,7 +37,7 @@ from tokenmill.server.protocol_chat import (
     TokenizeRequest,
 )
 from tokenmill.server.responses_protocol import ResponsesRequest
-from tokenmill.server.serving_chat import OpenAIServingChat, render_chat
+from tokenmill.server.serving_chat import OpenAIServingChat, Rendering, render_chat
 from tokenmill.server.serving_common import (
     STREAMED,
     ClientDisconnected,
@@ -164,7 +164,8 @@ async def create_embedding(req: EmbeddingRequest, raw: Request) -> Any:
 
 def _token_ids(engine: LLMEngine, req: TokenizeRequest) -> list[int]:
     if req.messages is not None:
-        return render_chat(engine, req.messages, req.add_generation_prompt)["prompt_token_ids"]
+        how = Rendering(req.add_generation_prompt, add_special_tokens=False)
+        return render_chat(engine, req.messages, how)["prompt_token_ids"]
     if req.prompt is not None:
         engine.check_text_length(len(req.prompt))
         return engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)

@@ -79,22 +79,41 @@ class Finished:
 Streamer = Callable[[Started, Ticket], AsyncIterator[str]]
 
 
-def render_chat(engine: LLMEngine, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                chat_template_kwargs: dict[str, Any] | None = None,
-                tools: list[dict[str, Any]] | None = None, continue_final: bool = False,
-                template: str | None = None) -> dict[str, Any]:
-    """The prompt dict (text and token ids) for a conversation; ValueError if unusable.
-    continue_final: the last message left open (vLLM's continue_final_message); template: the
-    request's own chat template (else the engine's)."""
+@dataclasses.dataclass(frozen=True)
+class Rendering:
+    """How a conversation becomes a prompt (a chat request's fields, vLLM's names)."""
+
+    add_generation_prompt: bool = True
+    continue_final: bool = False  # continue_final_message: the last message left open
+    template: str | None = None  # the request's own chat_template (else the engine's)
+    template_kwargs: dict[str, Any] | None = None  # chat_template_kwargs
+    documents: list[dict[str, str]] | None = None  # for a RAG template (`documents`)
+    add_special_tokens: bool = False  # the tokenizer's BOS etc. on top of the template's
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest) -> Rendering:
+        return cls(req.add_generation_prompt, req.continue_final_message, req.chat_template,
+                   req.chat_template_kwargs, req.documents, req.add_special_tokens)
+
+
+def render_chat(engine: LLMEngine, messages: list[ChatMessage],
+                how: Rendering = Rendering(), tools: list[dict[str, Any]] | None = None
+                ) -> dict[str, Any]:
+    """The prompt dict (text and token ids) for a conversation; ValueError if unusable."""
     tokenizer = engine.tokenizer
-    template = template or chat_template_of(engine.config.model, tokenizer)
+    template = how.template or chat_template_of(engine.config.model, tokenizer)
     if not template:
         raise ValueError("this model has no chat template (--chat-template gives one); use "
                          "/v1/completions")
     if not messages:
         raise ValueError("messages must not be empty")
     conversation = [m.for_template() for m in messages]
-    kwargs = dict(chat_template_kwargs or {})
+    kwargs = dict(how.template_kwargs or {})
+    if how.documents is not None:
+        if "documents" not in template:
+            raise ValueError("documents is not supported by this model's chat template (it "
+                             "renders none)")
+        kwargs["documents"] = how.documents
     if tools or any("tool_calls" in m or m["role"] == "tool" for m in conversation):
         native = template_uses_tools(template)
         conversation = conversation_with_tools(conversation, tools or [], native)
@@ -102,13 +121,14 @@ def render_chat(engine: LLMEngine, messages: list[ChatMessage], add_generation_p
             kwargs["tools"] = tools
     engine.check_text_length(sum(len(m["content"] or "") for m in conversation))
     try:
-        text = tokenizer.apply_chat_template(conversation, chat_template=template,
-                                             tokenize=False,
-                                             add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final, **kwargs)
+        text = tokenizer.apply_chat_template(
+            conversation, chat_template=template, tokenize=False,
+            add_generation_prompt=how.add_generation_prompt,
+            continue_final_message=how.continue_final, **kwargs)
     except Exception as e:  # jinja errors for malformed conversations
         raise ValueError(f"messages cannot be rendered with the chat template: {e}") from e
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(
+        text, add_special_tokens=how.add_special_tokens)}
 
 
 def chat_logprobs(c: CompletionOutput, top_k: int, as_ids: bool = False
@@ -195,9 +215,7 @@ class OpenAIServingChat(OpenAIServing):
         if req.chat_template is not None and not self.options.trust_request_chat_template:
             raise ValueError("chat_template is only allowed in a request when the server runs "
                              "with --trust-request-chat-template")
-        prompt = render_chat(engine, req.messages, req.add_generation_prompt,
-                             req.chat_template_kwargs, plan.tools, req.continue_final_message,
-                             req.chat_template)
+        prompt = render_chat(engine, req.messages, Rendering.of(req), plan.tools)
         return plan, prompt
 
     async def run(self, req: ChatCompletionRequest, raw: Request, lora: LoRARequest | None,
