@@ -254,6 +254,8 @@ def _add_logging(serve: argparse.ArgumentParser) -> None:
     log.add_argument("--max-log-len", type=int, default=None,
                      help="with --enable-log-requests: prompt characters (or token ids) "
                           "logged (default: all)")
+    log.add_argument("--enable-request-id-headers", action="store_true",
+                     help="(always on here: every answer carries X-Request-Id) vLLM's flag")
     log.add_argument("--disable-uvicorn-access-log", action="store_true",
                      help="no line per HTTP request (method, path, status, seconds)")
     log.add_argument("--enable-prompt-tokens-details", action="store_true",
