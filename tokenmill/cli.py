@@ -186,7 +186,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                             "needs --tool-call-parser")
     serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                        help="how tool calls are parsed out of the model's text: hermes "
-                            "(<tool_call> tags: Hermes, Qwen) or llama3_json (Llama 3.x)")
+                            "(<tool_call> tags: Hermes, Qwen), llama3_json (Llama 3.x) or "
+                            "pythonic ([f(x=1)]: Llama 3.2 / 4)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let a chat request bring its own chat_template (vLLM's; a "
                             "template is code the server runs)")

@@ -193,3 +193,24 @@ def test_auto_needs_the_server_flags(smollm2_path):
             create(c)  # tools without tool_choice mean "auto"
         r = create(c, tool_choice="required")
         assert r.choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_parses_pythonic_calls(tiny_model):
+    """--tool-call-parser pythonic: a forced `[name(key=value)]` answer comes back as calls,
+    whole and streamed alike."""
+    engine = LLMEngine.from_options(tiny_model("llama")[0], max_model_len=512,
+                                    num_kv_blocks=96)
+    forced = ['[get_time(timezone="Europe/Paris"), get_weather(city="Paris", unit="celsius")]']
+    for srv in start_server(engine, "smollm2", tool_options=ToolOptions(True, "pythonic")):
+        c = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0)
+        r = create(c, tool_choice="auto", extra_body={"guided_choice": forced})
+        content, calls, finish = streamed_calls(c, tool_choice="auto",
+                                                extra_body={"guided_choice": forced})
+        srv.wait_idle()
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    want = [("get_time", {"timezone": "Europe/Paris"}),
+            ("get_weather", {"city": "Paris", "unit": "celsius"})]
+    assert check_calls(choice.message) == want
+    assert content == "" and finish == "tool_calls"
+    assert [(x["name"], json.loads(x["arguments"])) for x in calls] == want

@@ -1,6 +1,6 @@
-"""Tool-call parsers and tool plans: Hermes tags and Llama 3 JSON parse into calls with JSON
-arguments, malformed calls stay content, `call_start` holds back what may become a call, and
-tool_choice turns into the right constraint or a clear error."""
+"""Tool-call parsers and tool plans: Hermes tags, Llama 3 JSON and pythonic call lists parse
+into calls with JSON arguments, malformed calls stay content, `call_start` holds back what
+may become a call, and tool_choice turns into the right constraint or a clear error."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ import json
 import pytest
 
 from tokenmill.server.protocol_chat import ChatTool, NamedToolChoice
-from tokenmill.server.tool_parsers import HermesToolParser, Llama3JsonToolParser, get_tool_parser
+from tokenmill.server.tool_parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    PythonicToolParser,
+    get_tool_parser,
+)
 from tokenmill.server.tools import ToolOptions, plan_tools
 
 TOOL = {"type": "function", "function": {"name": "add", "parameters": {
@@ -45,6 +50,24 @@ def test_llama3_json():
     assert p.call_start("Hello") is None
     with pytest.raises(ValueError, match="unknown tool call parser"):
         get_tool_parser("mistral")
+
+
+def test_pythonic():
+    p = PythonicToolParser()
+    content, calls = p.parse('[get_weather(city="San Francisco", days=3), '
+                             'add(a=1, nums=[1, 2.5], opts={"x": None, "y": True})]')
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "San Francisco", "days": 3}),
+        ("add", {"a": 1, "nums": [1, 2.5], "opts": {"x": None, "y": True}})]
+    wrapped = p.parse('<|python_start|>[noop()]<|python_end|>')
+    assert wrapped[0] is None and [c.name for c in wrapped[1]] == ["noop"]
+    # not calls: text as it came (nothing is ever evaluated)
+    for text in ("The answer is [3].", "[1, 2]", "[f(1)]", "[f(x=y)]", "[f(**k)]",
+                 "[os.system(cmd='ls')]", "[f(x={1, 2})]", "[f(x=1)", "[]"):
+        assert p.parse(text) == (text, []), text
+    assert p.call_start(" [") == 0 and p.call_start("<|python_") == 0
+    assert p.call_start("Hello [") is None
 
 
 def tools(*defs):

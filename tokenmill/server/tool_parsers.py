@@ -5,6 +5,9 @@ as in vLLM.
   {...}}</tool_call>`; the text outside the tags is the message content.
 - `llama3_json` (Llama 3.1 / 3.2): the answer is one JSON object `{"name": ..., "parameters":
   {...}}` (or "arguments"), or several separated by ";", optionally after `<|python_tag|>`.
+- `pythonic` (Llama 3.2 / 4 with a pythonic template): the answer is a Python list of calls
+  with keyword arguments of literal values, `[get_weather(city="SF"), f(n=1)]`, optionally
+  between `<|python_start|>` and `<|python_end|>`; read with `ast`, never evaluated.
 
 Text that looks like a call but does not parse (a cut-off `<tool_call>`, invalid JSON, a
 missing name) stays content: the client sees what the model said rather than a broken call.
@@ -14,6 +17,7 @@ the start of one instead of streaming it as content.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -138,8 +142,49 @@ class Llama3JsonToolParser(ToolParser):
         return None
 
 
+class PythonicToolParser(ToolParser):
+    name = "pythonic"
+    START, END = "<|python_start|>", "<|python_end|>"  # (Llama 4 wraps its calls in them)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        body = text.strip()
+        body = body.removeprefix(self.START).removesuffix(self.END).strip()
+        if not (body.startswith("[") and body.endswith("]")):
+            return text, []
+        try:
+            tree = ast.parse(body, mode="eval").body
+        except SyntaxError:
+            return text, []
+        calls = [_pythonic_call(node) for node in getattr(tree, "elts", [None])]
+        if not isinstance(tree, ast.List) or not calls or None in calls:
+            return text, []
+        return None, calls
+
+    def call_start(self, text: str) -> int | None:
+        # the whole answer is calls or none is: hold it all while it may be one
+        stripped = text.lstrip()
+        if not stripped:
+            return 0 if text else None
+        if stripped.startswith(("[", self.START)) or self.START.startswith(stripped):
+            return 0
+        return None
+
+
+def _pythonic_call(node: ast.expr | None) -> ToolCall | None:
+    """`name(key=literal, ...)` as a ToolCall; None for anything else (positional or **
+    arguments, a value that is not a literal or not JSON)."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+            and all(kw.arg is not None for kw in node.keywords)):
+        return None
+    try:
+        args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+        return ToolCall(node.func.id, json.dumps(args, ensure_ascii=False), new_call_id())
+    except (ValueError, TypeError, SyntaxError):  # not a literal, or a set / bytes
+        return None
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, PythonicToolParser)}
 
 
 def get_tool_parser(name: str) -> ToolParser:
