@@ -118,6 +118,9 @@ CASES = [
     Case("enforce_eager", ("--enforce-eager",), True, "enforce_eager", True),
     Case("cuda_graph_sizes", ("--cuda-graph-sizes", "1", "2", "8"), [1, 2, 8],
          "cuda_graph_sizes", (1, 2, 8)),
+    # its rules: tests/test_config_graphs.py
+    Case("compilation_config", ("--compilation-config", '{"cudagraph_mode": "NONE"}'),
+         {"cudagraph_mode": "NONE"}, "enforce_eager", True),
     Case("speculative_config", ("--speculative-config", JSON_SPEC), json.loads(JSON_SPEC),
          "speculative.num_speculative_tokens", 2),
     Case("structured_outputs_config", ("--structured-outputs-config", '{"backend": "guidance"}'),

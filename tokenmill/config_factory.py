@@ -31,6 +31,7 @@ from tokenmill.config import (
     EngineConfig,
     ModelConfig,
 )
+from tokenmill.config_graphs import resolve_graphs
 from tokenmill.config_model import model_config
 from tokenmill.config_scheduler import resolve_async_scheduling, scheduler_config
 from tokenmill.config_weights import (
@@ -104,14 +105,16 @@ def create_engine_config(args: EngineArgs, offline: bool = False) -> EngineConfi
     cache["gpu_memory_utilization"] = float(cache["gpu_memory_utilization"])
     cache = CacheConfig(**cache)
     seed = int(args.seed)
+    eager, graph_sizes = resolve_graphs(args.enforce_eager, args.cuda_graph_sizes,
+                                        args.compilation_config)
     return EngineConfig(
         model=model, cache=cache, scheduler=scheduler, parallel=parallel,
         device=device, seed=seed, prepack_weights=args.prepack_weights,
         attention_backend=args.attention_backend,
         batch_invariant=resolve_batch_invariant(args.batch_invariant, device, model,
                                                 args.attention_backend),
-        enforce_eager=bool(args.enforce_eager), speculative=speculative, draft_model=draft,
-        cuda_graph_sizes=_graph_sizes(args.cuda_graph_sizes),
+        enforce_eager=eager, cuda_graph_sizes=graph_sizes, speculative=speculative,
+        draft_model=draft,
         structured_outputs=StructuredOutputsConfig.parse(args.structured_outputs_config),
         runner=_runner(args.runner, model),
         pooler_config=PoolerConfig.parse(args.pooler_config),
@@ -186,14 +189,6 @@ def _max_logprobs(asked: int, vocab_size: int) -> int:
     if isinstance(asked, bool) or not isinstance(asked, int) or asked < -1:
         raise ValueError(f"max_logprobs must be an integer >= -1, got {asked!r}")
     return vocab_size if asked == -1 else min(asked, vocab_size)
-
-
-def _graph_sizes(asked: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...] | None:
-    """--cuda-graph-sizes as a tuple (an int, as vLLM's max_cudagraph_capture_size, is one
-    value); EngineConfig checks the values."""
-    if asked is None:
-        return None
-    return (asked,) if isinstance(asked, int) else tuple(asked)
 
 
 def _runner(asked: str, model: ModelConfig) -> str:

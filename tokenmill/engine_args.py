@@ -245,6 +245,11 @@ class EngineArgs:
         "those sizes; none over --max-num-seqs (default: vLLM's sizes up to "
         "min(max_num_seqs, 512); larger batches run eagerly)", "engine",
         flags=("--max-cudagraph-capture-size",), metavar="N")
+    compilation_config: str | dict[str, Any] | None = option(
+        None, "vLLM's flag, its CUDA-graph keys: cudagraph_mode (NONE, FULL_DECODE_ONLY, "
+        "FULL_AND_PIECEWISE: decode steps graphed, mixed ones eager), cudagraph_capture_sizes, "
+        "max_cudagraph_capture_size; tokenmill compiles nothing, so other keys are refused",
+        "engine")
     speculative_config: str | dict[str, Any] | None = option(
         None, 'speculative decoding as JSON (vLLM\'s flag): method "ngram", "suffix" or '
         '"draft_model" (with "model" and/or "quantization"), e.g. \'{"method": "suffix", '
