@@ -63,20 +63,21 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenmill.utils.request_context import RequestIdFilter
     from tokenmill.utils.sizes import parse_size
 
+    # the server's own options first: a bad one is refused before anything else happens
+    limits = ServerLimits(max_waiting_requests=args.max_waiting_requests,
+                          max_request_body_bytes=parse_size(args.max_request_body_bytes),
+                          request_timeout=args.request_timeout, drain_timeout=args.drain_timeout)
+    tools = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)
+    lora_modules = parse_lora_modules(args.lora_modules)
+    if lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    log, http = server_logging(args), http_options(args)
     # Serving logs what it does (start-up phases, one line per request) with request ids.
     handler = logging.StreamHandler()
     handler.addFilter(RequestIdFilter())
     handler.setFormatter(logging.Formatter(
         "%(asctime)s %(levelname)s [%(request_id)s] %(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
-    limits = ServerLimits(max_waiting_requests=args.max_waiting_requests,
-                          max_request_body_bytes=parse_size(args.max_request_body_bytes),
-                          request_timeout=args.request_timeout, drain_timeout=args.drain_timeout)
-    tools = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)
-    lora_modules = parse_lora_modules(args.lora_modules)  # refused before the model loads
-    if lora_modules and not args.enable_lora:
-        raise ValueError("--lora-modules needs --enable-lora")
-    log, http = server_logging(args), http_options(args)  # (checked before the model loads)
     engine_args = EngineArgs.from_cli_args(args, model=args.model_pos)
     return run_server(make_replicas(engine_args), args.host, args.port,
                       args.api_key, args.served_model_name, limits, tools,

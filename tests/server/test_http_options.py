@@ -5,6 +5,7 @@ serve command's parsing of those flags."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 import ssl
 import subprocess
@@ -94,5 +95,7 @@ def test_serve_parses_the_http_flags():
 
 
 def test_half_a_tls_pair_fails_before_the_model_loads(capsys):
+    handlers = logging.getLogger().handlers[:]
     assert main(["serve", "/nonexistent/model", "--ssl-keyfile", "k.pem"]) == 2
+    assert logging.getLogger().handlers == handlers  # (before serving's logging is set up)
     assert "--ssl-keyfile and --ssl-certfile go together" in capsys.readouterr().err

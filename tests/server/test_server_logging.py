@@ -78,5 +78,7 @@ def test_serve_takes_vllm_s_flags():
 
 def test_a_bad_logging_flag_fails_before_the_model_loads(capsys):
     # (the model path does not exist: the flag is refused first)
+    handlers = logging.getLogger().handlers[:]
     assert main(["serve", "/nonexistent/model", "--max-log-len", "-1"]) == 2
+    assert logging.getLogger().handlers == handlers  # (before serving's logging is set up)
     assert "max_log_len must be >= 0" in capsys.readouterr().err
