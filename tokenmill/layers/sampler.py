@@ -121,7 +121,7 @@ class LogprobTensors:
         after), the tensors themselves on the host."""
         if not self.token_ids.is_cuda:
             return self
-        return LogprobTensors(*(_pinned_copy(t) for t in (self.token_ids, self.logprobs,
+        return LogprobTensors(*(pinned_copy(t) for t in (self.token_ids, self.logprobs,
                                                           self.ranks)))
 
     def lists(self) -> PositionLogprobs:
@@ -140,7 +140,9 @@ def lists_of(tensors: list[LogprobTensors | None]) -> list[PositionLogprobs | No
     return [None if h is None else h.lists() for h in host]
 
 
-def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+def pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor's copy into pinned host memory, queued (readable once the stream has
+    passed this point)."""
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t, non_blocking=True)
 

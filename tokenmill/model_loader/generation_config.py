@@ -19,7 +19,6 @@ from tokenmill.utils.json_option import json_object
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("auto", "vllm")  # or a folder
 # what a generation config may set of a request's sampling (max_new_tokens: max_tokens)
 SAMPLING_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature",
                  "top_k", "top_p", "min_p", "max_new_tokens")

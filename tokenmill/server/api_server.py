@@ -97,12 +97,12 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str | Sequ
     lora_routes.py where runtime LoRA updates are allowed). `lora_modules`: the adapters served
     by name (ValueError for one that cannot be served)."""
     limits, log, http = limits or ServerLimits(), log or ServerLogging(), http or HttpOptions()
-    # vLLM's: a request may name any of the names; answers (and metrics) name the first
-    aliases = ((served_model_name,) if isinstance(served_model_name, str)
-               else tuple(served_model_name))
-    served_model_name = aliases[0]
     engines = engine if isinstance(engine, list) else [engine]
     engine = engines[0]  # the replicas share tokenizer and config
+    # vLLM's: a request may name any of the names; answers (and metrics) name the first
+    adapters = ServedAdapters(served_model_name, engine.adapters.resolve,
+                              enabled=engine.config.lora is not None)
+    served_model_name = adapters.base_name
     metrics = _metrics(engines, served_model_name)
     admission = AdmissionControl(engine.config.scheduler.max_num_seqs * len(engines),
                                  limits.max_waiting_requests)
@@ -131,8 +131,6 @@ def build_app(engine: LLMEngine | list[LLMEngine], served_model_name: str | Sequ
                   lifespan=_lifespan(lifecycle, async_llm, stat_logger),
                   responses={code: {"model": ErrorResponse, "description": text}
                              for code, text in _ERROR_STATUSES.items()}, **http.app_kwargs())
-    adapters = ServedAdapters(aliases, engine.adapters.resolve,
-                              enabled=engine.config.lora is not None)
     for lora in lora_modules:
         adapters.add(lora)
     app.state.server = ServerState(

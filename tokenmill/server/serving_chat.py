@@ -183,15 +183,20 @@ class AnswerShape:
     reasoning: ReasoningParser | None = None
     include_reasoning: bool = True
 
-    def split(self, c: Any, finished: bool, prompt: str | None) -> tuple[Any, str | None]:
+    def split(self, c: Any, finished: bool, opened: bool) -> tuple[Any, str | None]:
         """The choice as its content alone (for the message and tool calls), and its
-        reasoning (None: no parser, none, or not asked); `prompt`: the rendered prompt."""
+        reasoning (None: no parser, none, or not asked); `opened`: its rendered prompt ends
+        inside <think> (`opens_thinking`)."""
         if self.reasoning is None:
             return c, None
-        reasoning, content = self.reasoning.split(c.text, finished,
-                                                  prompt_opens_thinking(prompt or ""))
+        reasoning, content = self.reasoning.split(c.text, finished, opened)
         return (dataclasses.replace(c, text=content),
                 reasoning if self.include_reasoning else None)
+
+    def opens_thinking(self, prompt: str | None) -> bool:
+        """Whether the answer to `prompt` begins in reasoning (read once a request, and only
+        with a parser)."""
+        return self.reasoning is not None and prompt_opens_thinking(prompt or "")
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -251,8 +256,9 @@ class OpenAIServingChat(OpenAIServing):
             return done
         plan, params, final = done.plan, done.params, done.final
         choices = []
+        opened = shape.opens_thinking(final.prompt)
         for c in final.outputs:
-            content, reasoning = shape.split(c, True, final.prompt)
+            content, reasoning = shape.split(c, True, opened)
             message, finish = answer(plan, content)
             message["role"] = shape.role
             if reasoning is not None:
@@ -288,12 +294,13 @@ class OpenAIServingChat(OpenAIServing):
                 streamed = StreamedChoices()
                 shown: dict[int, int] = {}  # choice index → content characters sent
                 thought: dict[int, int] = {}  # choice index → reasoning characters sent
+                opened = shape.opens_thinking(started.prompt["prompt"])
                 async for _, out in merge([started.gen]):
                     check_failed([out])
                     for new in out.outputs:  # (DELTA: the new text, tokens and logprobs)
                         c = streamed.add(0, new.index, out, new)
                         content, reasoning = shape.split(c, c.finish_reason is not None,
-                                                         started.prompt["prompt"])
+                                                         opened)
                         delta, finish = self.delta(plan, content, shown)
                         if reasoning and len(reasoning) > thought.get(c.index, 0):
                             delta["reasoning"] = reasoning[thought.get(c.index, 0):]

@@ -202,7 +202,6 @@ class OpenAIServing:
         self.engine, self.model_name = engine, model_name
         self.admission, self.request_timeout = admission, request_timeout
         self.options = options or ServingOptions()
-        self.request_log = self.options.request_log
 
     @property
     def details(self) -> bool:
@@ -249,8 +248,8 @@ class OpenAIServing:
         streams = []
         try:
             for i, prompt in enumerate(prompts):
-                if self.request_log is not None:
-                    self.request_log.log(f"{base}-{i}", prompt, params, lora)
+                if self.options.request_log is not None:
+                    self.options.request_log.log(f"{base}-{i}", prompt, params, lora)
                 streams.append(await self.engine.add_request(f"{base}-{i}", prompt, params,
                                                              deadline, lora, priority))
         except BaseException:

@@ -31,6 +31,7 @@ import torch
 
 from tokenmill.attention.input_batch import InputBatch, tensor_on
 from tokenmill.core.interface import ModelRunnerOutput, ScheduledRequest
+from tokenmill.layers.sampler import pinned_copy
 from tokenmill.worker.step_sampling import SampledLogprobs
 
 PLACEHOLDER = -1  # an in-flight token in a runner's output list (never a vocabulary id)
@@ -57,8 +58,7 @@ class InFlightStep:
         logprobs, whose copies are already queued (step_sampling.sample_step)."""
         ready = None
         if tokens.is_cuda:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
+            host = pinned_copy(tokens)
             ready = torch.cuda.Event()
             ready.record()
         else:
