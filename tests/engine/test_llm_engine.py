@@ -57,6 +57,30 @@ def test_stop_token_ids_and_eos(llm):
     assert out.stop_reason is None
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_stop_tokens_text_is_left_out_unless_asked(llm, skip_special_tokens):
+    """vLLM's rule: the stop token (a stop id, EOS) is in token_ids, not in the text, unless
+    include_stop_str_in_output; with skip_special_tokens false EOS's text would show."""
+    tok = llm.get_tokenizer()
+    ref = llm.generate([[11, 12, 13]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    stop = ref[4]
+    first = ref.index(stop)
+    for include in (False, True):
+        out = llm.generate([[11, 12, 13]], SamplingParams(
+            temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop],
+            include_stop_str_in_output=include, skip_special_tokens=skip_special_tokens),
+            use_tqdm=False)[0].outputs[0]
+        shown = ref[:first + 1] if include else ref[:first]
+        assert out.token_ids == ref[:first + 1]
+        assert out.text == tok.decode(shown, skip_special_tokens=skip_special_tokens)
+    eos = llm.generate([[11, 12, 13]], SamplingParams(  # EOS made certain at the 4th token
+        temperature=0, max_tokens=12, min_tokens=3, logit_bias={2: 100.0},
+        skip_special_tokens=skip_special_tokens), use_tqdm=False)[0].outputs[0]
+    assert eos.token_ids[-1] == 2 and len(eos.token_ids) == 4 and eos.finish_reason == "stop"
+    assert eos.text == tok.decode(eos.token_ids[:-1], skip_special_tokens=skip_special_tokens)
+    assert tok.decode([2]) not in eos.text
+
+
 def test_abort_mid_run_frees_blocks_and_spares_others(llm):
     engine = llm.engine
     expected = [o.outputs[0].token_ids for o in

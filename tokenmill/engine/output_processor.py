@@ -7,7 +7,10 @@ requests in the scheduler and free their blocks at once. Embedding requests' par
 are added up here too (engine/pooled_outputs.py), into an EmbeddingRequestOutput when done.
 
 While a sample with stop strings is running, its visible text holds back the last
-(longest stop string - 1) characters, which could still turn out to begin a stop string.
+(longest stop string - 1) characters, which could still turn out to begin a stop string. A
+sample ended by a stop token (EOS, a stop_token_ids entry) keeps the token in its token ids
+but not in its text, unless include_stop_str_in_output (vLLM's rule: with
+skip_special_tokens false the text would otherwise end in "</s>" or the stop id's word).
 
 What an output holds follows the request's `output_kind` (sampling_params.RequestOutputKind):
 everything so far (CUMULATIVE), what is new since its last output (DELTA: each sample keeps how
@@ -224,6 +227,8 @@ class OutputProcessor:
         if request.is_finished:
             s.finish_reason = RequestStatus.finish_reason(request.status)
             s.stop_reason = request.stop_reason
+            if new_ids and _stopped_by_token(request) and not s.params.include_stop_str_in_output:
+                new_ids = new_ids[:-1]  # (module doc)
         delta = s.detok.add_tokens(new_ids)
         if not (delta and s.params.stop) or len(s.token_ids) < s.params.min_tokens:
             return False
@@ -270,6 +275,15 @@ class OutputProcessor:
         if text is None:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
+
+
+def _stopped_by_token(request: Request) -> bool:
+    """Whether the request's last token ended it as a stop token (EOS or a stop id; not the
+    token that completed a grammar)."""
+    last = request.output_token_ids[-1]
+    return request.status == RequestStatus.FINISHED_STOPPED and (
+        request.stop_reason == last
+        or (not request.sampling_params.ignore_eos and last in request.eos_token_ids))
 
 
 def _cumulative(s: SampleState) -> CompletionOutput:
