@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.bench import latency, serve_command, throughput
 from tokenmill.engine.dp_router import ROUTERS
 from tokenmill.engine_args import EngineArgs
-from tokenmill.server.reasoning_parsers import REASONING_PARSERS
 from tokenmill.server.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:
@@ -105,7 +104,6 @@ def serving_options(args: argparse.Namespace) -> ServingOptions:
                           force_include_usage=args.enable_force_include_usage,
                           response_role=args.response_role,
                           tokens_as_ids=args.return_tokens_as_token_ids,
-                          reasoning_parser=args.reasoning_parser,
                           trust_request_chat_template=args.trust_request_chat_template)
 
 
@@ -187,15 +185,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                             "needs --tool-call-parser")
     serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                        help="how tool calls are parsed out of the model's text: hermes "
-                            "(<tool_call> tags: Hermes, Qwen), llama3_json (Llama 3.x) or "
-                            "pythonic ([f(x=1)]: Llama 3.2 / 4)")
+                            "(<tool_call> tags: Hermes, Qwen), llama3_json (Llama 3.x), "
+                            "pythonic ([f(x=1)]: Llama 3.2 / 4), mistral ([TOOL_CALLS]), "
+                            "granite (Granite 3.x) or phi4_mini_json (Phi-4-mini)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let a chat request bring its own chat_template (vLLM's; a "
                             "template is code the server runs)")
-    serve.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
-                       help="split a thinking model's reasoning (<think>...</think>) off "
-                            "its chat answers into message.reasoning (vLLM's): deepseek_r1 "
-                            "or qwen3")
     serve.add_argument("--data-parallel-router", choices=ROUTERS,
                        default="cache_aware",
                        help="with --data-parallel-size: send each request to the replica "

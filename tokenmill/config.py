@@ -26,6 +26,7 @@ from tokenmill.distributed.config import ParallelConfig
 from tokenmill.kv_offload.config import KVOffloadConfig
 from tokenmill.lora.config import LoRAConfig
 from tokenmill.pooling_params import PoolerConfig
+from tokenmill.reasoning.config import ReasoningConfig
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.structured_output.config import StructuredOutputsConfig
 
@@ -261,6 +262,9 @@ class EngineConfig:
     draft_model: ModelConfig | None = None
     # Structured outputs (vLLM's --structured-outputs-config; structured_output/config.py).
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
+    # a thinking model's reasoning tags (vLLM's --reasoning-parser, --reasoning-config;
+    # reasoning/config.py); None: requests' reasoning is not known to the engine
+    reasoning: ReasoningConfig | None = None
     # vLLM's --runner: "generate" (text only), "pooling" (embeddings only), "auto" (both)
     runner: str = "auto"
     # how an embedding request pools the hidden states (vLLM's --pooler-config)

@@ -50,6 +50,7 @@ from tokenmill.lora.config import LoRAConfig
 from tokenmill.lora.targets import check_architecture as check_lora_architecture
 from tokenmill.model_loader.generation_config import model_sampling_defaults
 from tokenmill.pooling_params import PoolerConfig
+from tokenmill.reasoning.config import ReasoningConfig
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.structured_output.config import StructuredOutputsConfig
 from tokenmill.utils import cpp_extension
@@ -116,6 +117,7 @@ def create_engine_config(args: EngineArgs, offline: bool = False) -> EngineConfi
         enforce_eager=eager, cuda_graph_sizes=graph_sizes, speculative=speculative,
         draft_model=draft,
         structured_outputs=StructuredOutputsConfig.parse(args.structured_outputs_config),
+        reasoning=ReasoningConfig.parse(args.reasoning_parser, args.reasoning_config),
         runner=_runner(args.runner, model),
         pooler_config=PoolerConfig.parse(args.pooler_config),
         lora=_lora_config(args, model),

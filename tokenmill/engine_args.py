@@ -41,6 +41,7 @@ from tokenmill.distributed.config import EXECUTOR_BACKENDS, ParallelConfig
 from tokenmill.kv_offload.config import OFFLOADING_BACKENDS
 from tokenmill.lora.config import LORA_DTYPES, LoRAConfig
 from tokenmill.quantization import QUANTIZATION_METHODS
+from tokenmill.reasoning.parsers import REASONING_PARSERS
 
 GROUPS = ("model", "cache", "kv_offload", "scheduler", "parallel", "lora", "engine")
 
@@ -256,7 +257,21 @@ class EngineArgs:
         '"num_speculative_tokens": 3}\'', "engine")
     structured_outputs_config: str | dict[str, Any] | None = option(
         None, 'structured outputs as JSON (vLLM\'s flag): "backend" ("auto", "guidance" or '
-        '"xgrammar") and "jump_forward" (true or false)', "engine")
+        '"xgrammar"), "jump_forward" (true or false) and "enable_in_reasoning" (true: with a '
+        'reasoning parser, grammars apply from the first token, not from where the reasoning '
+        'ends)', "engine")
+    reasoning_parser: str | None = option(
+        None, "vLLM's flag: the thinking model's reasoning tags (deepseek_r1: an answer "
+        "reasons until </think>, with or without <think>; qwen3: only after <think>; mistral: "
+        "[THINK] ... [/THINK]). The "
+        "server splits answers with it (chat's message.reasoning, Responses' reasoning items, "
+        "Messages' thinking blocks); the engine enforces requests' thinking_token_budget and "
+        "starts their grammars where the reasoning ends", "engine",
+        choices=tuple(sorted(REASONING_PARSERS)))
+    reasoning_config: str | dict[str, Any] | None = option(
+        None, "vLLM's flag, as JSON: \"reasoning_start_str\" and \"reasoning_end_str\" (the "
+        "text forced when a thinking budget runs out, e.g. a closing phrase before </think>; "
+        "default: the parser's tags)", "engine")
     enable_sleep_mode: bool = option(
         EngineConfig.enable_sleep_mode, "let the engine sleep while idle (LLM.sleep, the "
         "server's POST /sleep?level=1|2, /wake_up): its KV cache and weights released, read "

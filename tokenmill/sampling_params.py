@@ -71,9 +71,14 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # vLLM's: words never generated (each as tokenized alone and after a space)
     bad_words: list[str] | None = None
+    # vLLM's: at most this many tokens of reasoning, then the end of thinking is forced (needs
+    # the engine's reasoning_parser or reasoning_config: reasoning/gate.py)
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         self._check_int("n", self.n, 1)
+        if self.thinking_token_budget is not None:
+            self._check_int("thinking_token_budget", self.thinking_token_budget, 0)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
             if not self.allowed_token_ids:

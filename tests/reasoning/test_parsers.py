@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.server.reasoning_parsers import END, get_reasoning_parser, prompt_opens_thinking
+from tokenmill.reasoning.parsers import END, get_reasoning_parser
 
 CASES = [  # text, the prompt opened <think>, deepseek_r1's split, qwen3's split
     ("<think>\nLet me see.\n</think>\n\nParis.", False, ("\nLet me see.\n", "\n\nParis."),
@@ -44,12 +44,23 @@ def test_growing_answers_only_grow_and_hide_partial_tags(name, text, opened):
 
 
 def test_a_prompt_opens_thinking_when_its_last_tag_opens():
-    assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
-    assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert not prompt_opens_thinking("<|im_start|>assistant\n")
+    qwen3 = get_reasoning_parser("qwen3")
+    assert qwen3.prompt_opens("<|im_start|>assistant\n<think>\n")
+    assert not qwen3.prompt_opens("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not qwen3.prompt_opens("<|im_start|>assistant\n")
+    mistral = get_reasoning_parser("mistral")
+    assert mistral.prompt_opens("[INST]hi[/INST][THINK]") and not qwen3.prompt_opens("[THINK]")
+
+
+def test_mistral_splits_at_its_own_tags():
+    mistral = get_reasoning_parser("mistral")
+    assert mistral.split("[THINK]Hmm.[/THINK]Paris.", True) == ("Hmm.", "Paris.")
+    assert mistral.split("Paris.", True) == (None, "Paris.")
+    assert mistral.split("Hmm.[/TH", False, opened=True) == ("Hmm.", "")
+
 
 
 def test_unknown_parsers_are_named():
     with pytest.raises(ValueError, match="unknown reasoning parser 'r2'; known: deepseek_r1, "
-                                         "qwen3"):
+                                         "mistral, qwen3"):
         get_reasoning_parser("r2")

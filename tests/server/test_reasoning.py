@@ -1,18 +1,19 @@
 """--reasoning-parser on a running server: a chat answer's reasoning comes back in
 `message.reasoning` (streamed as `delta.reasoning`), its content without it; a request's
 include_reasoning false drops it. The tiny model is made to answer with tags by a choice
-constraint (what it writes is then known)."""
+constraint applied from the first token (enable_in_reasoning: what it writes is then
+known)."""
 
 from __future__ import annotations
 
 import json
 
 import httpx
+import openai
 import pytest
 
 from tests.server.conftest import start_server
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.server.serving_common import ServingOptions
 
 THOUGHT = "<think>Paris is the capital.</think>It is Paris."
 ASK = {"messages": [{"role": "user", "content": "Capital of France?"}], "temperature": 0,
@@ -21,8 +22,10 @@ ASK = {"messages": [{"role": "user", "content": "Capital of France?"}], "tempera
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    engine = LLMEngine.from_options(tiny_model("llama")[0], max_model_len=512, num_kv_blocks=96)
-    yield from start_server(engine, "m", answers=ServingOptions(reasoning_parser="deepseek_r1"))
+    engine = LLMEngine.from_options(tiny_model("llama")[0], max_model_len=512, num_kv_blocks=96,
+                                    reasoning_parser="deepseek_r1",
+                                    structured_outputs_config={"enable_in_reasoning": True})
+    yield from start_server(engine, "m")
 
 
 def _chat(srv, **fields) -> dict:
@@ -66,3 +69,58 @@ def test_without_a_parser_the_tags_stay_in_the_content(tiny_server):
     message = r["choices"][0]["message"]
     assert message["content"] == THOUGHT and "reasoning" not in message
     tiny_server.wait_idle()
+
+
+def _client(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0)
+
+
+def _responses(srv, stream: bool = False, **extra):
+    return _client(srv).responses.create(
+        model="m", input="Capital of France?", temperature=0, max_output_tokens=64,
+        stream=stream, extra_body={"structured_outputs": {"choice": [THOUGHT]}, **extra})
+
+
+def test_responses_answer_with_a_reasoning_item_then_the_message(server):
+    r = _responses(server)
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "Paris is the capital." and r.output[0].summary == []
+    assert r.output_text == "It is Paris."
+    tok = server.engine.tokenizer
+    through_end = len(tok.encode("<think>Paris is the capital.</think>",
+                                 add_special_tokens=False))
+    assert r.usage.output_tokens_details.reasoning_tokens == through_end
+    assert r.usage.output_tokens > through_end
+    hidden = _responses(server, include_reasoning=False)
+    assert [item.type for item in hidden.output] == ["message"]
+    server.wait_idle()
+
+
+def test_a_responses_stream_closes_the_reasoning_before_the_message(server):
+    events = list(_responses(server, stream=True))
+    kinds = [e.type for e in events]
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    said = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (thought, said) == ("Paris is the capital.", "It is Paris.")
+    done = kinds.index("response.reasoning_text.done")
+    assert done < kinds.index("response.output_text.delta")
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done")
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert [e.output_index for e in events if e.type == "response.output_item.done"] == [0, 1]
+    server.wait_idle()
+
+
+def test_reasoning_items_go_back_with_their_turn(server):
+    first = _responses(server)
+    follow = [*[item.model_dump(exclude_none=True) for item in first.output],
+              {"role": "user", "content": "And of Italy?"}]
+    client = _client(server)
+    again = client.responses.create(model="m", input=follow, max_output_tokens=4)
+    without = client.responses.create(model="m", input=follow[1:], max_output_tokens=4)
+    # accepted; SmolLM2's template shows no reasoning (test_thinking_apis.py: one that does)
+    assert again.usage.input_tokens == without.usage.input_tokens
+    r = httpx.post(f"{server.base_url}/v1/responses", json={"model": "m", "input": [
+        follow[0]]})
+    assert r.status_code == 400 and "reasoning item" in r.json()["error"]["message"]
+    server.wait_idle()

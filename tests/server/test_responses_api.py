@@ -126,7 +126,8 @@ def test_json_schema_format(client):
     ({"store": True}, "store"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"tools": [{"type": "web_search"}]}, "web_search"),
-    ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"reasoning": {"summary": "auto"}}, "summary"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "reasoning item"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input_image"),
 ])
 def test_refused_by_name(server, extra, words):

@@ -214,3 +214,25 @@ def test_auto_parses_pythonic_calls(tiny_model):
     assert check_calls(choice.message) == want
     assert content == "" and finish == "tool_calls"
     assert [(x["name"], json.loads(x["arguments"])) for x in calls] == want
+
+
+def test_a_special_token_marker_survives_detokenization(tiny_model, monkeypatch):
+    """A parser whose marker is a special token (Mistral's [TOOL_CALLS]; here SmolLM2's
+    <empty_output>, id 16) sees it in the text: the answer keeps its special tokens. The
+    model is made to write it (logit_bias) and then a call."""
+    from tokenmill.server import tool_parsers
+
+    class SpecialMarked(tool_parsers.MarkedJsonToolParser):
+        name, markers = "special_marked", ("<empty_output>",)
+
+    monkeypatch.setitem(tool_parsers.TOOL_PARSERS, SpecialMarked.name, SpecialMarked)
+    engine = LLMEngine.from_options(tiny_model("llama")[0], max_model_len=512,
+                                    num_kv_blocks=32)
+    for srv in start_server(engine, "m", tool_options=ToolOptions(True, SpecialMarked.name)):
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(
+            model="m", messages=ASK, tools=TOOLS, max_tokens=1, logit_bias={"16": 100})
+        assert r.choices[0].message.content == "<empty_output>"  # held, then not a call
+        plain = client.chat.completions.create(model="m", messages=ASK, max_tokens=1,
+                                               logit_bias={"16": 100})
+        assert plain.choices[0].message.content == ""  # no tools: skipped as asked

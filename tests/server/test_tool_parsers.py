@@ -1,5 +1,6 @@
-"""Tool-call parsers and tool plans: Hermes tags, Llama 3 JSON and pythonic call lists parse
-into calls with JSON arguments, malformed calls stay content, `call_start` holds back what
+"""Tool-call parsers and tool plans: Hermes tags, Llama 3 JSON, pythonic call lists, Mistral's
+[TOOL_CALLS] (both formats), Granite's and Phi-4-mini's marked arrays parse into calls with
+JSON arguments, malformed calls stay content, `call_start` holds back what
 may become a call, and tool_choice turns into the right constraint or a clear error."""
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ import pytest
 
 from tokenmill.server.protocol_chat import ChatTool, NamedToolChoice
 from tokenmill.server.tool_parsers import (
+    GraniteToolParser,
     HermesToolParser,
     Llama3JsonToolParser,
+    MistralToolParser,
+    Phi4MiniJsonToolParser,
     PythonicToolParser,
     get_tool_parser,
 )
@@ -49,7 +53,40 @@ def test_llama3_json():
     assert p.call_start("  {") == 0 and p.call_start("<|py") == 0
     assert p.call_start("Hello") is None
     with pytest.raises(ValueError, match="unknown tool call parser"):
-        get_tool_parser("mistral")
+        get_tool_parser("hermes2")
+
+
+def named_args(calls) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_mistral_both_formats():
+    p = MistralToolParser()
+    old = 'Sure.[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}, {"name": "sub", ' \
+          '"arguments": {"b": 2}}]'
+    content, calls = p.parse(old)
+    assert content == "Sure." and named_args(calls) == [("add", {"a": 1}), ("sub", {"b": 2})]
+    content, calls = p.parse('[TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]sub[CALL_ID]x1y2z3'
+                             '[ARGS]{"b": 2}')
+    assert content is None and named_args(calls) == [("add", {"a": 1}), ("sub", {"b": 2})]
+    for broken in ('[TOOL_CALLS]add[ARGS]{"a": ', '[TOOL_CALLS]add{"a": 1}',
+                   '[TOOL_CALLS] [{"a": 1}]', 'plain'):
+        assert p.parse(broken) == (broken, [])
+    assert p.call_start("ok [TOOL_") == 3 and p.call_start("ok") is None
+
+
+@pytest.mark.parametrize("parser, marker", [
+    (GraniteToolParser(), "<|tool_call|>"), (GraniteToolParser(), "<tool_call>"),
+    (Phi4MiniJsonToolParser(), "functools")])
+def test_marked_json_arrays(parser, marker):
+    content, calls = parser.parse(f'Checking. {marker}[{{"name": "add", "arguments": '
+                                  f'{{"a": 1}}}}] Done.')
+    assert content == "Checking.  Done." and named_args(calls) == [("add", {"a": 1})]
+    content, calls = parser.parse(f'{marker}[{{"name": "add", "arguments": {{"a": 2}}}}]')
+    assert content is None and named_args(calls) == [("add", {"a": 2})]
+    broken = f'{marker}[{{"name": "add", "arguments": '
+    assert parser.parse(broken) == (broken, [])
+    assert parser.call_start("x " + marker[:4]) == 2 and parser.call_start("x") is None
 
 
 def test_pythonic():
@@ -136,3 +173,16 @@ def test_tools_reach_the_prompt_with_either_kind_of_template(tiny_model):
     assert "<tools>" not in native  # the template renders them itself
     assert '"name": "add"' in native.split("<|im_end|>")[0]
     assert '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>' in native  # an object
+
+
+def test_special_markers_keep_the_special_tokens(tiny_model):
+    """A parser whose marker is a special token of the tokenizer (Mistral's [TOOL_CALLS],
+    Granite 3.0's <|tool_call|>) gets the answer detokenized with its special tokens."""
+    from tokenmill.config_model import model_config
+    from tokenmill.engine.tokenizer import load_tokenizer
+    from tokenmill.server.serving_chat import skipped_on_decode
+
+    tok = load_tokenizer(model_config(tiny_model("llama")[0]))
+    assert skipped_on_decode(tok, "<|im_start|>") and skipped_on_decode(tok, "<empty_output>")
+    assert not skipped_on_decode(tok, "<tool_call>") and not skipped_on_decode(tok, "[TOOL_CALLS]")
+    assert not skipped_on_decode(tok, "functools")

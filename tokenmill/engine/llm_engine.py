@@ -46,6 +46,7 @@ from tokenmill.lora.registry import AdapterRegistry
 from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import SchedulerStats, scheduler_stats
 from tokenmill.outputs import RequestOutput
+from tokenmill.reasoning.gate import ReasoningTokens
 from tokenmill.sampling_params import SEED_MIN, SamplingParams
 from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.utils.cpp_extension import prebuild_cpu_extensions
@@ -93,9 +94,11 @@ class LLMEngine:
                                                   config.model.vocab_size, self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer)
         self.adapters = AdapterRegistry(config.model.hf_config, config.lora)
+        reasoning = None if config.reasoning is None else ReasoningTokens.of(
+            config.reasoning, self.tokenizer, config.structured_outputs.enable_in_reasoning)
         self.intake = RequestIntake(config.model, self.tokenizer, self.kv, self.structured,
                                     config.runner, config.pooler_config, self.adapters,
-                                    config.scheduler.scheduling_policy)
+                                    config.scheduler.scheduling_policy, reasoning)
         self._all_failed_steps = 0  # consecutive steps in which every request failed
         # steps sent and not yet applied, oldest first, with the Futures of their outputs'
         # Futures, set once the step's work is queued (async scheduling: the one the model is

@@ -21,6 +21,7 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.lora.registry import AdapterRegistry
 from tokenmill.lora.request import AdapterRef, LoRARequest
 from tokenmill.pooling_params import PoolerConfig, PoolingParams
+from tokenmill.reasoning.gate import ReasoningTokens
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output.backend import CompiledGrammar
 from tokenmill.structured_output.manager import StructuredOutputManager
@@ -49,8 +50,10 @@ class RequestIntake:
     def __init__(self, model: ModelConfig, tokenizer: Any, kv: KVCacheManager,
                  structured: StructuredOutputManager, runner: str = "auto",
                  pooler: PoolerConfig | None = None, adapters: AdapterRegistry | None = None,
-                 scheduling_policy: str = "fcfs") -> None:
+                 scheduling_policy: str = "fcfs", reasoning: ReasoningTokens | None = None
+                 ) -> None:
         self.scheduling_policy = scheduling_policy
+        self.reasoning = reasoning  # the reasoning tags' tokens (thinking budgets, gates)
         self.model, self.tokenizer, self.kv, self.structured = model, tokenizer, kv, structured
         self.runner, self.pooler = runner, pooler or PoolerConfig()
         self.adapters = adapters or AdapterRegistry(model.hf_config, None)
@@ -85,9 +88,21 @@ class RequestIntake:
         lora = self.adapters.resolve(lora_request)
         grammar = (self.structured.compile(params.structured_outputs)
                    if params.structured_outputs is not None else None)
+        grammar = self._gate(grammar, params.thinking_token_budget, token_ids)
         return PreparedRequest(request_id, prompt_text, token_ids, params, max_tokens, arrival,
                                grammar, lora=lora, priority=priority,
                                bad_words=self._bad_words(params.bad_words or ()))
+
+    def _gate(self, grammar: CompiledGrammar | None, budget: int | None,
+              token_ids: list[int]) -> CompiledGrammar | None:
+        """The grammar behind the request's reasoning, with its thinking budget (vLLM's:
+        reasoning/gate.py); ValueError for a budget without the engine's reasoning tags."""
+        if self.reasoning is None:
+            if budget is not None:
+                raise ValueError("thinking_token_budget needs the engine's reasoning tags: "
+                                 "start it with --reasoning-parser (or --reasoning-config)")
+            return grammar
+        return self.reasoning.gate(grammar, budget, token_ids)
 
     def _bad_words(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
         """Each word's token sequences as vLLM bans them: the word alone (leading spaces

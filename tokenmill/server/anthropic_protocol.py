@@ -7,8 +7,13 @@ Served: `system` (a string or text blocks), `messages` with text, `tool_use` (as
 (request fields; anthropic 2.x clients send them through extra_body), `stream`, `tools`
 (name, description, input_schema) and `tool_choice` (auto / any / tool / none), `metadata`
 (accepted; its user_id is not used), `cache_control` on the request and on blocks
-(accepted: the prefix cache is automatic). Anything else (images, documents, thinking,
-server tools, ...) is refused by name.
+(accepted: the prefix cache is automatic), `thinking` (as vLLM maps it: enabled → the
+request's thinking_token_budget, with the template's enable_thinking; disabled → chat's
+reasoning_effort "none"; adaptive → the model's own; display "omitted" drops the thinking
+blocks, "summarized" returns them whole: nothing summarizes), and earlier `thinking` blocks
+(their text goes back as the turn's reasoning; `redacted_thinking` blocks are opaque and
+skipped, as vLLM does). Anything else (images, documents, server tools, ...) is refused by
+name.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, StrictBool, StrictInt
+from pydantic import BaseModel, Field, StrictBool, StrictInt, model_validator
 
 from tokenmill.server.protocol import Float, StrictModel, Text
 
@@ -48,17 +53,43 @@ class AnthropicTool(StrictModel):
     cache_control: dict[str, Any] | None = None
 
 
+class ThinkingEnabled(StrictModel):
+    type: Literal["enabled"]
+    budget_tokens: Annotated[StrictInt, Field(ge=1024)]  # Anthropic's least
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class ThinkingDisabled(StrictModel):
+    type: Literal["disabled"]
+
+
+class ThinkingAdaptive(StrictModel):
+    type: Literal["adaptive"]
+    display: Literal["summarized", "omitted"] | None = None
+
+
+ThinkingConfig = Annotated[ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive,
+                           Field(discriminator="type")]
+
+
 class CountTokensRequest(StrictModel):
     model: Text
     messages: list[AnthropicMessage]
     system: Text | list[dict[str, Any]] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
+    thinking: ThinkingConfig | None = None
 
     def to_chat(self, **sampling: Any) -> dict[str, Any]:
         """The chat completions request (as JSON) this conversation is."""
         body: dict[str, Any] = {"model": self.model,
                                 "messages": chat_messages(self.system, self.messages)}
+        if isinstance(self.thinking, ThinkingDisabled):
+            body["reasoning_effort"] = "none"
+        elif isinstance(self.thinking, ThinkingEnabled):
+            body["chat_template_kwargs"] = {"enable_thinking": True}
+        if getattr(self.thinking, "display", None) == "omitted":
+            body["include_reasoning"] = False
         if self.tools:
             body["tools"] = [{"type": "function", "function": {
                 "name": t.name, "description": t.description, "parameters": t.input_schema}}
@@ -78,8 +109,17 @@ class MessagesRequest(CountTokensRequest):
     metadata: dict[str, Any] | None = None
     cache_control: dict[str, Any] | None = None  # accepted: the prefix cache is automatic
 
+    @model_validator(mode="after")
+    def _budget_under_max_tokens(self) -> MessagesRequest:
+        if isinstance(self.thinking, ThinkingEnabled) \
+                and self.thinking.budget_tokens >= self.max_tokens:
+            raise ValueError("thinking.budget_tokens must be less than max_tokens")
+        return self
+
     def to_chat_request(self) -> dict[str, Any]:
         sampling = {"max_tokens": self.max_tokens, "stream": self.stream}
+        if isinstance(self.thinking, ThinkingEnabled):
+            sampling["thinking_token_budget"] = self.thinking.budget_tokens
         for name, value in (("stop", self.stop_sequences), ("temperature", self.temperature),
                             ("top_p", self.top_p), ("top_k", self.top_k)):
             if value is not None:
@@ -151,19 +191,23 @@ def chat_messages(system: str | list[dict[str, Any]] | None,
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
-        texts, calls, results = [], [], []
+        texts, calls, results, thoughts = [], [], [], []
         for j, block in enumerate(m.content):
             where, kind = f"messages[{i}].content[{j}]", block.get("type")
             if kind == "text":
                 texts.append(_text(block, where))
+            elif kind == "thinking" and m.role == "assistant":
+                thoughts.append(_thinking(block, where))
+            elif kind == "redacted_thinking" and m.role == "assistant":
+                continue  # opaque (another model's, encrypted): nothing to show the template
             elif kind == "tool_use" and m.role == "assistant":
                 calls.append(_tool_use(block, where))
             elif kind == "tool_result" and m.role == "user":
                 results.append(_tool_result(block, where))
             else:
                 raise ValueError(f"{where}: {m.role} content blocks of type {kind!r} are not "
-                                 "supported (text, tool_use in assistant turns, tool_result "
-                                 "in user turns)")
+                                 "supported (text, tool_use and thinking in assistant turns, "
+                                 "tool_result in user turns)")
         out += results
         if texts or calls or not results:
             message: dict[str, Any] = {"role": m.role,
@@ -171,5 +215,15 @@ def chat_messages(system: str | list[dict[str, Any]] | None,
                                        else None}
             if calls:
                 message["tool_calls"] = calls
+            if thoughts:
+                message["reasoning"] = "\n".join(thoughts)
             out.append(message)
     return out
+
+
+def _thinking(block: dict[str, Any], where: str) -> str:
+    unknown = set(block) - {"type", "thinking", "signature", "cache_control"}
+    if unknown or not isinstance(block.get("thinking"), str):
+        raise ValueError(f"{where}: a thinking block has a string `thinking` (and its "
+                         "signature)")
+    return block["thinking"]

@@ -140,6 +140,8 @@ class SamplingFields(StrictModel):
     stop_token_ids: list[TokenId] | None = None
     allowed_token_ids: list[TokenId] | None = None  # only these may be sampled
     bad_words: list[Text] | None = None  # never generated
+    # at most this many reasoning tokens, then the end of thinking (--reasoning-parser)
+    thinking_token_budget: Annotated[StrictInt, Field(ge=0)] | None = None
     truncate_prompt_tokens: StrictInt | None = None  # the prompt's last k tokens (-1: the model's)
     prompt_logprobs: StrictInt | None = None
     # structured outputs (see the module doc)
@@ -184,6 +186,7 @@ class SamplingFields(StrictModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             structured_outputs=self.structured_outputs_params(),
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            thinking_token_budget=self.thinking_token_budget,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             # as vLLM's server asks: a stream, what is new at each step (nothing the engine
             # builds grows with the answer; serving_common.StreamedChoices adds it up); a

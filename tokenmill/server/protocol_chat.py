@@ -35,11 +35,18 @@ class ChatMessage(StrictModel):
     name: Text | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: Text | None = None  # a tool result: the call it answers
+    # an assistant's earlier reasoning (vLLM's `reasoning`; `reasoning_content`, its older
+    # name, as DeepSeek's API and Qwen's templates call it), shown to the template as both
+    reasoning: Text | None = None
+    reasoning_content: Text | None = None
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("tool_calls is only allowed in assistant messages")
+        if (self.reasoning is not None or self.reasoning_content is not None) \
+                and self.role != "assistant":
+            raise ValueError("reasoning is only allowed in assistant messages")
         if self.tool_call_id is not None and self.role != "tool":
             raise ValueError("tool_call_id is only allowed in tool messages")
         return self
@@ -56,6 +63,9 @@ class ChatMessage(StrictModel):
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            out["reasoning"] = out["reasoning_content"] = reasoning
         return out
 
 
@@ -93,6 +103,9 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: StrictBool = False  # (vLLM's) BOS etc. on top of the template's
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: StrictBool = True  # (vLLM's) with --reasoning-parser: false drops it
+    # OpenAI's; for the chat template as vLLM passes it (reasoning_effort, and enable_thinking
+    # false for "none" unless chat_template_kwargs sets it)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None

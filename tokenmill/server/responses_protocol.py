@@ -6,8 +6,11 @@ Served: `input` as a string or a list of items (messages with text parts, earlie
 `function_call` and `function_call_output` items), `instructions`, `max_output_tokens`,
 `temperature`, `top_p`, `tools` of type function with `tool_choice` (auto / none / required /
 a named function) and `parallel_tool_calls`, `text.format` (text, json_object, json_schema),
-`stream`. Responses are not stored: `store` true and `previous_response_id` are refused by
-name, as is every other field.
+`stream`, `reasoning.effort` (to the chat template, as chat's reasoning_effort; a summary is
+refused: the reasoning comes whole; vLLM's `include_reasoning` false drops it), vLLM's
+`structured_outputs`, earlier `reasoning` items (their text goes with the
+assistant turn they preceded, as chat's `reasoning`). Responses are not stored: `store`
+true and `previous_response_id` are refused by name, as is every other field.
 """
 
 from __future__ import annotations
@@ -19,6 +22,13 @@ from pydantic import Field, StrictBool, StrictInt
 from tokenmill.server.protocol import Float, StrictModel, Text
 
 _ROLES = ("user", "system", "developer", "assistant")
+
+
+class ReasoningOptions(StrictModel):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # OpenAI's summaries are written by another model: the reasoning comes whole instead
+    summary: None = None
+    generate_summary: None = None
 
 
 class ResponsesRequest(StrictModel):
@@ -33,6 +43,10 @@ class ResponsesRequest(StrictModel):
     parallel_tool_calls: StrictBool | None = None
     text: dict[str, Any] | None = None
     stream: StrictBool = False
+    reasoning: ReasoningOptions | None = None
+    # vLLM's extras: a structured-output constraint (as chat's), and the reasoning dropped
+    structured_outputs: dict[str, Any] | None = None
+    include_reasoning: StrictBool = True
     store: Literal[False] | None = None  # nothing is stored: true is refused
     previous_response_id: None = None  # (no stored responses to continue from)
 
@@ -50,6 +64,13 @@ class ResponsesRequest(StrictModel):
             body["tool_choice"] = chat_tool_choice(self.tool_choice)
         if self.text is not None:
             body["response_format"] = response_format(self.text)
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            body["reasoning_effort"] = self.reasoning.effort
+        if self.structured_outputs is not None:
+            if self.text is not None:
+                raise ValueError("structured_outputs and text.format cannot be combined")
+            body["structured_outputs"] = self.structured_outputs
+        body["include_reasoning"] = self.include_reasoning
         return body
 
 
@@ -117,8 +138,15 @@ def chat_messages(instructions: str | None, items: str | list[dict[str, Any]]
         out.append({"role": "system", "content": instructions})
     if isinstance(items, str):
         return out + [{"role": "user", "content": items}]
+    reasoning: list[str] = []  # reasoning items' text, for the assistant turn after them
     for i, item in enumerate(items):
         where, kind = f"input[{i}]", item.get("type", "message")
+        if kind == "reasoning":
+            reasoning.append(_reasoning_text(item, where))
+            continue
+        if reasoning and not (kind == "function_call" or item.get("role") == "assistant"):
+            raise ValueError(f"{where}: a reasoning item is followed by the assistant's "
+                             "message or function call it led to")
         if kind == "message" and item.get("role") in _ROLES:
             out.append({"role": item["role"], "content": _text(item.get("content"), where)})
         elif kind == "function_call":
@@ -139,4 +167,26 @@ def chat_messages(instructions: str | None, items: str | list[dict[str, Any]]
         else:
             raise ValueError(f"{where}: items of type {kind!r} (role "
                              f"{item.get('role')!r}) are not served")
+        if reasoning:
+            out[-1]["reasoning"], reasoning = "\n".join(reasoning), []
+    if reasoning:
+        raise ValueError("input: a reasoning item is followed by the assistant's message or "
+                         "function call it led to")
     return out
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """An earlier reasoning item's text (its reasoning_text content, else its summary)."""
+    unknown = set(item) - {"type", "id", "summary", "content", "encrypted_content", "status"}
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) of a reasoning item: "
+                         f"{', '.join(sorted(unknown))}")
+    if item.get("encrypted_content"):
+        raise ValueError(f"{where}: encrypted reasoning cannot be read here; send its text as "
+                         "content")
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(
+            isinstance(p, dict) and p.get("type") in ("reasoning_text", "summary_text")
+            and isinstance(p.get("text"), str) for p in parts):
+        raise ValueError(f"{where}: a reasoning item's content is reasoning_text parts")
+    return "\n".join(p["text"] for p in parts)

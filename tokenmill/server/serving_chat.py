@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -25,15 +26,14 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.tokenizer import chat_template_of
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.reasoning.parsers import (
+    ReasoningParser,
+    get_reasoning_parser,
+)
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admission import Ticket
 from tokenmill.server.protocol import UsageInfo
 from tokenmill.server.protocol_chat import ChatCompletionRequest, ChatMessage
-from tokenmill.server.reasoning_parsers import (
-    ReasoningParser,
-    get_reasoning_parser,
-    prompt_opens_thinking,
-)
 from tokenmill.server.serving_common import (
     ChoiceSoFar,
     OpenAIServing,
@@ -93,7 +93,17 @@ class Rendering:
     @classmethod
     def of(cls, req: ChatCompletionRequest) -> Rendering:
         return cls(req.add_generation_prompt, req.continue_final_message, req.chat_template,
-                   req.chat_template_kwargs, req.documents, req.add_special_tokens)
+                   with_effort(req.chat_template_kwargs, req.reasoning_effort), req.documents,
+                   req.add_special_tokens)
+
+
+def with_effort(kwargs: dict[str, Any] | None, effort: str | None) -> dict[str, Any] | None:
+    """The chat template's keywords with a request's reasoning effort, as vLLM passes it:
+    `reasoning_effort`, and `enable_thinking` (false for "none": Qwen3's and others'
+    templates then render a closed, empty reasoning); the request's own keywords win."""
+    if effort is None:
+        return kwargs
+    return {"reasoning_effort": effort, "enable_thinking": effort != "none"} | (kwargs or {})
 
 
 def render_chat(engine: LLMEngine, messages: list[ChatMessage],
@@ -129,6 +139,13 @@ def render_chat(engine: LLMEngine, messages: list[ChatMessage],
         raise ValueError(f"messages cannot be rendered with the chat template: {e}") from e
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(
         text, add_special_tokens=how.add_special_tokens)}
+
+
+@functools.lru_cache(maxsize=64)
+def skipped_on_decode(tokenizer: Any, text: str) -> bool:
+    """Whether `text` is one special token, which decoding with skip_special_tokens drops."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=True) == ""
 
 
 def chat_logprobs(c: CompletionOutput, top_k: int, as_ids: bool = False
@@ -196,21 +213,34 @@ class AnswerShape:
     def opens_thinking(self, prompt: str | None) -> bool:
         """Whether the answer to `prompt` begins in reasoning (read once a request, and only
         with a parser)."""
-        return self.reasoning is not None and prompt_opens_thinking(prompt or "")
+        return self.reasoning is not None and self.reasoning.prompt_opens(prompt or "")
 
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args: Any, tool_options: ToolOptions | None = None) -> None:
         super().__init__(*args)
         self.tool_options = tool_options or ToolOptions()
-        name = self.options.reasoning_parser
-        self.reasoning = None if name is None else get_reasoning_parser(name)
+        reasoning = self.engine.engine.config.reasoning  # --reasoning-parser
+        self.reasoning = (None if reasoning is None or reasoning.parser is None
+                          else get_reasoning_parser(reasoning.parser))
 
     def shape(self, req: ChatCompletionRequest) -> AnswerShape:
         # vLLM's: --response-role answers a generation prompt, else the last message's role
         role = (req.messages[-1].role if req.messages and not req.add_generation_prompt
                 else self.options.response_role)  # (no messages: a 400 when rendered)
         return AnswerShape(role, self.as_ids(req), self.reasoning, req.include_reasoning)
+
+    def keep_markers(self, params: SamplingParams, plan: ToolPlan) -> SamplingParams:
+        """The request detokenized with its special tokens where the tags its answer is split
+        at (the tool parser's markers, the reasoning tags) are special tokens, which
+        skip_special_tokens would drop (as vLLM's Mistral parsers ask)."""
+        tags = list(plan.parser.markers) if plan.mode == "auto" else []
+        if self.reasoning is not None:
+            tags += [self.reasoning.start, self.reasoning.end]
+        tokenizer = self.engine.engine.tokenizer
+        if params.skip_special_tokens and any(skipped_on_decode(tokenizer, t) for t in tags):
+            return dataclasses.replace(params, skip_special_tokens=False)
+        return params
 
     def prepare(self, req: ChatCompletionRequest) -> tuple[ToolPlan, dict[str, Any]]:
         """(tool plan, prompt): on a worker thread (tool schemas compile, templates render)."""
@@ -233,7 +263,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             plan, prompt = await asyncio.get_running_loop().run_in_executor(
                 None, self.prepare, req)
-            params = with_tool_constraint(params, plan)
+            params = self.keep_markers(with_tool_constraint(params, plan), plan)
             (gen,) = await self.add_all([prompt], params, req.timeout, lora, req.priority)
             if req.stream:
                 return StreamingResponse(streamer(Started(plan, prompt, params, gen), ticket),

@@ -189,7 +189,6 @@ class ServingOptions:
     response_role: str = "assistant"  # --response-role: chat answers' role
     # --return-tokens-as-token-ids: logprobs name tokens "token_id:N" (a request may ask too)
     tokens_as_ids: bool = False
-    reasoning_parser: str | None = None  # --reasoning-parser: chat's reasoning split off
     trust_request_chat_template: bool = False  # --trust-request-chat-template
 
 

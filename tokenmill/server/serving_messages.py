@@ -2,13 +2,14 @@
 translation onto the chat path (serving_chat.py: the same template rendering, tool plan,
 grammar constraint, stop handling and admission), answered in Anthropic's shapes:
 
-- a message: `content` blocks (text, then one tool_use per call with its parsed input),
+- a message: `content` blocks (with --reasoning-parser a thinking block first, its signature
+  an opaque id as vLLM's; text; then one tool_use per call with its parsed input),
   `stop_reason` end_turn / max_tokens / stop_sequence / tool_use, `usage` input / output
   tokens;
-- a stream: message_start, then per block content_block_start, its deltas (text_delta,
-  input_json_delta: a call's whole arguments at once, when the choice finishes) and
-  content_block_stop, then message_delta (stop_reason, output tokens) and message_stop; an
-  `error` event if the engine fails it after it began;
+- a stream: message_start, then per block content_block_start, its deltas (thinking_delta
+  then a signature_delta, text_delta, input_json_delta: a call's whole arguments at once,
+  when the choice finishes) and content_block_stop, then message_delta (stop_reason, output
+  tokens) and message_stop; an `error` event if the engine fails it after it began;
 - errors: {"type": "error", "error": {"type": ..., "message": ...}} with Anthropic's types
   (invalid_request_error 400, authentication_error 401, not_found_error 404,
   rate_limit_error 429, api_error 500, overloaded_error 529 while the engine cannot serve).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -32,9 +34,8 @@ from tokenmill.server.admission import Overloaded
 from tokenmill.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from tokenmill.server.lora_modules import UnknownModel
 from tokenmill.server.protocol_chat import ChatCompletionRequest
-from tokenmill.server.serving_chat import OpenAIServingChat, answer
+from tokenmill.server.serving_chat import AnswerShape, OpenAIServingChat, Started, answer
 from tokenmill.server.serving_common import ChoiceSoFar, StreamedChoices, check_failed, merge
-from tokenmill.server.tools import ToolPlan
 
 _ERRORS: list[tuple[type[BaseException], int, str]] = [
     (UnknownModel, 404, "not_found_error"),
@@ -103,15 +104,19 @@ class AnthropicServingMessages:
         chat_req = ChatCompletionRequest.model_validate(req.to_chat_request())
         message = {"id": self.chat.response_id("msg"), "type": "message",
                    "role": "assistant", "model": self.chat.served_name(lora)}
+        shape = self.chat.shape(chat_req)
         done = await self.chat.run(chat_req, raw, lora, lambda s, ticket: self._stream(
-            message, s.gen, s.plan, len(s.prompt["prompt_token_ids"]), ticket))
+            message, s, shape, ticket))
         if isinstance(done, StreamingResponse):
             return done
         plan, final = done.plan, done.final
         c = final.outputs[0]
-        chat_message, finish = answer(plan, c)
-        content = [{"type": "text", "text": chat_message["content"]}] \
-            if chat_message["content"] else []
+        content_only, reasoning = shape.split(c, True, shape.opens_thinking(final.prompt))
+        chat_message, finish = answer(plan, content_only)
+        content = ([{"type": "thinking", "thinking": reasoning, "signature": _signature()}]
+                   if reasoning else [])
+        if chat_message["content"]:
+            content.append({"type": "text", "text": chat_message["content"]})
         content += [{"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                      "input": json.loads(call["function"]["arguments"])}
                     for call in chat_message.get("tool_calls", [])]
@@ -121,39 +126,30 @@ class AnthropicServingMessages:
             "usage": {"input_tokens": len(final.prompt_token_ids),
                       "output_tokens": len(c.token_ids)}})
 
-    async def _stream(self, message: dict[str, Any], gen: AsyncIterator[Any], plan: ToolPlan,
-                      n_prompt: int, ticket: Any) -> AsyncIterator[str]:
+    async def _stream(self, message: dict[str, Any], started: Started, shape: AnswerShape,
+                      ticket: Any) -> AsyncIterator[str]:
+        blocks, streamed = _StreamedBlocks(), StreamedChoices()
         try:
             yield _event("message_start", {"message": message | {
                 "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": n_prompt, "output_tokens": 0}}})
-            index, text_open, shown, streamed = 0, False, {}, StreamedChoices()
-            async for _, out in merge([gen]):
+                "usage": {"input_tokens": len(started.prompt["prompt_token_ids"]),
+                          "output_tokens": 0}}})
+            opened = shape.opens_thinking(started.prompt["prompt"])
+            async for _, out in merge([started.gen]):
                 check_failed([out])
                 if not out.outputs:  # (DELTA: nothing new)
                     continue
                 c = streamed.add(0, 0, out, out.outputs[0])
-                delta, finish = OpenAIServingChat.delta(plan, c, shown)
-                if delta.get("content"):
-                    if not text_open:
-                        yield _event("content_block_start", {
-                            "index": index, "content_block": {"type": "text", "text": ""}})
-                        text_open = True
-                    yield _event("content_block_delta", {
-                        "index": index, "delta": {"type": "text_delta", "text": delta["content"]}})
+                content, reasoning = shape.split(c, c.finish_reason is not None, opened)
+                for e in blocks.thinking(reasoning or ""):
+                    yield e
+                delta, finish = OpenAIServingChat.delta(started.plan, content, blocks.shown)
+                for e in blocks.text(delta.get("content", "")):
+                    yield e
                 if finish is None:
                     continue
-                if text_open:
-                    yield _event("content_block_stop", {"index": index})
-                    index += 1
-                for call in delta.get("tool_calls", []):
-                    fn = call["function"]
-                    yield _event("content_block_start", {"index": index, "content_block": {
-                        "type": "tool_use", "id": call["id"], "name": fn["name"], "input": {}}})
-                    yield _event("content_block_delta", {"index": index, "delta": {
-                        "type": "input_json_delta", "partial_json": fn["arguments"]}})
-                    yield _event("content_block_stop", {"index": index})
-                    index += 1
+                for e in blocks.finish(delta.get("tool_calls", [])):
+                    yield e
                 reason, sequence = stop_reason(c, finish)
                 yield _event("message_delta", {
                     "delta": {"stop_reason": reason, "stop_sequence": sequence},
@@ -165,3 +161,63 @@ class AnthropicServingMessages:
         finally:
             ticket.release()
 
+
+def _signature() -> str:
+    """A thinking block's signature: opaque, as vLLM's (nothing here verifies it)."""
+    return uuid.uuid4().hex
+
+
+class _StreamedBlocks:
+    """A streamed message's content blocks and their events, in order: thinking (closed with
+    its signature when the text begins), text, then each call's tool_use."""
+
+    def __init__(self) -> None:
+        self.index, self.open = 0, None  # the block now open: "thinking", "text" or None
+        self.thought = ""
+        self.shown: dict[int, int] = {}  # the text's characters sent (delta's)
+
+    def _close(self) -> list[str]:
+        out = []
+        if self.open == "thinking":
+            out.append(_event("content_block_delta", {"index": self.index, "delta": {
+                "type": "signature_delta", "signature": _signature()}}))
+        if self.open is not None:
+            out.append(_event("content_block_stop", {"index": self.index}))
+            self.index, self.open = self.index + 1, None
+        return out
+
+    def thinking(self, reasoning: str) -> list[str]:
+        new, out = reasoning[len(self.thought):], []
+        if not new or self.open == "text":
+            return out
+        if self.open is None:
+            self.open = "thinking"
+            out.append(_event("content_block_start", {"index": self.index, "content_block": {
+                "type": "thinking", "thinking": "", "signature": ""}}))
+        self.thought = reasoning
+        return out + [_event("content_block_delta", {"index": self.index, "delta": {
+            "type": "thinking_delta", "thinking": new}})]
+
+    def text(self, new: str) -> list[str]:
+        if not new:
+            return []
+        out = [] if self.open == "text" else self._close()
+        if self.open is None:
+            self.open = "text"
+            out.append(_event("content_block_start", {
+                "index": self.index, "content_block": {"type": "text", "text": ""}}))
+        return out + [_event("content_block_delta", {
+            "index": self.index, "delta": {"type": "text_delta", "text": new}})]
+
+    def finish(self, calls: list[dict[str, Any]]) -> list[str]:
+        out = self._close()
+        for call in calls:
+            fn = call["function"]
+            out += [_event("content_block_start", {"index": self.index, "content_block": {
+                        "type": "tool_use", "id": call["id"], "name": fn["name"],
+                        "input": {}}}),
+                    _event("content_block_delta", {"index": self.index, "delta": {
+                        "type": "input_json_delta", "partial_json": fn["arguments"]}}),
+                    _event("content_block_stop", {"index": self.index})]
+            self.index += 1
+        return out

@@ -1,13 +1,16 @@
 """POST /v1/responses: OpenAI's Responses API as a thin translation onto the chat path
 (responses_protocol.py → serving_chat.py's start), answered as a `response` object: output
-items (a message with one output_text part, then one function_call per call), status
-completed or incomplete (max_output_tokens), usage. Streamed, the typed events the openai
-client parses, each with its sequence number: response.created, response.in_progress, per
-item response.output_item.added, for the message response.content_part.added,
-response.output_text.delta ... .done, response.content_part.done, for a call
-response.function_call_arguments.delta / .done (its whole arguments when the choice
-finishes), response.output_item.done, then response.completed. Errors are OpenAI's (the
-routes' handlers); one after the stream began is an `error` event.
+items (with --reasoning-parser, a reasoning item whose content is the reasoning text; a
+message with one output_text part; then one function_call per call), status completed or
+incomplete (max_output_tokens), usage (output_tokens_details.reasoning_tokens: the answer's
+tokens up to the end of its reasoning). Streamed, the typed events the openai client
+parses, each with its sequence number: response.created, response.in_progress, per item
+response.output_item.added, for the reasoning response.reasoning_text.delta ... .done, for
+the message response.content_part.added, response.output_text.delta ... .done,
+response.content_part.done, for a call response.function_call_arguments.delta / .done (its
+whole arguments when the choice finishes), response.output_item.done, then
+response.completed. Errors are OpenAI's (the routes' handlers); one after the stream began
+is an `error` event.
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.outputs import CompletionOutput
 from tokenmill.server.protocol import UsageInfo
 from tokenmill.server.protocol_chat import ChatCompletionRequest
 from tokenmill.server.responses_protocol import ResponsesRequest
-from tokenmill.server.serving_chat import OpenAIServingChat, answer
+from tokenmill.server.serving_chat import AnswerShape, OpenAIServingChat, Started, answer
 from tokenmill.server.serving_common import (
     ChoiceSoFar,
     StreamedChoices,
@@ -37,12 +40,20 @@ from tokenmill.server.serving_common import (
 from tokenmill.server.tools import ToolPlan
 
 
-def _usage(used: UsageInfo) -> dict[str, Any]:
+def _usage(used: UsageInfo, reasoning_tokens: int) -> dict[str, Any]:
     """The Responses API's usage of a request's counts (`used`, with its cached tokens)."""
     cached = used.prompt_tokens_details.cached_tokens if used.prompt_tokens_details else 0
     return {"input_tokens": used.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": used.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": used.total_tokens}
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": used.total_tokens}
+
+
+def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [] if status == "in_progress" else [{"type": "reasoning_text",
+                                                              "text": text}],
+            "encrypted_content": None}
 
 
 def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -74,94 +85,160 @@ class OpenAIServingResponses:
                 "parallel_tool_calls": req.parallel_tool_calls is not False,
                 "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
                 "text": req.text or {"format": {"type": "text"}}, "store": False,
-                "previous_response_id": None, "error": None, "incomplete_details": None}
+                "reasoning": None if req.reasoning is None else {
+                    "effort": req.reasoning.effort, "summary": None},
+                "previous_response_id": None, "error": None,
+                "incomplete_details": None}
 
     async def create(self, req: ResponsesRequest, raw: Request, lora: Any) -> Response:
         chat_req = ChatCompletionRequest.model_validate(req.to_chat_request())
-        skeleton = self._skeleton(req, lora)
+        skeleton, shape = self._skeleton(req, lora), self.chat.shape(chat_req)
         done = await self.chat.run(chat_req, raw, lora, lambda s, ticket: self._stream(
-            skeleton, s.gen, s.plan, ticket))
+            skeleton, s, shape, ticket))
         if isinstance(done, StreamingResponse):
             return done
         final = done.final
-        return JSONResponse(self._finished(skeleton, done.plan, final.outputs[0],
-                                           usage([final], details=True)))
+        answer_tokens = final.outputs[0].token_ids
+        return JSONResponse(self._finished(
+            skeleton, done.plan, shape, final.prompt, final.outputs[0],
+            usage([final], details=True), self._reasoning_tokens(final.prompt_token_ids,
+                                                                  answer_tokens)))
 
-    def _finished(self, skeleton: dict[str, Any], plan: ToolPlan,
-                  c: CompletionOutput | ChoiceSoFar, used: UsageInfo) -> dict[str, Any]:
-        """The response object of an answer: its text and finish, and the usage counts."""
-        message, _ = answer(plan, c)
-        output = ([_message_item(f"msg_{skeleton['id']}", message["content"])]
-                  if message["content"] else [])
+    def _reasoning_tokens(self, prompt: list[int], answer: list[int]) -> int:
+        tokens = self.chat.engine.engine.intake.reasoning
+        return 0 if tokens is None or self.chat.reasoning is None else tokens.count(prompt,
+                                                                                   answer)
+
+    def _finished(self, skeleton: dict[str, Any], plan: ToolPlan, shape: AnswerShape,
+                  prompt: str | None, c: CompletionOutput | ChoiceSoFar, used: UsageInfo,
+                  reasoning_tokens: int) -> dict[str, Any]:
+        """The response object of an answer: its reasoning, text and finish, and the usage
+        counts."""
+        content, reasoning = shape.split(c, True, shape.opens_thinking(prompt))
+        message, _ = answer(plan, content)
+        output = ([_reasoning_item(f"rs_{skeleton['id']}", reasoning)] if reasoning else [])
+        output += ([_message_item(f"msg_{skeleton['id']}", message["content"])]
+                   if message["content"] else [])
         output += [_call_item(call) for call in message.get("tool_calls", [])]
         return skeleton | {"output": output, **_status(c),
-                           "usage": _usage(used)}
+                           "usage": _usage(used, reasoning_tokens)}
 
-    async def _stream(self, skeleton: dict[str, Any], gen: AsyncIterator[RequestOutput],
-                      plan: ToolPlan, ticket: Any) -> AsyncIterator[str]:
-        seq = itertools.count()
-
-        def event(kind: str, **payload: Any) -> str:
-            body = {"type": kind, "sequence_number": next(seq), **payload}
-            return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
-
+    async def _stream(self, skeleton: dict[str, Any], started: Started, shape: AnswerShape,
+                      ticket: Any) -> AsyncIterator[str]:
+        items = _StreamedItems(skeleton["id"])
         try:
-            started = skeleton | {"status": "in_progress", "output": [], "usage": None}
-            yield event("response.created", response=started)
-            yield event("response.in_progress", response=started)
-            msg_id, text, index, shown = f"msg_{skeleton['id']}", "", 0, {}
+            begun = skeleton | {"status": "in_progress", "output": [], "usage": None}
+            yield items.event("response.created", response=begun)
+            yield items.event("response.in_progress", response=begun)
             streamed, c = StreamedChoices(), ChoiceSoFar(0)
-            async for _, out in merge([gen]):
+            opened = shape.opens_thinking(started.prompt["prompt"])
+            answer_ids: list[int] = []
+            async for _, out in merge([started.gen]):
                 check_failed([out])
                 if not out.outputs:  # (DELTA: nothing new)
                     continue
                 c = streamed.add(0, 0, out, out.outputs[0])
-                delta, finish = OpenAIServingChat.delta(plan, c, shown)
-                if delta.get("content"):
-                    if not text:
-                        yield event("response.output_item.added", output_index=index,
-                                    item=_message_item(msg_id, "", "in_progress"))
-                        yield event("response.content_part.added", item_id=msg_id,
-                                    output_index=index, content_index=0, part=_text_part(""))
-                    text += delta["content"]
-                    yield event("response.output_text.delta", item_id=msg_id,
-                                output_index=index, content_index=0, delta=delta["content"],
-                                logprobs=[])
-                if finish is None:
-                    continue
-                for e in self._finish_events(event, msg_id, text, index, delta):
+                answer_ids += out.outputs[0].token_ids
+                content, reasoning = shape.split(c, c.finish_reason is not None, opened)
+                for e in items.reasoning(reasoning or ""):
                     yield e
-            yield event("response.completed", response=self._finished(
-                skeleton, plan, c, streamed.usage(details=True)))
+                delta, finish = OpenAIServingChat.delta(started.plan, content, items.shown)
+                for e in items.text(delta.get("content", "")):
+                    yield e
+                if finish is not None:
+                    for e in items.finish(delta.get("tool_calls", [])):
+                        yield e
+            done = self._finished(skeleton, started.plan, shape, started.prompt["prompt"], c,
+                                  streamed.usage(details=True), self._reasoning_tokens(
+                                      started.prompt["prompt_token_ids"], answer_ids))
+            yield items.event("response.completed", response=done)
         except Exception as e:  # the engine failed it, or died, after it began
-            yield event("error", **error_body(400 if isinstance(e, ValueError) else 500,
-                                              str(e))["error"])
+            yield items.event("error", **error_body(400 if isinstance(e, ValueError) else 500,
+                                                    str(e))["error"])
         finally:
             ticket.release()
 
-    @staticmethod
-    def _finish_events(event: Any, msg_id: str, text: str, index: int,
-                       delta: dict[str, Any]) -> list[str]:
-        """The message item's closing events, then each call's item."""
-        out = []
-        if text:
-            out += [event("response.output_text.done", item_id=msg_id, output_index=index,
-                          content_index=0, text=text, logprobs=[]),
-                    event("response.content_part.done", item_id=msg_id, output_index=index,
-                          content_index=0, part=_text_part(text)),
-                    event("response.output_item.done", output_index=index,
-                          item=_message_item(msg_id, text))]
-            index += 1
-        for call in delta.get("tool_calls", []):
+
+class _StreamedItems:
+    """A streamed response's output items and their events, in order: the reasoning item
+    (closed when the message begins), the message, then each call's item."""
+
+    def __init__(self, response_id: str) -> None:
+        self.seq = itertools.count()
+        self.index = 0  # the output index of the item now open (or next)
+        self.reasoning_id, self.msg_id = f"rs_{response_id}", f"msg_{response_id}"
+        self.thought, self.said = "", ""
+        self.thinking = False  # the reasoning item is open
+        self.shown: dict[int, int] = {}  # the message's content characters sent (delta's)
+
+    def event(self, kind: str, **payload: Any) -> str:
+        body = {"type": kind, "sequence_number": next(self.seq), **payload}
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def reasoning(self, reasoning: str) -> list[str]:
+        """Events for the reasoning written since the last call."""
+        new, out = reasoning[len(self.thought):], []
+        if not new or self.said:
+            return out
+        if not self.thought:
+            self.thinking = True
+            out.append(self.event("response.output_item.added", output_index=self.index,
+                                  item=_reasoning_item(self.reasoning_id, "", "in_progress")))
+        self.thought = reasoning
+        return out + [self.event("response.reasoning_text.delta", item_id=self.reasoning_id,
+                                 output_index=self.index, content_index=0, delta=new)]
+
+    def _close_reasoning(self) -> list[str]:
+        if not self.thinking:
+            return []
+        self.thinking = False
+        out = [self.event("response.reasoning_text.done", item_id=self.reasoning_id,
+                          output_index=self.index, content_index=0, text=self.thought),
+               self.event("response.output_item.done", output_index=self.index,
+                          item=_reasoning_item(self.reasoning_id, self.thought))]
+        self.index += 1
+        return out
+
+    def text(self, new: str) -> list[str]:
+        """Events for the message's new text."""
+        if not new:
+            return []
+        out = self._close_reasoning()
+        if not self.said:
+            out += [self.event("response.output_item.added", output_index=self.index,
+                               item=_message_item(self.msg_id, "", "in_progress")),
+                    self.event("response.content_part.added", item_id=self.msg_id,
+                               output_index=self.index, content_index=0,
+                               part=_text_part(""))]
+        self.said += new
+        return out + [self.event("response.output_text.delta", item_id=self.msg_id,
+                                 output_index=self.index, content_index=0, delta=new,
+                                 logprobs=[])]
+
+    def finish(self, calls: list[dict[str, Any]]) -> list[str]:
+        """The open items' closing events, then each call's item."""
+        out = self._close_reasoning()
+        if self.said:
+            out += [self.event("response.output_text.done", item_id=self.msg_id,
+                               output_index=self.index, content_index=0, text=self.said,
+                               logprobs=[]),
+                    self.event("response.content_part.done", item_id=self.msg_id,
+                               output_index=self.index, content_index=0,
+                               part=_text_part(self.said)),
+                    self.event("response.output_item.done", output_index=self.index,
+                               item=_message_item(self.msg_id, self.said))]
+            self.index += 1
+        for call in calls:
             item, args = _call_item(call), call["function"]["arguments"]
-            out += [event("response.output_item.added", output_index=index,
-                          item=_call_item(call, "")),
-                    event("response.function_call_arguments.delta", item_id=item["id"],
-                          output_index=index, delta=args),
-                    event("response.function_call_arguments.done", item_id=item["id"],
-                          output_index=index, arguments=args, name=item["name"]),
-                    event("response.output_item.done", output_index=index, item=item)]
-            index += 1
+            out += [self.event("response.output_item.added", output_index=self.index,
+                               item=_call_item(call, "")),
+                    self.event("response.function_call_arguments.delta", item_id=item["id"],
+                               output_index=self.index, delta=args),
+                    self.event("response.function_call_arguments.done", item_id=item["id"],
+                               output_index=self.index, arguments=args, name=item["name"]),
+                    self.event("response.output_item.done", output_index=self.index,
+                               item=item)]
+            self.index += 1
         return out
 
 

@@ -8,6 +8,16 @@ as in vLLM.
 - `pythonic` (Llama 3.2 / 4 with a pythonic template): the answer is a Python list of calls
   with keyword arguments of literal values, `[get_weather(city="SF"), f(n=1)]`, optionally
   between `<|python_start|>` and `<|python_end|>`; read with `ast`, never evaluated.
+- `mistral` (Mistral 7B v0.3, Mistral Small / Nemo): content, then `[TOOL_CALLS]` and a JSON
+  array of {"name", "arguments"} (tokenizers before v11), or `[TOOL_CALLS]name[ARGS]{...}`
+  once per call (v11 on).
+- `granite` (Granite 3.x): content, then `<|tool_call|>` (3.0) or `<tool_call>` (3.1) and a
+  JSON array of {"name", "arguments"}; text after the array is content too.
+- `phi4_mini_json` (Phi-4-mini): `functools[{"name", "arguments"}, ...]`.
+
+A parser's `markers` are the texts that open its calls. Where one is a special token (Mistral's
+`[TOOL_CALLS]`, Granite 3.0's `<|tool_call|>`), the answer is detokenized with its special
+tokens (serving_chat.py, as vLLM's parsers ask): skipped, the marker would be lost.
 
 Text that looks like a call but does not parse (a cut-off `<tool_call>`, invalid JSON, a
 missing name) stays content: the client sees what the model said rather than a broken call.
@@ -62,6 +72,7 @@ def make_call(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters")
 
 class ToolParser(ABC):
     name: str
+    markers: tuple[str, ...] = ()  # the texts that open a call (module doc)
 
     @abstractmethod
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -76,6 +87,7 @@ class ToolParser(ABC):
 class HermesToolParser(ToolParser):
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    markers = (OPEN,)
     _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -96,13 +108,101 @@ class HermesToolParser(ToolParser):
         return (rest if rest.strip() or not calls else None), calls
 
     def call_start(self, text: str) -> int | None:
-        i = text.find(self.OPEN)
-        if i >= 0:
-            return i
-        for k in range(min(len(self.OPEN) - 1, len(text)), 0, -1):  # a partial "<tool_"
-            if self.OPEN.startswith(text[-k:]):
-                return len(text) - k
+        return _marker_start(text, self.markers)
+
+
+def _marker_start(text: str, markers: tuple[str, ...]) -> int | None:
+    """Where the first of `markers` begins in `text`, or a tail that may grow into one (a
+    partial "<tool_"); None: neither."""
+    found = [i for m in markers if (i := text.find(m)) >= 0]
+    if found:
+        return min(found)
+    for k in range(min(max(map(len, markers)) - 1, len(text)), 0, -1):
+        if any(m.startswith(text[-k:]) for m in markers):
+            return len(text) - k
+    return None
+
+
+def _json_calls(body: str) -> tuple[list[ToolCall], str] | None:
+    """The calls of the JSON value `body` begins with (an array of {"name", "arguments"}
+    objects, or one), and the text after it; None if that is not what it holds."""
+    try:
+        value, end = json.JSONDecoder().raw_decode(body)
+    except json.JSONDecodeError:
         return None
+    calls = [make_call(obj) for obj in (value if isinstance(value, list) else [value])]
+    if not calls or None in calls:
+        return None
+    return calls, body[end:]
+
+
+class MarkedJsonToolParser(ToolParser):
+    """Content, then a marker and a JSON array of calls (granite, phi4_mini_json); what
+    follows the array is content too."""
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        found = [(i, m) for m in self.markers if (i := text.find(m)) >= 0]
+        if not found:
+            return text, []
+        i, marker = min(found)
+        got = _json_calls(text[i + len(marker):].lstrip())
+        if got is None:
+            return text, []
+        calls, after = got
+        rest = text[:i] + after
+        return (rest if rest.strip() else None), calls
+
+    def call_start(self, text: str) -> int | None:
+        return _marker_start(text, self.markers)
+
+
+class GraniteToolParser(MarkedJsonToolParser):
+    name = "granite"
+    markers = ("<|tool_call|>", "<tool_call>")
+
+
+class Phi4MiniJsonToolParser(MarkedJsonToolParser):
+    name = "phi4_mini_json"
+    markers = ("functools",)
+
+
+class MistralToolParser(ToolParser):
+    name = "mistral"
+    MARKER, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+    markers = (MARKER,)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        if self.MARKER not in text:
+            return text, []
+        content, *segments = text.split(self.MARKER)
+        calls: list[ToolCall] = []
+        for segment in filter(None, (seg.strip() for seg in segments)):
+            got = (self._json(segment) if segment[0] in "[{" else self._named(segment))
+            if got is None:
+                return text, []  # not calls after all: all content
+            calls += got
+        if not calls:
+            return text, []
+        return (content if content.strip() else None), calls
+
+    @staticmethod
+    def _json(segment: str) -> list[ToolCall] | None:
+        got = _json_calls(segment)
+        return None if got is None or got[1].strip() else got[0]
+
+    def _named(self, segment: str) -> list[ToolCall] | None:
+        """`name[ARGS]{...}` (v11 on; `name[CALL_ID]id[ARGS]{...}` too)."""
+        name, sep, args = segment.partition(self.ARGS)
+        name = name.split(self.CALL_ID)[0].strip()
+        try:
+            value, end = json.JSONDecoder().raw_decode(args.strip())
+        except json.JSONDecodeError:
+            return None
+        call = make_call({"name": name, "arguments": value}) if sep and name else None
+        return None if call is None or args.strip()[end:].strip() else [call]
+
+    def call_start(self, text: str) -> int | None:
+        return _marker_start(text, self.markers)
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -184,7 +284,8 @@ def _pythonic_call(node: ast.expr | None) -> ToolCall | None:
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, PythonicToolParser)}
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, PythonicToolParser,
+                        MistralToolParser, GraniteToolParser, Phi4MiniJsonToolParser)}
 
 
 def get_tool_parser(name: str) -> ToolParser:

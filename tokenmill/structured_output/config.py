@@ -5,6 +5,8 @@
 - `jump_forward`: append the tokens a grammar forces without a model step each (SGLang's
   jump-forward decoding); on by default. Requests that ask for logprobs never jump (forced
   tokens have no logprobs).
+- `enable_in_reasoning` (vLLM's): with a reasoning parser, a request's grammar applies from
+  its first token; by default it applies from where the reasoning ends (reasoning/gate.py).
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ BACKENDS = ("auto", "guidance", "llguidance", "xgrammar")
 class StructuredOutputsConfig:
     backend: str = "auto"
     jump_forward: bool = True
+    enable_in_reasoning: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"structured_outputs_config: backend must be one of "
                              f"{', '.join(BACKENDS)}, got {self.backend!r}")
-        if not isinstance(self.jump_forward, bool):
-            raise ValueError("structured_outputs_config: jump_forward must be true or false")
+        for name in ("jump_forward", "enable_in_reasoning"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs_config: {name} must be true or false")
 
     @staticmethod
     def parse(value: str | dict[str, Any] | StructuredOutputsConfig | None
@@ -37,8 +41,9 @@ class StructuredOutputsConfig:
         if isinstance(value, StructuredOutputsConfig):
             return value
         value = json_object(value, "structured_outputs_config")
-        unknown = set(value) - {"backend", "jump_forward"}
+        unknown = set(value) - {"backend", "jump_forward", "enable_in_reasoning"}
         if unknown:
             raise ValueError(f"structured_outputs_config: unknown field(s) "
-                             f"{', '.join(sorted(unknown))}; known: backend, jump_forward")
+                             f"{', '.join(sorted(unknown))}; known: backend, jump_forward, "
+                             "enable_in_reasoning")
         return StructuredOutputsConfig(**value)
