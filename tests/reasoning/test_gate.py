@@ -77,6 +77,9 @@ def test_nothing_is_gated_without_a_budget_or_grammar():
     grammar = ReasoningGrammar(R1, None, 3, THINKING, 0)  # any CompiledGrammar
     in_reasoning = ReasoningTokens(START, END, END, True, grammar_in_reasoning=True)
     assert in_reasoning.gate(grammar, None, [1]) is grammar
+    assert isinstance(in_reasoning.gate(None, 3, [1]), ReasoningGrammar)
+    with pytest.raises(ValueError, match="enable_in_reasoning"):
+        in_reasoning.gate(grammar, 3, [1])  # a grammar from token 0 and a budget: refused
     assert isinstance(R1.gate(grammar, None, [1]), ReasoningGrammar)
 
 

@@ -80,6 +80,10 @@ class ReasoningTokens:
         thinking `budget`; `grammar` itself when nothing needs a gate."""
         if budget is None and (grammar is None or self.grammar_in_reasoning):
             return grammar
+        if grammar is not None and self.grammar_in_reasoning:
+            raise ValueError("thinking_token_budget cannot be combined with a structured "
+                             "output while the engine applies grammars in the reasoning "
+                             "(structured_outputs_config enable_in_reasoning)")
         in_prompt = self.prompt_reasoning(prompt)
         if in_prompt is not None:
             phase, count = THINKING, in_prompt

@@ -8,6 +8,11 @@ With tools (server/tools.py), text that is or may become a tool call is held bac
 streaming; when a choice finishes, its calls go out as one `tool_calls` delta each (id, name
 and the whole arguments), after any content still unsent, and its finish_reason is
 "tool_calls". Streamed and whole answers carry the same content and calls.
+
+With --reasoning-parser the answer's reasoning is split off (`message.reasoning`, streamed
+as `delta.reasoning`); the Responses and Messages APIs run here too and split it the same way
+(AnswerShape). Where the tags an answer is split at (the tool parser's markers, the reasoning
+tags) are special tokens, the request keeps its special tokens in its text (keep_markers).
 """
 
 from __future__ import annotations
