@@ -134,3 +134,37 @@ def test_enable_in_reasoning_applies_the_grammar_from_the_first_token(tiny_model
                     structured_outputs=StructuredOutputsParams(choice=CHOICES))
     assert llm.get_tokenizer().decode(got, skip_special_tokens=True) in CHOICES
     llm.engine.shutdown()
+
+
+def test_under_async_scheduling_a_budget_keeps_its_step_ahead(tiny_model):
+    """The same tokens as HF's reference, and nearly every step scheduled ahead of its
+    sampled token, as without a budget: only the step that may spend it and the forced end
+    wait (a grammar's request waits at every step)."""
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    folder, model = tiny_model("llama")
+    engine = LLMEngine.from_options(folder, max_model_len=512, num_kv_blocks=96,
+                                    reasoning_parser="deepseek_r1", async_scheduling=True)
+    assert engine.config.scheduler.async_scheduling
+
+    def run(rid: str, params: SamplingParams) -> tuple[list[int], int]:
+        """The request's tokens, and how many of its steps were fed a token in flight."""
+        engine.add_request(rid, {"prompt_token_ids": PROMPTS[0]}, params)
+        fed, tokens = engine.runner.num_fed_in_flight, []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens = list(out.outputs[0].token_ids)
+        return tokens, engine.runner.num_fed_in_flight - fed
+
+    free, free_ahead = run("free", SamplingParams(temperature=0, max_tokens=24,
+                                                  ignore_eos=True))
+    got, budget_ahead = run("budget", SamplingParams(temperature=0, max_tokens=24,
+                                                     ignore_eos=True, thinking_token_budget=8))
+    assert free == hf_greedy(model, PROMPTS[0], 24)
+    assert got == hf_budgeted(model, PROMPTS[0], 8, 24)
+    assert free_ahead >= 20 and budget_ahead >= free_ahead - 5, (budget_ahead, free_ahead)
+    _, regex_ahead = run("regex", SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True, thinking_token_budget=8,
+        structured_outputs=StructuredOutputsParams(regex="[a-z ]{1,200}")))
+    assert regex_ahead == 0
+    engine.shutdown()

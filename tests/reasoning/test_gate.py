@@ -172,3 +172,21 @@ def test_reasoning_tokens_are_counted_through_the_end_tag():
     assert QWEN3.count([1], [5, *END, 9]) == 0  # qwen3: it never opened
     assert QWEN3.count([1], [*START, 5, *END, 9]) == 7
     assert QWEN3.count([1, *START], [5, *END, 9]) == 4  # the prompt opened it
+
+
+def test_a_budget_alone_is_decided_a_step_ahead_until_it_may_be_spent(choice):
+    m = R1.gate(None, 3, [1]).matcher()
+    assert m.decided_ahead()  # count 0: one more token makes 1 < 3
+    feed(m, [5])
+    assert m.decided_ahead()
+    feed(m, [6])
+    assert not m.decided_ahead()  # one more token makes 3: the end forced unless it ends
+    feed(m, [7])
+    assert m.phase == FORCING and not m.decided_ahead()
+    feed(m, END)
+    assert m.phase == ANSWER and m.decided_ahead()
+    q = QWEN3.gate(None, 1, [1]).matcher()
+    assert q.phase == UNDECIDED and q.decided_ahead()
+    assert not QWEN3.gate(None, 0, [1]).matcher().decided_ahead()  # <think> would force
+    grammar, _ = choice
+    assert not R1.gate(grammar, 50, [1]).matcher().decided_ahead()  # a grammar: never

@@ -6,8 +6,10 @@ A request with a grammar matcher (`Request.grammar`) has it advanced on every to
 scheduler appends; a token it refuses ends the request with finish reason "error" (a dead
 end). Drafts are cut at the first token the grammar refuses. Jump-forward: after a step, the
 tokens the grammar forces next are appended at once, so the next step computes them as one
-chunk instead of one step each, and samples after them. A constrained request is never
-scheduled ahead of its sampled token (async scheduling): its matcher needs the token first.
+chunk instead of one step each, and samples after them. A constrained request is not
+scheduled ahead of its sampled token (async scheduling): its matcher needs the token first,
+unless the mask after any token is known already (a thinking budget far from spent:
+GrammarMatcher.decided_ahead).
 
 Invariant: without a grammar every method is a no-op (nothing cut, refused or forced).
 """
@@ -27,7 +29,7 @@ class GrammarPolicy:
     @staticmethod
     def needs_token_first(request: Request) -> bool:
         """Whether the request must not be scheduled while a sampled token is in flight."""
-        return request.grammar is not None
+        return request.grammar is not None and not request.grammar.decided_ahead()
 
     @staticmethod
     def cut(request: Request, drafts: list[int]) -> list[int]:

@@ -21,7 +21,9 @@ scheduler advances on every token like any grammar. It walks four phases:
 
 Invariants: the matcher's state is a function of the tokens accepted (rollback restores it
 exactly, drafts included); without a budget or a grammar no request is gated (`gate` returns
-None), so a plain request keeps async scheduling and its drafts.
+None), so a plain request keeps async scheduling and its drafts; a budget alone keeps the
+step ahead too, except at the step that may spend it and while the end is forced
+(`decided_ahead`).
 """
 
 from __future__ import annotations
@@ -181,6 +183,18 @@ class ReasoningMatcher(GrammarMatcher):
 
     def error(self) -> str | None:
         return None if self.inner is None else self.inner.error()
+
+    def decided_ahead(self) -> bool:
+        """Without a grammar, the mask after any one more token is all tokens unless that
+        token may spend the budget (or the end is being forced): the request keeps its step
+        ahead under async scheduling until the last reasoning token."""
+        if self.inner is not None or self.phase == FORCING:
+            return False
+        if self.phase == ANSWER or self.budget is None:
+            return True
+        if self.phase == THINKING:
+            return self.count + 1 < self.budget
+        return self.budget >= 1  # UNDECIDED: at most the start tag's end, a count of 0
 
     # ---- the phases -------------------------------------------------------------------------
     def _advance(self, token_id: int) -> int | None:

@@ -49,6 +49,12 @@ class GrammarMatcher(ABC):
     def error(self) -> str | None:
         """Why the matcher cannot go on (a dead end), or None."""
 
+    def decided_ahead(self) -> bool:
+        """Whether the mask after one more token, whichever it is, is known now (then the
+        request may be scheduled a step ahead of its sampled token: async scheduling). A
+        grammar's mask depends on the token: no."""
+        return False
+
 
 class CompiledGrammar(ABC):
     @abstractmethod
