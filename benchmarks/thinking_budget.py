@@ -11,9 +11,10 @@ deepseek_r1, so an answer reasons from its first token), each with thinking_toke
 a budgeted request takes a token mask each step (all tokens allowed until the budget is spent,
 then only the end's tokens), the forced end is appended without a model step (jump-forward),
 and under async scheduling the step that may spend the budget waits for its sampled token
-(the others are scheduled ahead as without a budget: GrammarMatcher.decided_ahead). Decode tokens/s = output tokens / (batch time - the same batch cut to one
-token); rounds alternate the two and the median is kept. It also checks that each budgeted
-answer holds "</think>" right after `--budget` tokens.
+(the others are scheduled ahead as without a budget: GrammarMatcher.decided_ahead).
+Decode tokens/s = output tokens / (batch time - the same batch cut to one token); rounds
+alternate the two and the median is kept. It also checks that each budgeted answer holds
+"</think>" right after `--budget` tokens.
 """
 
 from __future__ import annotations

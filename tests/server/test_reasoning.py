@@ -124,3 +124,23 @@ def test_reasoning_items_go_back_with_their_turn(server):
         follow[0]]})
     assert r.status_code == 400 and "reasoning item" in r.json()["error"]["message"]
     server.wait_idle()
+
+
+def test_chat_usage_counts_the_reasoning_tokens(server, tiny_server):
+    tok = server.engine.tokenizer
+    through_end = len(tok.encode("<think>Paris is the capital.</think>",
+                                 add_special_tokens=False))
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60,
+                   json={"model": "m", **ASK}).json()
+    assert r["usage"]["completion_tokens_details"] == {"reasoning_tokens": through_end}
+    last = None
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", timeout=60, json={
+            "model": "m", **ASK, "stream": True, "stream_options": {"include_usage": True}}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                last = json.loads(line[6:])
+    assert last["usage"]["completion_tokens_details"] == {"reasoning_tokens": through_end}
+    plain = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", timeout=60,
+                       json={"model": tiny_server.model, **ASK}).json()
+    assert plain["usage"]["completion_tokens_details"] is None  # no parser: vLLM's null
+    server.wait_idle()

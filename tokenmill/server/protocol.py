@@ -291,12 +291,18 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # served from the prefix cache or a KV tier
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     # with --enable-prompt-tokens-details (vLLM's; else null, as vLLM sends it)
     prompt_tokens_details: PromptTokensDetails | None = None
+    # chat with --reasoning-parser (vLLM's): the answers' reasoning tokens; else null
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class ModelCard(BaseModel):

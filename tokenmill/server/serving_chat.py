@@ -37,7 +37,7 @@ from tokenmill.reasoning.parsers import (
 )
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admission import Ticket
-from tokenmill.server.protocol import UsageInfo
+from tokenmill.server.protocol import CompletionTokensDetails, UsageInfo
 from tokenmill.server.protocol_chat import ChatCompletionRequest, ChatMessage
 from tokenmill.server.serving_common import (
     ChoiceSoFar,
@@ -235,6 +235,16 @@ class OpenAIServingChat(OpenAIServing):
                 else self.options.response_role)  # (no messages: a 400 when rendered)
         return AnswerShape(role, self.as_ids(req), self.reasoning, req.include_reasoning)
 
+    def with_reasoning_tokens(self, used: UsageInfo, prompt: list[int],
+                              answers: list[list[int]]) -> UsageInfo:
+        """`used` with vLLM's completion_tokens_details.reasoning_tokens (with a reasoning
+        parser: the answers' tokens through the end of their reasoning)."""
+        tokens = self.engine.engine.intake.reasoning
+        if self.reasoning is not None and tokens is not None:
+            used.completion_tokens_details = CompletionTokensDetails(
+                reasoning_tokens=sum(tokens.count(prompt, a) for a in answers))
+        return used
+
     def keep_markers(self, params: SamplingParams, plan: ToolPlan) -> SamplingParams:
         """The request detokenized with its special tokens where the tags its answer is split
         at (the tool parser's markers, the reasoning tags) are special tokens, which
@@ -303,7 +313,9 @@ class OpenAIServingChat(OpenAIServing):
                             "finish_reason": finish, "stop_reason": c.stop_reason})
         body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.served_name(lora), "choices": choices,
-                "usage": usage([final], self.details).model_dump()}
+                "usage": self.with_reasoning_tokens(
+                    usage([final], self.details), final.prompt_token_ids,
+                    [c.token_ids for c in final.outputs]).model_dump()}
         if final.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(final)
         return JSONResponse(body)
@@ -346,7 +358,9 @@ class OpenAIServingChat(OpenAIServing):
                                     streamed.choice_usage(0, c.index, self.details)
                                     if stream_usage.continuous else None)
                 if stream_usage.final and streamed.choices:
-                    yield chunk([], streamed.usage(self.details).model_dump())
+                    yield chunk([], self.with_reasoning_tokens(
+                        streamed.usage(self.details), started.prompt["prompt_token_ids"],
+                        [c.token_ids for c in streamed.choices.values()]).model_dump())
             except Exception as e:  # the engine failed it, or died: say so, then end cleanly
                 yield sse_error(e)
             yield sse("[DONE]")

@@ -95,9 +95,13 @@ class ChoiceSoFar:
 
     index: int
     text: str = ""
-    num_tokens: int = 0
+    token_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +136,7 @@ class StreamedChoices:
             self._cached[prompt] = out.num_cached_tokens
         c = self.choices.setdefault(index, ChoiceSoFar(index))
         c.text += new.text
-        c.num_tokens += len(new.token_ids)
+        c.token_ids += new.token_ids
         c.finish_reason, c.stop_reason = new.finish_reason, new.stop_reason
         return c
 

@@ -40,12 +40,15 @@ from tokenmill.server.serving_common import (
 from tokenmill.server.tools import ToolPlan
 
 
-def _usage(used: UsageInfo, reasoning_tokens: int) -> dict[str, Any]:
-    """The Responses API's usage of a request's counts (`used`, with its cached tokens)."""
+def _usage(used: UsageInfo) -> dict[str, Any]:
+    """The Responses API's usage of a request's counts (`used`, with its cached and
+    reasoning tokens)."""
     cached = used.prompt_tokens_details.cached_tokens if used.prompt_tokens_details else 0
+    details = used.completion_tokens_details
     return {"input_tokens": used.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": used.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "output_tokens_details": {"reasoning_tokens": details.reasoning_tokens
+                                      if details else 0},
             "total_tokens": used.total_tokens}
 
 
@@ -98,20 +101,15 @@ class OpenAIServingResponses:
         if isinstance(done, StreamingResponse):
             return done
         final = done.final
-        answer_tokens = final.outputs[0].token_ids
         return JSONResponse(self._finished(
             skeleton, done.plan, shape, final.prompt, final.outputs[0],
-            usage([final], details=True), self._reasoning_tokens(final.prompt_token_ids,
-                                                                  answer_tokens)))
-
-    def _reasoning_tokens(self, prompt: list[int], answer: list[int]) -> int:
-        tokens = self.chat.engine.engine.intake.reasoning
-        return 0 if tokens is None or self.chat.reasoning is None else tokens.count(prompt,
-                                                                                   answer)
+            self.chat.with_reasoning_tokens(usage([final], details=True),
+                                            final.prompt_token_ids,
+                                            [final.outputs[0].token_ids])))
 
     def _finished(self, skeleton: dict[str, Any], plan: ToolPlan, shape: AnswerShape,
-                  prompt: str | None, c: CompletionOutput | ChoiceSoFar, used: UsageInfo,
-                  reasoning_tokens: int) -> dict[str, Any]:
+                  prompt: str | None, c: CompletionOutput | ChoiceSoFar, used: UsageInfo
+                  ) -> dict[str, Any]:
         """The response object of an answer: its reasoning, text and finish, and the usage
         counts."""
         content, reasoning = shape.split(c, True, shape.opens_thinking(prompt))
@@ -120,8 +118,7 @@ class OpenAIServingResponses:
         output += ([_message_item(f"msg_{skeleton['id']}", message["content"])]
                    if message["content"] else [])
         output += [_call_item(call) for call in message.get("tool_calls", [])]
-        return skeleton | {"output": output, **_status(c),
-                           "usage": _usage(used, reasoning_tokens)}
+        return skeleton | {"output": output, **_status(c), "usage": _usage(used)}
 
     async def _stream(self, skeleton: dict[str, Any], started: Started, shape: AnswerShape,
                       ticket: Any) -> AsyncIterator[str]:
@@ -132,13 +129,11 @@ class OpenAIServingResponses:
             yield items.event("response.in_progress", response=begun)
             streamed, c = StreamedChoices(), ChoiceSoFar(0)
             opened = shape.opens_thinking(started.prompt["prompt"])
-            answer_ids: list[int] = []
             async for _, out in merge([started.gen]):
                 check_failed([out])
                 if not out.outputs:  # (DELTA: nothing new)
                     continue
                 c = streamed.add(0, 0, out, out.outputs[0])
-                answer_ids += out.outputs[0].token_ids
                 content, reasoning = shape.split(c, c.finish_reason is not None, opened)
                 for e in items.reasoning(reasoning or ""):
                     yield e
@@ -149,8 +144,9 @@ class OpenAIServingResponses:
                     for e in items.finish(delta.get("tool_calls", [])):
                         yield e
             done = self._finished(skeleton, started.plan, shape, started.prompt["prompt"], c,
-                                  streamed.usage(details=True), self._reasoning_tokens(
-                                      started.prompt["prompt_token_ids"], answer_ids))
+                                  self.chat.with_reasoning_tokens(
+                                      streamed.usage(details=True),
+                                      started.prompt["prompt_token_ids"], [c.token_ids]))
             yield items.event("response.completed", response=done)
         except Exception as e:  # the engine failed it, or died, after it began
             yield items.event("error", **error_body(400 if isinstance(e, ValueError) else 500,
