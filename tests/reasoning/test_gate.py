@@ -190,3 +190,25 @@ def test_a_budget_alone_is_decided_a_step_ahead_until_it_may_be_spent(choice):
     assert not QWEN3.gate(None, 0, [1]).matcher().decided_ahead()  # <think> would force
     grammar, _ = choice
     assert not R1.gate(grammar, 50, [1]).matcher().decided_ahead()  # a grammar: never
+
+
+def test_only_the_forced_end_and_a_grammars_answer_take_a_mask(choice, smollm2_path):
+    from tokenmill.core.interface import RequestStep, SchedulerOutput
+
+    grammar, tok = choice
+    m = R1.gate(None, 2, [1]).matcher()
+    assert not m.constrains()  # thinking: free
+    feed(m, [5, 6])
+    assert m.constrains()  # forcing
+    feed(m, END)
+    assert not m.constrains()  # an answer without a grammar: free
+    g = QWEN3.gate(grammar, None, [1]).matcher()
+    assert g.constrains()  # undecided, with a grammar: the grammar or <think>
+    feed(g, START)
+    assert not g.constrains()
+    manager = StructuredOutputManager(StructuredOutputsConfig(), tok, V, [2])
+    step = SchedulerOutput(scheduled=[RequestStep(req_id="a", start_pos=3, num_new_tokens=1,
+                                                  sample=True)])
+    assert manager.submit(step, {"a": R1.gate(None, 9, [1]).matcher()}) is None  # no mask
+    masks = manager.submit(step, {"a": m.__class__(R1, None, 0, THINKING, 0)}).masks()
+    assert set(masks) == {"a"}  # a zero budget: the end forced at once

@@ -23,7 +23,8 @@ Invariants: the matcher's state is a function of the tokens accepted (rollback r
 exactly, drafts included); without a budget or a grammar no request is gated (`gate` returns
 None), so a plain request keeps async scheduling and its drafts; a budget alone keeps the
 step ahead too, except at the step that may spend it and while the end is forced
-(`decided_ahead`).
+(`decided_ahead`); and only the forced end and a grammar's answer take a token mask
+(`constrains`): a step of free reasoning costs no mask.
 """
 
 from __future__ import annotations
@@ -183,6 +184,10 @@ class ReasoningMatcher(GrammarMatcher):
 
     def error(self) -> str | None:
         return None if self.inner is None else self.inner.error()
+
+    def constrains(self) -> bool:
+        """Reasoning is free (no mask), and so is an answer without a grammar."""
+        return self.phase == FORCING or (self.inner is not None and self.phase != THINKING)
 
     def decided_ahead(self) -> bool:
         """Without a grammar, the mask after any one more token is all tokens unless that

@@ -49,6 +49,11 @@ class GrammarMatcher(ABC):
     def error(self) -> str | None:
         """Why the matcher cannot go on (a dead end), or None."""
 
+    def constrains(self) -> bool:
+        """Whether the next token is constrained at all (False: any token may come, and the
+        step needs no mask for it)."""
+        return True
+
     def decided_ahead(self) -> bool:
         """Whether the mask after one more token, whichever it is, is known now (then the
         request may be scheduled a step ahead of its sampled token: async scheduling). A

@@ -96,10 +96,11 @@ class StructuredOutputManager:
     def submit(self, sched: SchedulerOutput, grammars: dict[str, GrammarMatcher]
                ) -> GrammarOutput | None:
         """Start filling this step's bitmasks: for each scheduled request that samples and has
-        a matcher in `grammars`, (1 + drafts, W) int32 rows, as the step's GrammarOutput.
-        None if no request needs one."""
-        jobs = [(r.req_id, grammars[r.req_id], list(r.spec_token_ids))
-                for r in sched.scheduled if r.sample and r.req_id in grammars]
+        a matcher in `grammars` that constrains its next token (or drafts to check), (1 +
+        drafts, W) int32 rows, as the step's GrammarOutput. None if no request needs one."""
+        jobs = [(r.req_id, m, list(r.spec_token_ids)) for r in sched.scheduled
+                if r.sample and (m := grammars.get(r.req_id)) is not None
+                and (r.spec_token_ids or m.constrains())]  # (a free row needs no mask)
         if not jobs:
             return None
         if self._worker is None:
