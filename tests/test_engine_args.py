@@ -58,6 +58,8 @@ CASES = [
          "model.hf_config.rms_norm_eps", 0.001),
     Case("chat_template", ("--chat-template", "{{ messages }}"), "{{ messages }}",
          "model.chat_template", "{{ messages }}"),
+    Case("chat_template_content_format", ("--chat-template-content-format", "openai"),
+         "openai", "model.chat_template_content_format", "openai"),
     Case("generation_config", ("--generation-config", GENERATION_DIR), GENERATION_DIR,
          "model.sampling_defaults", {"temperature": 0.5, "max_tokens": 9}),
     Case("override_generation_config", ("--override-generation-config", '{"top_k": 3}'),

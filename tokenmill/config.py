@@ -109,6 +109,9 @@ class ModelConfig:
     # the chat template asked for instead of the tokenizer's (vLLM's --chat-template: the
     # text, read from its file); None: the tokenizer's (engine/tokenizer.chat_template_of)
     chat_template: str | None = None
+    # how the template gets a message's content (vLLM's --chat-template-content-format:
+    # engine/chat_content.py): "auto" (read from the template), "string" or "openai" (parts)
+    chat_template_content_format: str = "auto"
 
     def arch_config(self) -> Any:
         """The config the model's modules are built from: hf_config with hf_overrides, on a

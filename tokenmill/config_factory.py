@@ -43,6 +43,7 @@ from tokenmill.config_weights import (
     stored_dtype,
 )
 from tokenmill.distributed.config import ParallelConfig
+from tokenmill.engine.chat_content import checked_format
 from tokenmill.engine.tokenizer import load_chat_template
 from tokenmill.kv_offload.factory import kv_offload_config
 from tokenmill.layers.linear import check_heads_split
@@ -85,6 +86,7 @@ def create_engine_config(args: EngineArgs, offline: bool = False) -> EngineConfi
         sampling_defaults=model_sampling_defaults(model.path, args.generation_config,
                                                   args.override_generation_config),
         chat_template=load_chat_template(args.chat_template),
+        chat_template_content_format=checked_format(args.chat_template_content_format),
         max_logprobs=_max_logprobs(args.max_logprobs, model.vocab_size))
     speculative = SpeculativeConfig.parse(args.speculative_config)
     draft = None

@@ -38,6 +38,7 @@ from tokenmill.config import (
 from tokenmill.config_factory import create_engine_config
 from tokenmill.core.scheduling_policy import SCHEDULING_POLICIES
 from tokenmill.distributed.config import EXECUTOR_BACKENDS, ParallelConfig
+from tokenmill.engine.chat_content import CONTENT_FORMATS
 from tokenmill.kv_offload.config import OFFLOADING_BACKENDS
 from tokenmill.lora.config import LORA_DTYPES, LoRAConfig
 from tokenmill.quantization import QUANTIZATION_METHODS
@@ -101,6 +102,11 @@ class EngineArgs:
         None, "vLLM's flag: a Jinja chat template file, or the template itself, rendering "
         "conversations instead of the tokenizer's (chat completions, Messages, Responses, "
         "/tokenize, LLM.chat)", "model")
+    chat_template_content_format: str = option(
+        ModelConfig.chat_template_content_format, "vLLM's flag: how the chat template gets "
+        "a message's content: string (the text), openai (a list of {type: text, text} parts, "
+        "for templates that loop over them), auto (read from the template)", "model",
+        choices=CONTENT_FORMATS)
     generation_config: str = option(
         "auto", "vLLM's flag: where requests' default sampling values come from: auto, the "
         "model's generation_config.json (temperature, top_p, top_k, min_p, penalties, "

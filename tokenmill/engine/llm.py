@@ -17,6 +17,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from tokenmill.engine.beam_search import BeamSearchOutput, beam_search
+from tokenmill.engine.chat_content import as_content, content_format
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.tokenizer import chat_template_of
 from tokenmill.engine_args import EngineArgs
@@ -119,20 +120,26 @@ class LLM:
              chat_template_kwargs: dict[str, Any] | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
              priority: Sequence[int] | None = None,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None,
+             chat_template_content_format: str | None = None) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate.
         `chat_template` (vLLM's): the template's text for this call; else the engine's
-        chat_template option, else the tokenizer's."""
+        chat_template option, else the tokenizer's. `chat_template_content_format`
+        (vLLM's): how messages' content reaches it (engine/chat_content.py); else the
+        engine's option."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
         template = chat_template or chat_template_of(self.engine.config.model, tok)
         if not template:
             raise ValueError("this model's tokenizer has no chat template; pass chat_template "
                              "or use generate()")
-        prompts = [tok.apply_chat_template(conv, chat_template=template, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt,
-                                           **(chat_template_kwargs or {}))
-                   for conv in conversations]
+        fmt = content_format(template, chat_template_content_format
+                             or self.engine.config.model.chat_template_content_format)
+        prompts = [tok.apply_chat_template(
+            [m | {"content": as_content(m.get("content"), fmt)} for m in conv],
+            chat_template=template, tokenize=False,
+            add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+            for conv in conversations]
         # The template already holds the special tokens (BOS etc.): do not add them twice.
         token_prompts = [{"prompt": text,
                           "prompt_token_ids": tok.encode(text, add_special_tokens=False)}

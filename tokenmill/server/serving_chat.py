@@ -27,6 +27,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tokenmill.engine.chat_content import as_content, content_format
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.tokenizer import chat_template_of
 from tokenmill.lora.request import LoRARequest
@@ -135,6 +136,8 @@ def render_chat(engine: LLMEngine, messages: list[ChatMessage],
         if native and tools:
             kwargs["tools"] = tools
     engine.check_text_length(sum(len(m["content"] or "") for m in conversation))
+    fmt = content_format(template, engine.config.model.chat_template_content_format)
+    conversation = [m | {"content": as_content(m["content"], fmt)} for m in conversation]
     try:
         text = tokenizer.apply_chat_template(
             conversation, chat_template=template, tokenize=False,
