@@ -224,6 +224,24 @@ class AnswerShape:
         return self.reasoning is not None and self.reasoning.prompt_opens(prompt or "")
 
 
+async def one_choice_deltas(started: Started, shape: AnswerShape, shown: dict[int, int],
+                            streamed: StreamedChoices
+                            ) -> AsyncIterator[tuple[ChoiceSoFar, str, dict[str, Any],
+                                                     str | None]]:
+    """A one-choice stream (the Responses and Messages APIs) output by output: the choice so
+    far (added to `streamed`), its reasoning so far, its content delta (OpenAIServingChat.
+    delta, `shown` its record) and its finish reason."""
+    opened = shape.opens_thinking(started.prompt["prompt"])
+    async for _, out in merge([started.gen]):
+        check_failed([out])
+        if not out.outputs:  # (DELTA: nothing new)
+            continue
+        c = streamed.add(0, 0, out, out.outputs[0])
+        content, reasoning = shape.split(c, c.finish_reason is not None, opened)
+        delta, finish = OpenAIServingChat.delta(started.plan, content, shown)
+        yield c, reasoning or "", delta, finish
+
+
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args: Any, tool_options: ToolOptions | None = None) -> None:
         super().__init__(*args)

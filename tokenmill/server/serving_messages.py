@@ -34,8 +34,14 @@ from tokenmill.server.admission import Overloaded
 from tokenmill.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from tokenmill.server.lora_modules import UnknownModel
 from tokenmill.server.protocol_chat import ChatCompletionRequest
-from tokenmill.server.serving_chat import AnswerShape, OpenAIServingChat, Started, answer
-from tokenmill.server.serving_common import ChoiceSoFar, StreamedChoices, check_failed, merge
+from tokenmill.server.serving_chat import (
+    AnswerShape,
+    OpenAIServingChat,
+    Started,
+    answer,
+    one_choice_deltas,
+)
+from tokenmill.server.serving_common import ChoiceSoFar, StreamedChoices
 
 _ERRORS: list[tuple[type[BaseException], int, str]] = [
     (UnknownModel, 404, "not_found_error"),
@@ -134,16 +140,10 @@ class AnthropicServingMessages:
                 "content": [], "stop_reason": None, "stop_sequence": None,
                 "usage": {"input_tokens": len(started.prompt["prompt_token_ids"]),
                           "output_tokens": 0}}})
-            opened = shape.opens_thinking(started.prompt["prompt"])
-            async for _, out in merge([started.gen]):
-                check_failed([out])
-                if not out.outputs:  # (DELTA: nothing new)
-                    continue
-                c = streamed.add(0, 0, out, out.outputs[0])
-                content, reasoning = shape.split(c, c.finish_reason is not None, opened)
-                for e in blocks.thinking(reasoning or ""):
+            async for c, reasoning, delta, finish in one_choice_deltas(
+                    started, shape, blocks.shown, streamed):
+                for e in blocks.thinking(reasoning):
                     yield e
-                delta, finish = OpenAIServingChat.delta(started.plan, content, blocks.shown)
                 for e in blocks.text(delta.get("content", "")):
                     yield e
                 if finish is None:

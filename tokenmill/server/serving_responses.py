@@ -28,13 +28,17 @@ from tokenmill.outputs import CompletionOutput
 from tokenmill.server.protocol import UsageInfo
 from tokenmill.server.protocol_chat import ChatCompletionRequest
 from tokenmill.server.responses_protocol import ResponsesRequest
-from tokenmill.server.serving_chat import AnswerShape, OpenAIServingChat, Started, answer
+from tokenmill.server.serving_chat import (
+    AnswerShape,
+    OpenAIServingChat,
+    Started,
+    answer,
+    one_choice_deltas,
+)
 from tokenmill.server.serving_common import (
     ChoiceSoFar,
     StreamedChoices,
-    check_failed,
     error_body,
-    merge,
     usage,
 )
 from tokenmill.server.tools import ToolPlan
@@ -128,16 +132,10 @@ class OpenAIServingResponses:
             yield items.event("response.created", response=begun)
             yield items.event("response.in_progress", response=begun)
             streamed, c = StreamedChoices(), ChoiceSoFar(0)
-            opened = shape.opens_thinking(started.prompt["prompt"])
-            async for _, out in merge([started.gen]):
-                check_failed([out])
-                if not out.outputs:  # (DELTA: nothing new)
-                    continue
-                c = streamed.add(0, 0, out, out.outputs[0])
-                content, reasoning = shape.split(c, c.finish_reason is not None, opened)
-                for e in items.reasoning(reasoning or ""):
+            async for c, reasoning, delta, finish in one_choice_deltas(  # noqa: B007 (c: after)
+                    started, shape, items.shown, streamed):
+                for e in items.reasoning(reasoning):
                     yield e
-                delta, finish = OpenAIServingChat.delta(started.plan, content, items.shown)
                 for e in items.text(delta.get("content", "")):
                     yield e
                 if finish is not None:
