@@ -70,6 +70,10 @@ def _serve(args: argparse.Namespace) -> int:
     lora_modules = parse_lora_modules(args.lora_modules)
     if lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
+    if args.api_server_count != 1:
+        raise ValueError(f"--api-server-count {args.api_server_count}: tokenmill serves from one "
+                         "API server process, which holds the engine (vLLM's engine core "
+                         "process that several API servers share is not built); use 1")
     log, http = server_logging(args), http_options(args)
     # Serving logs what it does (start-up phases, one line per request) with request ids.
     handler = logging.StreamHandler()
@@ -196,6 +200,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                        help="with --data-parallel-size: send each request to the replica "
                             "likely to hold its prompt's prefix in cache unless it is "
                             "overloaded (cache_aware, SGLang's policy), or in turn")
+    serve.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                       help="vLLM's flag: API server processes; tokenmill runs one (the "
+                            "engine in the same process), so only 1 is served")
     serve.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                        help="LoRA adapters served by name (with --enable-lora): name=path or "
                             'JSON \'{"name": ..., "path": ..., "base_model_name": ...}\'; a '

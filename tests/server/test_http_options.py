@@ -99,3 +99,9 @@ def test_half_a_tls_pair_fails_before_the_model_loads(capsys):
     assert main(["serve", "/nonexistent/model", "--ssl-keyfile", "k.pem"]) == 2
     assert logging.getLogger().handlers == handlers  # (before serving's logging is set up)
     assert "--ssl-keyfile and --ssl-certfile go together" in capsys.readouterr().err
+
+
+def test_several_api_servers_are_refused_with_the_reason(capsys):
+    assert main(["serve", "/nonexistent/model", "--api-server-count", "2"]) == 2
+    assert "--api-server-count 2: tokenmill serves from one API server process" in \
+        capsys.readouterr().err
