@@ -162,3 +162,13 @@ def test_stop_sequences_end_the_message(claude):
     m = claude.messages.create(**kwargs, stop_sequences=[stop])
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
     assert m.content[0].text == text[:text.index(stop)]
+
+
+def test_output_config_format_constrains_the_answer_to_the_schema(claude):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    msg = claude.messages.create(model="tiny-llama", max_tokens=40, messages=[
+        {"role": "user", "content": "A number?"}], extra_body={
+        "output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    assert msg.stop_reason == "end_turn"
+    assert isinstance(json.loads(msg.content[0].text)["n"], int)

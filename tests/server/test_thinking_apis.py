@@ -155,3 +155,13 @@ def test_completions_take_a_budget_too(server):
     assert r.status_code == 200, r.text
     tokens = r.json()["choices"][0]["logprobs"]["tokens"]
     assert tokens[2:5] == ["token_id:9617", "token_id:17400", "token_id:46"]  # "</think>"
+
+
+def test_messages_output_config_effort_reaches_the_template(server, claude):
+    high = claude.messages.count_tokens(model="m", messages=HI,
+                                        extra_body={"output_config": {"effort": "high"}})
+    assert high.input_tokens == rendered_tokens(server, "user:hi\neffort=high\nassistant:")
+    off = claude.messages.count_tokens(model="m", messages=HI, thinking={"type": "disabled"},
+                                       extra_body={"output_config": {"effort": "high"}})
+    assert off.input_tokens == rendered_tokens(server,
+                                               "user:hi\neffort=none\nno-think\nassistant:")

@@ -12,7 +12,8 @@ request's thinking_token_budget, with the template's enable_thinking; disabled �
 reasoning_effort "none"; adaptive → the model's own; display "omitted" drops the thinking
 blocks, "summarized" returns them whole: nothing summarizes), and earlier `thinking` blocks
 (their text goes back as the turn's reasoning; `redacted_thinking` blocks are opaque and
-skipped, as vLLM does). Anything else (images, documents, server tools, ...) is refused by
+skipped, as vLLM does), `output_config` (effort → reasoning_effort; format json_schema → a
+grammar-constrained answer). Anything else (images, documents, server tools, ...) is refused by
 name.
 """
 
@@ -72,6 +73,19 @@ ThinkingConfig = Annotated[ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive
                            Field(discriminator="type")]
 
 
+class OutputFormat(StrictModel):
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(StrictModel):
+    """Anthropic's output_config, as vLLM maps it: effort → chat's reasoning_effort, format
+    → a JSON-schema response_format (grammar-constrained)."""
+
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
+
+
 class CountTokensRequest(StrictModel):
     model: Text
     messages: list[AnthropicMessage]
@@ -79,12 +93,19 @@ class CountTokensRequest(StrictModel):
     tools: list[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
 
     def to_chat(self, **sampling: Any) -> dict[str, Any]:
         """The chat completions request (as JSON) this conversation is."""
         body: dict[str, Any] = {"model": self.model,
                                 "messages": chat_messages(self.system, self.messages)}
-        if isinstance(self.thinking, ThinkingDisabled):
+        out = self.output_config
+        if out is not None and out.effort is not None:
+            body["reasoning_effort"] = out.effort
+        if out is not None and out.format is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "output", "schema": out.format.json_schema}}
+        if isinstance(self.thinking, ThinkingDisabled):  # (over output_config's effort)
             body["reasoning_effort"] = "none"
         elif isinstance(self.thinking, ThinkingEnabled):
             body["chat_template_kwargs"] = {"enable_thinking": True}

@@ -105,7 +105,8 @@ class ChatCompletionRequest(SamplingFields):
     include_reasoning: StrictBool = True  # (vLLM's) with --reasoning-parser: false drops it
     # OpenAI's; for the chat template as vLLM passes it (reasoning_effort, and enable_thinking
     # false for "none" unless chat_template_kwargs sets it)
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh",
+                              "max"] | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
