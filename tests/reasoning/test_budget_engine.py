@@ -18,11 +18,22 @@ PROMPTS = [[1, 504, 3120, 28], [17, 99, 1002, 4000, 8, 8, 8], [5] * 40]
 CHOICES = ["alpha", "beta gamma", "delta"]
 
 
-@torch.no_grad()
+_REFERENCES: dict[tuple, list[int]] = {}  # (the tiny Llama is one model per session)
+
+
 def hf_budgeted(model: torch.nn.Module, prompt: list[int], budget: int, max_tokens: int,
                 reasoning: int = 0) -> list[int]:
     """HF greedy, with END appended once `budget` reasoning tokens (`reasoning` of them in
-    the prompt) are written and END is not (the reference of a budget)."""
+    the prompt) are written and END is not (the reference of a budget); computed once."""
+    key = (id(model), tuple(prompt), budget, max_tokens, reasoning)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _hf_budgeted(model, prompt, budget, max_tokens, reasoning)
+    return _REFERENCES[key]
+
+
+@torch.no_grad()
+def _hf_budgeted(model: torch.nn.Module, prompt: list[int], budget: int, max_tokens: int,
+                 reasoning: int) -> list[int]:
     out: list[int] = []
     while len(out) < max_tokens:
         written = out[:len(out)]
@@ -168,3 +179,26 @@ def test_under_async_scheduling_a_budget_keeps_its_step_ahead(tiny_model):
         structured_outputs=StructuredOutputsParams(regex="[a-z ]{1,200}")))
     assert regex_ahead == 0
     engine.shutdown()
+
+
+@pytest.mark.parametrize("options", [
+    {"max_num_batched_tokens": 16},  # chunked prefill
+    {"num_kv_blocks": 12, "block_size": 16},  # preemption (recompute) mid-reasoning
+    {"async_scheduling": True, "num_kv_blocks": 12, "block_size": 16},
+])
+def test_budgets_under_engine_features(tiny_model, options):
+    folder, model = tiny_model("llama")
+    prompts = [PROMPTS[2] + [7] * 20, PROMPTS[1] * 6, PROMPTS[0] * 9]
+    budgets = [6, 20, 33]
+    llm = LLM(folder, max_model_len=512, reasoning_parser="deepseek_r1",
+              **({"num_kv_blocks": 200} | options))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True,
+                                        thinking_token_budget=b) for b in budgets],
+                        use_tqdm=False)
+    for prompt, budget, out in zip(prompts, budgets, outs, strict=True):
+        assert list(out.outputs[0].token_ids) == hf_budgeted(model, prompt, budget, 48)
+    if options.get("num_kv_blocks") == 12:
+        assert llm.engine.stats().num_preemptions > 0
+    assert_kv_all_free(llm.engine)
+    llm.engine.shutdown()
