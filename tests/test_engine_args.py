@@ -45,6 +45,10 @@ CASES = [
     Case("revision", ("--revision", "dev"), "dev", "model.max_model_len", 64),
     Case("download_dir", (), None, "model.download_dir", None),  # see the hub test below
     Case("tokenizer", (), None, "model.tokenizer", None),  # the tokenizer folder: below
+    Case("tokenizer_revision", (), None, "model.tokenizer", None),  # the hub test below
+    Case("tokenizer_mode", (), None, "model.tokenizer", None),  # only auto / hf: below
+    Case("config_format", (), None, "model.tokenizer", None),  # only auto / hf: below
+    Case("hf_token", ("--hf-token", "hf_x"), "hf_x", "model.hf_token", "hf_x"),
     # a float32 checkpoint's weights kept in the half dtype asked for on CPU:
     # tests/quantization/test_half_weights.py
     Case("dtype", ("--dtype", "bfloat16"), "bfloat16", "model.weight_dtype", torch.bfloat16),
@@ -207,6 +211,9 @@ def test_hub_fields_and_the_tokenizer_reach_the_model_config(tiny_model, hub_cac
         "org/tiny-llama", "dev", str(hub_cache))
     assert model.path.startswith(str(hub_cache)) and model.path.endswith("c" * 40)
     assert model.tokenizer == model.path  # the tokenizer id, resolved at the same revision
+    own = EngineArgs.from_cli_args(_engine_parser().parse_args(
+        [*argv, "--tokenizer-revision", "main"])).create_engine_config().model
+    assert own.path == model.path and own.tokenizer.endswith(MAIN)  # its own revision
     local = engine_config(tiny_model("llama")[0], tokenizer=str(tokenizer_dir))
     assert local.model.tokenizer == str(tokenizer_dir)
     assert engine_config(tiny_model("llama")[0]).model.tokenizer is None
@@ -282,3 +289,19 @@ def test_cuda_step_defaults_are_vllm_s(monkeypatch, name, gib, offline, want):
     assert config_scheduler.scheduler_defaults("cuda", offline) == want
     assert config_scheduler.scheduler_defaults("cpu", offline) == (
         SchedulerConfig.max_num_batched_tokens, SchedulerConfig.max_num_seqs)
+
+
+def test_only_hugging_face_formats_are_read(tiny_model):
+    path = tiny_model("llama")[0]
+    for mode in ("auto", "hf", "HF"):
+        engine_config(path, tokenizer_mode=mode, config_format=mode)
+    with pytest.raises(ValueError, match="tokenizer_mode 'mistral': tokenmill reads Hugging"):
+        engine_config(path, tokenizer_mode="mistral")
+    with pytest.raises(ValueError, match="config_format 'mistral': tokenmill reads config"):
+        engine_config(path, config_format="mistral")
+
+
+def test_the_hf_token_stays_out_of_reprs(tiny_model):
+    config = engine_config(tiny_model("llama")[0], hf_token="hf_secret")
+    assert config.model.hf_token == "hf_secret" and "hf_secret" not in repr(config)
+    assert engine_config(tiny_model("llama")[0], hf_token="true").model.hf_token is True

@@ -95,6 +95,9 @@ class ModelConfig:
     # Where a Hub id was resolved: its revision (None: main) and cache (None: HF_HUB_CACHE's).
     revision: str | None = None
     download_dir: str | None = None
+    # vLLM's --hf-token: the token Hub files are fetched with (True: the stored login); None:
+    # HF_TOKEN's or the stored login, as huggingface_hub reads them. Kept out of repr.
+    hf_token: str | bool | None = field(default=None, repr=False)
     # vLLM's --trust-remote-code: transformers may run the folder's own config / tokenizer code
     trust_remote_code: bool = False
     # vLLM's --max-logprobs: the most logprobs / prompt_logprobs a request may ask (-1: the

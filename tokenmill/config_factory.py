@@ -67,10 +67,12 @@ def create_engine_config(args: EngineArgs, offline: bool = False) -> EngineConfi
     """The engine's config from its options (each EngineArgs field lands in one place here);
     offline: for the offline LLM (vLLM's usage context: larger default steps on CUDA)."""
     device = resolve_device(args.device)
+    _check_formats(args.tokenizer_mode, args.config_format)
     model = model_config(args.model, args.dtype, args.max_model_len, args.load_format,
                          args.quantization, args.int8_activations, args.revision,
                          args.download_dir, args.tokenizer, args.trust_remote_code,
-                         args.hf_overrides)
+                         args.hf_overrides, args.tokenizer_revision,
+                         _hf_token(args.hf_token))
     if args.quantization is None:  # none asked for ("none" is an answer)
         model = dataclasses.replace(model, quantization=default_quantization(model, device))
     half = asked_half_weights(model, device) if args.dtype != "auto" else None
@@ -126,6 +128,23 @@ def create_engine_config(args: EngineArgs, offline: bool = False) -> EngineConfi
         kv_offload=kv_offload_config(args.group("kv_offload"), model, cache, parallel, seed,
                                      draft is not None),
         enable_sleep_mode=_sleep_mode(args.enable_sleep_mode, parallel))
+
+
+def _check_formats(tokenizer_mode: str, config_format: str) -> None:
+    """vLLM's --tokenizer-mode and --config-format: the Hugging Face forms are what tokenmill
+    reads; the others (mistral_common's tokenizer, params.json, ...) are refused by name."""
+    if tokenizer_mode.lower() not in ("auto", "hf"):
+        raise ValueError(f"tokenizer_mode {tokenizer_mode!r}: tokenmill reads Hugging Face "
+                         "tokenizers (auto, hf); serve the model's Hugging Face tokenizer "
+                         "files (tokenizer.json) instead")
+    if config_format.lower() not in ("auto", "hf"):
+        raise ValueError(f"config_format {config_format!r}: tokenmill reads config.json (auto, "
+                         "hf); serve the model's Hugging Face files instead")
+
+
+def _hf_token(value: str | None) -> str | bool | None:
+    """--hf-token: a token, or true for the one `hf auth login` stored."""
+    return True if value is not None and value.lower() == "true" else value
 
 
 def resolve_kv_cache_dtype(asked: str, model: ModelConfig, dtype_asked: str = "auto") -> str:

@@ -10,6 +10,7 @@ copies); a model that cannot be served is a ValueError naming it before any weig
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -33,15 +34,21 @@ def model_config(path: str | None, dtype: str = "auto", max_model_len: int | Non
                  int8_activations: bool = False, revision: str | None = None,
                  download_dir: str | None = None, tokenizer: str | None = None,
                  trust_remote_code: bool = False,
-                 hf_overrides: str | dict[str, Any] | None = None) -> ModelConfig:
+                 hf_overrides: str | dict[str, Any] | None = None,
+                 tokenizer_revision: str | None = None,
+                 hf_token: str | bool | None = None) -> ModelConfig:
     """`path`: a Hugging Face folder, a .gguf file or a Hub id (model_loader/hub.py, at
-    `revision`, cached in `download_dir`); None: the default model. The weight format is the
-    one asked for or the checkpoint's own (default_quantization picks among the rest)."""
+    `revision`, cached in `download_dir`, fetched with `hf_token` if given); None: the
+    default model; `tokenizer` at `tokenizer_revision` (else `revision`). The weight format
+    is the one asked for or the checkpoint's own (default_quantization picks among the
+    rest)."""
     path = default_model_path() if path is None else os.path.expanduser(str(path))
-    hub_id, path = _local_model(path, revision, download_dir, with_code=trust_remote_code)
+    hub = _HubAccess(download_dir, hf_token)
+    hub_id, path = _local_model(path, revision, hub, with_code=trust_remote_code)
     tokenizer_dir = (None if tokenizer is None else
-                     _local_model(os.path.expanduser(tokenizer), revision, download_dir,
-                                  True, trust_remote_code)[1])
+                     _local_model(os.path.expanduser(tokenizer),
+                                  tokenizer_revision or revision, hub, True,
+                                  trust_remote_code)[1])
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, "
                          f"got {load_format!r}")
@@ -69,7 +76,7 @@ def model_config(path: str | None, dtype: str = "auto", max_model_len: int | Non
         load_format=load_format, quantization=quantization, hf_quant_config=hf_quant,
         int8_activations=bool(int8_activations), hub_id=hub_id, tokenizer=tokenizer_dir,
         revision=revision, download_dir=download_dir, trust_remote_code=trust_remote_code,
-        hf_overrides=_normalized_quirks(hf_config, max_model_len))
+        hf_overrides=_normalized_quirks(hf_config, max_model_len), hf_token=hf_token)
 
 
 def _read_hf_config(path: str, trust_remote_code: bool = False
@@ -123,7 +130,16 @@ def _normalized_quirks(hf_config: Any, max_model_len: int) -> dict[str, Any]:
     return {}
 
 
-def _local_model(name: str, revision: str | None, download_dir: str | None,
+@dataclasses.dataclass(frozen=True)
+class _HubAccess:
+    """Where Hub ids are cached and the token they are fetched with (vLLM's --download-dir,
+    --hf-token)."""
+
+    download_dir: str | None
+    token: str | bool | None = dataclasses.field(repr=False)
+
+
+def _local_model(name: str, revision: str | None, hub: _HubAccess,
                  tokenizer_only: bool = False, with_code: bool = False
                  ) -> tuple[str | None, str]:
     """(the Hub id, the local path) of a model or tokenizer name: a local path is itself (and
@@ -133,7 +149,8 @@ def _local_model(name: str, revision: str | None, download_dir: str | None,
             raise ValueError(f"revision applies to Hugging Face Hub ids; {name!r} is a local "
                              "path")
         return None, name
-    return name, resolve_hub_model(name, revision, download_dir, tokenizer_only, with_code)
+    return name, resolve_hub_model(name, revision, hub.download_dir, tokenizer_only,
+                                   with_code, hub.token)
 
 
 def _resolve_dtype(dtype: str | torch.dtype, hf_config: Any) -> torch.dtype:

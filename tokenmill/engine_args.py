@@ -72,6 +72,19 @@ class EngineArgs:
     tokenizer: str | None = option(
         None, "a tokenizer folder or Hub id to use instead of the model's own (e.g. the "
         "original repository of a GGUF file)", "model")
+    tokenizer_revision: str | None = option(
+        None, "vLLM's flag: the --tokenizer Hub id's branch, tag or commit (default: "
+        "--revision)", "model")
+    tokenizer_mode: str = option(
+        "auto", "vLLM's flag: auto and hf read the Hugging Face tokenizer (what tokenmill "
+        "always does); mistral (mistral_common's tokenizer) and the other modes are refused: "
+        "serve the model's Hugging Face files", "model")
+    config_format: str = option(
+        "auto", "vLLM's flag: auto and hf read config.json (a GGUF file: its metadata); "
+        "mistral (params.json) is refused: serve the model's Hugging Face files", "model")
+    hf_token: str | None = option(
+        None, "vLLM's flag: the token Hub files are fetched with (true: the one `hf auth "
+        "login` stored; default: HF_TOKEN's, else the stored one)", "model", metavar="TOKEN")
     dtype: str = option(
         "auto", "the compute dtype; auto: float32 on CPU (a bf16 / fp16 checkpoint's dense "
         "weights kept in their own dtype), the checkpoint's half precision on GPU; bfloat16 / "

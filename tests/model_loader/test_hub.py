@@ -183,3 +183,35 @@ def test_serve_an_unknown_id_exits_with_the_message_not_a_traceback(offline_hub)
                         "0"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode != 0
     assert "org/missing" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_token_goes_with_every_hub_request(monkeypatch, tiny_model, tmp_path):
+    """--hf-token reaches huggingface_hub's file list and download (its client stands in: no
+    network here); the cache is looked at first, without it."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    folder = tiny_model("llama")[0]
+    seen = []
+
+    class Api:
+        def __init__(self, token=None):
+            seen.append(("list", token))
+
+        def list_repo_files(self, repo, revision=None):
+            return sorted(os.listdir(folder))
+
+    def download(repo, revision=None, cache_dir=None, local_files_only=False,
+                 allow_patterns=None, token=None):
+        if local_files_only:
+            raise LocalEntryNotFoundError("an empty cache")
+        seen.append(("download", token))
+        return folder
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Api)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    config = engine_config("org/private-llama", hf_token="hf_secret")
+    assert config.model.hub_id == "org/private-llama" and config.model.path == folder
+    assert seen == [("list", "hf_secret"), ("download", "hf_secret")]

@@ -93,7 +93,8 @@ class LLMEngine:
         self.structured = StructuredOutputManager(config.structured_outputs, self.tokenizer,
                                                   config.model.vocab_size, self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer)
-        self.adapters = AdapterRegistry(config.model.hf_config, config.lora)
+        self.adapters = AdapterRegistry(config.model.hf_config, config.lora,
+                                        config.model.hf_token)
         reasoning = None if config.reasoning is None else ReasoningTokens.of(
             config.reasoning, self.tokenizer, config.structured_outputs.enable_in_reasoning)
         self.intake = RequestIntake(config.model, self.tokenizer, self.kv, self.structured,

@@ -28,8 +28,10 @@ def _stamp(path: str) -> tuple[tuple[str, int, int], ...]:
 
 
 class AdapterRegistry:
-    def __init__(self, hf_config: object, config: LoRAConfig | None) -> None:
+    def __init__(self, hf_config: object, config: LoRAConfig | None,
+                 hf_token: str | bool | None = None) -> None:
         self.config = config
+        self.hf_token = hf_token  # adapters by Hub id are fetched with it (--hf-token)
         self.shapes = target_shapes(hf_config) if config is not None else {}
         self.num_layers = getattr(hf_config, "num_hidden_layers", 0)
         self._checked: dict[str, tuple[tuple, str, int]] = {}  # path → (stamp, key, rank)
@@ -51,7 +53,8 @@ class AdapterRegistry:
             if parse_hub_id(request.lora_path) is None:
                 raise ValueError(f"LoRA adapter {request.lora_name!r}: {request.lora_path!r} "
                                  "is not a folder")
-            path = resolve_hub_adapter(request.lora_path)  # the cache first, as vLLM
+            path = resolve_hub_adapter(request.lora_path,  # the cache first, as vLLM
+                                       token=self.hf_token)
         stamp = _stamp(path)
         with self._lock:
             known = self._checked.get(path)

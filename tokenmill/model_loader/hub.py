@@ -15,7 +15,8 @@ Invariants:
   subfolders such as `original/`), with huggingface_hub's progress bars and per-file locks, so
   concurrent starts share one download;
 - HF_HUB_OFFLINE=1 serves from the cache only; HF_TOKEN (or a stored login) is read by
-  huggingface_hub itself;
+  huggingface_hub itself, and `token` (vLLM's --hf-token: a token, or True for the stored
+  login) is used instead where given;
 - a name that cannot be resolved (offline and not cached, no such repository or revision, a
   gated one, no file of the asked type) is a ValueError naming it, never a traceback.
 """
@@ -82,7 +83,7 @@ def _cache_dir(download_dir: str | None) -> str | None:
 
 def resolve_hub_model(name: str, revision: str | None = None,
                       download_dir: str | None = None, tokenizer_only: bool = False,
-                      with_code: bool = False) -> str:
+                      with_code: bool = False, token: str | bool | None = None) -> str:
     """The local path of the model (or, tokenizer_only, the tokenizer) that Hub id `name`
     names: a snapshot folder, or the .gguf file asked for; downloaded if not cached.
     with_code (--trust-remote-code): the repository's top-level .py files too."""
@@ -92,11 +93,12 @@ def resolve_hub_model(name: str, revision: str | None = None,
     with _hub_errors("model", name, revision) as where:
         return _resolve(spec, revision, _cache_dir(download_dir), where,
                         lambda files: _wanted(spec, files, tokenizer_only, where, with_code),
-                        tokenizer_only)
+                        tokenizer_only, token)
 
 
 def resolve_hub_adapter(name: str, revision: str | None = None,
-                        download_dir: str | None = None) -> str:
+                        download_dir: str | None = None,
+                        token: str | bool | None = None) -> str:
     """The local snapshot folder of the peft adapter repository `name` (its
     adapter_config.json and weights only), downloaded if not cached (vLLM's lora_path)."""
     spec = parse_hub_id(name)
@@ -113,7 +115,7 @@ def resolve_hub_adapter(name: str, revision: str | None = None,
         return [ADAPTER_CONFIG, *weights]
 
     with _hub_errors("LoRA adapter", name, revision) as where:
-        return _resolve(spec, revision, _cache_dir(download_dir), where, wanted, True)
+        return _resolve(spec, revision, _cache_dir(download_dir), where, wanted, True, token)
 
 
 @contextlib.contextmanager
@@ -162,7 +164,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def _resolve(spec: HubModel, revision: str | None, cache: str | None, where: str,
-             wanted_of: Callable[[list[str]], list[str]], folder_only: bool) -> str:
+             wanted_of: Callable[[list[str]], list[str]], folder_only: bool,
+             token: str | bool | None = None) -> str:
     """The snapshot holding the files `wanted_of(repository files)` names: the cached one
     where it has them all, else downloaded (those files only). folder_only: the folder even
     when a .gguf file is wanted."""
@@ -177,9 +180,9 @@ def _resolve(spec: HubModel, revision: str | None, cache: str | None, where: str
         from huggingface_hub.errors import LocalEntryNotFoundError
 
         raise LocalEntryNotFoundError("the needed files are not all cached")
-    wanted = wanted_of(HfApi().list_repo_files(spec.repo, revision=revision))
+    wanted = wanted_of(HfApi(token=token).list_repo_files(spec.repo, revision=revision))
     folder = snapshot_download(spec.repo, revision=revision, cache_dir=cache,
-                               allow_patterns=wanted)
+                               allow_patterns=wanted, token=token)
     return _result(Path(folder), wanted, folder_only)
 
 
