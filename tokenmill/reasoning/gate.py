@@ -73,9 +73,10 @@ class ReasoningTokens:
         if self.prompt_reasoning(prompt) is None and not self.without_tags \
                 and tuple(answer[:len(self.start)]) != self.start:
             return 0
-        n = len(self.end)
+        n, first = len(self.end), self.end[0]
         return next((i + n for i in range(len(answer) - n + 1)
-                     if tuple(answer[i:i + n]) == self.end), len(answer))
+                     if answer[i] == first and tuple(answer[i:i + n]) == self.end),
+                    len(answer))
 
     def gate(self, grammar: CompiledGrammar | None, budget: int | None,
              prompt: list[int]) -> CompiledGrammar | None:
@@ -97,9 +98,9 @@ class ReasoningTokens:
 
 def _last(tokens: list[int], seq: tuple[int, ...]) -> int:
     """Where `seq` last begins in `tokens` (-1: nowhere)."""
-    n = len(seq)
+    n, first = len(seq), seq[0]
     for i in range(len(tokens) - n, -1, -1):
-        if tuple(tokens[i:i + n]) == seq:
+        if tokens[i] == first and tuple(tokens[i:i + n]) == seq:  # (no slice per position)
             return i
     return -1
 
