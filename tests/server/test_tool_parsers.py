@@ -153,8 +153,8 @@ QWEN_LIKE = (
 
 def test_tools_reach_the_prompt_with_either_kind_of_template(tiny_model):
     from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.server.chat_rendering import render_chat
     from tokenmill.server.protocol_chat import ChatMessage
-    from tokenmill.server.serving_chat import render_chat
 
     engine = LLMEngine.from_options(tiny_model("llama")[0], max_model_len=512,
                                     num_kv_blocks=64)
@@ -180,7 +180,7 @@ def test_special_markers_keep_the_special_tokens(tiny_model):
     Granite 3.0's <|tool_call|>) gets the answer detokenized with its special tokens."""
     from tokenmill.config_model import model_config
     from tokenmill.engine.tokenizer import load_tokenizer
-    from tokenmill.server.serving_chat import skipped_on_decode
+    from tokenmill.server.chat_rendering import skipped_on_decode
 
     tok = load_tokenizer(model_config(tiny_model("llama")[0]))
     assert skipped_on_decode(tok, "<|im_start|>") and skipped_on_decode(tok, "<empty_output>")

@@ -27,6 +27,7 @@ from tokenmill.engine.data_parallel import DataParallelLLM
 from tokenmill.engine.llm_engine import EngineSleepingError, LLMEngine
 from tokenmill.metrics.prometheus import PrometheusMetrics
 from tokenmill.server.admission import RETRY_AFTER_S, Overloaded
+from tokenmill.server.chat_rendering import Rendering, render_chat
 from tokenmill.server.lifecycle import ServerLifecycle
 from tokenmill.server.lora_modules import ServedAdapters, UnknownModel
 from tokenmill.server.messages_routes import PREFIX as ANTHROPIC_PREFIX
@@ -37,7 +38,7 @@ from tokenmill.server.protocol_chat import (
     TokenizeRequest,
 )
 from tokenmill.server.responses_protocol import ResponsesRequest
-from tokenmill.server.serving_chat import OpenAIServingChat, Rendering, render_chat
+from tokenmill.server.serving_chat import OpenAIServingChat
 from tokenmill.server.serving_common import (
     STREAMED,
     ClientDisconnected,

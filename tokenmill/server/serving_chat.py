@@ -1,5 +1,6 @@
-"""POST /v1/chat/completions: messages rendered with the model's chat template (on a worker
-thread: a template over a large conversation must not hold up the event loop), n samples,
+"""POST /v1/chat/completions: messages rendered with the model's chat template
+(server/chat_rendering.py, on a worker thread: a template over a large conversation must not
+hold up the event loop), n samples,
 streamed as `chat.completion.chunk` events (a role delta first, then content deltas, then the
 finish reason; an error event if the engine failed the request; always [DONE] last) or
 returned whole.
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -27,9 +27,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tokenmill.engine.chat_content import as_content, content_format
-from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.tokenizer import chat_template_of
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.reasoning.parsers import (
@@ -38,8 +35,9 @@ from tokenmill.reasoning.parsers import (
 )
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admission import Ticket
+from tokenmill.server.chat_rendering import Rendering, render_chat, skipped_on_decode
 from tokenmill.server.protocol import CompletionTokensDetails, UsageInfo
-from tokenmill.server.protocol_chat import ChatCompletionRequest, ChatMessage
+from tokenmill.server.protocol_chat import ChatCompletionRequest
 from tokenmill.server.serving_common import (
     ChoiceSoFar,
     OpenAIServing,
@@ -57,9 +55,7 @@ from tokenmill.server.serving_common import (
 from tokenmill.server.tools import (
     ToolOptions,
     ToolPlan,
-    conversation_with_tools,
     plan_tools,
-    template_uses_tools,
 )
 
 
@@ -83,77 +79,6 @@ class Finished:
 
 
 Streamer = Callable[[Started, Ticket], AsyncIterator[str]]
-
-
-@dataclasses.dataclass(frozen=True)
-class Rendering:
-    """How a conversation becomes a prompt (a chat request's fields, vLLM's names)."""
-
-    add_generation_prompt: bool = True
-    continue_final: bool = False  # continue_final_message: the last message left open
-    template: str | None = None  # the request's own chat_template (else the engine's)
-    template_kwargs: dict[str, Any] | None = None  # chat_template_kwargs
-    documents: list[dict[str, str]] | None = None  # for a RAG template (`documents`)
-    add_special_tokens: bool = False  # the tokenizer's BOS etc. on top of the template's
-
-    @classmethod
-    def of(cls, req: ChatCompletionRequest) -> Rendering:
-        return cls(req.add_generation_prompt, req.continue_final_message, req.chat_template,
-                   with_effort(req.chat_template_kwargs, req.reasoning_effort), req.documents,
-                   req.add_special_tokens)
-
-
-def with_effort(kwargs: dict[str, Any] | None, effort: str | None) -> dict[str, Any] | None:
-    """The chat template's keywords with a request's reasoning effort, as vLLM passes it:
-    `reasoning_effort`, and `enable_thinking` (false for "none": Qwen3's and others'
-    templates then render a closed, empty reasoning); the request's own keywords win."""
-    if effort is None:
-        return kwargs
-    return {"reasoning_effort": effort, "enable_thinking": effort != "none"} | (kwargs or {})
-
-
-def render_chat(engine: LLMEngine, messages: list[ChatMessage],
-                how: Rendering = Rendering(), tools: list[dict[str, Any]] | None = None
-                ) -> dict[str, Any]:
-    """The prompt dict (text and token ids) for a conversation; ValueError if unusable."""
-    tokenizer = engine.tokenizer
-    template = how.template or chat_template_of(engine.config.model, tokenizer)
-    if not template:
-        raise ValueError("this model has no chat template (--chat-template gives one); use "
-                         "/v1/completions")
-    if not messages:
-        raise ValueError("messages must not be empty")
-    conversation = [m.for_template() for m in messages]
-    kwargs = dict(how.template_kwargs or {})
-    if how.documents is not None:
-        if "documents" not in template:
-            raise ValueError("documents is not supported by this model's chat template (it "
-                             "renders none)")
-        kwargs["documents"] = how.documents
-    if tools or any("tool_calls" in m or m["role"] == "tool" for m in conversation):
-        native = template_uses_tools(template)
-        conversation = conversation_with_tools(conversation, tools or [], native)
-        if native and tools:
-            kwargs["tools"] = tools
-    engine.check_text_length(sum(len(m["content"] or "") for m in conversation))
-    fmt = content_format(template, engine.config.model.chat_template_content_format)
-    conversation = [m | {"content": as_content(m["content"], fmt)} for m in conversation]
-    try:
-        text = tokenizer.apply_chat_template(
-            conversation, chat_template=template, tokenize=False,
-            add_generation_prompt=how.add_generation_prompt,
-            continue_final_message=how.continue_final, **kwargs)
-    except Exception as e:  # jinja errors for malformed conversations
-        raise ValueError(f"messages cannot be rendered with the chat template: {e}") from e
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(
-        text, add_special_tokens=how.add_special_tokens)}
-
-
-@functools.lru_cache(maxsize=64)
-def skipped_on_decode(tokenizer: Any, text: str) -> bool:
-    """Whether `text` is one special token, which decoding with skip_special_tokens drops."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=True) == ""
 
 
 def chat_logprobs(c: CompletionOutput, top_k: int, as_ids: bool = False
