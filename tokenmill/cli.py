@@ -191,7 +191,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                        help="how tool calls are parsed out of the model's text: hermes "
                             "(<tool_call> tags: Hermes, Qwen), llama3_json (Llama 3.x), "
                             "pythonic ([f(x=1)]: Llama 3.2 / 4), mistral ([TOOL_CALLS]), "
-                            "granite (Granite 3.x) or phi4_mini_json (Phi-4-mini)")
+                            "granite (Granite 3.x), phi4_mini_json (Phi-4-mini) or "
+                            "qwen3_coder (Qwen3-Coder's XML calls)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let a chat request bring its own chat_template (vLLM's; a "
                             "template is code the server runs)")

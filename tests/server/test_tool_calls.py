@@ -236,3 +236,23 @@ def test_a_special_token_marker_survives_detokenization(tiny_model, monkeypatch)
         plain = client.chat.completions.create(model="m", messages=ASK, max_tokens=1,
                                                logit_bias={"16": 100})
         assert plain.choices[0].message.content == ""  # no tools: skipped as asked
+
+
+def test_qwen3_coder_calls_come_back_typed_by_the_schema(tiny_model):
+    """--tool-call-parser qwen3_coder: the XML call (made certain by a choice constraint)
+    comes back as tool_calls whose arguments the tool's schema typed."""
+    call = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>")
+    engine = LLMEngine.from_options(tiny_model("llama")[0], max_model_len=512,
+                                    num_kv_blocks=64)
+    for srv in start_server(engine, "m", tool_options=ToolOptions(True, "qwen3_coder")):
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS,
+                                           max_tokens=80, temperature=0,
+                                           extra_body={"guided_choice": [call]})
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (got,) = choice.message.tool_calls
+        assert got.function.name == "get_weather"
+        assert json.loads(got.function.arguments) == {"city": "Paris", "unit": "celsius"}
+        srv.wait_idle()

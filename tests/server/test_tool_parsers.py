@@ -17,6 +17,7 @@ from tokenmill.server.tool_parsers import (
     MistralToolParser,
     Phi4MiniJsonToolParser,
     PythonicToolParser,
+    Qwen3CoderToolParser,
     get_tool_parser,
 )
 from tokenmill.server.tools import ToolOptions, plan_tools
@@ -87,6 +88,39 @@ def test_marked_json_arrays(parser, marker):
     broken = f'{marker}[{{"name": "add", "arguments": '
     assert parser.parse(broken) == (broken, [])
     assert parser.call_start("x " + marker[:4]) == 2 and parser.call_start("x") is None
+
+
+QWEN_TOOLS = [{"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object", "properties": {
+        "city": {"type": "string"}, "nights": {"type": "integer"},
+        "price": {"type": "number"}, "pets": {"type": "boolean"},
+        "rooms": {"type": "array"}, "note": {"type": ["string", "null"]},
+        "extra": {"type": "object"}}}}}]
+
+
+def test_qwen3_coder_types_its_text_by_the_tools_schema():
+    p = Qwen3CoderToolParser()
+    text = ("Booking.\n<tool_call>\n<function=book>\n<parameter=city>\n007\n</parameter>\n"
+            "<parameter=nights>\n3\n</parameter>\n<parameter=price>\n99.5\n</parameter>\n"
+            "<parameter=pets>\nTrue\n</parameter>\n<parameter=rooms>\n[1, 2]\n</parameter>\n"
+            "<parameter=note>\nnull\n</parameter>\n<parameter=extra>\n{\"a\": 1}\n"
+            "</parameter>\n</function>\n</tool_call>")
+    content, calls = p.parse(text, QWEN_TOOLS)
+    assert content == "Booking.\n"
+    assert named_args(calls) == [("book", {"city": "007", "nights": 3, "price": 99.5,
+                                           "pets": True, "rooms": [1, 2], "note": "null",
+                                           "extra": {"a": 1}})]
+    # no schema (an unknown tool): JSON where it reads as JSON, else the text
+    _, calls = p.parse("<tool_call>\n<function=f>\n<parameter=n>\n7\n</parameter>\n"
+                       "<parameter=z>\n007\n</parameter>\n"
+                       "<parameter=s>\nhi there\n</parameter>\n</function>\n</tool_call>")
+    assert named_args(calls) == [("f", {"n": 7, "z": "007", "s": "hi there"})]
+    _, calls = p.parse("<tool_call><function=book><parameter=nights>many</parameter>"
+                       "</function></tool_call>", QWEN_TOOLS)
+    assert named_args(calls) == [("book", {"nights": "many"})]  # not an integer: as written
+    broken = "<tool_call>\n<function=book>\n<parameter=city>\nParis"
+    assert p.parse(broken, QWEN_TOOLS) == (broken, [])
+    assert p.call_start("ok <tool") == 3 and p.call_start("ok") is None
 
 
 def test_pythonic():

@@ -14,6 +14,9 @@ as in vLLM.
 - `granite` (Granite 3.x): content, then `<|tool_call|>` (3.0) or `<tool_call>` (3.1) and a
   JSON array of {"name", "arguments"}; text after the array is content too.
 - `phi4_mini_json` (Phi-4-mini): `functools[{"name", "arguments"}, ...]`.
+- `qwen3_coder` (Qwen3-Coder): `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>
+  ...</function></tool_call>`; each value is text, typed by the tool's JSON schema (strings
+  kept, integers, numbers, booleans, null; objects and arrays read as JSON), as vLLM's.
 
 A parser's `markers` are the texts that open its calls. Where one is a special token (Mistral's
 `[TOOL_CALLS]`, Granite 3.0's `<|tool_call|>`), the answer is detokenized with its special
@@ -75,8 +78,11 @@ class ToolParser(ABC):
     markers: tuple[str, ...] = ()  # the texts that open a call (module doc)
 
     @abstractmethod
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, or None when the answer is only calls; the calls)."""
+    def parse(self, text: str, tools: list[dict[str, Any]] | None = None
+              ) -> tuple[str | None, list[ToolCall]]:
+        """(content, or None when the answer is only calls; the calls). `tools`: the
+        request's, as the template got them (a parser whose arguments are untyped text reads
+        their schemas)."""
 
     @abstractmethod
     def call_start(self, text: str) -> int | None:
@@ -90,7 +96,8 @@ class HermesToolParser(ToolParser):
     markers = (OPEN,)
     _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def parse(self, text: str, tools: list[dict[str, Any]] | None = None
+              ) -> tuple[str | None, list[ToolCall]]:
         calls: list[ToolCall] = []
         content, last = [], 0
         for m in self._CALL.finditer(text):
@@ -140,7 +147,8 @@ class MarkedJsonToolParser(ToolParser):
     """Content, then a marker and a JSON array of calls (granite, phi4_mini_json); what
     follows the array is content too."""
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def parse(self, text: str, tools: list[dict[str, Any]] | None = None
+              ) -> tuple[str | None, list[ToolCall]]:
         found = [(i, m) for m in self.markers if (i := text.find(m)) >= 0]
         if not found:
             return text, []
@@ -171,7 +179,8 @@ class MistralToolParser(ToolParser):
     MARKER, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
     markers = (MARKER,)
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def parse(self, text: str, tools: list[dict[str, Any]] | None = None
+              ) -> tuple[str | None, list[ToolCall]]:
         if self.MARKER not in text:
             return text, []
         content, *segments = text.split(self.MARKER)
@@ -205,11 +214,77 @@ class MistralToolParser(ToolParser):
         return _marker_start(text, self.markers)
 
 
+class Qwen3CoderToolParser(ToolParser):
+    name = "qwen3_coder"
+    markers = ("<tool_call>",)
+    _CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>",
+                       re.DOTALL)
+    _PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+    def parse(self, text: str, tools: list[dict[str, Any]] | None = None
+              ) -> tuple[str | None, list[ToolCall]]:
+        calls: list[ToolCall] = []
+        content, last = [], 0
+        for m in self._CALL.finditer(text):
+            name = m.group(1).strip()
+            properties = _properties(tools, name)
+            args = {key.strip(): _typed(_trim_newlines(value), properties.get(key.strip()))
+                    for key, value in self._PARAM.findall(m.group(2))}
+            calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False), new_call_id()))
+            content.append(text[last:m.start()])
+            last = m.end()
+        content.append(text[last:])
+        rest = "".join(content)
+        return (rest if rest.strip() or not calls else None), calls
+
+    def call_start(self, text: str) -> int | None:
+        return _marker_start(text, self.markers)
+
+
+def _properties(tools: list[dict[str, Any]] | None, name: str) -> dict[str, Any]:
+    """The JSON-schema properties of tool `name`'s parameters ({} if unknown)."""
+    for tool in tools or []:
+        fn = tool.get("function", tool)
+        if fn.get("name") == name:
+            return (fn.get("parameters") or {}).get("properties") or {}
+    return {}
+
+
+def _trim_newlines(value: str) -> str:
+    """A parameter's value without the one newline the format puts on each side."""
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
+
+
+def _typed(value: str, schema: dict[str, Any] | None) -> Any:
+    """A parameter's text as the value its schema types (a string kept as written; no
+    schema: JSON if it reads as JSON, else the text)."""
+    kinds = (schema or {}).get("type")
+    kinds = [k for k in (kinds if isinstance(kinds, list) else [kinds]) if k != "null"]
+    kind = kinds[0] if kinds else None
+    if kind == "string":
+        return value
+    if value.strip().lower() == "null":
+        return None
+    if kind == "boolean" and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    try:
+        if kind == "integer":
+            return int(value.strip())
+        if kind == "number":
+            number = float(value.strip())
+            return int(number) if number.is_integer() and "." not in value else number
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def parse(self, text: str, tools: list[dict[str, Any]] | None = None
+              ) -> tuple[str | None, list[ToolCall]]:
         body = text.strip()
         if body.startswith(self.TAG):
             body = body[len(self.TAG):].strip()
@@ -246,7 +321,8 @@ class PythonicToolParser(ToolParser):
     name = "pythonic"
     START, END = "<|python_start|>", "<|python_end|>"  # (Llama 4 wraps its calls in them)
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def parse(self, text: str, tools: list[dict[str, Any]] | None = None
+              ) -> tuple[str | None, list[ToolCall]]:
         body = text.strip()
         body = body.removeprefix(self.START).removesuffix(self.END).strip()
         if not (body.startswith("[") and body.endswith("]")):
@@ -285,7 +361,8 @@ def _pythonic_call(node: ast.expr | None) -> ToolCall | None:
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Llama3JsonToolParser, PythonicToolParser,
-                        MistralToolParser, GraniteToolParser, Phi4MiniJsonToolParser)}
+                        MistralToolParser, GraniteToolParser, Phi4MiniJsonToolParser,
+                        Qwen3CoderToolParser)}
 
 
 def get_tool_parser(name: str) -> ToolParser:

@@ -64,7 +64,7 @@ class ToolPlan:
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The answer's (content, tool calls)."""
         if self.mode == "auto":
-            content, calls = self.parser.parse(text)
+            content, calls = self.parser.parse(text, self.tools)
             return content, calls if self.parallel else calls[:1]
         if self.mode == "named":
             try:
