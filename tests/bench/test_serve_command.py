@@ -22,8 +22,9 @@ def test_launched_server_reports_its_cpu(tiny_model, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "server CPU (tokenmill serve" in printed
     run = json.loads((tmp_path / "serve.json").read_text())["runs"][0]
-    # 4 streams of 128 tokens: at least a chunk a token, a usage chunk and [DONE] each
-    assert run["events"] >= 4 * (128 + 2)
+    # 4 streams of 128 tokens: a chunk a step's tokens (what a slow reader has not read yet
+    # coalesces: fewer on a loaded machine), a usage chunk and [DONE] each
+    assert 4 * 3 <= run["events"] <= 4 * (1 + 128 + 2)
     assert run["server_loop_cpu_s"] > 0 and run["server_other_cpu_s"] > 0
     cpu_table = printed.split("server CPU (tokenmill serve")[1]
     row = next(line for line in cpu_table.splitlines() if line.startswith("c=2 "))
