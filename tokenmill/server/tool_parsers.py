@@ -35,6 +35,7 @@ import json
 import re
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,10 +85,10 @@ class ToolParser(ABC):
         request's, as the template got them (a parser whose arguments are untyped text reads
         their schemas)."""
 
-    @abstractmethod
     def call_start(self, text: str) -> int | None:
         """Where in `text` a tool call begins or may begin once more text comes (None: no
-        call can start within it)."""
+        call can start within it): by default, where one of its markers does."""
+        return _marker_start(text, self.markers)
 
 
 class HermesToolParser(ToolParser):
@@ -98,24 +99,34 @@ class HermesToolParser(ToolParser):
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None
               ) -> tuple[str | None, list[ToolCall]]:
-        calls: list[ToolCall] = []
-        content, last = [], 0
-        for m in self._CALL.finditer(text):
-            try:
-                call = make_call(json.loads(m.group(1)))
-            except json.JSONDecodeError:
-                call = None
-            if call is None:
-                continue  # not a call after all: stays in the content
-            calls.append(call)
-            content.append(text[last:m.start()])
-            last = m.end()
-        content.append(text[last:])
-        rest = "".join(content)
-        return (rest if rest.strip() or not calls else None), calls
+        return _calls_between(text, self._CALL, self._call)
 
-    def call_start(self, text: str) -> int | None:
-        return _marker_start(text, self.markers)
+    @staticmethod
+    def _call(m: re.Match[str]) -> ToolCall | None:
+        try:
+            return make_call(json.loads(m.group(1)))
+        except json.JSONDecodeError:
+            return None
+
+
+def _calls_between(text: str, pattern: re.Pattern[str],
+                   call_of: Callable[[re.Match[str]], ToolCall | None]
+                   ) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of text whose calls are `pattern`'s matches (each made by `call_of`;
+    a match it makes None of is not a call after all and stays in the content); the text
+    between them is the content (None when there is none beside the calls)."""
+    calls: list[ToolCall] = []
+    content, last = [], 0
+    for m in pattern.finditer(text):
+        call = call_of(m)
+        if call is None:
+            continue
+        calls.append(call)
+        content.append(text[last:m.start()])
+        last = m.end()
+    content.append(text[last:])
+    rest = "".join(content)
+    return (rest if rest.strip() or not calls else None), calls
 
 
 def _marker_start(text: str, markers: tuple[str, ...]) -> int | None:
@@ -159,9 +170,6 @@ class MarkedJsonToolParser(ToolParser):
         calls, after = got
         rest = text[:i] + after
         return (rest if rest.strip() else None), calls
-
-    def call_start(self, text: str) -> int | None:
-        return _marker_start(text, self.markers)
 
 
 class GraniteToolParser(MarkedJsonToolParser):
@@ -210,9 +218,6 @@ class MistralToolParser(ToolParser):
         call = make_call({"name": name, "arguments": value}) if sep and name else None
         return None if call is None or args.strip()[end:].strip() else [call]
 
-    def call_start(self, text: str) -> int | None:
-        return _marker_start(text, self.markers)
-
 
 class Qwen3CoderToolParser(ToolParser):
     name = "qwen3_coder"
@@ -223,22 +228,14 @@ class Qwen3CoderToolParser(ToolParser):
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None
               ) -> tuple[str | None, list[ToolCall]]:
-        calls: list[ToolCall] = []
-        content, last = [], 0
-        for m in self._CALL.finditer(text):
+        def call_of(m: re.Match[str]) -> ToolCall:
             name = m.group(1).strip()
             properties = _properties(tools, name)
             args = {key.strip(): _typed(_trim_newlines(value), properties.get(key.strip()))
                     for key, value in self._PARAM.findall(m.group(2))}
-            calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False), new_call_id()))
-            content.append(text[last:m.start()])
-            last = m.end()
-        content.append(text[last:])
-        rest = "".join(content)
-        return (rest if rest.strip() or not calls else None), calls
+            return ToolCall(name, json.dumps(args, ensure_ascii=False), new_call_id())
 
-    def call_start(self, text: str) -> int | None:
-        return _marker_start(text, self.markers)
+        return _calls_between(text, self._CALL, call_of)
 
 
 def _properties(tools: list[dict[str, Any]] | None, name: str) -> dict[str, Any]:
